@@ -1,0 +1,48 @@
+# Set-up and checks. Every target creates .venv when missing and installs what it needs; a second run
+# skips the install (the stamp file is newer than every pyproject.toml and the constraints file).
+
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+PIP    := $(BIN)/python -m pip --quiet --disable-pip-version-check
+# torch is pinned in constraints.txt: pip then takes the machine's local CPU wheel, not the CUDA build.
+EDITABLE := -e 'packages/ditcore[test]' -e 'apps/prepare[test]' -e 'apps/train[test]' -e 'apps/sample[test]'
+
+.PHONY: help install test test-slow lint bench clean
+
+help:
+	@echo "make test       create .venv if needed, install the four packages, run ruff and the fast tests"
+	@echo "make test-slow  also run the tests marked slow"
+	@echo "make bench      benchmarks under bench/ (installs diffusers, the peer implementation)"
+	@echo "make clean      remove .venv and caches"
+
+$(BIN)/python:
+	@$(PYTHON) -c 'import sys; v = sys.version_info; sys.exit(0 if v >= (3, 11) else \
+		f"ditcore needs Python >= 3.11, but $(PYTHON) is {v.major}.{v.minor}: set PYTHON=/path/to/python3.11")'
+	$(PYTHON) -m venv $(VENV)
+
+$(STAMP): $(BIN)/python constraints.txt packages/ditcore/pyproject.toml apps/*/pyproject.toml
+	$(PIP) install -c constraints.txt $(EDITABLE)
+	@touch $@
+
+install: $(STAMP)
+
+lint: install
+	$(BIN)/ruff check .
+
+# pytest exits 5 when it collects no tests; that is not a failure of the code under test.
+test: lint
+	$(BIN)/pytest -m "not slow" --durations=5; rc=$$?; \
+		if [ $$rc -eq 5 ]; then echo "pytest collected no tests"; exit 0; fi; exit $$rc
+
+test-slow: lint
+	$(BIN)/pytest --durations=10
+
+bench: install
+	$(PIP) install -c constraints.txt -e 'packages/ditcore[bench]'
+	$(BIN)/python bench/model_step.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache
+	find . -name __pycache__ -type d -prune -exec rm -rf {} +

@@ -1,0 +1,80 @@
+"""EDM preconditioning and training loss (Karras et al., "Elucidating the Design Space of
+Diffusion-Based Generative Models", NeurIPS 2022). Equation numbers refer to that paper's Table 1.
+
+Both work on token rows that may hold several packed samples (see ditcore.models.dit): noise levels are
+per sample, shaped (B, S), and `seg` (B, N) maps each token to its sample. With seg=None, S = 1.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ditcore.models.dit import per_token
+
+SIGMA_DATA = 0.5  # std of the (normalised) latents; datasets are normalised per channel to this scale
+
+
+def edm_coefficients(sigma: torch.Tensor, sigma_data: float = SIGMA_DATA):
+    """c_skip, c_out, c_in, c_noise of Table 1 ("Preconditioning")."""
+    s2, d2 = sigma**2, sigma_data**2
+    c_skip = d2 / (s2 + d2)
+    c_out = sigma * sigma_data / (s2 + d2).sqrt()
+    c_in = 1 / (s2 + d2).sqrt()
+    c_noise = sigma.log() / 4
+    return c_skip, c_out, c_in, c_noise
+
+
+def edm_weight(sigma: torch.Tensor, sigma_data: float = SIGMA_DATA) -> torch.Tensor:
+    """Loss weight λ(σ) = 1 / c_out(σ)² = (σ² + σ_d²) / (σ σ_d)², which makes the effective target unit-variance."""
+    return (sigma**2 + sigma_data**2) / (sigma * sigma_data) ** 2
+
+
+class EDMPrecond(nn.Module):
+    """D(x; σ) = c_skip(σ) x + c_out(σ) F(c_in(σ) x; c_noise(σ)) around any backbone F(x, c_noise, **cond).
+
+    x: (B, N, F) tokens; sigma: (B, S) per sample (or (B,) when seg is None); seg: (B, N) or None.
+    """
+
+    def __init__(self, model: nn.Module, sigma_data: float = SIGMA_DATA):
+        super().__init__()
+        self.model, self.sigma_data = model, sigma_data
+
+    def forward(self, x: torch.Tensor, sigma: torch.Tensor, seg: torch.Tensor | None = None, **cond):
+        sigma = sigma.to(torch.float32).reshape(x.shape[0], -1)  # (B, S)
+        c_skip, c_out, c_in, c_noise = edm_coefficients(sigma, self.sigma_data)
+        tok = lambda c: per_token(c, seg)[..., None]  # (B, N or 1, 1): each token uses its sample's σ
+        if seg is not None:
+            cond["seg"] = seg
+        F_x = self.model((tok(c_in) * x).to(x.dtype), c_noise, **cond)
+        return (tok(c_skip) * x + tok(c_out) * F_x.to(torch.float32)).to(x.dtype)
+
+
+class EDMLoss:
+    """E_σ,n [ λ(σ) ‖D(x + n; σ) − x‖² ] with ln σ ~ N(P_mean, P_std²) drawn per sample (Table 1, "Training").
+
+    The mean runs over the features of real tokens only (mask (B, N), False on padding), so packing and
+    padding never change what a sample contributes per token.
+    """
+
+    def __init__(self, P_mean: float = -1.2, P_std: float = 1.2, sigma_data: float = SIGMA_DATA):
+        self.P_mean, self.P_std, self.sigma_data = P_mean, P_std, sigma_data
+
+    def sample_sigma(self, shape, device=None, generator: torch.Generator | None = None) -> torch.Tensor:
+        rnd = torch.randn(shape, device=device, generator=generator)
+        return (rnd * self.P_std + self.P_mean).exp()
+
+    def __call__(self, denoiser, x, *, seg=None, mask=None, sigma=None, noise=None, generator=None, **cond):
+        B, _N, _ = x.shape
+        if sigma is None:
+            num_samples = 1 if seg is None else int(seg.max()) + 1
+            sigma = self.sample_sigma((B, num_samples), x.device, generator)  # (B, S)
+        if noise is None:
+            noise = torch.randn(x.shape, device=x.device, generator=generator, dtype=x.dtype)
+        sigma_tok = per_token(sigma.reshape(B, -1), seg)[..., None]  # (B, N or 1, 1)
+        D = denoiser(x + noise * sigma_tok, sigma, seg=seg, **cond)
+        per_elem = edm_weight(sigma_tok, self.sigma_data) * (D.float() - x.float()) ** 2  # (B, N, F)
+        if mask is None:
+            return per_elem.mean()
+        mask = mask[..., None].to(per_elem.dtype)
+        return (per_elem * mask).sum() / (mask.sum() * x.shape[-1])

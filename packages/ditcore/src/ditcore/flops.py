@@ -1,0 +1,71 @@
+"""FLOP accounting for DiT training (MFU) and for comparing with the DiT paper's forward Gflops.
+
+Training FLOPs per latent token (the usual 6N + attention rule, as in the reference benchmarks):
+
+    6 · N_tok  +  12 · L · d · S  [ + 12 · L · d · S_text  with cross-attention ]
+
+N_tok counts only weights applied to every token (patch embedding, attention and MLP projections,
+cross-attention queries/outputs, output projection). Weights applied once per sample (adaLN
+modulation, timestep/class/fps embedders) are excluded; text-side weights (the caption projection and
+the cross-attention key/value projections) run once per text token and are charged per sample.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ditcore.models.dit import DiTConfig
+
+
+@dataclass(frozen=True)
+class FlopCount:
+    per_token_params: int  # N_tok: weights applied to every latent token
+    per_text_token_params: int  # weights applied to every text token
+    per_sample_params: int  # weights applied once per sample (adaLN, embedders)
+
+
+def count_params(cfg: DiTConfig) -> FlopCount:
+    D, L = cfg.hidden_size, cfg.depth
+    mlp = int(D * cfg.mlp_ratio)
+    block_tok = 3 * D * D + D * D + 2 * D * mlp  # qkv, out projection, MLP
+    block_text = 0
+    if cfg.text_dim:
+        block_tok += 2 * D * D  # cross-attention q and out projection
+        block_text = 2 * D * D  # cross-attention k, v (on text tokens)
+    per_token = L * block_tok + cfg.patch_dim * D + D * cfg.patch_dim  # + patch embedding, output projection
+    per_text = L * block_text + (cfg.text_dim * D + D * D if cfg.text_dim else 0)
+    freq_dim = 256
+    embed = freq_dim * D + D * D  # timestep MLP
+    embed += (freq_dim * D + D * D) if cfg.fps_cond else 0
+    per_sample = L * 6 * D * D + 2 * D * D + embed  # adaLN of each block + final layer
+    return FlopCount(per_token, per_text, per_sample)
+
+
+def training_flops_per_token(cfg: DiTConfig, seq_len: int, text_len: int = 0) -> float:
+    """Training FLOPs (forward + backward) per latent token, for samples of seq_len latent tokens."""
+    c = count_params(cfg)
+    d, L = cfg.hidden_size, cfg.depth
+    flops = 6 * c.per_token_params + 12 * L * d * seq_len
+    if cfg.text_dim and text_len:
+        flops += 12 * L * d * text_len  # cross-attention scores and weighted values
+        flops += 6 * c.per_text_token_params * text_len / seq_len  # text-side weights, spread over tokens
+    return flops
+
+
+def training_flops_per_sample(cfg: DiTConfig, seq_len: int, text_len: int = 0) -> float:
+    return training_flops_per_token(cfg, seq_len, text_len) * seq_len
+
+
+def forward_macs(cfg: DiTConfig, seq_len: int, text_len: int = 0, per_sample_weights: bool = True) -> float:
+    """Multiply-accumulates of one forward pass of one sample: what the DiT paper's table calls Gflops.
+
+    With per_sample_weights (as the paper's counter does) the adaLN and embedder matmuls are included.
+    """
+    c = count_params(cfg)
+    d, L = cfg.hidden_size, cfg.depth
+    macs = c.per_token_params * seq_len + 2 * L * d * seq_len**2  # projections + QKᵀ and AV
+    if cfg.text_dim and text_len:
+        macs += c.per_text_token_params * text_len + 2 * L * d * seq_len * text_len
+    if per_sample_weights:
+        macs += c.per_sample_params
+    return macs

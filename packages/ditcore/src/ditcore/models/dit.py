@@ -1,0 +1,470 @@
+"""DiT with adaLN-Zero (Peebles & Xie, "Scalable Diffusion Models with Transformers", 2023).
+
+Extended for video latents and text: latents [B, C, T, H, W] are cut into pt×p×p patches, positions are
+3D RoPE (or fixed 3D sin-cos), queries and keys are RMS-normalised per head, and each block may
+cross-attend to text tokens. The model works on token rows that may be *packed*: one row holds several
+samples one after another, each with its own noise level, conditioning, text and positions, and every
+sample attends only to its own tokens and its own text.
+
+A packed row is described by
+    seg      (B, N)  which sample of the row each token belongs to (0..S-1), -1 for padding
+    pos      (B, N, 3)  integer (t, h, w) grid position of each token within its sample
+    text_seg (B, L)  which sample each text token belongs to, -1 for padding
+and per-sample tensors shaped (B, S): c_noise, class labels, fps. With seg=None every row is one sample.
+
+Reads top to bottom: config → patchify → positions → embedders → attention → block → final layer →
+model → presets.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ditcore.errors import ConfigError
+
+# --------------------------------------------------------------------------------------------------
+# Config
+
+
+@dataclass(frozen=True)
+class DiTConfig:
+    """Architecture only. Data-dependent fields (channels, classes, text width) are set from the dataset."""
+
+    hidden_size: int
+    depth: int
+    num_heads: int
+    patch_size: int = 2  # spatial patch p
+    patch_size_t: int = 1  # temporal patch pt
+    in_channels: int = 4
+    mlp_ratio: float = 4.0
+    num_classes: int = 0  # > 0: class-conditional, with one extra "null" class for classifier-free guidance
+    text_dim: int = 0  # > 0: cross-attention to text tokens of this width
+    fps_cond: bool = False  # add an fps embedding to the conditioning vector
+    pos_embed: Literal["rope", "sincos"] = "rope"
+    max_grid: tuple[int, int, int] = (64, 256, 256)  # largest (T, H, W) token grid the model accepts
+    qk_norm: bool = True
+    rope_theta: float = 10000.0
+
+    def __post_init__(self) -> None:
+        def need(ok: bool, field: str, allowed: str) -> None:
+            if not ok:
+                raise ConfigError(field, getattr(self, field), allowed)
+
+        for field in ("hidden_size", "depth", "num_heads", "patch_size", "patch_size_t", "in_channels"):
+            need(isinstance(getattr(self, field), int) and getattr(self, field) >= 1, field, "an integer >= 1")
+        need(self.hidden_size % self.num_heads == 0, "hidden_size",
+             f"a multiple of num_heads={self.num_heads}")
+        need(self.head_dim % 2 == 0 and self.head_dim >= 6, "hidden_size",
+             f"hidden_size/num_heads even and >= 6 (3D RoPE), got head_dim={self.head_dim}")
+        need(self.mlp_ratio > 0, "mlp_ratio", "a number > 0")
+        need(self.num_classes >= 0, "num_classes", "0 (no class conditioning) or the number of classes")
+        need(self.text_dim >= 0, "text_dim", "0 (no text) or the width of the text encoder's states")
+        need(self.pos_embed in ("rope", "sincos"), "pos_embed", "'rope' or 'sincos'")
+        need(len(self.max_grid) == 3 and all(int(g) >= 1 for g in self.max_grid), "max_grid",
+             "three integers >= 1: (T, H, W) in tokens")
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @property
+    def patch_dim(self) -> int:  # features of one patch token
+        return self.in_channels * self.patch_size_t * self.patch_size**2
+
+    def replace(self, **changes) -> DiTConfig:
+        return dataclasses.replace(self, **changes)
+
+
+# --------------------------------------------------------------------------------------------------
+# Patches. Token order is (t, h, w) row-major; features are ordered (c, pt, p, p). The data pipeline uses
+# these same functions, so model and data always agree on p and pt.
+
+
+def patchify(x: torch.Tensor, p: int, pt: int = 1) -> torch.Tensor:
+    """(B, C, T, H, W) latents → (B, T/pt · H/p · W/p, C·pt·p·p) tokens."""
+    B, C, T, H, W = x.shape
+    for name, size, patch in (("frames", T, pt), ("height", H, p), ("width", W, p)):
+        if size % patch:
+            raise ValueError(f"latent {name} {size} is not divisible by the patch size {patch}; "
+                             f"crop or pad the latent to a multiple of {patch}")
+    x = x.reshape(B, C, T // pt, pt, H // p, p, W // p, p)
+    x = x.permute(0, 2, 4, 6, 1, 3, 5, 7)  # (B, T', H', W', C, pt, p, p)
+    return x.reshape(B, (T // pt) * (H // p) * (W // p), C * pt * p * p)
+
+
+def unpatchify(tokens: torch.Tensor, grid: tuple[int, int, int], p: int, pt: int = 1) -> torch.Tensor:
+    """Exact inverse of `patchify`: (B, T'·H'·W', C·pt·p·p) → (B, C, T'·pt, H'·p, W'·p)."""
+    B, _N, D = tokens.shape
+    Tg, Hg, Wg = grid
+    C = D // (pt * p * p)
+    x = tokens.reshape(B, Tg, Hg, Wg, C, pt, p, p)
+    x = x.permute(0, 4, 1, 5, 2, 6, 3, 7)  # (B, C, T', pt, H', p, W', p)
+    return x.reshape(B, C, Tg * pt, Hg * p, Wg * p)
+
+
+def grid_positions(grid: tuple[int, int, int], device=None) -> torch.Tensor:
+    """(T'·H'·W', 3) integer (t, h, w) positions in patchify's token order."""
+    t, h, w = (torch.arange(n, device=device) for n in grid)
+    return torch.stack(torch.meshgrid(t, h, w, indexing="ij"), dim=-1).reshape(-1, 3)
+
+
+# --------------------------------------------------------------------------------------------------
+# Positions
+
+
+def check_positions(pos: torch.Tensor, max_grid: tuple[int, int, int]) -> None:
+    limit = torch.tensor(max_grid, device=pos.device)
+    bad = (pos < 0) | (pos >= limit)
+    if bad.any():
+        axis = int(bad.reshape(-1, 3).any(0).nonzero()[0])
+        name = "THW"[axis]
+        raise ValueError(
+            f"token position {name}={int(pos[..., axis].max())} is outside the model's range "
+            f"0..{max_grid[axis] - 1} (max_grid={tuple(max_grid)} tokens); sample a smaller "
+            f"{['number of frames', 'height', 'width'][axis]} or build the model with a larger max_grid"
+        )
+
+
+def rope_split(head_dim: int) -> tuple[int, int, int]:
+    """Rotation pairs given to the (t, h, w) axes: a quarter to time, the rest shared by height and width."""
+    pairs = head_dim // 2
+    t = pairs // 4
+    h = (pairs - t) // 2
+    return t, h, pairs - t - h
+
+
+def rope_angles(pos: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin of 3D RoPE angles for integer positions (..., 3) → each (..., head_dim/2)."""
+    angles = []
+    for axis, n in enumerate(rope_split(head_dim)):
+        inv_freq = theta ** (-torch.arange(n, device=pos.device, dtype=torch.float32) / n)
+        angles.append(pos[..., axis, None].float() * inv_freq)
+    angles = torch.cat(angles, dim=-1)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate interleaved pairs of x (B, H, N, hd) by angles cos/sin (B or 1, 1, N, hd/2)."""
+    x1, x2 = x.unflatten(-1, (-1, 2)).unbind(-1)
+    out = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
+    return out.flatten(-2).type_as(x)
+
+
+def sincos_3d(pos: torch.Tensor, dim: int) -> torch.Tensor:
+    """Fixed sin-cos embedding (..., dim) of (t, h, w) positions, channels split across axes as for RoPE."""
+    parts = []
+    for axis, n in enumerate(rope_split(dim)):
+        omega = 10000.0 ** (-torch.arange(n, device=pos.device, dtype=torch.float32) / n)
+        a = pos[..., axis, None].float() * omega
+        parts += [a.sin(), a.cos()]
+    return torch.cat(parts, dim=-1)
+
+
+# --------------------------------------------------------------------------------------------------
+# Conditioning embedders (one vector per sample)
+
+
+def sinusoidal(t: torch.Tensor, dim: int, max_period: float = 10000.0) -> torch.Tensor:
+    half = dim // 2
+    freqs = torch.exp(-math.log(max_period) * torch.arange(half, device=t.device, dtype=torch.float32) / half)
+    args = t.float()[..., None] * freqs
+    return torch.cat([args.cos(), args.sin()], dim=-1)
+
+
+class ScalarEmbedder(nn.Module):
+    """Scalar (noise level, fps) → vector: sinusoidal features then a 2-layer MLP, as DiT's t_embedder."""
+
+    def __init__(self, hidden_size: int, scale: float, freq_dim: int = 256):
+        super().__init__()
+        self.scale, self.freq_dim = scale, freq_dim
+        self.mlp = nn.Sequential(nn.Linear(freq_dim, hidden_size), nn.SiLU(), nn.Linear(hidden_size, hidden_size))
+
+    def forward(self, t: torch.Tensor) -> torch.Tensor:
+        return self.mlp(sinusoidal(t * self.scale, self.freq_dim).to(self.mlp[0].weight.dtype))
+
+
+# c_noise = ln(σ)/4 lies in about [-2, 1.2]; ×1000 spreads it over the sinusoid's periods as DiT's t ∈ [0, 1000).
+C_NOISE_SCALE = 1000.0
+
+
+# --------------------------------------------------------------------------------------------------
+# Attention
+
+
+def segment_mask(seg_q: torch.Tensor, seg_k: torch.Tensor) -> torch.Tensor:
+    """(B, 1, Nq, Nk) boolean mask: a query sees only keys of its own sample.
+
+    A query whose sample has no keys (padding rows, an empty text) is given every key so that softmax
+    stays finite; its output is zeroed by the caller with `has_keys`.
+    """
+    mask = seg_q[:, :, None] == seg_k[:, None, :]
+    has_keys = mask.any(-1, keepdim=True)
+    return (mask | ~has_keys)[:, None], has_keys
+
+
+class SelfAttention(nn.Module):
+    def __init__(self, cfg: DiTConfig):
+        super().__init__()
+        self.num_heads, self.head_dim = cfg.num_heads, cfg.head_dim
+        # qkv output features are laid out (heads, 3, head_dim): a contiguous split of the rows is a split
+        # by heads, which is what tensor parallelism needs.
+        self.qkv = nn.Linear(cfg.hidden_size, 3 * cfg.hidden_size)
+        self.q_norm = nn.RMSNorm(cfg.head_dim, eps=1e-6) if cfg.qk_norm else nn.Identity()
+        self.k_norm = nn.RMSNorm(cfg.head_dim, eps=1e-6) if cfg.qk_norm else nn.Identity()
+        self.proj = nn.Linear(cfg.hidden_size, cfg.hidden_size)
+
+    def forward(self, x: torch.Tensor, rope: tuple | None, mask: torch.Tensor | None) -> torch.Tensor:
+        B, N, _ = x.shape
+        qkv = self.qkv(x).view(B, N, self.num_heads, 3, self.head_dim)  # (B, N, H, 3, hd)
+        q, k, v = qkv.permute(3, 0, 2, 1, 4).unbind(0)  # each (B, H, N, hd)
+        q, k = self.q_norm(q), self.k_norm(k)
+        if rope is not None:
+            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # (B, H, N, hd)
+        return self.proj(out.transpose(1, 2).reshape(B, N, -1))
+
+
+class CrossAttention(nn.Module):
+    """Image tokens attend to (already projected) text tokens; no positions on either side."""
+
+    def __init__(self, cfg: DiTConfig):
+        super().__init__()
+        self.num_heads, self.head_dim = cfg.num_heads, cfg.head_dim
+        self.q = nn.Linear(cfg.hidden_size, cfg.hidden_size)
+        self.kv = nn.Linear(cfg.hidden_size, 2 * cfg.hidden_size)  # (heads, 2, head_dim)
+        self.q_norm = nn.RMSNorm(cfg.head_dim, eps=1e-6) if cfg.qk_norm else nn.Identity()
+        self.k_norm = nn.RMSNorm(cfg.head_dim, eps=1e-6) if cfg.qk_norm else nn.Identity()
+        self.proj = nn.Linear(cfg.hidden_size, cfg.hidden_size)
+
+    def forward(self, x: torch.Tensor, text: torch.Tensor, mask: torch.Tensor, has_keys: torch.Tensor):
+        B, N, _ = x.shape
+        L = text.shape[1]
+        if L == 0:  # no text at all: the attention output is empty, as for a sample whose text is empty
+            return self.proj(x.new_zeros(x.shape))
+        q = self.q_norm(self.q(x).view(B, N, self.num_heads, self.head_dim).transpose(1, 2))  # (B, H, N, hd)
+        kv = self.kv(text).view(B, L, self.num_heads, 2, self.head_dim)
+        k, v = kv.permute(3, 0, 2, 1, 4).unbind(0)  # each (B, H, L, hd)
+        out = F.scaled_dot_product_attention(q, self.k_norm(k), v, attn_mask=mask)
+        out = out.transpose(1, 2).reshape(B, N, -1) * has_keys  # a sample without text gets nothing
+        return self.proj(out)
+
+
+# --------------------------------------------------------------------------------------------------
+# Block
+
+
+def modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return x * (1 + scale) + shift
+
+
+def per_token(values: torch.Tensor, seg: torch.Tensor | None) -> torch.Tensor:
+    """Per-sample values (B, S, ...) → per-token (B, N, ...) by each token's sample index.
+
+    seg=None means one sample per row: (B, 1, ...) is returned and broadcasts over tokens. Padding
+    tokens (seg = -1) take sample 0's values; their outputs are masked out of every loss.
+    """
+    if seg is None:
+        return values[:, :1]
+    idx = seg.clamp(min=0)
+    return torch.gather(values, 1, idx.view(*idx.shape, *[1] * (values.ndim - 2)).expand(
+        -1, -1, *values.shape[2:]))
+
+
+class DiTBlock(nn.Module):
+    def __init__(self, cfg: DiTConfig):
+        super().__init__()
+        D = cfg.hidden_size
+        self.norm1 = nn.LayerNorm(D, elementwise_affine=False, eps=1e-6)
+        self.attn = SelfAttention(cfg)
+        if cfg.text_dim:
+            self.norm_cross = nn.LayerNorm(D, eps=1e-6)
+            self.cross = CrossAttention(cfg)
+        self.norm2 = nn.LayerNorm(D, elementwise_affine=False, eps=1e-6)
+        hidden = int(D * cfg.mlp_ratio)
+        self.mlp = nn.Sequential(nn.Linear(D, hidden), nn.GELU(approximate="tanh"), nn.Linear(hidden, D))
+        self.adaLN = nn.Sequential(nn.SiLU(), nn.Linear(D, 6 * D))
+
+    def forward(self, x, c, seg, rope, mask, text=None, text_mask=None, text_has_keys=None):
+        # c: (B, S, D) per-sample conditioning → six (B, N or 1, D) modulations
+        shift_a, scale_a, gate_a, shift_m, scale_m, gate_m = per_token(self.adaLN(c), seg).chunk(6, dim=-1)
+        x = x + gate_a * self.attn(modulate(self.norm1(x), shift_a, scale_a), rope, mask)
+        if text is not None:
+            x = x + self.cross(self.norm_cross(x), text, text_mask, text_has_keys)
+        x = x + gate_m * self.mlp(modulate(self.norm2(x), shift_m, scale_m))
+        return x
+
+
+class FinalLayer(nn.Module):
+    def __init__(self, cfg: DiTConfig):
+        super().__init__()
+        D = cfg.hidden_size
+        self.norm = nn.LayerNorm(D, elementwise_affine=False, eps=1e-6)
+        self.adaLN = nn.Sequential(nn.SiLU(), nn.Linear(D, 2 * D))
+        self.linear = nn.Linear(D, cfg.patch_dim)
+
+    def forward(self, x, c, seg):
+        shift, scale = per_token(self.adaLN(c), seg).chunk(2, dim=-1)
+        return self.linear(modulate(self.norm(x), shift, scale))
+
+
+# --------------------------------------------------------------------------------------------------
+# Model
+
+
+class DiT(nn.Module):
+    def __init__(self, cfg: DiTConfig):
+        super().__init__()
+        self.cfg = cfg
+        D = cfg.hidden_size
+        self.x_embedder = nn.Linear(cfg.patch_dim, D)  # a Conv3d with kernel = stride = patch, on tokens
+        self.t_embedder = ScalarEmbedder(D, scale=C_NOISE_SCALE)
+        if cfg.num_classes:
+            self.y_embedder = nn.Embedding(cfg.num_classes + 1, D)  # index num_classes = null class
+        if cfg.fps_cond:
+            self.fps_embedder = ScalarEmbedder(D, scale=1.0)
+        if cfg.text_dim:
+            self.text_embedder = nn.Sequential(
+                nn.Linear(cfg.text_dim, D), nn.GELU(approximate="tanh"), nn.Linear(D, D))
+        self.blocks = nn.ModuleList([DiTBlock(cfg) for _ in range(cfg.depth)])
+        self.final = FinalLayer(cfg)
+        self.init_weights()
+
+    @property
+    def null_class(self) -> int:
+        return self.cfg.num_classes
+
+    def init_weights(self) -> None:
+        """DiT's initialisation: xavier linears, N(0, 0.02) embedders, zeros on every adaLN and output."""
+        for m in self.modules():
+            if isinstance(m, nn.Linear):
+                nn.init.xavier_uniform_(m.weight)
+                nn.init.zeros_(m.bias)
+        if self.cfg.num_classes:
+            nn.init.normal_(self.y_embedder.weight, std=0.02)
+        scalar_embedders = [self.t_embedder] + ([self.fps_embedder] if self.cfg.fps_cond else [])
+        for emb in scalar_embedders:
+            nn.init.normal_(emb.mlp[0].weight, std=0.02)
+            nn.init.normal_(emb.mlp[2].weight, std=0.02)
+        zero = [self.final.adaLN[-1], self.final.linear]
+        for block in self.blocks:
+            zero.append(block.adaLN[-1])
+            if self.cfg.text_dim:
+                zero.append(block.cross.proj)  # adaLN-Zero has no gate for cross-attention: zero its output
+        for m in zero:
+            nn.init.zeros_(m.weight)
+            nn.init.zeros_(m.bias)
+
+    def condition(self, c_noise, class_labels=None, fps=None) -> torch.Tensor:
+        """Per-sample conditioning vector (B, S, D) from (B, S) noise levels, labels and fps."""
+        c = self.t_embedder(c_noise)
+        if self.cfg.num_classes:
+            if class_labels is None:
+                raise ValueError("this model is class-conditional: pass class_labels "
+                                 f"(use {self.null_class} for the null class)")
+            c = c + self.y_embedder(class_labels)
+        if self.cfg.fps_cond:
+            if fps is None:
+                raise ValueError("this model is fps-conditioned: pass fps")
+            c = c + self.fps_embedder(fps)
+        return c
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        c_noise: torch.Tensor,
+        pos: torch.Tensor,
+        *,
+        seg: torch.Tensor | None = None,
+        class_labels: torch.Tensor | None = None,
+        fps: torch.Tensor | None = None,
+        text: torch.Tensor | None = None,
+        text_seg: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Tokens (B, N, patch_dim) → predicted tokens (B, N, patch_dim).
+
+        c_noise, class_labels, fps: (B, S) per sample; pos: (B, N, 3) or (N, 3); seg: (B, N) or None;
+        text: (B, L, text_dim) with text_seg (B, L) naming each text token's sample (-1: padding).
+        """
+        cfg = self.cfg
+        B, N, _ = x.shape
+        check_positions(pos, cfg.max_grid)
+        c_noise = c_noise.reshape(B, -1)  # (B, S)
+
+        x = self.x_embedder(x)  # (B, N, D)
+        rope = None
+        if cfg.pos_embed == "rope":
+            cos, sin = rope_angles(pos, cfg.head_dim, cfg.rope_theta)  # (B or 1, N, hd/2), shared by blocks
+            rope = tuple(a.reshape(-1, 1, N, a.shape[-1]).to(x.dtype) for a in (cos, sin))
+        else:
+            x = x + sincos_3d(pos, cfg.hidden_size).to(x.dtype)
+
+        c = self.condition(c_noise, class_labels, fps)  # (B, S, D)
+        mask = None if seg is None else segment_mask(seg, seg)[0]  # block-diagonal over samples
+
+        txt = txt_mask = txt_has = None
+        if cfg.text_dim:
+            if text is None:
+                raise ValueError(f"this model cross-attends to text: pass text (B, L, {cfg.text_dim}) "
+                                 "and text_seg (use L=0 for no text)")
+            txt = self.text_embedder(text)  # (B, L, D)
+            q_seg = torch.zeros(B, N, dtype=torch.long, device=x.device) if seg is None else seg
+            if text_seg is None:
+                text_seg = torch.zeros(B, text.shape[1], dtype=torch.long, device=x.device)
+            txt_mask, txt_has = segment_mask(q_seg, text_seg)
+
+        for block in self.blocks:
+            x = block(x, c, seg, rope, mask, txt, txt_mask, txt_has)
+        return self.final(x, c, seg)  # (B, N, patch_dim)
+
+    def forward_latents(self, x: torch.Tensor, c_noise: torch.Tensor, **cond) -> torch.Tensor:
+        """Convenience for unpacked batches: latents (B, C, T, H, W) and (B,) c_noise → same-shape output.
+
+        cond: class_labels / fps as (B,), text (B, L, text_dim) with optional text_mask (B, L) bool.
+        """
+        cfg = self.cfg
+        B, _, T, H, W = x.shape
+        grid = (T // cfg.patch_size_t, H // cfg.patch_size, W // cfg.patch_size)
+        tokens = patchify(x, cfg.patch_size, cfg.patch_size_t)
+        pos = grid_positions(grid, device=x.device)
+        text_mask = cond.pop("text_mask", None)
+        if text_mask is not None:
+            cond["text_seg"] = torch.where(text_mask, 0, -1)
+        for key in ("class_labels", "fps"):
+            if cond.get(key) is not None:
+                cond[key] = cond[key].reshape(B, 1)
+        out = self.forward(tokens, c_noise.reshape(B, 1), pos, **cond)
+        return unpatchify(out, grid, cfg.patch_size, cfg.patch_size_t)
+
+
+# --------------------------------------------------------------------------------------------------
+# Size presets: name → architecture. Paper sizes (DiT Table 1) at patch 2/4/8, the large video sizes, and
+# tiny models for tests and the CPU demo.
+
+_PAPER = {"S": (384, 12, 6), "B": (768, 12, 12), "L": (1024, 24, 16), "XL": (1152, 28, 16)}
+
+PRESETS: dict[str, DiTConfig] = {
+    f"DiT-{size}/{p}": DiTConfig(hidden_size=d, depth=n, num_heads=h, patch_size=p)
+    for size, (d, n, h) in _PAPER.items()
+    for p in (2, 4, 8)
+}
+PRESETS |= {
+    "DiT-5B": DiTConfig(hidden_size=3072, depth=16, num_heads=24),
+    "DiT-7B": DiTConfig(hidden_size=3072, depth=32, num_heads=24),
+    "DiT-28B": DiTConfig(hidden_size=6144, depth=48, num_heads=48),
+    "DiT-Tiny": DiTConfig(hidden_size=64, depth=2, num_heads=4),  # unit and parallel tests
+    "DiT-Demo": DiTConfig(hidden_size=192, depth=6, num_heads=6),  # the CPU demo: trains in minutes
+}
+
+
+def preset(name: str, **changes) -> DiTConfig:
+    """A preset's config with data-dependent fields filled in, e.g. preset("DiT-XL/2", num_classes=1000)."""
+    if name not in PRESETS:
+        raise ConfigError("model.preset", name, "one of " + ", ".join(PRESETS))
+    return PRESETS[name].replace(**changes)

@@ -1,0 +1,106 @@
+import math
+
+import pytest
+import torch
+
+from ditcore.diffusion import SIGMA_DATA, EDMLoss, EDMPrecond, edm_coefficients, edm_weight
+from ditcore.models import DiT, grid_positions, preset
+
+SIGMAS = torch.tensor([0.002, 0.05, 0.5, 1.0, 7.0, 80.0], dtype=torch.float64)
+
+
+def test_coefficient_golden_values_at_sigma_equal_sigma_data():
+    c_skip, c_out, c_in, c_noise = edm_coefficients(torch.tensor(0.5, dtype=torch.float64))
+    assert c_skip.item() == pytest.approx(0.5)
+    assert c_out.item() == pytest.approx(0.25 / math.sqrt(0.5))
+    assert c_in.item() == pytest.approx(1 / math.sqrt(0.5))
+    assert c_noise.item() == pytest.approx(math.log(0.5) / 4)
+
+
+def test_coefficient_identities():
+    c_skip, c_out, c_in, _ = edm_coefficients(SIGMAS)
+    d2, s2 = SIGMA_DATA**2, SIGMAS**2
+    # network input x = y + n has unit variance after c_in
+    torch.testing.assert_close(c_in**2 * (d2 + s2), torch.ones_like(SIGMAS))
+    # the effective training target (y − c_skip (y + n)) / c_out has unit variance
+    target_var = ((1 - c_skip) ** 2 * d2 + c_skip**2 * s2) / c_out**2
+    torch.testing.assert_close(target_var, torch.ones_like(SIGMAS))
+    # λ(σ) c_out(σ)² = 1: the weighted loss equals the unweighted loss on F
+    torch.testing.assert_close(edm_weight(SIGMAS) * c_out**2, torch.ones_like(SIGMAS))
+    # limits: σ → 0 passes x through, σ → ∞ predicts from the network alone
+    assert c_skip[0] > 0.9999 and c_out[0] < 0.0021 and c_skip[-1] < 4e-5
+
+
+class Constant(torch.nn.Module):
+    """Backbone F that records its inputs and returns a fixed value."""
+
+    def __init__(self, value: float):
+        super().__init__()
+        self.value = value
+
+    def forward(self, x, c_noise, **cond):
+        self.seen = (x.clone(), c_noise.clone(), cond)
+        return torch.full_like(x, self.value)
+
+
+def test_precond_applies_the_formula():
+    x = torch.randn(2, 3, 4)
+    sigma = torch.tensor([0.3, 5.0])
+    F = Constant(0.7)
+    D = EDMPrecond(F)(x, sigma, class_labels="y")
+    c_skip, c_out, c_in, c_noise = (c.view(2, 1, 1) for c in edm_coefficients(sigma))
+    torch.testing.assert_close(D, c_skip * x + c_out * 0.7)
+    torch.testing.assert_close(F.seen[0], c_in * x)
+    torch.testing.assert_close(F.seen[1], c_noise.view(2, 1))
+    assert F.seen[2] == {"class_labels": "y"}
+
+
+def test_loss_equals_hand_computed_value():
+    # one token, one feature: y = 1, n = 0.5, σ = 1, F ≡ 0 → c_skip = 0.25/1.25 = 0.2,
+    # D = 0.2·(1 + 0.5) = 0.3, λ = 1.25/0.25 = 5, loss = 5·(0.3 − 1)² = 2.45
+    loss = EDMLoss()(EDMPrecond(Constant(0.0)), torch.ones(1, 1, 1),
+                     sigma=torch.ones(1, 1), noise=torch.full((1, 1, 1), 0.5))
+    assert loss.item() == pytest.approx(2.45)
+
+
+def test_loss_on_packed_row_uses_each_samples_sigma_and_ignores_padding():
+    loss_fn = EDMLoss()
+    den = EDMPrecond(Constant(0.3))
+    y, n = torch.randn(1, 7, 2), torch.randn(1, 7, 2)
+    seg = torch.tensor([[0, 0, 0, 1, 1, -1, -1]])
+    sigma = torch.tensor([[0.2, 3.0]])
+    mask = seg >= 0
+    packed = loss_fn(den, y, seg=seg, mask=mask, sigma=sigma, noise=n)
+    a = loss_fn(den, y[:, :3], sigma=sigma[:, :1], noise=n[:, :3])
+    b = loss_fn(den, y[:, 3:5], sigma=sigma[:, 1:], noise=n[:, 3:5])
+    torch.testing.assert_close(packed, (3 * a + 2 * b) / 5)
+    y2 = y.clone()
+    y2[:, 5:] = 1e6  # padding content must not matter
+    torch.testing.assert_close(loss_fn(den, y2, seg=seg, mask=mask, sigma=sigma, noise=n), packed)
+
+
+def test_sigma_is_log_normal_per_sample():
+    sigma = EDMLoss(P_mean=-1.2, P_std=1.2).sample_sigma((200_000,), generator=torch.Generator().manual_seed(0))
+    assert sigma.log().mean().item() == pytest.approx(-1.2, abs=0.01)
+    assert sigma.log().std().item() == pytest.approx(1.2, abs=0.01)
+
+
+def test_loss_trains_a_tiny_dit():
+    """The loss is differentiable end to end through the DiT and falls on a fixed batch."""
+    cfg = preset("DiT-Tiny", num_classes=4)
+    model = DiT(cfg)
+    den = EDMPrecond(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    g = torch.Generator().manual_seed(0)
+    y = torch.randn(8, 16, cfg.patch_dim, generator=g) * 0.5
+    labels = torch.randint(0, 4, (8, 1), generator=g)
+    pos = grid_positions((1, 4, 4))
+    sigma, noise = EDMLoss().sample_sigma((8, 1), generator=g), torch.randn(y.shape, generator=g)
+    losses = []
+    for _ in range(30):
+        loss = EDMLoss()(den, y, sigma=sigma, noise=noise, pos=pos, class_labels=labels)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < 0.5 * losses[0], losses

@@ -1,0 +1,234 @@
+import resource
+
+import pytest
+import torch
+from torch import nn
+
+from ditcore.errors import ConfigError
+from ditcore.models import PRESETS, DiT, DiTConfig, grid_positions, patchify, preset, unpatchify
+from ditcore.models.dit import DiTBlock, apply_rope, rope_angles
+
+
+def tiny(**changes) -> DiTConfig:
+    return preset("DiT-Tiny", **changes)
+
+
+def randomize(model: nn.Module, std: float = 0.2) -> nn.Module:
+    """Move every weight off its (partly zero) initialisation so the tests exercise every path."""
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * std)
+    return model
+
+
+# ---------------------------------------------------------------- patches
+
+
+@pytest.mark.parametrize(("p", "pt"), [(1, 1), (2, 1), (2, 2), (4, 3)])
+def test_patchify_roundtrip_exact(p, pt):
+    x = torch.randn(2, 3, 6, 8, 12)
+    grid = (6 // pt, 8 // p, 12 // p)
+    tokens = patchify(x, p, pt)
+    assert tokens.shape == (2, grid[0] * grid[1] * grid[2], 3 * pt * p * p)
+    assert torch.equal(unpatchify(tokens, grid, p, pt), x)
+
+
+def test_patch_embedding_equals_strided_conv3d():
+    """Token features are laid out like Conv3d weights, so x_embedder on tokens == Conv3d(kernel=stride=patch)."""
+    p, pt, C, D = 2, 2, 3, 16
+    x = torch.randn(2, C, 4, 6, 8)
+    conv = nn.Conv3d(C, D, kernel_size=(pt, p, p), stride=(pt, p, p))
+    lin = nn.Linear(C * pt * p * p, D)
+    with torch.no_grad():
+        lin.weight.copy_(conv.weight.reshape(D, -1))
+        lin.bias.copy_(conv.bias)
+    want = conv(x).flatten(2).transpose(1, 2)  # (B, T'H'W', D) in (t, h, w) order
+    torch.testing.assert_close(lin(patchify(x, p, pt)), want, rtol=1e-5, atol=1e-5)
+    assert grid_positions((2, 3, 4))[:5].tolist() == [[0, 0, 0], [0, 0, 1], [0, 0, 2], [0, 0, 3], [0, 1, 0]]
+
+
+def test_patch_size_must_divide_latent():
+    with pytest.raises(ValueError, match="latent width 7 is not divisible by the patch size 2"):
+        patchify(torch.randn(1, 4, 1, 8, 7), 2, 1)
+
+
+# ---------------------------------------------------------------- adaLN-Zero
+
+
+@pytest.mark.parametrize("text_dim", [0, 24])
+def test_each_block_is_identity_at_init(text_dim):
+    cfg = tiny(text_dim=text_dim)
+    model = DiT(cfg)
+    D = cfg.hidden_size
+    x, c = torch.randn(2, 10, D), torch.randn(2, 1, D)
+    text = torch.randn(2, 5, D) if text_dim else None
+    kw = {}
+    if text_dim:
+        from ditcore.models.dit import segment_mask
+
+        kw = dict(zip(("text_mask", "text_has_keys"),
+                      segment_mask(torch.zeros(2, 10, dtype=torch.long), torch.zeros(2, 5, dtype=torch.long)),
+                      strict=True))
+    for block in model.blocks:
+        assert isinstance(block, DiTBlock)
+        assert torch.equal(block(x, c, None, None, None, text=text, **kw), x)
+
+
+def test_model_output_is_zero_at_init_and_gradients_flow():
+    cfg = tiny(num_classes=10)
+    model = DiT(cfg)
+    x = torch.randn(2, cfg.in_channels, 1, 8, 8)
+    out = model.forward_latents(x, torch.randn(2), class_labels=torch.tensor([3, 10]))
+    assert torch.equal(out, torch.zeros_like(out))
+    out.square().sum().backward()  # zero output, but the output layer still gets a gradient
+    loss = model.forward_latents(x, torch.randn(2), class_labels=torch.tensor([3, 10])).sum()
+    loss.backward()
+    assert model.final.linear.weight.grad.abs().sum() > 0
+
+
+# ---------------------------------------------------------------- packing
+
+
+def _sample(cfg, grid, text_len, g):
+    return dict(
+        x=torch.randn(1, grid[0] * grid[1] * grid[2], cfg.patch_dim, generator=g),
+        pos=grid_positions(grid),
+        c_noise=torch.randn(1, 1, generator=g),
+        fps=torch.rand(1, 1, generator=g) * 30,
+        label=torch.randint(0, cfg.num_classes, (1, 1), generator=g),
+        text=torch.randn(1, text_len, cfg.text_dim, generator=g),
+    )
+
+
+@pytest.mark.parametrize("pos_embed", ["rope", "sincos"])
+def test_packed_rows_equal_samples_run_alone(pos_embed):
+    cfg = tiny(text_dim=24, num_classes=5, fps_cond=True, pos_embed=pos_embed, patch_size_t=1, in_channels=4)
+    model = randomize(DiT(cfg)).eval()
+    g = torch.Generator().manual_seed(2)
+    # Row 0: an image, a 2-frame clip and an image with no text; row 1: one clip. Padding to N = 40 tokens.
+    rows = [[((1, 4, 4), 3), ((2, 3, 2), 5), ((1, 2, 2), 0)], [((3, 2, 3), 4)]]
+    samples = [[_sample(cfg, grid, L, g) for grid, L in row] for row in rows]
+
+    N, Lmax, S = 40, 10, 3
+    x = torch.zeros(2, N, cfg.patch_dim)
+    pos = torch.zeros(2, N, 3, dtype=torch.long)
+    seg = torch.full((2, N), -1)
+    text = torch.zeros(2, Lmax, cfg.text_dim)
+    text_seg = torch.full((2, Lmax), -1)
+    c_noise, fps, labels = torch.zeros(2, S), torch.zeros(2, S), torch.zeros(2, S, dtype=torch.long)
+    spans = []
+    for r, row in enumerate(samples):
+        n = t = 0
+        for s, smp in enumerate(row):
+            k, L = smp["x"].shape[1], smp["text"].shape[1]
+            x[r, n:n + k], pos[r, n:n + k], seg[r, n:n + k] = smp["x"][0], smp["pos"], s
+            text[r, t:t + L], text_seg[r, t:t + L] = smp["text"][0], s
+            c_noise[r, s], fps[r, s], labels[r, s] = smp["c_noise"], smp["fps"], smp["label"]
+            spans.append((r, n, n + k, smp))
+            n, t = n + k, t + L
+
+    with torch.no_grad():
+        packed = model(x, c_noise, pos, seg=seg, class_labels=labels, fps=fps, text=text, text_seg=text_seg)
+        for r, a, b, smp in spans:
+            alone = model(smp["x"], smp["c_noise"], smp["pos"], class_labels=smp["label"], fps=smp["fps"],
+                          text=smp["text"])
+            torch.testing.assert_close(packed[r, a:b], alone[0], rtol=1e-5, atol=1e-5)
+    # The comparison is not vacuous: samples differ from each other and the model is far from identity.
+    assert (packed[0, :16] - x[0, :16]).abs().mean() > 0.1
+
+
+def test_text_padding_is_not_attended():
+    cfg = tiny(text_dim=24)
+    model = randomize(DiT(cfg)).eval()
+    x, pos = torch.randn(1, 16, cfg.patch_dim), grid_positions((1, 4, 4))
+    text = torch.randn(1, 6, 24)
+    mask = torch.tensor([[True, True, True, False, False, False]])
+    garbage = text.clone()
+    garbage[:, 3:] = 1e3
+    with torch.no_grad():
+        a = model(x, torch.zeros(1, 1), pos, text=text, text_seg=torch.where(mask, 0, -1))
+        b = model(x, torch.zeros(1, 1), pos, text=garbage, text_seg=torch.where(mask, 0, -1))
+        c = model(x, torch.zeros(1, 1), pos, text=text[:, :3])
+    torch.testing.assert_close(a, b, rtol=0, atol=0)
+    torch.testing.assert_close(a, c, rtol=1e-5, atol=1e-5)
+
+
+# ---------------------------------------------------------------- positions
+
+
+def test_rope_scores_depend_only_on_relative_position():
+    hd = 24
+    q, k = torch.randn(1, 1, 5, hd), torch.randn(1, 1, 5, hd)
+    pos = torch.randint(0, 20, (5, 3))
+    shift = torch.tensor([3, 7, 11])
+
+    def scores(p):
+        cos, sin = rope_angles(p, hd, 10000.0)
+        return apply_rope(q, cos, sin) @ apply_rope(k, cos, sin).transpose(-1, -2)
+
+    torch.testing.assert_close(scores(pos), scores(pos + shift), rtol=1e-4, atol=1e-4)
+    assert not torch.allclose(scores(pos), scores(pos * 2), atol=1e-2)
+
+
+@pytest.mark.parametrize("pos_embed", ["rope", "sincos"])
+def test_position_out_of_range_is_a_clear_error(pos_embed):
+    cfg = tiny(max_grid=(4, 8, 8), pos_embed=pos_embed)
+    model = DiT(cfg)
+    x = torch.randn(1, cfg.in_channels, 1, 16, 8)  # height 16 → 8 patch rows: fine
+    model.forward_latents(x, torch.zeros(1))
+    with pytest.raises(ValueError, match=r"position H=8 is outside the model's range 0\.\.7"):
+        model.forward_latents(torch.randn(1, cfg.in_channels, 1, 18, 8), torch.zeros(1))
+
+
+# ---------------------------------------------------------------- config and presets
+
+
+@pytest.mark.parametrize(
+    ("changes", "match"),
+    [
+        (dict(hidden_size=100, num_heads=6), r"hidden_size=100 is invalid: expected a multiple of num_heads=6"),
+        (dict(depth=0), r"depth=0 is invalid: expected an integer >= 1"),
+        (dict(pos_embed="learned"), r"pos_embed='learned' is invalid: expected 'rope' or 'sincos'"),
+        (dict(hidden_size=8, num_heads=2), r"head_dim=4"),
+    ],
+)
+def test_invalid_config_names_field_value_and_range(changes, match):
+    with pytest.raises(ConfigError, match=match):
+        tiny(**changes)
+
+
+def test_unknown_preset_lists_the_choices():
+    with pytest.raises(ConfigError, match=r"preset='DiT-XXL/2' is invalid: expected one of DiT-S/2, .*DiT-7B"):
+        preset("DiT-XXL/2")
+
+
+@pytest.mark.parametrize(("name", "paper_millions"),
+                         [("DiT-S/2", 33), ("DiT-B/2", 130), ("DiT-L/2", 458), ("DiT-XL/2", 675)])
+def test_class_conditional_parameter_counts_match_the_paper(name, paper_millions):
+    with torch.device("meta"):
+        model = DiT(preset(name, num_classes=1000, in_channels=4))
+    n = sum(p.numel() for p in model.parameters())
+    assert abs(n / 1e6 - paper_millions) / paper_millions < 0.005, n
+
+
+def test_presets_have_the_documented_shapes():
+    assert {n: (c.hidden_size, c.depth, c.num_heads, c.patch_size) for n, c in PRESETS.items()
+            if n in ("DiT-S/2", "DiT-XL/2", "DiT-7B")} == {
+        "DiT-S/2": (384, 12, 6, 2), "DiT-XL/2": (1152, 28, 16, 2), "DiT-7B": (3072, 32, 24, 2)}
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * resource.getpagesize()
+
+
+def test_meta_device_build_of_7b_allocates_nothing():
+    before = _rss_bytes()
+    with torch.device("meta"):
+        model = DiT(preset("DiT-7B", text_dim=4096, in_channels=16))
+    grown = _rss_bytes() - before
+    n = sum(p.numel() for p in model.parameters())
+    assert n * 4 > 24 * 2**30  # its fp32 weights alone would not fit in this machine's 24 GiB
+    assert all(p.is_meta for p in model.parameters())
+    assert grown < 64 * 2**20, f"building on meta grew RSS by {grown / 2**20:.0f} MiB"

@@ -1,0 +1,47 @@
+import pytest
+import torch
+from torch import nn
+
+from ditcore.flops import count_params, forward_macs, training_flops_per_token
+from ditcore.models import DiT, preset
+
+# DiT paper, Table 4 (Gflops = forward multiply-accumulates at 256×256, i.e. 32×32×4 latents)
+PAPER_GFLOPS = {"DiT-S/2": 6.06, "DiT-B/2": 23.01, "DiT-L/2": 80.71, "DiT-XL/2": 118.64, "DiT-XL/4": 29.05,
+                "DiT-XL/8": 7.39}
+
+
+@pytest.mark.parametrize(("name", "gflops"), PAPER_GFLOPS.items())
+def test_forward_macs_match_the_paper(name, gflops):
+    cfg = preset(name, num_classes=1000)
+    tokens = (32 // cfg.patch_size) ** 2
+    assert forward_macs(cfg, tokens) / 1e9 == pytest.approx(gflops, rel=0.005)
+
+
+def per_token_linear_weights(model: DiT) -> int:
+    """Independent count: weights of every nn.Linear that is applied to latent tokens."""
+    skip = (model.t_embedder, getattr(model, "text_embedder", None), model.final.adaLN)
+    total = 0
+    for name, m in model.named_modules():
+        if not isinstance(m, nn.Linear) or any(m is s or any(m is c for c in s.modules()) for s in skip if s):
+            continue
+        if ".adaLN" in name or name.endswith("cross.kv"):
+            continue
+        total += m.weight.numel()
+    return total
+
+
+@pytest.mark.parametrize("text_dim", [0, 32])
+def test_per_token_parameters_match_the_model(text_dim):
+    cfg = preset("DiT-Tiny", text_dim=text_dim, in_channels=3, patch_size_t=2)
+    with torch.device("meta"):
+        model = DiT(cfg)
+    assert count_params(cfg).per_token_params == per_token_linear_weights(model)
+
+
+def test_training_flops_is_6n_plus_attention():
+    cfg = preset("DiT-XL/2", num_classes=1000)
+    n_tok = count_params(cfg).per_token_params
+    assert training_flops_per_token(cfg, 256) == 6 * n_tok + 12 * 28 * 1152 * 256
+    with_text = preset("DiT-XL/2", text_dim=512)
+    extra = training_flops_per_token(with_text, 256, text_len=77) - training_flops_per_token(with_text, 256)
+    assert extra > 12 * 28 * 1152 * 77
