@@ -6,7 +6,7 @@ from torch import nn
 
 from ditcore.errors import ConfigError
 from ditcore.models import PRESETS, DiT, DiTConfig, grid_positions, patchify, preset, unpatchify
-from ditcore.models.dit import DiTBlock, apply_rope, rope_angles
+from ditcore.models.dit import DiTBlock, apply_rope, rope_freqs
 
 
 def tiny(**changes) -> DiTConfig:
@@ -164,8 +164,8 @@ def test_rope_scores_depend_only_on_relative_position():
     shift = torch.tensor([3, 7, 11])
 
     def scores(p):
-        cos, sin = rope_angles(p, hd, 10000.0)
-        return apply_rope(q, cos, sin) @ apply_rope(k, cos, sin).transpose(-1, -2)
+        freqs = rope_freqs(p, hd, 10000.0)
+        return apply_rope(q, freqs) @ apply_rope(k, freqs).transpose(-1, -2)
 
     torch.testing.assert_close(scores(pos), scores(pos + shift), rtol=1e-4, atol=1e-4)
     assert not torch.allclose(scores(pos), scores(pos * 2), atol=1e-2)
@@ -232,3 +232,24 @@ def test_meta_device_build_of_7b_allocates_nothing():
     assert n * 4 > 24 * 2**30  # its fp32 weights alone would not fit in this machine's 24 GiB
     assert all(p.is_meta for p in model.parameters())
     assert grown < 64 * 2**20, f"building on meta grew RSS by {grown / 2**20:.0f} MiB"
+
+
+@pytest.mark.slow
+def test_compiled_blocks_match_eager():
+    from ditcore.models import apply_compile
+
+    cfg = tiny(num_classes=3, text_dim=16)
+    eager = randomize(DiT(cfg))
+    compiled = DiT(cfg)
+    compiled.load_state_dict(eager.state_dict())
+    apply_compile(compiled)
+    assert compiled.state_dict().keys() == eager.state_dict().keys()
+    x, pos, c_noise = torch.randn(2, 16, cfg.patch_dim), grid_positions((1, 4, 4)), torch.randn(2, 1)
+    kw = dict(class_labels=torch.tensor([[0], [3]]), text=torch.randn(2, 5, 16))
+    out_e = eager(x, c_noise, pos, **kw)
+    out_c = compiled(x, c_noise, pos, **kw)
+    torch.testing.assert_close(out_c, out_e, rtol=1e-4, atol=1e-4)
+    out_c.sum().backward()
+    out_e.sum().backward()
+    for (name, a), b in zip(compiled.named_parameters(), eager.parameters(), strict=True):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-4, atol=1e-4, msg=name)

@@ -9,5 +9,6 @@ from ditcore.models.dit import (
     preset,
     unpatchify,
 )
+from ditcore.models.techniques import apply_compile
 
-__all__ = ["PRESETS", "DiT", "DiTConfig", "grid_positions", "patchify", "preset", "unpatchify"]
+__all__ = ["PRESETS", "DiT", "DiTConfig", "apply_compile", "grid_positions", "patchify", "preset", "unpatchify"]

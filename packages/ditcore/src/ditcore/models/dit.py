@@ -140,21 +140,20 @@ def rope_split(head_dim: int) -> tuple[int, int, int]:
     return t, h, pairs - t - h
 
 
-def rope_angles(pos: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin of 3D RoPE angles for integer positions (..., 3) → each (..., head_dim/2)."""
+def rope_freqs(pos: torch.Tensor, head_dim: int, theta: float) -> torch.Tensor:
+    """3D RoPE rotations e^{iθ} (..., head_dim/2), complex64, for integer (t, h, w) positions (..., 3)."""
     angles = []
     for axis, n in enumerate(rope_split(head_dim)):
         inv_freq = theta ** (-torch.arange(n, device=pos.device, dtype=torch.float32) / n)
         angles.append(pos[..., axis, None].float() * inv_freq)
     angles = torch.cat(angles, dim=-1)
-    return angles.cos(), angles.sin()
+    return torch.polar(torch.ones_like(angles), angles)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate interleaved pairs of x (B, H, N, hd) by angles cos/sin (B or 1, 1, N, hd/2)."""
-    x1, x2 = x.unflatten(-1, (-1, 2)).unbind(-1)
-    out = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
-    return out.flatten(-2).type_as(x)
+def apply_rope(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+    """Rotate consecutive pairs of x (B, H, N, hd), read as complex numbers, by freqs (B or 1, 1, N, hd/2)."""
+    x_c = torch.view_as_complex(x.float().unflatten(-1, (-1, 2)))  # one complex multiply = the 2×2 rotation
+    return torch.view_as_real(x_c * freqs).flatten(-2).type_as(x)
 
 
 def sincos_3d(pos: torch.Tensor, dim: int) -> torch.Tensor:
@@ -220,13 +219,13 @@ class SelfAttention(nn.Module):
         self.k_norm = nn.RMSNorm(cfg.head_dim, eps=1e-6) if cfg.qk_norm else nn.Identity()
         self.proj = nn.Linear(cfg.hidden_size, cfg.hidden_size)
 
-    def forward(self, x: torch.Tensor, rope: tuple | None, mask: torch.Tensor | None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: torch.Tensor | None, mask: torch.Tensor | None) -> torch.Tensor:
         B, N, _ = x.shape
         qkv = self.qkv(x).view(B, N, self.num_heads, 3, self.head_dim)  # (B, N, H, 3, hd)
-        q, k, v = qkv.permute(3, 0, 2, 1, 4).unbind(0)  # each (B, H, N, hd)
+        q, k, v = qkv.permute(3, 0, 2, 1, 4).contiguous().unbind(0)  # each (B, H, N, hd); one copy, dense
         q, k = self.q_norm(q), self.k_norm(k)
         if rope is not None:
-            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+            q, k = apply_rope(q, rope), apply_rope(k, rope)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # (B, H, N, hd)
         return self.proj(out.transpose(1, 2).reshape(B, N, -1))
 
@@ -261,7 +260,7 @@ class CrossAttention(nn.Module):
 
 
 def modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    return x * (1 + scale) + shift
+    return torch.addcmul(shift, x, 1 + scale)  # x (1 + scale) + shift in one kernel
 
 
 def per_token(values: torch.Tensor, seg: torch.Tensor | None) -> torch.Tensor:
@@ -294,10 +293,10 @@ class DiTBlock(nn.Module):
     def forward(self, x, c, seg, rope, mask, text=None, text_mask=None, text_has_keys=None):
         # c: (B, S, D) per-sample conditioning → six (B, N or 1, D) modulations
         shift_a, scale_a, gate_a, shift_m, scale_m, gate_m = per_token(self.adaLN(c), seg).chunk(6, dim=-1)
-        x = x + gate_a * self.attn(modulate(self.norm1(x), shift_a, scale_a), rope, mask)
+        x = torch.addcmul(x, gate_a, self.attn(modulate(self.norm1(x), shift_a, scale_a), rope, mask))
         if text is not None:
             x = x + self.cross(self.norm_cross(x), text, text_mask, text_has_keys)
-        x = x + gate_m * self.mlp(modulate(self.norm2(x), shift_m, scale_m))
+        x = torch.addcmul(x, gate_m, self.mlp(modulate(self.norm2(x), shift_m, scale_m)))
         return x
 
 
@@ -400,8 +399,8 @@ class DiT(nn.Module):
         x = self.x_embedder(x)  # (B, N, D)
         rope = None
         if cfg.pos_embed == "rope":
-            cos, sin = rope_angles(pos, cfg.head_dim, cfg.rope_theta)  # (B or 1, N, hd/2), shared by blocks
-            rope = tuple(a.reshape(-1, 1, N, a.shape[-1]).to(x.dtype) for a in (cos, sin))
+            rope = rope_freqs(pos, cfg.head_dim, cfg.rope_theta)  # (B or 1, N, hd/2), shared by all blocks
+            rope = rope.reshape(-1, 1, N, rope.shape[-1])
         else:
             x = x + sincos_3d(pos, cfg.hidden_size).to(x.dtype)
 
