@@ -6,7 +6,7 @@ from torch import nn
 
 from ditcore.errors import ConfigError
 from ditcore.models import PRESETS, DiT, DiTConfig, grid_positions, patchify, preset, unpatchify
-from ditcore.models.dit import DiTBlock, apply_rope, rope_freqs
+from ditcore.models.dit import AttentionInputs, DiTBlock, apply_rope, rope_freqs, segment_mask
 
 
 def tiny(**changes) -> DiTConfig:
@@ -60,19 +60,16 @@ def test_patch_size_must_divide_latent():
 def test_each_block_is_identity_at_init(text_dim):
     cfg = tiny(text_dim=text_dim)
     model = DiT(cfg)
-    D = cfg.hidden_size
-    x, c = torch.randn(2, 10, D), torch.randn(2, 1, D)
-    text = torch.randn(2, 5, D) if text_dim else None
-    kw = {}
+    N, B, D = 10, 2, cfg.hidden_size
+    x, c = torch.randn(N, B, D), torch.randn(B, 1, D)  # blocks work sequence-first
+    a = AttentionInputs(batch=B, seq=N, rope=None, mask=None)
     if text_dim:
-        from ditcore.models.dit import segment_mask
-
-        kw = dict(zip(("text_mask", "text_has_keys"),
-                      segment_mask(torch.zeros(2, 10, dtype=torch.long), torch.zeros(2, 5, dtype=torch.long)),
-                      strict=True))
+        a.text = torch.randn(B, 5, D)
+        a.text_mask, a.text_has_keys = segment_mask(torch.zeros(B, N, dtype=torch.long),
+                                                    torch.zeros(B, 5, dtype=torch.long))
     for block in model.blocks:
         assert isinstance(block, DiTBlock)
-        assert torch.equal(block(x, c, None, None, None, text=text, **kw), x)
+        assert torch.equal(block(x, c, None, a), x)
 
 
 def test_model_output_is_zero_at_init_and_gradients_flow():

@@ -194,11 +194,12 @@ C_NOISE_SCALE = 1000.0
 
 
 # --------------------------------------------------------------------------------------------------
-# Attention
+# Attention. Inside the blocks activations are sequence-first, (N, B, D), the layout Megatron-Core's
+# sequence-parallel layers split and gather along.
 
 
-def segment_mask(seg_q: torch.Tensor, seg_k: torch.Tensor) -> torch.Tensor:
-    """(B, 1, Nq, Nk) boolean mask: a query sees only keys of its own sample.
+def segment_mask(seg_q: torch.Tensor, seg_k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, 1, Nq, Nk) boolean mask: a query sees only keys of its own sample; and (B, Nq, 1) has_keys.
 
     A query whose sample has no keys (padding rows, an empty text) is given every key so that softmax
     stays finite; its output is zeroed by the caller with `has_keys`.
@@ -208,10 +209,30 @@ def segment_mask(seg_q: torch.Tensor, seg_k: torch.Tensor) -> torch.Tensor:
     return (mask | ~has_keys)[:, None], has_keys
 
 
+@dataclass
+class AttentionInputs:
+    """What every block's attention needs besides its input, computed once per forward."""
+
+    batch: int
+    seq: int  # query tokens per row that attention sees (all of them, or this rank's context-parallel slice)
+    rope: torch.Tensor | None  # (B or 1, 1, seq, hd/2) complex rotations
+    mask: torch.Tensor | None  # (B, 1, seq, N) self-attention mask over the full rows; None = all keys
+    cp_group: object = None  # context-parallel group: keys and values are gathered over it
+    text: torch.Tensor | None = None  # (B, L, D) projected text tokens
+    text_mask: torch.Tensor | None = None  # (B, 1, seq, L)
+    text_has_keys: torch.Tensor | None = None  # (B, seq, 1)
+
+
+def heads_first(x: torch.Tensor, seq: int, batch: int, heads: int, parts: int, head_dim: int):
+    """(seq, B, heads·parts·hd) projections → `parts` dense tensors of shape (B, heads, seq, hd)."""
+    x = x.view(seq, batch, heads, parts, head_dim).permute(3, 1, 2, 0, 4)
+    return x.contiguous().unbind(0)  # one copy, so norms and SDPA read dense memory
+
+
 class SelfAttention(nn.Module):
     def __init__(self, cfg: DiTConfig):
         super().__init__()
-        self.num_heads, self.head_dim = cfg.num_heads, cfg.head_dim
+        self.num_heads, self.head_dim = cfg.num_heads, cfg.head_dim  # num_heads: this rank's under TP
         # qkv output features are laid out (heads, 3, head_dim): a contiguous split of the rows is a split
         # by heads, which is what tensor parallelism needs.
         self.qkv = nn.Linear(cfg.hidden_size, 3 * cfg.hidden_size)
@@ -219,15 +240,28 @@ class SelfAttention(nn.Module):
         self.k_norm = nn.RMSNorm(cfg.head_dim, eps=1e-6) if cfg.qk_norm else nn.Identity()
         self.proj = nn.Linear(cfg.hidden_size, cfg.hidden_size)
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor | None, mask: torch.Tensor | None) -> torch.Tensor:
-        B, N, _ = x.shape
-        qkv = self.qkv(x).view(B, N, self.num_heads, 3, self.head_dim)  # (B, N, H, 3, hd)
-        q, k, v = qkv.permute(3, 0, 2, 1, 4).contiguous().unbind(0)  # each (B, H, N, hd); one copy, dense
+    def forward(self, x: torch.Tensor, a: AttentionInputs) -> torch.Tensor:
+        q, k, v = heads_first(self.qkv(x), a.seq, a.batch, self.num_heads, 3, self.head_dim)  # (B, H, seq, hd)
         q, k = self.q_norm(q), self.k_norm(k)
-        if rope is not None:
-            q, k = apply_rope(q, rope), apply_rope(k, rope)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # (B, H, N, hd)
-        return self.proj(out.transpose(1, 2).reshape(B, N, -1))
+        if a.rope is not None:
+            q, k = apply_rope(q, a.rope), apply_rope(k, a.rope)
+        if a.cp_group is not None:  # every query needs every key of its row
+            k, v = gather_keys_values(k, v, a.cp_group)  # (B, H, N, hd)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=a.mask)  # (B, H, seq, hd)
+        return self.proj(out.permute(2, 0, 1, 3).reshape(a.seq, a.batch, -1))  # (seq, B, D)
+
+
+def gather_keys_values(k: torch.Tensor, v: torch.Tensor, group) -> tuple[torch.Tensor, torch.Tensor]:
+    """All-gather (B, H, n, hd) keys/values along the sequence over the context-parallel group.
+
+    Backward reduce-scatters: every rank's queries contributed to the gradient of every key.
+    """
+    from ditcore.parallel.comm import gather_seq  # only parallel runs need torch.distributed
+
+    kv = torch.stack([k, v]).permute(3, 0, 1, 2, 4)  # (n, 2, B, H, hd): sequence first
+    kv = gather_seq(kv, group, grad="reduce_scatter")  # (N, 2, B, H, hd)
+    k, v = kv.permute(1, 2, 3, 0, 4).unbind(0)
+    return k, v
 
 
 class CrossAttention(nn.Module):
@@ -242,17 +276,16 @@ class CrossAttention(nn.Module):
         self.k_norm = nn.RMSNorm(cfg.head_dim, eps=1e-6) if cfg.qk_norm else nn.Identity()
         self.proj = nn.Linear(cfg.hidden_size, cfg.hidden_size)
 
-    def forward(self, x: torch.Tensor, text: torch.Tensor, mask: torch.Tensor, has_keys: torch.Tensor):
-        B, N, _ = x.shape
-        L = text.shape[1]
+    def forward(self, x: torch.Tensor, a: AttentionInputs) -> torch.Tensor:
+        L = a.text.shape[1]
         if L == 0:  # no text at all: the attention output is empty, as for a sample whose text is empty
-            return self.proj(x.new_zeros(x.shape))
-        q = self.q_norm(self.q(x).view(B, N, self.num_heads, self.head_dim).transpose(1, 2))  # (B, H, N, hd)
-        kv = self.kv(text).view(B, L, self.num_heads, 2, self.head_dim)
-        k, v = kv.permute(3, 0, 2, 1, 4).unbind(0)  # each (B, H, L, hd)
-        out = F.scaled_dot_product_attention(q, self.k_norm(k), v, attn_mask=mask)
-        out = out.transpose(1, 2).reshape(B, N, -1) * has_keys  # a sample without text gets nothing
-        return self.proj(out)
+            return self.proj(x.new_zeros(a.seq, a.batch, self.num_heads * self.head_dim))
+        (q,) = heads_first(self.q(x), a.seq, a.batch, self.num_heads, 1, self.head_dim)  # (B, H, seq, hd)
+        kv = self.kv(a.text.transpose(0, 1))  # (L, B, 2·D)
+        k, v = heads_first(kv, L, a.batch, self.num_heads, 2, self.head_dim)  # (B, H, L, hd)
+        out = F.scaled_dot_product_attention(self.q_norm(q), self.k_norm(k), v, attn_mask=a.text_mask)
+        out = out * a.text_has_keys[:, None]  # a sample without text gets nothing
+        return self.proj(out.permute(2, 0, 1, 3).reshape(a.seq, a.batch, -1))  # (seq, B, D)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -290,12 +323,13 @@ class DiTBlock(nn.Module):
         self.mlp = nn.Sequential(nn.Linear(D, hidden), nn.GELU(approximate="tanh"), nn.Linear(hidden, D))
         self.adaLN = nn.Sequential(nn.SiLU(), nn.Linear(D, 6 * D))
 
-    def forward(self, x, c, seg, rope, mask, text=None, text_mask=None, text_has_keys=None):
-        # c: (B, S, D) per-sample conditioning → six (B, N or 1, D) modulations
-        shift_a, scale_a, gate_a, shift_m, scale_m, gate_m = per_token(self.adaLN(c), seg).chunk(6, dim=-1)
-        x = torch.addcmul(x, gate_a, self.attn(modulate(self.norm1(x), shift_a, scale_a), rope, mask))
-        if text is not None:
-            x = x + self.cross(self.norm_cross(x), text, text_mask, text_has_keys)
+    def forward(self, x: torch.Tensor, c: torch.Tensor, seg: torch.Tensor | None, a: AttentionInputs):
+        # x: (n, B, D) this rank's tokens; c: (B, S, D) per-sample conditioning → six (n or 1, B, D) modulations
+        mods = per_token(self.adaLN(c), seg).transpose(0, 1)
+        shift_a, scale_a, gate_a, shift_m, scale_m, gate_m = mods.chunk(6, dim=-1)
+        x = torch.addcmul(x, gate_a, self.attn(modulate(self.norm1(x), shift_a, scale_a), a))
+        if a.text is not None:
+            x = x + self.cross(self.norm_cross(x), a)
         x = torch.addcmul(x, gate_m, self.mlp(modulate(self.norm2(x), shift_m, scale_m)))
         return x
 
@@ -309,12 +343,40 @@ class FinalLayer(nn.Module):
         self.linear = nn.Linear(D, cfg.patch_dim)
 
     def forward(self, x, c, seg):
-        shift, scale = per_token(self.adaLN(c), seg).chunk(2, dim=-1)
+        shift, scale = per_token(self.adaLN(c), seg).transpose(0, 1).chunk(2, dim=-1)
         return self.linear(modulate(self.norm(x), shift, scale))
 
 
 # --------------------------------------------------------------------------------------------------
 # Model
+
+
+@dataclass(frozen=True)
+class Sharding:
+    """Which tokens this rank holds. Set by ditcore.parallel.parallelize(); the default is one device.
+
+    Context parallelism gives each rank a contiguous slice of every row (attention gathers the keys);
+    sequence parallelism splits that slice again over the tensor-parallel ranks outside attention.
+    """
+
+    cp_group: object = None
+    cp_rank: int = 0
+    cp_size: int = 1
+    sp_group: object = None  # the tensor-parallel group, when sequence parallelism is on
+    sp_rank: int = 0
+    sp_size: int = 1
+
+    def spans(self, n: int) -> tuple[slice, slice]:
+        """(tokens attention sees, tokens this rank holds) of a row of n tokens."""
+        parts = self.cp_size * self.sp_size
+        if n % parts:
+            raise ValueError(
+                f"a row of {n} tokens cannot be split evenly over {self.cp_size} context-parallel x "
+                f"{self.sp_size} sequence-parallel ranks: pad or pack rows to a multiple of {parts} tokens")
+        seq, n_local = n // self.cp_size, n // parts
+        a0 = self.cp_rank * seq
+        l0 = a0 + self.sp_rank * n_local
+        return slice(a0, a0 + seq), slice(l0, l0 + n_local)
 
 
 class DiT(nn.Module):
@@ -333,6 +395,7 @@ class DiT(nn.Module):
                 nn.Linear(cfg.text_dim, D), nn.GELU(approximate="tanh"), nn.Linear(D, D))
         self.blocks = nn.ModuleList([DiTBlock(cfg) for _ in range(cfg.depth)])
         self.final = FinalLayer(cfg)
+        self.sharding = Sharding()
         self.init_weights()
 
     @property
@@ -391,36 +454,47 @@ class DiT(nn.Module):
         c_noise, class_labels, fps: (B, S) per sample; pos: (B, N, 3) or (N, 3); seg: (B, N) or None;
         text: (B, L, text_dim) with text_seg (B, L) naming each text token's sample (-1: padding).
         """
-        cfg = self.cfg
+        cfg, sh = self.cfg, self.sharding
         B, N, _ = x.shape
         check_positions(pos, cfg.max_grid)
-        c_noise = c_noise.reshape(B, -1)  # (B, S)
+        attn_span, local = sh.spans(N)  # tokens this rank's attention sees; tokens it holds
+        seq = attn_span.stop - attn_span.start
+        seg_local = None if seg is None else seg[:, local]
+        c = self.condition(c_noise.reshape(B, -1), class_labels, fps)  # (B, S, D)
 
-        x = self.x_embedder(x)  # (B, N, D)
+        h = self.x_embedder(x[:, local].transpose(0, 1))  # (n, B, D): sequence first from here on
         rope = None
         if cfg.pos_embed == "rope":
-            rope = rope_freqs(pos, cfg.head_dim, cfg.rope_theta)  # (B or 1, N, hd/2), shared by all blocks
-            rope = rope.reshape(-1, 1, N, rope.shape[-1])
+            rope = rope_freqs(pos[..., attn_span, :], cfg.head_dim, cfg.rope_theta)  # (B or -, seq, hd/2)
+            rope = rope.reshape(-1, 1, seq, rope.shape[-1])  # shared by all blocks
         else:
-            x = x + sincos_3d(pos, cfg.hidden_size).to(x.dtype)
+            pe = sincos_3d(pos[..., local, :], cfg.hidden_size).to(h.dtype)
+            h = h + (pe[:, None] if pe.ndim == 2 else pe.transpose(0, 1))
+        mask = None if seg is None else segment_mask(seg[:, attn_span], seg)[0]  # block-diagonal over samples
+        a = AttentionInputs(batch=B, seq=seq, rope=rope, mask=mask, cp_group=sh.cp_group)
 
-        c = self.condition(c_noise, class_labels, fps)  # (B, S, D)
-        mask = None if seg is None else segment_mask(seg, seg)[0]  # block-diagonal over samples
-
-        txt = txt_mask = txt_has = None
         if cfg.text_dim:
             if text is None:
                 raise ValueError(f"this model cross-attends to text: pass text (B, L, {cfg.text_dim}) "
                                  "and text_seg (use L=0 for no text)")
-            txt = self.text_embedder(text)  # (B, L, D)
-            q_seg = torch.zeros(B, N, dtype=torch.long, device=x.device) if seg is None else seg
+            a.text = self.text_embedder(text)  # (B, L, D); never split across ranks
+            q_seg = seg[:, attn_span] if seg is not None else x.new_zeros(B, seq, dtype=torch.long)
             if text_seg is None:
-                text_seg = torch.zeros(B, text.shape[1], dtype=torch.long, device=x.device)
-            txt_mask, txt_has = segment_mask(q_seg, text_seg)
+                text_seg = x.new_zeros(B, text.shape[1], dtype=torch.long)
+            a.text_mask, a.text_has_keys = segment_mask(q_seg, text_seg)
 
         for block in self.blocks:
-            x = block(x, c, seg, rope, mask, txt, txt_mask, txt_has)
-        return self.final(x, c, seg)  # (B, N, patch_dim)
+            h = block(h, c, seg_local, a)
+        out = self.final(h, c, seg_local)  # (n, B, patch_dim)
+        # Collect every rank's tokens. The computation after this point (the loss) runs on every rank alike,
+        # so backward hands each rank only its own tokens' gradient.
+        if sh.sp_size > 1 or sh.cp_size > 1:
+            from ditcore.parallel.comm import gather_seq
+        if sh.sp_size > 1:
+            out = gather_seq(out, sh.sp_group, grad="split")
+        if sh.cp_size > 1:
+            out = gather_seq(out, sh.cp_group, grad="split")
+        return out.transpose(0, 1)  # (B, N, patch_dim)
 
     def forward_latents(self, x: torch.Tensor, c_noise: torch.Tensor, **cond) -> torch.Tensor:
         """Convenience for unpacked batches: latents (B, C, T, H, W) and (B,) c_noise → same-shape output.

@@ -1,0 +1,121 @@
+"""Parallel topology: one validated value (`ParallelDims`) and the process groups it creates.
+
+Ranks are laid out as Megatron-Core lays them (order tp-cp-dp-pp: tensor-parallel peers are adjacent).
+Data parallelism runs over the DP×CP group: context-parallel ranks hold the same weights and each sees a
+slice of the same rows, so their gradients are combined with the data-parallel ones.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from ditcore.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    tp: int = 1  # tensor parallel: heads and MLP columns split over ranks
+    cp: int = 1  # context parallel: each rank holds a contiguous slice of every row
+    pp: int = 1  # pipeline parallel (not available yet: must be 1)
+    dp: int | None = None  # data parallel; None: whatever the world size leaves
+    sequence_parallel: bool = False  # with tp > 1: split tokens over TP ranks outside attention
+
+    def __post_init__(self) -> None:
+        for name in ("tp", "cp", "pp"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ConfigError(f"parallel.{name}", value, "an integer >= 1")
+        if self.pp != 1:
+            raise ConfigError("parallel.pp", self.pp, "1: pipeline parallelism is not available yet")
+        if self.dp is not None and (not isinstance(self.dp, int) or self.dp < 1):
+            raise ConfigError("parallel.dp", self.dp, "an integer >= 1, or unset to fill the world size")
+
+    def resolve(self, world_size: int) -> ParallelDims:
+        """These dims with dp filled in; raises if the layout does not fit world_size processes."""
+        model_parallel = self.tp * self.cp * self.pp
+        if world_size % model_parallel:
+            raise ConfigError(
+                "parallel", f"tp*cp*pp = {self.tp}*{self.cp}*{self.pp} = {model_parallel}",
+                f"a divisor of the world size {world_size} (number of processes)")
+        dp = world_size // model_parallel
+        if self.dp is not None and self.dp != dp:
+            raise ConfigError(
+                "parallel.dp", self.dp,
+                f"{dp}: tp*cp*pp*dp must equal the world size {world_size}, and tp*cp*pp = {model_parallel}")
+        return ParallelDims(self.tp, self.cp, self.pp, dp, self.sequence_parallel)
+
+    def check_model(self, num_heads: int, seq_len: int | None = None) -> None:
+        """Errors for a model/sequence that this layout cannot split. Call on every rank before any collective."""
+        if num_heads % self.tp:
+            raise ConfigError("parallel.tp", self.tp, f"a divisor of the model's num_heads={num_heads}")
+        parts = self.cp * (self.tp if self.sequence_parallel else 1)
+        if seq_len is not None and seq_len % parts:
+            what = "cp*tp (sequence parallel)" if self.sequence_parallel and self.tp > 1 else "cp"
+            raise ConfigError("data.seq_length", seq_len, f"a multiple of {what} = {parts}")
+
+    def initialize(self) -> ParallelGroups:
+        """Create the Megatron-Core process groups (torch.distributed must be initialised) and return them."""
+        from megatron.core import parallel_state as ps
+
+        from ditcore.parallel.cpu import apply_cpu_shims, seed_model_parallel_rng
+
+        if not dist.is_initialized():
+            raise RuntimeError("torch.distributed is not initialised: launch with torchrun or Fabric first")
+        dims = self.resolve(dist.get_world_size())
+        apply_cpu_shims()
+        if ps.model_parallel_is_initialized():
+            ps.destroy_model_parallel()
+        ps.initialize_model_parallel(
+            tensor_model_parallel_size=dims.tp,
+            pipeline_model_parallel_size=dims.pp,
+            context_parallel_size=dims.cp,
+        )
+        groups = ParallelGroups(
+            dims=dims,
+            tp_group=ps.get_tensor_model_parallel_group(),
+            cp_group=ps.get_context_parallel_group(),
+            dp_group=ps.get_data_parallel_group(),
+            dp_cp_group=ps.get_data_parallel_group(with_context_parallel=True),
+            tp_rank=ps.get_tensor_model_parallel_rank(),
+            cp_rank=ps.get_context_parallel_rank(),
+            dp_rank=ps.get_data_parallel_rank(),
+            dp_cp_rank=ps.get_data_parallel_rank(with_context_parallel=True),
+        )
+        seed_model_parallel_rng(0, groups.tp_rank)
+        return groups
+
+
+@dataclass(frozen=True)
+class ParallelGroups:
+    """The process groups of an initialised layout. Model, loss and data loader receive this explicitly."""
+
+    dims: ParallelDims
+    tp_group: dist.ProcessGroup
+    cp_group: dist.ProcessGroup
+    dp_group: dist.ProcessGroup  # data parallel without CP: the data loader's peers
+    dp_cp_group: dist.ProcessGroup  # gradient averaging
+    tp_rank: int
+    cp_rank: int
+    dp_rank: int
+    dp_cp_rank: int
+
+    @property
+    def is_model_parallel_writer(self) -> bool:
+        """One rank per model-parallel shard writes checkpoints: DP×CP rank 0 of each TP group."""
+        return self.dp_cp_rank == 0
+
+
+def destroy() -> None:
+    from megatron.core import parallel_state as ps
+
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def default_backend() -> str:
+    return "nccl" if torch.cuda.is_available() else "gloo"

@@ -1,0 +1,165 @@
+"""Run under `torchrun --nproc-per-node 2`: each parallel layout vs one process, on identical data and weights.
+
+For every case both ranks build the same one-device reference (same seed), compute its output, loss and
+gradients and take one optimizer step; then build the parallel model from the reference's consolidated state
+dict, do the same, consolidate, and record the largest differences. Rank 0 writes them as JSON to argv[1].
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from ditcore.diffusion import EDMLoss, EDMPrecond
+from ditcore.models import DiT, grid_positions, preset
+from ditcore.parallel import ParallelDims, consolidated_state_dict, finalize_grads, load_consolidated, parallelize
+from ditcore.parallel.tensor_parallel import gather_full
+
+CFG = preset("DiT-Tiny", hidden_size=64, depth=2, num_heads=4, in_channels=4, num_classes=5, text_dim=16,
+             fps_cond=True)
+B, GRID = 4, (2, 4, 4)  # 4 rows of 32 tokens
+
+
+def unpacked_batch(g):
+    n = GRID[0] * GRID[1] * GRID[2]
+    L = 6
+    return dict(
+        x=torch.randn(B, n, CFG.patch_dim, generator=g) * 0.5,
+        noise=torch.randn(B, n, CFG.patch_dim, generator=g),
+        sigma=torch.exp(torch.randn(B, 1, generator=g) * 1.2 - 1.2),
+        cond=dict(pos=grid_positions(GRID), class_labels=torch.randint(0, 6, (B, 1), generator=g),
+                  fps=torch.rand(B, 1, generator=g) * 24, text=torch.randn(B, L, 16, generator=g),
+                  text_seg=torch.where(torch.arange(L) < torch.randint(1, L + 1, (B, 1), generator=g), 0, -1)),
+        seg=None, mask=None,
+    )
+
+
+def packed_batch(g):
+    """2 rows of 32 tokens, each packing samples of different grids and text lengths, with padding."""
+    rows = [[(1, 4, 4), (1, 2, 4), (1, 2, 2)], [(2, 2, 3), (1, 3, 3)]]
+    N, Lmax, S = 32, 12, 3
+    x, noise = torch.randn(2, N, CFG.patch_dim, generator=g) * 0.5, torch.randn(2, N, CFG.patch_dim, generator=g)
+    pos, seg = torch.zeros(2, N, 3, dtype=torch.long), torch.full((2, N), -1)
+    text, text_seg = torch.randn(2, Lmax, 16, generator=g), torch.full((2, Lmax), -1)
+    for r, row in enumerate(rows):
+        n = t = 0
+        for s, grid in enumerate(row):
+            k, L = grid[0] * grid[1] * grid[2], 2 + 2 * s
+            pos[r, n:n + k], seg[r, n:n + k], text_seg[r, t:t + L] = grid_positions(grid), s, s
+            n, t = n + k, t + L
+    return dict(
+        x=x, noise=noise, sigma=torch.exp(torch.randn(2, S, generator=g) * 1.2 - 1.2), seg=seg, mask=seg >= 0,
+        cond=dict(pos=pos, class_labels=torch.randint(0, 6, (2, S), generator=g),
+                  fps=torch.rand(2, S, generator=g) * 24, text=text, text_seg=text_seg),
+    )
+
+
+def step(model, batch, module=None):
+    """Output, loss and gradients of one EDM training step (module: the DDP wrapper, when there is one)."""
+    outputs = {}
+
+    def denoiser(x, sigma, seg=None, **cond):
+        outputs["D"] = EDMPrecond(module or model)(x, sigma, seg=seg, **cond)
+        return outputs["D"]
+
+    loss = EDMLoss()(denoiser, batch["x"], seg=batch["seg"], mask=batch["mask"], sigma=batch["sigma"],
+                     noise=batch["noise"], **batch["cond"])
+    loss.backward()
+    return outputs["D"].detach(), loss.detach()
+
+
+def optimizer(model):
+    # SGD with momentum: its step is linear in the gradient, so the updated weights show whether every
+    # shard was updated by its own gradient. (Adam's first step, lr·g/(|g| + eps), is a sign function of
+    # near-zero gradients and would magnify float-rounding differences instead.)
+    return torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+
+
+def rows(batch, part: slice):
+    """The rows `part` of a batch (data parallel: each rank gets its own rows)."""
+    def cut(v):
+        return v[part] if torch.is_tensor(v) and v.ndim >= 2 and v.shape[0] == batch["x"].shape[0] else v
+
+    out = {k: cut(v) for k, v in batch.items() if k != "cond"}
+    out["cond"] = {k: cut(v) for k, v in batch["cond"].items()}
+    return out
+
+
+def diff(a: torch.Tensor, b: torch.Tensor) -> tuple[float, float]:
+    d = (a.double() - b.double()).abs().max().item()
+    return d, d / max(b.double().abs().max().item(), 1e-30)
+
+
+def run_case(name: str, dims: ParallelDims, packed: bool) -> dict:
+    g = torch.Generator().manual_seed(7)
+    batch = packed_batch(g) if packed else unpacked_batch(g)
+
+    torch.manual_seed(0)
+    ref = DiT(CFG)
+    with torch.no_grad():  # move every weight off its (partly zero) initialisation
+        for p in ref.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.1)
+    init = {k: v.clone() for k, v in ref.state_dict().items()}
+    ref_out, ref_loss = step(ref, batch)
+    ref_grads = {k: p.grad.clone() for k, p in ref.named_parameters()}
+    optimizer(ref).step()
+    ref_after = ref.state_dict()
+
+    groups = dims.initialize()
+    model = DiT(CFG)
+    parallelize(model, groups)
+    load_consolidated(model, init, groups)
+    ddp = DistributedDataParallel(model, process_group=groups.dp_cp_group)
+    dp_size, dp_rank = groups.dims.dp, groups.dp_rank
+    per_rank = batch["x"].shape[0] // dp_size
+    mine = slice(dp_rank * per_rank, (dp_rank + 1) * per_rank)
+    out, loss = step(model, rows(batch, mine), ddp)
+    finalize_grads(model, groups)
+    grads = gather_full(model, {k: p.grad for k, p in model.named_parameters()}, groups)
+    optimizer(model).step()
+    after = consolidated_state_dict(model, groups)
+
+    # The loss each rank reports is its own rows' mean; DP averages them (equal token counts here).
+    loss_avg = loss.clone()
+    dist.all_reduce(loss_avg, group=groups.dp_cp_group)
+    loss_avg /= dist.get_world_size(groups.dp_cp_group)
+    result = {"output": diff(out, ref_out[mine]), "loss": diff(loss_avg, ref_loss)}
+    if grads is not None:
+        result["grad"] = max((diff(grads[k], ref_grads[k]) for k in ref_grads), key=lambda d: d[1])
+        result["grad_max_param"] = max(ref_grads, key=lambda k: diff(grads[k], ref_grads[k])[1])
+        result["weights_after_step"] = max(diff(after[k], ref_after[k]) for k in ref_after)
+        result["grads_nonzero"] = sum(int(v.abs().sum() > 0) for v in grads.values())
+        result["params"] = len(grads)
+    return result
+
+
+CASES = {
+    "tp2": (ParallelDims(tp=2), False),
+    "tp2_sp": (ParallelDims(tp=2, sequence_parallel=True), False),
+    "cp2": (ParallelDims(cp=2), False),
+    "dp2": (ParallelDims(), False),
+    "tp2_packed": (ParallelDims(tp=2), True),
+    "tp2_sp_packed": (ParallelDims(tp=2, sequence_parallel=True), True),
+    "cp2_packed": (ParallelDims(cp=2), True),
+}
+
+
+def main() -> None:
+    dist.init_process_group("gloo")
+    results = {}
+    for name in sys.argv[2:] or CASES:
+        dims, packed = CASES[name]
+        results[name] = run_case(name, dims, packed)
+    if dist.get_rank() == 0:
+        with open(sys.argv[1], "w") as f:
+            json.dump(results, f, indent=1)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
