@@ -16,7 +16,14 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ditcore.diffusion import EDMLoss, EDMPrecond
 from ditcore.models import DiT, grid_positions, preset
-from ditcore.parallel import ParallelDims, consolidated_state_dict, finalize_grads, load_consolidated, parallelize
+from ditcore.parallel import (
+    ParallelDims,
+    consolidated_state_dict,
+    finalize_grads,
+    grad_norm,
+    load_consolidated,
+    parallelize,
+)
 from ditcore.parallel.tensor_parallel import gather_full
 
 CFG = preset("DiT-Tiny", hidden_size=64, depth=2, num_heads=4, in_channels=4, num_classes=5, text_dim=16,
@@ -118,8 +125,10 @@ def run_case(name: str, dims: ParallelDims, packed: bool) -> dict:
     per_rank = batch["x"].shape[0] // dp_size
     mine = slice(dp_rank * per_rank, (dp_rank + 1) * per_rank)
     out, loss = step(model, rows(batch, mine), ddp)
+    unfinished = gather_full(model, {k: p.grad for k, p in model.named_parameters()}, groups)
     finalize_grads(model, groups)
     grads = gather_full(model, {k: p.grad for k, p in model.named_parameters()}, groups)
+    norm = grad_norm(model, groups)
     optimizer(model).step()
     after = consolidated_state_dict(model, groups)
 
@@ -133,6 +142,10 @@ def run_case(name: str, dims: ParallelDims, packed: bool) -> dict:
         result["grad_max_param"] = max(ref_grads, key=lambda k: diff(grads[k], ref_grads[k])[1])
         result["weights_after_step"] = max(diff(after[k], ref_after[k]) for k in ref_after)
         result["grads_nonzero"] = sum(int(v.abs().sum() > 0) for v in grads.values())
+        # what finalize_grads fixed: without it, partial gradients (TP) and DDP's average (CP) are wrong
+        result["grad_before_finalize"] = max(diff(unfinished[k], ref_grads[k]) for k in ref_grads)
+        ref_norm = torch.cat([g.reshape(-1) for g in ref_grads.values()]).double().norm()
+        result["grad_norm"] = diff(norm, ref_norm)
         result["params"] = len(grads)
     return result
 

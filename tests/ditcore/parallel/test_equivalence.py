@@ -19,8 +19,15 @@ def results(tmp_path_factory, run_torchrun):
 @pytest.mark.parametrize("case", CASES)
 def test_layout_matches_one_process(results, case):
     r = results[case]
-    for what in ("output", "loss", "grad", "weights_after_step"):
+    for what in ("output", "loss", "grad", "grad_norm", "weights_after_step"):
         abs_diff, rel_diff = r[what]
         assert rel_diff < TOL, f"{case}: {what} differs by {abs_diff:.2e} (relative {rel_diff:.2e})"
     # not vacuous: every parameter got a gradient, so every one was compared
     assert r["grads_nonzero"] == r["params"] > 50
+
+
+@pytest.mark.parametrize("case", ["tp2_sp", "tp2_sp_packed", "cp2", "cp2_packed", "tp2"])
+def test_finalize_grads_is_what_makes_gradients_right(results, case):
+    """Under SP, CP (and for TP's per-head QK-norm weights) the raw gradients are partial; finalize_grads fixes them."""
+    _, rel_diff = results[case]["grad_before_finalize"]
+    assert rel_diff > 1e-2, f"{case}: gradients were already right before finalize_grads ({rel_diff:.1e})"
