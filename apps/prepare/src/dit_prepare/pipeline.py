@@ -1,0 +1,225 @@
+"""Source → (fit codec) → latent statistics → encode → shards → Energon index → ditcore.json.
+
+Under torchrun every rank writes its own shards (`rank{r}-%06d.tar`) from every world-th sample; rank 0
+indexes and writes ditcore.json once all ranks are done. The codec is fitted and the statistics measured on
+the same first `fit_samples` samples on every rank, so all ranks agree without communicating.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from multiprocessing import get_context
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from dit_prepare.sources import Item, Skip
+from ditcore.codecs import Codec, DiffusersVAECodec, LatentStats, PatchPCACodec, PixelCodec, psnr
+from ditcore.codecs.text import TextEncoder
+from ditcore.data.schema import DatasetInfo
+from ditcore.data.writer import ShardWriter, finish_dataset, start_dataset
+
+
+@dataclass
+class CodecChoice:
+    name: str = "pca"  # pca | pixel | vae
+    pca_channels: int = 16
+    pixel_factor: int = 2
+    vae: str | None = None  # hub id or local folder
+    vae_class: str = "AutoencoderKL"
+
+    def spatial_factor(self) -> int:
+        """Pixels per latent cell, known before any fitting (sources crop to multiples of it)."""
+        if self.name == "pca":
+            return 8
+        if self.name == "pixel":
+            return self.pixel_factor
+        return self.build_fixed().spatial_factor
+
+    def build_fixed(self) -> Codec:
+        if self.name == "pixel":
+            return PixelCodec(self.pixel_factor)
+        if self.name == "vae":
+            return DiffusersVAECodec(self.vae, vae_class=self.vae_class)
+        raise ValueError("the PCA codec is fitted, not built")
+
+
+@dataclass
+class Summary:
+    samples: int = 0
+    images: int = 0
+    videos: int = 0
+    shards: int = 0
+    bytes: int = 0
+    skipped: Counter = field(default_factory=Counter)
+    seconds: float = 0.0
+    fit_psnr: float | None = None
+
+    def lines(self) -> list[str]:
+        rate = self.samples / self.seconds if self.seconds else 0.0
+        out = [f"samples   {self.samples} ({self.images} images, {self.videos} clips) in {self.shards} shards, "
+               f"{self.bytes / 2**20:.1f} MiB",
+               f"time      {self.seconds:.1f} s ({rate:.1f} samples/s)"]
+        if self.fit_psnr is not None:
+            out.append(f"codec     round-trip PSNR {self.fit_psnr:.2f} dB on the fitting samples")
+        skipped = ", ".join(f"{n} {reason}" for reason, n in self.skipped.most_common()) or "none"
+        out.append(f"skipped   {skipped}")
+        return out
+
+
+def dist_env() -> tuple[int, int]:
+    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+
+
+def _load(args) -> Item | str:
+    source, i = args
+    try:
+        return source.load(i)
+    except Skip as e:
+        return str(e)
+
+
+def iterate(source, indices, workers: int):
+    """(index, Item or skip reason) in index order; `workers` processes load/render in parallel."""
+    if workers <= 1:
+        for i in indices:
+            yield i, _load((source, i))
+        return
+    with get_context("spawn").Pool(workers) as pool:
+        yield from zip(indices, pool.imap(_load, ((source, i) for i in indices), chunksize=4), strict=True)
+
+
+def to_tensor(pixels: np.ndarray) -> torch.Tensor:
+    """(F, H, W, 3) uint8 → (1, 3, F, H, W) float in [-1, 1]."""
+    return torch.from_numpy(pixels).permute(3, 0, 1, 2)[None].float() / 127.5 - 1.0
+
+
+def fit_codec(choice: CodecChoice, items: list[Item]) -> tuple[Codec, float | None]:
+    pixels = [to_tensor(it.pixels) for it in items]
+    if choice.name == "pca":
+        codec = PatchPCACodec.fit(pixels, patch=8, channels=choice.pca_channels)
+    else:
+        codec = choice.build_fixed()
+    quality = float(np.mean([psnr(codec.decode(codec.encode(p)), p) for p in pixels[:64]])) if pixels else None
+    return codec, quality
+
+
+def prepare(source, out: Path, *, codec: CodecChoice, text_encoder: TextEncoder, fit_samples: int = 256,
+            workers: int = 0, shard_size: int = 1000, overwrite: bool = False, progress: bool = True,
+            num_classes: int = 0) -> Summary:
+    rank, world = dist_env()
+    if world > 1:
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo")
+    t0 = time.perf_counter()
+    summary = Summary()
+    if rank == 0:
+        start_dataset(out, overwrite)
+    _barrier(world)
+
+    # 1. Fit the codec (PCA) and measure latent statistics on the first fit_samples samples.
+    fit_items = [it for _, it in iterate(source, range(min(fit_samples, len(source))), workers)
+                 if isinstance(it, Item)]
+    if not fit_items:
+        raise RuntimeError("none of the first samples could be read: nothing to fit the codec on")
+    the_codec, summary.fit_psnr = fit_codec(codec, fit_items)
+    stats = LatentStats.measure(the_codec.encode(to_tensor(it.pixels)) for it in fit_items)
+
+    # 2. Encode and write this rank's samples.
+    mine = range(rank, len(source), world)
+    bar = tqdm(total=len(mine), desc=f"rank {rank} encoding" if world > 1 else "encoding", unit="sample",
+               disable=not progress or rank != 0)
+    texts = CaptionCache(text_encoder)
+    with ShardWriter(out, rank=rank, max_count=shard_size) as writer:
+        pending: list[Item] = []
+        for _, item in iterate(source, mine, workers):
+            bar.update()
+            if isinstance(item, str):
+                summary.skipped[item] += 1
+                continue
+            pending.append(item)
+            if len(pending) >= 32:
+                _write(pending, the_codec, stats, texts, writer, summary)
+                pending = []
+        _write(pending, the_codec, stats, texts, writer, summary)
+        summary.bytes = writer.bytes
+    bar.close()
+
+    # 3. Every rank done → rank 0 indexes and marks the dataset complete.
+    totals = _sum_over_ranks(summary, world)
+    if rank == 0:
+        config = the_codec.save(out)
+        info = DatasetInfo(
+            codec=config, latent_stats=stats.to_dict(),
+            text_encoder={"name": text_encoder.name, "dim": text_encoder.dim},
+            latent_channels=the_codec.latent_channels, spatial_factor=the_codec.spatial_factor,
+            temporal_factor=the_codec.temporal_factor, num_classes=num_classes,
+            counts={"samples": totals.samples, "images": totals.images, "videos": totals.videos,
+                    "skipped": dict(totals.skipped)},
+        )
+        finish_dataset(out, info)
+        totals.shards = info.counts["shards"]
+    _barrier(world)
+    totals.seconds = time.perf_counter() - t0
+    totals.fit_psnr = summary.fit_psnr
+    return totals
+
+
+class CaptionCache:
+    """Text states per distinct caption: captions repeat (the synthetic set has a few hundred), encoding doesn't."""
+
+    def __init__(self, encoder: TextEncoder):
+        self.encoder, self.states = encoder, {}
+
+    def __call__(self, captions: list[str]) -> list[torch.Tensor]:
+        new = list(dict.fromkeys(c for c in captions if c not in self.states))
+        if new:
+            self.states.update(zip(new, self.encoder.encode(new), strict=True))
+        return [self.states[c] for c in captions]
+
+
+def _write(items: list[Item], codec: Codec, stats: LatentStats, texts: CaptionCache, writer: ShardWriter,
+           summary: Summary) -> None:
+    if not items:
+        return
+    for item, text in zip(items, texts([it.caption for it in items]), strict=True):
+        latent = stats.normalize(codec.encode(to_tensor(item.pixels)))[0]  # (C, T', H', W'), std SIGMA_DATA
+        frames, height, width = item.pixels.shape[:3]
+        meta = {"caption": item.caption, "height": height, "width": width, "frames": frames, "fps": item.fps,
+                **item.meta}
+        writer.write(item.key, latent, text, meta)
+        summary.samples += 1
+        if frames > 1:
+            summary.videos += 1
+        else:
+            summary.images += 1
+
+
+def _barrier(world: int) -> None:
+    if world > 1:
+        import torch.distributed as dist
+
+        dist.barrier()
+
+
+def _sum_over_ranks(summary: Summary, world: int) -> Summary:
+    if world == 1:
+        return summary
+    import torch.distributed as dist
+
+    parts = [None] * world
+    dist.all_gather_object(parts, summary)
+    total = Summary()
+    for s in parts:
+        total.samples += s.samples
+        total.images += s.images
+        total.videos += s.videos
+        total.bytes += s.bytes
+        total.skipped += s.skipped
+    return total

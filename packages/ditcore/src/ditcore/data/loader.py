@@ -1,0 +1,217 @@
+"""Streaming a prepared dataset with Energon: cook → patchify → pack (first-fit-decreasing) → batch.
+
+The loader is Energon's savable loader: `loader.save_state_rank()` goes into every checkpoint and
+`restore_state_rank(state)` on a fresh loader, before iterating, continues with exactly the batches an
+uninterrupted run would have seen (with any number of workers). Its WorkerConfig comes from the
+data-parallel rank/size/group, so tensor- and context-parallel peers get identical batches.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import tarfile
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import yaml
+from megatron.energon import (
+    Cooker,
+    CrudeSample,
+    SkipSample,
+    TaskEncoder,
+    WorkerConfig,
+    basic_sample_keys,
+    get_savable_loader,
+    get_train_dataset,
+    stateless,
+)
+from megatron.energon.flavors.base_dataset import Sample
+
+from ditcore.data.packing import PackedBatch, PackedRow, TokenSample, collate, first_fit_decreasing
+from ditcore.data.schema import LATENT, META, TEXT, read_info
+from ditcore.models.dit import grid_positions, patchify
+
+log = logging.getLogger(__name__)
+
+# Samples that failed inside Energon's pipeline (unreadable payload, decode error), counted per worker
+# process by `count_error` and handed out with the next batch, like the task encoder's own skips.
+_ERRORS: Counter = Counter()
+
+
+def count_error(exc: Exception, sample, sources=None) -> None:
+    """Energon error handler: skip the sample, count it, one log line instead of a traceback."""
+    _ERRORS["unreadable_sample"] += 1
+    where = f" ({sources[0].shard_name})" if sources else ""
+    log.warning("skipping unreadable sample%s: %s: %s", where, type(exc).__name__, exc)
+
+
+@dataclass
+class LatentSample(Sample):
+    latent: torch.Tensor  # [C, T, H, W]
+    text: torch.Tensor  # [L, D]
+    meta: dict
+
+
+@dataclass
+class EncodedSample(Sample):
+    """A TokenSample carried through Energon (which restores its packing buffer from these samples' keys)."""
+
+    item: TokenSample
+
+
+@dataclass
+class PackedSample(Sample):
+    row: PackedRow
+
+
+@stateless
+def cook(sample: CrudeSample) -> LatentSample:
+    """Energon hands over the crude record already decoded: pth → tensor, json → dict."""
+    return LatentSample(**basic_sample_keys(sample), latent=sample[LATENT], text=sample[TEXT], meta=sample[META])
+
+
+class PackingTaskEncoder(TaskEncoder):
+    """Patchify with the model's own p and pt, skip bad samples (counted), pack into rows of seq_length.
+
+    Skip counts travel with the batches (`batch.skipped`: counts since the worker's previous batch), so
+    they add up correctly however many loader workers there are.
+    """
+
+    cookers = (Cooker(cook),)
+
+    def __init__(self, *, patch_size: int, patch_size_t: int, seq_length: int, text_dim: int):
+        super().__init__()
+        self.p, self.pt, self.seq_length, self.text_dim = patch_size, patch_size_t, seq_length, text_dim
+        self._skipped: Counter = Counter()
+
+    def _skip(self, sample: LatentSample, reason: str):
+        self._skipped[reason] += 1
+        log.warning("skipping sample %s: %s", sample.__key__, reason)
+        raise SkipSample()
+
+    @stateless
+    def preencode_sample(self, sample: LatentSample) -> EncodedSample:
+        z, text = sample.latent, sample.text
+        if not torch.is_tensor(z) or z.ndim != 4:
+            self._skip(sample, "latent_not_4d")
+        if not torch.isfinite(z).all():
+            self._skip(sample, "non_finite_latent")
+        if not torch.is_tensor(text) or text.ndim != 2 or text.shape[1] != self.text_dim:
+            self._skip(sample, "bad_text_states")
+        if not torch.isfinite(text).all():
+            self._skip(sample, "non_finite_text")
+        _, T, H, W = z.shape
+        if T % self.pt or H % self.p or W % self.p:
+            self._skip(sample, "not_divisible_by_patch")
+        grid = (T // self.pt, H // self.p, W // self.p)
+        n = grid[0] * grid[1] * grid[2]
+        if n > self.seq_length:
+            self._skip(sample, "longer_than_seq_length")
+        meta = sample.meta
+        item = TokenSample(
+            key=sample.__key__, tokens=patchify(z[None].float(), self.p, self.pt)[0], pos=grid_positions(grid),
+            grid=grid, text=text.float(), label=int(meta.get("label", -1)), fps=float(meta.get("fps", 0.0)),
+            caption=str(meta.get("caption", "")),
+        )
+        return EncodedSample.derive_from(sample, item=item)
+
+    def select_samples_to_pack(self, samples: list[EncodedSample]) -> list[list[EncodedSample]]:
+        groups = first_fit_decreasing([s.item.tokens.shape[0] for s in samples], self.seq_length)
+        return [[samples[i] for i in group] for group in groups]
+
+    @stateless
+    def pack_selected_samples(self, samples: list[EncodedSample]) -> PackedSample:
+        return PackedSample.derive_from(samples[0], row=PackedRow([s.item for s in samples]))
+
+    def batch(self, packs: list[PackedSample]) -> PackedBatch:
+        batch = collate([p.row for p in packs], self.seq_length)
+        batch.skipped = dict(self._skipped + _ERRORS)
+        self._skipped.clear()
+        _ERRORS.clear()
+        return batch
+
+
+def broken_shards(root: Path) -> dict[str, str]:
+    """Shards that no longer read as indexed (truncated, overwritten headers): name → reason.
+
+    Walks only the 512-byte tar headers, seeking over payloads, and compares the samples found with
+    Energon's index; cheap next to training. (tarfile reads a garbled header as the end of the archive,
+    so a short count is how corruption shows.)
+    """
+    expected = json.loads((root / ".nv-meta" / ".info.json").read_text()).get("shard_counts", {})
+    bad = {}
+    for name, count in sorted(expected.items()):
+        try:
+            with tarfile.open(root / name, mode="r:") as tar:
+                found = len({m.name.split(".", 1)[0] for m in tar if m.isfile()})
+        except (tarfile.TarError, OSError, EOFError) as e:
+            bad[name] = f"{type(e).__name__}: {e}"
+            continue
+        if found != count:
+            bad[name] = f"{found} of its {count} indexed samples are readable"
+    return bad
+
+
+def _split_config_without(root: Path, bad: dict[str, str]) -> str:
+    """Energon split config equal to the dataset's, with the broken shards excluded; returns its file name."""
+    meta = root / ".nv-meta"
+    split = yaml.safe_load((meta / "split.yaml").read_text())
+    split["exclude"] = sorted(set(split.get("exclude") or []) | set(bad))
+    name = "split-verified.yaml"
+    tmp = meta / f".{name}.{os.getpid()}"
+    tmp.write_text(yaml.safe_dump(split))
+    os.replace(tmp, meta / name)  # every rank writes the same content; the rename is atomic
+    return name
+
+
+def _indexed_count(root: Path, shards) -> int:
+    counts = json.loads((root / ".nv-meta" / ".info.json").read_text()).get("shard_counts", {})
+    return sum(counts.get(s, 0) for s in shards)
+
+
+def build_loader(
+    root: str | Path,
+    *,
+    patch_size: int,
+    patch_size_t: int,
+    seq_length: int,
+    batch_size: int,
+    num_workers: int = 0,
+    dp_rank: int = 0,
+    dp_size: int = 1,
+    dp_group=None,
+    shuffle_buffer_size: int = 100,
+    packing_buffer_size: int | None = None,
+    max_samples_per_sequence: int = 100,
+    seed: int = 0,
+):
+    """An endless, resumable loader of PackedBatch for one data-parallel rank.
+
+    Broken shards are left out (logged, and counted in `loader.skipped_at_start`); unreadable samples and
+    bad latents are skipped and counted in each batch's `skipped`.
+    """
+    root = Path(root)
+    info = read_info(root)
+    split_config = None
+    bad = broken_shards(root)
+    if bad:
+        for name, reason in bad.items():
+            log.warning("leaving out broken shard %s (%s)", name, reason)
+        split_config = _split_config_without(root, bad)
+    worker_config = WorkerConfig(rank=dp_rank, world_size=dp_size, num_workers=num_workers,
+                                 data_parallel_group=dp_group, seed_offset=seed,
+                                 global_error_handler=count_error)
+    encoder = PackingTaskEncoder(patch_size=patch_size, patch_size_t=patch_size_t, seq_length=seq_length,
+                                 text_dim=info.text_encoder["dim"])
+    dataset = get_train_dataset(
+        str(root), worker_config=worker_config, batch_size=batch_size, task_encoder=encoder,
+        shuffle_buffer_size=shuffle_buffer_size, max_samples_per_sequence=max_samples_per_sequence,
+        packing_buffer_size=packing_buffer_size or 4 * batch_size, **({"split_config": split_config} if bad else {}),
+    )
+    loader = get_savable_loader(dataset)
+    loader.skipped_at_start = {"broken_shard": _indexed_count(root, bad)} if bad else {}
+    return loader

@@ -1,0 +1,104 @@
+"""Sequence packing: several samples' tokens in one row of `seq_length`, each keeping its own identity.
+
+A packed batch is what ditcore.models.DiT.forward takes: token rows with `seg` naming each token's sample
+(−1 for padding), per-sample (B, S) conditioning, and text tokens tagged the same way.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+def first_fit_decreasing(lengths: list[int], capacity: int) -> list[list[int]]:
+    """Group item indices into bins of total length <= capacity, longest items first.
+
+    Every item that fits on its own is placed; an item longer than capacity raises (callers skip those first).
+    """
+    bins: list[list[int]] = []
+    space: list[int] = []
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        if lengths[i] > capacity:
+            raise ValueError(f"item {i} has {lengths[i]} tokens, more than the row capacity {capacity}")
+        for b, free in enumerate(space):
+            if lengths[i] <= free:
+                bins[b].append(i)
+                space[b] -= lengths[i]
+                break
+        else:
+            bins.append([i])
+            space.append(capacity - lengths[i])
+    return bins
+
+
+@dataclass
+class TokenSample:
+    """One sample after patchify: what packing works with."""
+
+    key: str
+    tokens: torch.Tensor  # (n, patch_dim)
+    pos: torch.Tensor  # (n, 3) long: (t, h, w) grid positions
+    grid: tuple[int, int, int]  # (T', H', W') token grid, to unpatchify
+    text: torch.Tensor  # (L, D) unpadded
+    label: int  # class label, -1 if none
+    fps: float
+    caption: str
+
+
+@dataclass
+class PackedRow:
+    samples: list[TokenSample]
+
+    @property
+    def length(self) -> int:
+        return sum(s.tokens.shape[0] for s in self.samples)
+
+
+@dataclass
+class PackedBatch:
+    """B rows of N = seq_length tokens; S = the most samples any row holds."""
+
+    x: torch.Tensor  # (B, N, patch_dim) float32; zeros on padding
+    pos: torch.Tensor  # (B, N, 3) long
+    seg: torch.Tensor  # (B, N) long: sample index within the row, −1 on padding
+    text: torch.Tensor  # (B, L, D) float32
+    text_seg: torch.Tensor  # (B, L) long
+    class_labels: torch.Tensor  # (B, S) long, −1 where a slot is unused or the sample has no label
+    fps: torch.Tensor  # (B, S) float
+    num_samples: torch.Tensor  # (B,) samples in each row
+    keys: list[list[str]]
+    captions: list[list[str]]
+    grids: list[list[tuple[int, int, int]]]
+    skipped: dict = field(default_factory=dict)  # samples skipped (by reason) since this worker's last batch
+
+    @property
+    def mask(self) -> torch.Tensor:  # (B, N) real tokens
+        return self.seg >= 0
+
+
+def collate(rows: list[PackedRow], seq_length: int) -> PackedBatch:
+    B = len(rows)
+    first = rows[0].samples[0]
+    patch_dim, text_dim = first.tokens.shape[1], first.text.shape[1]
+    S = max(len(r.samples) for r in rows)
+    L = max(sum(s.text.shape[0] for s in r.samples) for r in rows)
+    out = PackedBatch(
+        x=torch.zeros(B, seq_length, patch_dim), pos=torch.zeros(B, seq_length, 3, dtype=torch.long),
+        seg=torch.full((B, seq_length), -1), text=torch.zeros(B, L, text_dim), text_seg=torch.full((B, L), -1),
+        class_labels=torch.full((B, S), -1), fps=torch.zeros(B, S), num_samples=torch.zeros(B, dtype=torch.long),
+        keys=[], captions=[], grids=[],
+    )
+    for b, row in enumerate(rows):
+        n = t = 0
+        for s, smp in enumerate(row.samples):
+            k, ln = smp.tokens.shape[0], smp.text.shape[0]
+            out.x[b, n:n + k], out.pos[b, n:n + k], out.seg[b, n:n + k] = smp.tokens, smp.pos, s
+            out.text[b, t:t + ln], out.text_seg[b, t:t + ln] = smp.text, s
+            out.class_labels[b, s], out.fps[b, s] = smp.label, smp.fps
+            n, t = n + k, t + ln
+        out.num_samples[b] = len(row.samples)
+        out.keys.append([s.key for s in row.samples])
+        out.captions.append([s.caption for s in row.samples])
+        out.grids.append([s.grid for s in row.samples])
+    return out

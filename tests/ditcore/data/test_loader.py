@@ -1,0 +1,140 @@
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from ditcore.data.loader import build_loader
+from ditcore.data.schema import DatasetError, DatasetInfo, read_info
+from ditcore.data.writer import TYPED_CONFIG, ShardWriter, finish_dataset, start_dataset
+
+N_SAMPLES, NAN_KEY, SEQ = 60, "s00005", 32
+
+
+def write_dataset(root: Path) -> Path:
+    """60 samples: images (T=1) of 4x4 / 8x4 latents and 2-frame 8x8 clips (32 tokens), text of varying length."""
+    start_dataset(root, overwrite=False)
+    g = torch.Generator().manual_seed(0)
+    with ShardWriter(root, max_count=20) as w:
+        for i in range(N_SAMPLES):
+            T, (H, W) = (2, (8, 8)) if i % 3 == 0 else (1, [(4, 4), (8, 4)][i % 2])
+            latent = torch.randn(4, T, H, W, generator=g)
+            if f"s{i:05d}" == NAN_KEY:
+                latent[0, 0, 0, 0] = float("nan")
+            w.write(f"s{i:05d}", latent, torch.randn(2 + i % 5, 8, generator=g), {"caption": f"c{i}", "fps": 8.0})
+    finish_dataset(root, DatasetInfo(codec={"kind": "pixel", "factor": 1}, latent_stats={},
+                                     text_encoder={"name": "test", "dim": 8}, latent_channels=4, spatial_factor=1,
+                                     temporal_factor=1, counts={"samples": N_SAMPLES}))
+    return root
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory) -> Path:
+    return write_dataset(tmp_path_factory.mktemp("ds") / "data")
+
+
+def loader(root, **kw):
+    kw = {"patch_size": 2, "patch_size_t": 1, "seq_length": SEQ, "batch_size": 3, **kw}
+    return build_loader(root, **kw)
+
+
+def energon(*args):
+    return subprocess.run([sys.executable, "-m", "megatron.energon.cli.main", *map(str, args)],
+                          capture_output=True, text=True)
+
+
+def test_energon_info_and_lint_accept_the_dataset(dataset):
+    info = energon("info", dataset, "--dataset-config", TYPED_CONFIG)
+    assert info.returncode == 0 and f"{N_SAMPLES} samples in 3 shards" in info.stdout, info.stderr[-2000:]
+    lint = energon("lint", dataset, "--dataset-config", TYPED_CONFIG)
+    assert lint.returncode == 0, lint.stderr[-2000:]
+    assert read_info(dataset).counts == {"samples": N_SAMPLES, "shards": 3}
+
+
+def test_batches_are_packed_within_seq_length_and_cover_the_data(dataset):
+    it = iter(loader(dataset))
+    seen = set()
+    for _ in range(60):
+        b = next(it)
+        assert b.x.shape == (3, SEQ, 16) and b.seg.shape == (3, SEQ)
+        for r in range(3):
+            lengths = [int((b.seg[r] == s).sum()) for s in range(int(b.num_samples[r]))]
+            assert sum(lengths) <= SEQ
+            assert lengths == [t * h * w for t, h, w in b.grids[r]]  # each sample keeps all its tokens
+        seen |= {k for row in b.keys for k in row}
+    assert seen == {f"s{i:05d}" for i in range(N_SAMPLES)} - {NAN_KEY}
+    assert (b.num_samples > 1).any()  # rows really hold several samples
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_loader_resumes_exactly(dataset, workers):
+    a = loader(dataset, num_workers=workers)
+    it = iter(a)
+    for _ in range(4):
+        next(it)
+    state = a.save_state_rank()
+    expected = [next(it) for _ in range(6)]
+    b = loader(dataset, num_workers=workers)
+    b.restore_state_rank(state)  # before iterating
+    it_b = iter(b)
+    for want in expected:
+        got = next(it_b)
+        assert got.keys == want.keys
+        assert torch.equal(got.x, want.x) and torch.equal(got.seg, want.seg) and torch.equal(got.text, want.text)
+
+
+def test_data_parallel_ranks_get_disjoint_samples(dataset):
+    keys = []
+    for rank in (0, 1):
+        it = iter(loader(dataset, dp_rank=rank, dp_size=2, shuffle_buffer_size=1))
+        keys.append({k for _ in range(3) for row in next(it).keys for k in row})
+    assert keys[0] and keys[1] and not keys[0] & keys[1]
+
+
+def skipped_in(ld, batches=40):
+    it, total = iter(ld), dict(ld.skipped_at_start)
+    for _ in range(batches):
+        for reason, n in next(it).skipped.items():
+            total[reason] = total.get(reason, 0) + n
+    return total
+
+
+def test_nan_latent_is_skipped_and_counted(dataset):
+    assert skipped_in(loader(dataset)).get("non_finite_latent", 0) >= 1
+
+
+def test_broken_shard_is_left_out_and_counted(dataset, tmp_path):
+    root = shutil.copytree(dataset, tmp_path / "data")
+    shard = root / "rank0-000001.tar"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2:len(data) // 2 + 600] = b"\x00garbage" * 75  # overwrites tar headers and payloads
+    shard.write_bytes(bytes(data))
+    counts = skipped_in(loader(root))
+    assert counts["broken_shard"] == 20
+
+
+def test_unreadable_sample_is_skipped_and_counted(dataset, tmp_path):
+    root = shutil.copytree(dataset, tmp_path / "data")
+    shard = root / "rank0-000000.tar"
+    data = bytearray(shard.read_bytes())
+    start = data.index(b"s00001.latent.pth") + 512  # the payload right after that member's header
+    data[start:start + 64] = b"\xff" * 64  # a torch.save blob that no longer loads; tar structure intact
+    shard.write_bytes(bytes(data))
+    counts = skipped_in(loader(root))
+    assert counts.get("unreadable_sample", 0) >= 1 and "broken_shard" not in counts
+
+
+def test_missing_or_unfinished_dataset_is_a_clear_error(dataset, tmp_path):
+    with pytest.raises(DatasetError, match="does not exist — run dit-prepare first"):
+        read_info(tmp_path / "nope")
+    root = shutil.copytree(dataset, tmp_path / "unfinished")
+    (root / "ditcore.json").unlink()
+    with pytest.raises(DatasetError, match=r"no ditcore.json / .nv-meta/: it is not a finished ditcore dataset"):
+        loader(root)
+
+
+def test_existing_output_is_not_overwritten_by_accident(dataset):
+    with pytest.raises(FileExistsError, match="already exists and is not empty — choose another path or pass"):
+        start_dataset(dataset, overwrite=False)

@@ -1,0 +1,46 @@
+import random
+
+import pytest
+import torch
+
+from ditcore.data.packing import PackedRow, TokenSample, collate, first_fit_decreasing
+from ditcore.models import grid_positions
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_first_fit_decreasing_never_overflows_and_places_everything(seed):
+    rng = random.Random(seed)
+    capacity = rng.choice([16, 64, 256])
+    lengths = [rng.randint(1, capacity) for _ in range(rng.randint(1, 60))]
+    bins = first_fit_decreasing(lengths, capacity)
+    placed = sorted(i for b in bins for i in b)
+    assert placed == list(range(len(lengths)))  # every sample that fits is placed, exactly once
+    assert all(sum(lengths[i] for i in b) <= capacity for b in bins)
+    # FFD uses at most 11/9·OPT + 6/9 bins; OPT >= total/capacity
+    assert len(bins) <= 11 / 9 * -(-sum(lengths) // capacity) + 1
+
+
+def test_first_fit_decreasing_example_and_too_long():
+    assert first_fit_decreasing([5, 3, 8, 2, 6], 10) == [[2, 3], [4, 1], [0]]
+    with pytest.raises(ValueError, match="item 1 has 12 tokens, more than the row capacity 10"):
+        first_fit_decreasing([3, 12], 10)
+
+
+def _tok(key, grid, text_len, label=-1):
+    n = grid[0] * grid[1] * grid[2]
+    return TokenSample(key=key, tokens=torch.randn(n, 8), pos=grid_positions(grid), grid=grid,
+                       text=torch.randn(text_len, 4), label=label, fps=8.0, caption=key)
+
+
+def test_collate_lays_out_samples_and_padding():
+    rows = [PackedRow([_tok("a", (1, 2, 3), 2, 1), _tok("b", (2, 2, 2), 0)]), PackedRow([_tok("c", (1, 4, 4), 3)])]
+    b = collate(rows, seq_length=20)
+    assert b.seg[0].tolist() == [0] * 6 + [1] * 8 + [-1] * 6
+    assert b.seg[1].tolist() == [0] * 16 + [-1] * 4
+    assert torch.equal(b.x[0, :6], rows[0].samples[0].tokens) and torch.equal(b.x[0, 6:14], rows[0].samples[1].tokens)
+    assert b.x[0, 14:].abs().sum() == 0
+    assert torch.equal(b.pos[0, 6:14], grid_positions((2, 2, 2)))
+    assert b.text_seg.tolist() == [[0, 0, -1], [0, 0, 0]]  # sample b has no text: no text tokens at all
+    assert b.class_labels.tolist() == [[1, -1], [-1, -1]] and b.num_samples.tolist() == [2, 1]
+    assert b.mask.sum().item() == 6 + 8 + 16
+    assert b.grids == [[(1, 2, 3), (2, 2, 2)], [(1, 4, 4)]]
