@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import time
-from importlib.metadata import version
 from pathlib import Path
 
 import typer
+
+from ditcore.cli import version_option
 
 app = typer.Typer(
     name="dit-prepare",
@@ -19,17 +20,8 @@ app = typer.Typer(
 )
 
 
-def _print_version(value: bool) -> None:
-    if value:
-        typer.echo(f"dit-prepare {version('dit-prepare')} (ditcore {version('ditcore')})")
-        raise typer.Exit()
-
-
 @app.callback()
-def main(
-    version_: bool = typer.Option(False, "--version", callback=_print_version, is_eager=True,
-                                  help="Print the version and exit."),
-) -> None:
+def main(version_: bool = version_option("dit-prepare")) -> None:
     """Turn images/videos + captions into an Energon dataset of precomputed latents and text embeddings."""
 
 

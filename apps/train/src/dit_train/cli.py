@@ -1,8 +1,8 @@
 """The `dit-train` command line."""
 
-from importlib.metadata import version
-
 import typer
+
+from ditcore.cli import version_option
 
 app = typer.Typer(
     name="dit-train",
@@ -16,16 +16,6 @@ app = typer.Typer(
 )
 
 
-def _print_version(value: bool) -> None:
-    if value:
-        typer.echo(f"dit-train {version('dit-train')} (ditcore {version('ditcore')})")
-        raise typer.Exit()
-
-
 @app.callback(invoke_without_command=True)
-def main(
-    version_: bool = typer.Option(
-        False, "--version", callback=_print_version, is_eager=True, help="Print the version and exit."
-    ),
-) -> None:
+def main(version_: bool = version_option("dit-train")) -> None:
     """Train a diffusion transformer with the EDM objective (Lightning Fabric + Megatron-Core parallelism)."""
