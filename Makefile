@@ -9,9 +9,10 @@ PIP    := $(BIN)/python -m pip --quiet --disable-pip-version-check
 # torch is pinned in constraints.txt: pip then takes the machine's local CPU wheel, not the CUDA build.
 EDITABLE := -e 'packages/ditcore[test]' -e 'apps/prepare[test]' -e 'apps/train[test]' -e 'apps/sample[test]'
 
-.PHONY: help install test test-slow lint bench clean
+.PHONY: help install test test-slow lint bench demo clean
 
 help:
+	@echo "make demo       synthetic butterflies -> train a small DiT on the CPU -> sample prompts (~12 min, 2 cores)"
 	@echo "make test       create .venv if needed, install the four packages, run ruff and the fast tests"
 	@echo "make test-slow  also run the tests marked slow"
 	@echo "make bench      benchmarks under bench/ (installs diffusers, the peer implementation)"
@@ -42,6 +43,19 @@ test-slow: lint
 bench: install
 	@true  # diffusers (the peer) is a ditcore dependency already (its VAE codec)
 	$(BIN)/python bench/model_step.py
+
+# The whole system on the embedded default: prepare data, train, sample. A second run reuses the dataset and
+# the finished run (--resume auto finds its last checkpoint) and only samples again.
+DEMO_DATA := data/butterflies
+DEMO_RUN  := runs/demo
+demo: install
+	@test -f $(DEMO_DATA)/ditcore.json || $(BIN)/dit-prepare synthetic --out $(DEMO_DATA) --num 2000 --overwrite
+	$(BIN)/dit-train --config demo data.path=$(DEMO_DATA) train.run_dir=$(DEMO_RUN) --resume auto
+	@echo
+	@echo "Samples (one per prompt, image and 8-frame clip): $(DEMO_RUN)/samples/step-*/"
+	@ls -1 $(DEMO_RUN)/samples/*/ | sed 's/^/  /'
+	@echo "Loss curve: $(DEMO_RUN)/loss.png    Metrics: $(DEMO_RUN)/csv/    TensorBoard: $(BIN)/tensorboard --logdir $(DEMO_RUN)/tensorboard"
+	@echo "Exported model for sampling on one device: $(DEMO_RUN)/export/"
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

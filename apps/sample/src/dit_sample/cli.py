@@ -1,4 +1,8 @@
-"""The `dit-sample` command line."""
+"""The `dit-sample` command line: `generate` writes files, `serve` runs the Gradio app."""
+
+from __future__ import annotations
+
+from pathlib import Path
 
 import typer
 
@@ -6,16 +10,76 @@ from ditcore.cli import version_option
 
 app = typer.Typer(
     name="dit-sample",
-    help=(
-        "Sample a trained DiT checkpoint and decode latents to images and video (Gradio UI and CLI).\n\n"
-        "This release ships the command shell only (--help, --version); "
-        "its subcommands arrive in later releases."
-    ),
+    help="Sample a trained DiT checkpoint and decode latents to images and video (Gradio UI and CLI).",
     no_args_is_help=True,
     add_completion=False,
+    pretty_exceptions_enable=False,
 )
 
 
-@app.callback(invoke_without_command=True)
+@app.callback()
 def main(version_: bool = version_option("dit-sample")) -> None:
     """Sample a trained DiT checkpoint and decode latents to images and video (Gradio UI and CLI)."""
+
+
+@app.command()
+def generate(
+    checkpoint: Path = typer.Option(..., help="An export folder (RUN_DIR/export) or a run directory."),
+    prompt: list[str] = typer.Option(None, help="What to draw; repeat for several samples in one batch."),
+    negative_prompt: str = typer.Option(None, help="Steer away from this (the unconditional side of CFG)."),
+    class_label: list[int] = typer.Option(None, "--class", help="Class-conditional models: class index; repeat."),
+    steps: int = typer.Option(18, help="Sampler steps (Heun: 2·steps − 1 denoiser evaluations)."),
+    guidance: float = typer.Option(4.0, help="Classifier-free guidance weight w (1: no guidance)."),
+    seed: int = typer.Option(0, help="Random seed: the same seed gives the same output."),
+    frames: int = typer.Option(1, help="Frames (1: an image → png; more: a clip → mp4)."),
+    height: int = typer.Option(64, help="Height in pixels."),
+    width: int = typer.Option(64, help="Width in pixels."),
+    solver: str = typer.Option("heun", help="heun (2nd order) or euler."),
+    fps: float = typer.Option(8.0, help="Frame rate of the mp4 (and the model's fps condition, if it has one)."),
+    out: Path = typer.Option(Path("sample.png"), help="Output file; several prompts add -0, -1, … to the name."),
+) -> None:
+    """Sample prompts and write an mp4 (frames > 1) or png (frames = 1) for each."""
+    from dit_sample.generate import RequestError, Sampler
+    from ditcore.media import write_sample
+
+    if solver not in ("heun", "euler"):
+        _fail(f"--solver {solver!r} is invalid: expected heun or euler")
+    try:
+        sampler = Sampler.load(checkpoint)
+        if not sampler.class_conditional and not prompt:
+            raise RequestError("--prompt is required: describe what to draw, e.g. --prompt 'a red butterfly'")
+        result, seconds = sampler.run(prompts=prompt, negative_prompt=negative_prompt, class_labels=class_label,
+                                      steps=steps, guidance=guidance, seed=seed, frames=frames, height=height,
+                                      width=width, solver=solver, fps=fps)
+    except (RequestError, FileNotFoundError, ValueError, KeyError) as e:
+        _fail(str(e))
+    n = result.pixels.shape[0]
+    for i, pixels in enumerate(result.pixels):
+        target = out if n == 1 else out.with_name(f"{out.stem}-{i}{out.suffix}")
+        written = write_sample(pixels.numpy(), target, fps=fps)
+        typer.echo(f"wrote {written}")
+    typer.echo(f"{n} sample(s) of {frames}x{height}x{width}: {result.nfe} denoiser evaluations "
+               f"({'2x' if guidance != 1 else '1x'} batch for guidance), {seconds:.2f} s, seed {seed}")
+
+
+@app.command()
+def serve(
+    checkpoint: Path = typer.Option(..., help="An export folder, or a run directory (pick among its checkpoints)."),
+    host: str = typer.Option("127.0.0.1", help="Address to bind; 127.0.0.1 keeps it on this machine."),
+    port: int = typer.Option(7860, help="Port."),
+    concurrency: int = typer.Option(1, min=1, help="Requests sampled at the same time; the rest wait in a queue."),
+) -> None:
+    """Run the Gradio app: prompt → video/image in the browser. Never opens a public share link."""
+    from dit_sample.app import build_app
+
+    try:
+        demo = build_app(checkpoint, concurrency=concurrency)
+    except (FileNotFoundError, ValueError, KeyError) as e:
+        _fail(str(e))
+    typer.echo(f"serving {checkpoint} on http://{host}:{port}")
+    demo.launch(server_name=host, server_port=port, share=False, quiet=True)
+
+
+def _fail(message: str):
+    typer.echo(f"error: {message}", err=True)
+    raise typer.Exit(2)

@@ -1,21 +1,67 @@
-"""The `dit-train` command line."""
+"""The `dit-train` command line: a YAML config plus dotted overrides, validated, then the training loop."""
+
+from __future__ import annotations
+
+from pathlib import Path
 
 import typer
 
 from ditcore.cli import version_option
 
-app = typer.Typer(
-    name="dit-train",
-    help=(
-        "Train a diffusion transformer with the EDM objective (Lightning Fabric + Megatron-Core parallelism).\n\n"
-        "This release ships the command shell only (--help, --version); "
-        "its subcommands arrive in later releases."
-    ),
-    no_args_is_help=True,
-    add_completion=False,
-)
+app = typer.Typer(name="dit-train", add_completion=False, pretty_exceptions_enable=False)
+
+SHIPPED = Path(__file__).resolve().parents[2] / "configs"  # apps/train/configs
 
 
-@app.callback(invoke_without_command=True)
-def main(version_: bool = version_option("dit-train")) -> None:
-    """Train a diffusion transformer with the EDM objective (Lightning Fabric + Megatron-Core parallelism)."""
+def find_config(name: str) -> Path:
+    """A path, or the name of a shipped config (demo, butterfly, dit-xl, dit-7b-8k, mock)."""
+    path = Path(name)
+    if path.exists() or path.suffix:
+        return path
+    shipped = SHIPPED / f"{name}.yaml"
+    return shipped if shipped.is_file() else path
+
+
+@app.command(context_settings={"allow_extra_args": False})
+def main(
+    overrides: list[str] = typer.Argument(None, help="Dotted overrides, e.g. train.steps=200 parallel.tp=2."),
+    config: str = typer.Option(None, "--config", "-c", help="YAML config file, or a shipped config name: "
+                                                            "demo, butterfly, dit-xl, dit-7b-8k, mock."),
+    resume: str = typer.Option("auto", help="auto: continue from the newest complete checkpoint in RUN_DIR "
+                                            "(fresh run if none); none: start over; or a checkpoint folder."),
+    print_config: bool = typer.Option(False, "--print-config", help="Print the resolved config and exit."),
+    version_: bool = version_option("dit-train"),
+) -> None:
+    """Train a diffusion transformer with the EDM objective (Lightning Fabric + Megatron-Core parallelism).
+
+    Launch one process (or Fabric starts parallel.devices of them), or run under torchrun for several.
+    Writes RUN_DIR (train.run_dir): checkpoints/, samples/, csv/ and tensorboard/ logs, loss.png, export/.
+    SIGTERM or SIGUSR1 saves a checkpoint and exits 0.
+    """
+    from dit_train.config import load_config
+    from ditcore.data.schema import DatasetError
+    from ditcore.errors import ConfigError
+
+    try:
+        cfg = load_config(find_config(config) if config else None, overrides or [])
+    except ConfigError as e:
+        _fail(str(e))
+    if print_config:
+        typer.echo(cfg.to_yaml(), nl=False)
+        raise typer.Exit()
+    from dit_train.train import train
+
+    try:
+        result = train(cfg, resume=resume, config_yaml=cfg.to_yaml())
+    except (ConfigError, DatasetError, FileNotFoundError, ValueError) as e:
+        _fail(str(e))
+    if not result["stopped"]:
+        run = Path(cfg.train.run_dir)
+        typer.echo(f"done: {result['step']} steps; export {run / 'export'}; loss curve {run / 'loss.png'}")
+        for path in result.get("samples") or []:
+            typer.echo(f"sample    {path}")
+
+
+def _fail(message: str):
+    typer.echo(f"error: {message}", err=True)
+    raise typer.Exit(2)

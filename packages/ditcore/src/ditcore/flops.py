@@ -69,3 +69,28 @@ def forward_macs(cfg: DiTConfig, seq_len: int, text_len: int = 0, per_sample_wei
     if per_sample_weights:
         macs += c.per_sample_params
     return macs
+
+
+# Dense bf16 peaks for MFU (FLOP/s per GPU). On CPU, dit-train measures a matmul peak at start-up instead.
+PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12}
+
+
+def gpu_peak_flops(device_name: str) -> float | None:
+    """Peak for a CUDA device name such as 'NVIDIA H100 80GB HBM3'; None when the table does not know it."""
+    return next((peak for key, peak in PEAK_FLOPS.items() if key in device_name), None)
+
+
+def measure_cpu_peak_flops(size: int = 1024, repeats: int = 5) -> float:
+    """FLOP/s of an fp32 (size x size) matmul on this machine: the CPU 'peak' that CPU MFU is measured against."""
+    import time
+
+    import torch
+
+    a, b = torch.randn(size, size), torch.randn(size, size)
+    a @ b  # warm-up
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - t0)
+    return 2 * size**3 / best

@@ -6,6 +6,7 @@ import copy
 
 import torch
 from torch import nn
+from torch.distributed import ProcessGroup
 
 
 class EMA(nn.Module):
@@ -20,7 +21,9 @@ class EMA(nn.Module):
         if not 0.0 <= decay < 1.0:
             raise ValueError(f"decay={decay} is invalid: expected 0 <= decay < 1 (0 copies the weights)")
         self.decay = decay
-        self.module = copy.deepcopy(model).requires_grad_(False).eval()
+        # A parallelized model holds process-group handles: the copy shares them (they cannot be copied).
+        groups = {id(v): v for m in model.modules() for v in vars(m).values() if isinstance(v, ProcessGroup)}
+        self.module = copy.deepcopy(model, memo=groups).requires_grad_(False).eval()
 
     @torch.no_grad()
     def update(self, model: nn.Module) -> None:

@@ -366,6 +366,9 @@ class Sharding:
     sp_rank: int = 0
     sp_size: int = 1
 
+    def __deepcopy__(self, memo):  # immutable, and process groups cannot be copied: copies share it
+        return self
+
     def spans(self, n: int) -> tuple[slice, slice]:
         """(tokens attention sees, tokens this rank holds) of a row of n tokens."""
         parts = self.cp_size * self.sp_size

@@ -220,3 +220,30 @@ def load_consolidated(model: nn.Module, state: dict[str, torch.Tensor], groups: 
                 raise ValueError(f"{k}: checkpoint shape {tuple(state[k].shape)} does not fit this model's "
                                  f"{tuple(v.shape)} (shard of tp={tp})")
             v.copy_(src)
+
+
+def partition_dim(name: str) -> int | None:
+    """Split dimension of a parameter of a parallelized DiT, from its name (None: replicated)."""
+    module, _, kind = name.rpartition(".")
+    if any(module.endswith(f".{c}") for c in COLUMN):
+        return 0  # column parallel: weight rows and bias split
+    if kind == "weight" and any(module.endswith(f".{r}") for r in ROW):
+        return 1  # row parallel: weight columns split, bias replicated
+    return None
+
+
+def consolidate_shard_files(files: list, key: str = "model") -> dict[str, torch.Tensor]:
+    """One-device state dict from a checkpoint's per-TP-shard files, offline (no process groups needed).
+
+    Files are model_parallel_rank_XX.pt in rank order; `key` picks the state inside ("model" or "ema").
+    """
+    if not files:
+        raise FileNotFoundError("no model_parallel_rank_*.pt files: not a training checkpoint folder")
+    shards = [torch.load(f, map_location="cpu", weights_only=False)[key] for f in files]
+    full = {}
+    for name, first in shards[0].items():
+        if name.endswith("_extra_state"):
+            continue
+        dim = partition_dim(name) if len(shards) > 1 else None
+        full[name] = first if dim is None else torch.cat([s[name] for s in shards], dim=dim)
+    return full

@@ -1,0 +1,87 @@
+"""The consolidated export: what dit-sample (or anyone) needs to sample a trained model on one device.
+
+    EXPORT_DIR/model.safetensors   one-device (consolidated) EMA weights
+    EXPORT_DIR/model.json          the DiTConfig (architecture + data-dependent fields) and training info
+    EXPORT_DIR/ditcore.json        the dataset's codec, latent statistics and text encoder
+    EXPORT_DIR/codec_*             codec parameter files the dataset had (e.g. the patch-PCA components)
+
+Written to a temporary folder and renamed into place, so an export is complete or absent.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from ditcore.codecs import Codec, LatentStats, load_codec
+from ditcore.data.schema import INFO_FILE, DatasetInfo, read_info
+from ditcore.models import DiT, DiTConfig
+
+WEIGHTS, CONFIG = "model.safetensors", "model.json"
+
+
+def export_model(out: str | Path, state_dict: dict[str, torch.Tensor], cfg: DiTConfig, dataset: str | Path,
+                 extra: dict | None = None) -> Path:
+    out, dataset = Path(out), Path(dataset)
+    tmp = out.with_name(f".{out.name}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    save_file({k: v.contiguous() for k, v in state_dict.items()}, str(tmp / WEIGHTS))
+    (tmp / CONFIG).write_text(json.dumps({"model": dataclasses.asdict(cfg), **(extra or {})}, indent=1))
+    shutil.copy2(dataset / INFO_FILE, tmp / INFO_FILE)
+    for codec_file in dataset.glob("codec_*"):
+        shutil.copy2(codec_file, tmp / codec_file.name)
+    if out.exists():
+        shutil.rmtree(out)
+    os.replace(tmp, out)
+    return out
+
+
+@dataclass
+class Exported:
+    model: DiT
+    codec: Codec
+    stats: LatentStats
+    info: DatasetInfo
+    extra: dict
+
+
+def load_export(path: str | Path, device: str | torch.device = "cpu") -> Exported:
+    """Load an export folder; errors say what is missing or which architecture does not fit."""
+    path = Path(path)
+    if not (path / WEIGHTS).is_file() or not (path / CONFIG).is_file():
+        raise FileNotFoundError(f"'{path}' is not a ditcore export: it needs {WEIGHTS} and {CONFIG} "
+                                "(dit-train writes them to RUN_DIR/export/)")
+    meta = json.loads((path / CONFIG).read_text())
+    fields = {f.name for f in dataclasses.fields(DiTConfig)}
+    model_cfg = meta.get("model", {})
+    if not isinstance(model_cfg, dict) or not {"hidden_size", "depth", "num_heads"} <= model_cfg.keys():
+        raise ValueError(f"'{path / CONFIG}' does not describe a DiT (no hidden_size/depth/num_heads)")
+    model_cfg = {k: (tuple(v) if k == "max_grid" else v) for k, v in model_cfg.items() if k in fields}
+    model = DiT(DiTConfig(**model_cfg))
+    state = load_file(str(path / WEIGHTS))
+    missing, unexpected = model.state_dict().keys() - state.keys(), state.keys() - model.state_dict().keys()
+    if missing or unexpected:
+        raise ValueError(f"'{path}' holds weights of another architecture: missing {sorted(missing)[:3]}, "
+                         f"unexpected {sorted(unexpected)[:3]}")
+    model.load_state_dict(state)
+    info = read_info_file(path)
+    return Exported(model.to(device).eval(), load_codec(info.codec, path), LatentStats.from_dict(info.latent_stats),
+                    info, {k: v for k, v in meta.items() if k != "model"})
+
+
+def read_info_file(path: Path) -> DatasetInfo:
+    if not (path / INFO_FILE).is_file():
+        raise FileNotFoundError(f"'{path}' has no {INFO_FILE}: the export is incomplete")
+    data = json.loads((path / INFO_FILE).read_text())
+    return DatasetInfo(**data)
+
+
+__all__ = ["CONFIG", "WEIGHTS", "Exported", "export_model", "load_export", "read_info"]

@@ -1,0 +1,116 @@
+"""Prompts → latents → pixels: the sampling that training validation and dit-sample share.
+
+Classifier-free guidance runs as one batched forward over [conditional rows; unconditional rows]. The
+unconditional text is the negative prompt, or no text at all (the same "null text" the model was trained
+with under CFG dropout); for class-conditional models it is the null class.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from ditcore.codecs import Codec, LatentStats
+from ditcore.diffusion import EDMPrecond, edm_sampler, guided
+from ditcore.models.dit import DiT, grid_positions, unpatchify
+
+
+@dataclass
+class SampleResult:
+    pixels: torch.Tensor  # (B, F, H, W, 3) uint8
+    latents: torch.Tensor  # (B, C, T', H', W') normalised latents
+    nfe: int  # denoiser evaluations (each one batched forward)
+
+
+def token_grid(model: DiT, codec: Codec, frames: int, height: int, width: int) -> tuple[int, int, int]:
+    """The (T, H, W) token grid for pixels of this size; a ValueError says what sizes work."""
+    cfg = model.cfg
+    step = codec.spatial_factor * cfg.patch_size
+    if height % step or width % step:
+        raise ValueError(f"{height}x{width} pixels cannot be sampled: use heights and widths that are multiples "
+                         f"of {step} (codec factor {codec.spatial_factor} x patch {cfg.patch_size})")
+    T, H, W = codec.latent_size(frames, height, width)
+    if T % cfg.patch_size_t:
+        raise ValueError(f"{frames} frames give {T} latent frames, which the temporal patch {cfg.patch_size_t} "
+                         "does not divide: choose another frame count")
+    grid = (T // cfg.patch_size_t, H // cfg.patch_size, W // cfg.patch_size)
+    for axis, (n, limit) in enumerate(zip(grid, cfg.max_grid, strict=True)):
+        if n > limit:
+            what = ("frames", "height", "width")[axis]
+            raise ValueError(f"{what} too large: {n} tokens along it, the model supports up to {limit}")
+    return grid
+
+
+def _text_rows(states: list[torch.Tensor], dim: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Unpadded per-row text states → (B, L, D) padded and (B, L) text_seg (0 real, −1 padding)."""
+    L = max((s.shape[0] for s in states), default=0)
+    text = torch.zeros(len(states), L, dim, device=device)
+    seg = torch.full((len(states), L), -1, dtype=torch.long, device=device)
+    for i, s in enumerate(states):
+        text[i, :s.shape[0]] = s
+        seg[i, :s.shape[0]] = 0
+    return text, seg
+
+
+@torch.no_grad()
+def sample(
+    model: DiT,
+    codec: Codec,
+    stats: LatentStats,
+    *,
+    text_states: list[torch.Tensor] | None = None,
+    negative_states: list[torch.Tensor] | None = None,
+    class_labels: list[int] | None = None,
+    num: int | None = None,
+    frames: int = 1,
+    height: int = 64,
+    width: int = 64,
+    steps: int = 18,
+    guidance: float = 4.0,
+    solver: str = "heun",
+    seed: int = 0,
+    fps: float = 8.0,
+    callback: Callable[[int, int], None] | None = None,
+) -> SampleResult:
+    """Sample B = len(text_states) (or len(class_labels), or num) items with the EDM sampler."""
+    cfg = model.cfg
+    B = len(text_states) if text_states is not None else len(class_labels) if class_labels is not None else num
+    if not B:
+        raise ValueError("nothing to sample: pass text_states, class_labels or num")
+    device = next(model.parameters()).device
+    grid = token_grid(model, codec, frames, height, width)
+    pos = grid_positions(grid, device=device)
+    use_cfg = guidance != 1.0
+
+    cond: dict = {}
+    if cfg.text_dim:
+        states = [s.to(device) for s in (text_states or [torch.zeros(0, cfg.text_dim)] * B)]
+        if use_cfg:
+            states += [s.to(device) for s in negative_states] if negative_states else \
+                [torch.zeros(0, cfg.text_dim, device=device)] * B
+        cond["text"], cond["text_seg"] = _text_rows(states, cfg.text_dim, device)
+    if cfg.num_classes:
+        labels = list(class_labels) if class_labels is not None else [model.null_class] * B
+        labels += [model.null_class] * B if use_cfg else []
+        cond["class_labels"] = torch.tensor(labels, device=device)[:, None]
+    if cfg.fps_cond:
+        cond["fps"] = torch.full(((2 if use_cfg else 1) * B, 1), float(fps), device=device)
+
+    precond = EDMPrecond(model).eval()
+    nfe = 0
+
+    def denoise(x: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
+        nonlocal nfe
+        nfe += 1
+        return precond(x, sigma.expand(x.shape[0], 1), pos=pos, **cond)
+
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    noise = torch.randn(B, pos.shape[0], cfg.patch_dim, generator=g).to(device)
+    tokens = edm_sampler(guided(denoise, guidance) if use_cfg else denoise, noise, steps=steps, solver=solver,
+                         callback=callback)
+    latents = unpatchify(tokens, grid, cfg.patch_size, cfg.patch_size_t)  # (B, C, T', H', W')
+    pixels = codec.decode(stats.denormalize(latents.float().cpu()))  # (B, 3, F, H, W) in [-1, 1]
+    pixels = ((pixels + 1) * 127.5).round().clamp(0, 255).to(torch.uint8).permute(0, 2, 3, 4, 1)
+    return SampleResult(pixels=pixels, latents=latents, nfe=nfe)

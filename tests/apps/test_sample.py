@@ -1,0 +1,179 @@
+"""dit-sample as a user runs it: CLI determinism and outputs, the Gradio page in a real headless browser."""
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from ditcore.data.schema import DatasetInfo
+from ditcore.export import export_model
+from ditcore.media import read_video
+from ditcore.models import DiT, preset
+
+BIN = Path(sys.executable).parent
+CHROMIUM = "/usr/bin/chromium"
+
+
+def env():
+    return {**os.environ, "PYTHONWARNINGS": "ignore", "GRADIO_ANALYTICS_ENABLED": "False"}
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """An export of a small random text-conditioned DiT with a pixel codec (no training needed to test plumbing)."""
+    root = tmp_path_factory.mktemp("ckpt")
+    data = root / "data"
+    data.mkdir()
+    info = DatasetInfo(codec={"kind": "pixel", "factor": 4}, latent_stats={"mean": [0.0] * 48, "std": [0.5] * 48},
+                       text_encoder={"name": "minilm", "dim": 384}, latent_channels=48, spatial_factor=4,
+                       temporal_factor=1)
+    info.write(data)
+    cfg = preset("DiT-Tiny", in_channels=48, text_dim=384, patch_size=2, max_grid=(32, 16, 16))
+    torch.manual_seed(0)
+    model = DiT(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    run = root / "run"
+    export_model(run / "export", model.state_dict(), cfg, data, extra={"step": 1})
+    (run / "samples" / "step-0000001").mkdir(parents=True)
+    import imageio.v3 as iio
+
+    iio.imwrite(run / "samples" / "step-0000001" / "00-a-red-butterfly.png", np.zeros((32, 32, 3), np.uint8))
+    return run
+
+
+def generate(*args):
+    return subprocess.run([str(BIN / "dit-sample"), "generate", *map(str, args)], capture_output=True, text=True,
+                          env=env(), timeout=300)
+
+
+def test_same_seed_same_output_and_the_requested_frames(checkpoint, tmp_path):
+    a, b, c = tmp_path / "a.mp4", tmp_path / "b.mp4", tmp_path / "c.mp4"
+    common = ["--checkpoint", checkpoint, "--prompt", "a red butterfly", "--steps", 3, "--frames", 5,
+              "--height", 32, "--width", 48]
+    for out, seed in ((a, 7), (b, 7), (c, 8)):
+        proc = generate(*common, "--seed", seed, "--out", out)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "5 denoiser evaluations" in proc.stdout  # 3 Heun steps = 2·3 − 1
+    fa, fb, fc = read_video(a), read_video(b), read_video(c)
+    assert fa.shape == (5, 32, 48, 3)
+    assert np.array_equal(fa, fb) and not np.array_equal(fa, fc)
+
+
+def test_several_prompts_sample_as_one_batch_and_images_are_png(checkpoint, tmp_path):
+    proc = generate("--checkpoint", checkpoint / "export", "--prompt", "a red butterfly", "--prompt",
+                    "a blue butterfly", "--steps", 2, "--height", 32, "--width", 32, "--out", tmp_path / "s.png")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "2 sample(s) of 1x32x32: 3 denoiser evaluations" in proc.stdout
+    assert read_video(tmp_path / "s-0.png").shape == (1, 32, 32, 3) and (tmp_path / "s-1.png").is_file()
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--steps", 0], "steps=0 is out of range: expected 1..500"),
+        (["--guidance", -1], "guidance=-1.0 is out of range"),
+        (["--height", 30], "use heights and widths that are multiples of 8"),
+        (["--prompt", "  "], "the prompt is empty"),
+    ],
+)
+def test_bad_requests_give_one_clear_line(checkpoint, tmp_path, args, message):
+    base = {"--prompt": "a red butterfly", "--steps": 2}
+    for k, v in zip(args[::2], args[1::2], strict=True):
+        base[k] = v
+    flat = [x for kv in base.items() for x in kv]
+    proc = generate("--checkpoint", checkpoint, *flat, "--out", tmp_path / "x.png")
+    assert proc.returncode == 2 and message in proc.stderr, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
+
+
+def test_missing_or_wrong_checkpoint(tmp_path, checkpoint):
+    proc = generate("--checkpoint", tmp_path / "nope", "--prompt", "x")
+    assert proc.returncode == 2 and "does not exist" in proc.stderr
+    other = tmp_path / "other"
+    shutil.copytree(checkpoint / "export", other)
+    import json
+
+    meta = json.loads((other / "model.json").read_text())
+    meta["model"]["depth"] = 3
+    (other / "model.json").write_text(json.dumps(meta))
+    proc = generate("--checkpoint", other, "--prompt", "x")
+    assert proc.returncode == 2 and "weights of another architecture" in proc.stderr, proc.stderr[-2000:]
+
+
+# ---------------------------------------------------------------- the page
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(checkpoint):
+    port = free_port()
+    proc = subprocess.Popen([str(BIN / "dit-sample"), "serve", "--checkpoint", str(checkpoint), "--port", str(port)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env())
+    url = f"http://127.0.0.1:{port}/"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        try:
+            urllib.request.urlopen(url, timeout=2)
+            break
+        except OSError:
+            if proc.poll() is not None:
+                raise RuntimeError(proc.stdout.read()) from None
+            time.sleep(0.5)
+    yield url
+    proc.terminate()
+    proc.wait(timeout=30)
+
+
+@pytest.mark.skipif(not Path(CHROMIUM).exists(), reason="Debian chromium is not installed (.ci/run installs it)")
+def test_generate_in_a_real_browser(server, tmp_path):
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=[
+            "--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
+            "--disable-sync"])
+        page = browser.new_page()
+        page.goto(server)
+        page.fill("#prompt textarea", "a blue butterfly")
+        page.locator("#frames input[type=number]").fill("6")
+        page.locator("#steps input[type=number]").fill("3")
+        page.click("#generate")
+        page.wait_for_selector("#vid video", timeout=120_000)
+        src = page.locator("#vid video").get_attribute("src")
+        data = urllib.request.urlopen(src if src.startswith("http") else server.rstrip("/") + src).read()
+        (tmp_path / "v.mp4").write_bytes(data)
+        assert read_video(tmp_path / "v.mp4").shape[0] == 6
+        page.wait_for_function("document.querySelector('#info').innerText.includes('NFE 5')")
+        shot = Path(os.environ.get("DIT_SCREENSHOT_DIR", tmp_path)) / "dit-sample-page.png"
+        page.screenshot(path=str(shot), full_page=True)
+        assert shot.stat().st_size > 10_000
+        page.fill("#prompt textarea", "")
+        page.click("#generate")
+        page.wait_for_function("document.body.innerText.includes('the prompt is empty')", timeout=60_000)
+        browser.close()
+    assert urllib.request.urlopen(server, timeout=5).status == 200  # the failing request did not take it down
+
+
+def test_gradio_client(server, tmp_path):
+    from gradio_client import Client
+
+    client = Client(server, verbose=False)
+    video, _first, info = client.predict("export (final EMA weights)", "a red butterfly", "", 0, 2, 2.0, 3, 4, 32,
+                                        "euler", api_name="/generate")
+    path = video["video"] if isinstance(video, dict) else video
+    assert read_video(path).shape[0] == 4 and "NFE 2" in info and "seed 3" in info

@@ -1,0 +1,191 @@
+"""dit-train as a user runs it: configs, exact resume (1 process and TP=2), signals, outputs."""
+
+import csv
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from dit_train import checkpoint
+from dit_train.cli import find_config
+from dit_train.config import SHIPPED_NAMES, load_config
+from ditcore.media import read_video
+
+BIN = Path(sys.executable).parent
+TINY = ["model.preset=DiT-Tiny", "data.seq_length=32", "data.num_workers=0", "train.micro_batch=2",
+        "train.global_batch=4", "optim.lr=3e-3", "optim.warmup_steps=0", "checkpoint.every=3", "logging.every=1",
+        "validation.steps=2", "validation.size=32", "validation.prompts=[a red butterfly]", "logging.tensorboard=false"]
+
+
+def env():
+    return {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
+
+
+def dit_train(*args, timeout=300):
+    return subprocess.run([str(BIN / "dit-train"), *map(str, args)], capture_output=True, text=True,
+                          timeout=timeout, env=env())
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun_train(*args, timeout=300):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={free_port()}",
+           str(BIN / "dit-train"), *map(str, args)]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env())
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory):
+    out = tmp_path_factory.mktemp("train") / "data"
+    proc = subprocess.run([str(BIN / "dit-prepare"), "synthetic", "--out", str(out), "--num", "48", "--size", "32",
+                           "--frames", "4", "--fit-samples", "48"], capture_output=True, text=True, env=env())
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out
+
+
+def run_args(dataset, run_dir, steps, *extra):
+    return ["--config", "demo", *TINY, f"data.path={dataset}", f"train.run_dir={run_dir}", f"train.steps={steps}",
+            *extra]
+
+
+def final_state(run_dir: Path, step: int):
+    ckpt = checkpoint.step_dir(run_dir, step)
+    shards = sorted(ckpt.glob("model_parallel_rank_*.pt"))
+    return [torch.load(p, weights_only=False) for p in shards]
+
+
+def assert_same_training(a: Path, b: Path, step: int):
+    sa, sb = final_state(a, step), final_state(b, step)
+    assert len(sa) == len(sb) >= 1
+    for x, y in zip(sa, sb, strict=True):
+        assert x["history"] == y["history"]  # every step's loss, exactly
+        for part in ("model", "ema"):
+            for k in x[part]:
+                if torch.is_tensor(x[part][k]):
+                    assert torch.equal(x[part][k], y[part][k]), f"{part}.{k}"
+
+
+# ---------------------------------------------------------------- configs
+
+
+@pytest.mark.parametrize("name", SHIPPED_NAMES)
+def test_every_shipped_config_validates(name):
+    cfg = load_config(find_config(name))
+    assert cfg.train.steps >= 1
+
+
+def test_print_config_shows_the_resolved_values():
+    proc = dit_train("--config", "demo", "train.steps=123", "parallel.tp=2", "--print-config")
+    assert proc.returncode == 0
+    assert "steps: 123" in proc.stdout and "tp: 2" in proc.stdout and "preset: DiT-Demo" in proc.stdout
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--config", "demo", "train.stepz=3"], "train.stepz=3 is invalid: expected one of the known keys"),
+        (["--config", "demo", "train.steps=-1"], "train.steps=-1 is invalid: expected an integer >= 1"),
+        (["--config", "demo", "model.preset=DiT-XXL"], "model.preset='DiT-XXL' is invalid: expected one of DiT-S/2"),
+        (["--config", "demo", "train.global_batch=5"], "train.global_batch=5 is invalid: expected a multiple of"),
+        (["--config", "nope.yaml"], "--config='nope.yaml' is invalid: expected an existing YAML file"),
+        (["--config", "demo", "data.path=/no/such/data"], "dataset path '/no/such/data' does not exist — run dit-prep"),
+    ],
+)
+def test_bad_configs_give_one_clear_line(args, message):
+    proc = dit_train(*args)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip() and "Warning" not in ln and "warn" not in ln]
+    assert lines == [f"error: {lines[0][7:]}"] and message in lines[0], proc.stderr[-2000:]
+
+
+# ---------------------------------------------------------------- training
+
+
+def test_straight_equals_stop_and_resume_one_process(dataset, tmp_path):
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    assert dit_train(*run_args(dataset, straight, 6)).returncode == 0
+    first = dit_train(*run_args(dataset, resumed, 6, "train.stop_at=3"))  # same run, stopped after step 3
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert [p.name for p in checkpoint.complete_checkpoints(resumed)] == ["step-0000003"]
+    second = dit_train(*run_args(dataset, resumed, 6), "--resume", "auto")
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "resumed from" in second.stdout + second.stderr
+    assert_same_training(straight, resumed, 6)
+    a, b = load_file(straight / "export" / "model.safetensors"), load_file(resumed / "export" / "model.safetensors")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_straight_equals_stop_and_resume_tp2(dataset, tmp_path):
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    tp = ["parallel.tp=2", "parallel.sequence_parallel=true"]
+    proc = torchrun_train(*run_args(dataset, straight, 4, *tp))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert torchrun_train(*run_args(dataset, resumed, 4, *tp, "checkpoint.every=2", "train.stop_at=2")).returncode == 0
+    proc = torchrun_train(*run_args(dataset, resumed, 4, *tp, "checkpoint.every=2"), "--resume", "auto")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert len(final_state(straight, 4)) == 2  # one file per tensor-parallel shard
+    assert_same_training(straight, resumed, 4)
+
+
+def test_loss_decreases_and_outputs_are_written(dataset, tmp_path):
+    run = tmp_path / "run"
+    proc = dit_train(*run_args(dataset, run, 40, "validation.frames=4", "checkpoint.every=20"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = list(csv.DictReader(next((run / "csv").glob("*/metrics.csv")).open()))
+    losses = [float(r["loss"]) for r in rows if r.get("loss")]
+    assert {"step", "loss", "tokens_per_s", "mfu"} <= rows[0].keys()
+    assert sum(losses[-10:]) / 10 < 0.8 * sum(losses[:10]) / 10, losses
+    assert all(float(r["mfu"]) > 0 for r in rows if r.get("mfu"))
+    video = next((run / "samples" / "step-0000040").glob("*.mp4"))
+    frames = read_video(video)
+    assert frames.shape == (4, 32, 32, 3)
+    assert (run / "loss.png").stat().st_size > 1000
+    assert [p.name for p in checkpoint.complete_checkpoints(run)] == ["step-0000020", "step-0000040"]
+    for name in ("model.safetensors", "model.json", "ditcore.json", "codec_pca.safetensors"):
+        assert (run / "export" / name).is_file()
+
+
+def test_sigterm_saves_a_complete_checkpoint_and_exits_0(dataset, tmp_path):
+    run = tmp_path / "run"
+    proc = subprocess.Popen([str(BIN / "dit-train"), *run_args(dataset, run, 100000, "checkpoint.every=100000")],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env())
+    deadline = time.monotonic() + 120
+    while not list((run / "csv").glob("*/metrics.csv")) and time.monotonic() < deadline:
+        time.sleep(0.5)  # training has started once the first metrics are flushed
+    time.sleep(2)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err[-3000:]
+    saved = checkpoint.complete_checkpoints(run)
+    assert len(saved) == 1 and "stopped by signal" in out + err
+    step = int(saved[0].name.split("-")[1])
+    resumed = dit_train(*run_args(dataset, run, step + 2, "checkpoint.every=100000"), "--resume", "auto")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"at step {step}" in resumed.stdout + resumed.stderr
+
+
+def test_a_checkpoint_without_its_marker_is_never_resumed(tmp_path):
+    for step in (3, 6):
+        d = checkpoint.step_dir(tmp_path, step)
+        d.mkdir(parents=True)
+        (d / checkpoint.MARKER).write_text("done")
+    unfinished = checkpoint.step_dir(tmp_path, 9)
+    shutil.copytree(checkpoint.step_dir(tmp_path, 6), unfinished)
+    (unfinished / checkpoint.MARKER).unlink()
+    (tmp_path / "checkpoints" / ".tmp-step-0000012").mkdir()
+    assert checkpoint.resolve_resume(tmp_path, "auto") == checkpoint.step_dir(tmp_path, 6)
+    assert checkpoint.resolve_resume(tmp_path, "none") is None
+    with pytest.raises(FileNotFoundError, match="not a complete checkpoint"):
+        checkpoint.resolve_resume(tmp_path, str(unfinished))
