@@ -56,6 +56,8 @@ demo: install
 	@ls -1 $(DEMO_RUN)/samples/*/ | sed 's/^/  /'
 	@echo "Loss curve: $(DEMO_RUN)/loss.png    Metrics: $(DEMO_RUN)/csv/    TensorBoard: $(BIN)/tensorboard --logdir $(DEMO_RUN)/tensorboard"
 	@echo "Exported model for sampling on one device: $(DEMO_RUN)/export/"
+	@echo "Open the sampler UI:  $(BIN)/dit-sample serve --checkpoint $(DEMO_RUN)   (then http://127.0.0.1:7860)"
+	@echo "Or from the shell:    $(BIN)/dit-sample generate --checkpoint $(DEMO_RUN) --prompt 'a red butterfly' --frames 8 --out red.mp4"
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache
