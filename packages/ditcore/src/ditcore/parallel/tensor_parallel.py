@@ -225,6 +225,8 @@ def load_consolidated(model: nn.Module, state: dict[str, torch.Tensor], groups: 
 def partition_dim(name: str) -> int | None:
     """Split dimension of a parameter of a parallelized DiT, from its name (None: replicated)."""
     module, _, kind = name.rpartition(".")
+    if not module.startswith("blocks."):  # only the blocks' linears are split (t_embedder.mlp.0 is not)
+        return None
     if any(module.endswith(f".{c}") for c in COLUMN):
         return 0  # column parallel: weight rows and bias split
     if kind == "weight" and any(module.endswith(f".{r}") for r in ROW):
