@@ -12,7 +12,7 @@ EDITABLE := -e 'packages/ditcore[test]' -e 'apps/prepare[test]' -e 'apps/train[t
 .PHONY: help install test test-slow lint bench demo clean
 
 help:
-	@echo "make demo       synthetic butterflies -> train a small DiT on the CPU -> sample prompts (~12 min, 2 cores)"
+	@echo "make demo       synthetic butterflies -> train a small DiT on the CPU -> sample prompts (~6 min on 2 cores after set-up)"
 	@echo "make test       create .venv if needed, install the four packages, run ruff and the fast tests"
 	@echo "make test-slow  also run the tests marked slow"
 	@echo "make bench      benchmarks under bench/ (installs diffusers, the peer implementation)"
