@@ -191,3 +191,19 @@ def test_a_checkpoint_without_its_marker_is_never_resumed(tmp_path):
     assert checkpoint.resolve_resume(tmp_path, "none") is None
     with pytest.raises(FileNotFoundError, match="not a complete checkpoint"):
         checkpoint.resolve_resume(tmp_path, str(unfinished))
+
+
+def test_batch_flops_counts_every_sample_at_its_own_length():
+    from dit_train.train import batch_flops
+    from ditcore.data.packing import PackedRow, TokenSample, collate
+    from ditcore.flops import training_flops_per_token
+    from ditcore.models import grid_positions, preset
+
+    def tok(grid, text_len):
+        n = grid[0] * grid[1] * grid[2]
+        return TokenSample("k", torch.zeros(n, 4), grid_positions(grid), grid, torch.zeros(text_len, 8), -1, 0.0, "")
+
+    cfg = preset("DiT-Tiny", text_dim=8)
+    b = collate([PackedRow([tok((1, 2, 2), 3), tok((2, 2, 3), 0)]), PackedRow([tok((1, 4, 4), 5)])], seq_length=20)
+    want = sum(training_flops_per_token(cfg, n, L) * n for n, L in ((4, 3), (12, 0), (16, 5)))
+    assert batch_flops(cfg, b) == pytest.approx(want)

@@ -7,6 +7,7 @@ the same first `fit_samples` samples on every rank, so all ranks agree without c
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 from collections import Counter
@@ -39,9 +40,11 @@ class CodecChoice:
             return 8
         if self.name == "pixel":
             return self.pixel_factor
-        return self.build_fixed().spatial_factor
+        return self.fixed.spatial_factor
 
-    def build_fixed(self) -> Codec:
+    @functools.cached_property
+    def fixed(self) -> Codec:
+        """The pixel or VAE codec, built once (a VAE load is not cheap)."""
         if self.name == "pixel":
             return PixelCodec(self.pixel_factor)
         if self.name == "vae":
@@ -101,10 +104,7 @@ def to_tensor(pixels: np.ndarray) -> torch.Tensor:
 
 def fit_codec(choice: CodecChoice, items: list[Item]) -> tuple[Codec, float | None]:
     pixels = [to_tensor(it.pixels) for it in items]
-    if choice.name == "pca":
-        codec = PatchPCACodec.fit(pixels, patch=8, channels=choice.pca_channels)
-    else:
-        codec = choice.build_fixed()
+    codec = PatchPCACodec.fit(pixels, patch=8, channels=choice.pca_channels) if choice.name == "pca" else choice.fixed
     quality = float(np.mean([psnr(codec.decode(codec.encode(p)), p) for p in pixels[:64]])) if pixels else None
     return codec, quality
 

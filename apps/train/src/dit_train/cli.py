@@ -22,7 +22,7 @@ def find_config(name: str) -> Path:
     return shipped if shipped.is_file() else path
 
 
-@app.command(context_settings={"allow_extra_args": False})
+@app.command()
 def main(
     overrides: list[str] = typer.Argument(None, help="Dotted overrides, e.g. train.steps=200 parallel.tp=2."),
     config: str = typer.Option(None, "--config", "-c", help="YAML config file, or a shipped config name: "

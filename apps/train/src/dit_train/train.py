@@ -78,12 +78,14 @@ def lr_lambda(cfg: TrainConfig):
 
 def batch_flops(model_cfg, batch) -> float:
     """Training FLOPs of a packed batch: every sample's tokens at its own sequence and text length."""
+    B, S = batch.class_labels.shape
+    real = batch.text_seg >= 0
+    sample_of_text = (torch.arange(B)[:, None] * S + batch.text_seg)[real]  # flat (row, sample) per text token
+    text_len = torch.bincount(sample_of_text, minlength=B * S).view(B, S).tolist()
     total = 0.0
-    for r in range(batch.seg.shape[0]):
-        for s in range(int(batch.num_samples[r])):
-            n = int((batch.seg[r] == s).sum())
-            text_len = int((batch.text_seg[r] == s).sum())
-            total += training_flops_per_token(model_cfg, n, text_len) * n
+    for r, grids in enumerate(batch.grids):  # token counts are known from each sample's grid
+        for s, (t, h, w) in enumerate(grids):
+            total += training_flops_per_token(model_cfg, t * h * w, text_len[r][s]) * t * h * w
     return total
 
 
