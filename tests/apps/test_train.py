@@ -1,6 +1,7 @@
 """dit-train as a user runs it: configs, exact resume (1 process and TP=2), signals, outputs."""
 
 import csv
+import json
 import os
 import shutil
 import signal
@@ -113,9 +114,17 @@ def test_bad_configs_give_one_clear_line(args, message):
 # ---------------------------------------------------------------- training
 
 
-def test_straight_equals_stop_and_resume_one_process(dataset, tmp_path):
-    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    assert dit_train(*run_args(dataset, straight, 6)).returncode == 0
+@pytest.fixture(scope="module")
+def straight(dataset, tmp_path_factory):
+    """An uninterrupted 6-step run: every interrupted-and-resumed run must end exactly like it."""
+    run = tmp_path_factory.mktemp("straight") / "run"
+    proc = dit_train(*run_args(dataset, run, 6))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return run
+
+
+def test_straight_equals_stop_and_resume_one_process(dataset, straight, tmp_path):
+    resumed = tmp_path / "resumed"
     first = dit_train(*run_args(dataset, resumed, 6, "train.stop_at=3"))  # same run, stopped after step 3
     assert first.returncode == 0, first.stderr[-3000:]
     assert [p.name for p in checkpoint.complete_checkpoints(resumed)] == ["step-0000003"]
@@ -187,8 +196,8 @@ def test_a_checkpoint_without_its_marker_is_never_resumed(tmp_path):
     shutil.copytree(checkpoint.step_dir(tmp_path, 6), unfinished)
     (unfinished / checkpoint.MARKER).unlink()
     (tmp_path / "checkpoints" / ".tmp-step-0000012").mkdir()
-    assert checkpoint.resolve_resume(tmp_path, "auto") == checkpoint.step_dir(tmp_path, 6)
-    assert checkpoint.resolve_resume(tmp_path, "none") is None
+    assert checkpoint.resolve_resume(tmp_path, "auto") == [checkpoint.step_dir(tmp_path, s) for s in (6, 3)]
+    assert checkpoint.resolve_resume(tmp_path, "none") == []
     with pytest.raises(FileNotFoundError, match="not a complete checkpoint"):
         checkpoint.resolve_resume(tmp_path, str(unfinished))
 
@@ -207,3 +216,104 @@ def test_batch_flops_counts_every_sample_at_its_own_length():
     b = collate([PackedRow([tok((1, 2, 2), 3), tok((2, 2, 3), 0)]), PackedRow([tok((1, 4, 4), 5)])], seq_length=20)
     want = sum(training_flops_per_token(cfg, n, L) * n for n, L in ((4, 3), (12, 0), (16, 5)))
     assert batch_flops(cfg, b) == pytest.approx(want)
+
+
+# ---------------------------------------------------------------- durability: kill -9, damaged checkpoints
+
+
+def assert_every_checkpoint_is_whole(run: Path):
+    """The invariant kill -9 must never break: a step-* folder exists only complete, and its files verify."""
+    from ditcore import durable
+
+    root = run / "checkpoints"
+    for d in (root.iterdir() if root.is_dir() else []):
+        if not checkpoint.PATTERN.match(d.name):
+            assert d.name.startswith((checkpoint.TMP_PREFIX, durable.TRASH_PREFIX)), d
+            continue
+        manifest = json.loads((d / checkpoint.MARKER).read_text())
+        assert set(manifest["files"]) == {p.name for p in d.iterdir()} - {checkpoint.MARKER}
+        for name, expected in manifest["files"].items():
+            assert durable.verify(d / name, expected) is None, (d, name)
+
+
+def kill_during_save(dataset, run: Path, save_step: int, delay: float) -> None:
+    """Start a 6-step run that checkpoints every step; kill -9 it `delay` s after save `save_step` began."""
+    proc = subprocess.Popen([str(BIN / "dit-train"), *run_args(dataset, run, 6, "checkpoint.every=1")],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env())
+    started = run / "checkpoints" / f"{checkpoint.TMP_PREFIX}step-{save_step:07d}"
+    deadline = time.monotonic() + 240
+    while not started.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.0005)
+    time.sleep(delay)
+    proc.kill()
+    proc.wait(timeout=60)
+
+
+def resume_after_kill(dataset, straight: Path, run: Path) -> str:
+    assert_every_checkpoint_is_whole(run)
+    complete = [p.name for p in checkpoint.complete_checkpoints(run)]
+    proc = dit_train(*run_args(dataset, run, 6, "checkpoint.every=1"), "--resume", "auto")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    said = proc.stdout + proc.stderr
+    assert "warning" not in said  # kill -9 never leaves a damaged checkpoint to fall back from
+    if complete:
+        assert f"resumed from {run / 'checkpoints' / complete[-1]} at step" in said
+    assert_same_training(straight, run, 6)
+    return complete[-1] if complete else "fresh start"
+
+
+def test_kill_9_during_a_save_then_resume_equals_the_uninterrupted_run(dataset, straight, tmp_path):
+    # Save 3 began: step 2 is complete, step 3 is being written; 10 ms in, the shard is half written.
+    kill_during_save(dataset, tmp_path / "run", save_step=3, delay=0.010)
+    resume_after_kill(dataset, straight, tmp_path / "run")
+
+
+@pytest.mark.slow
+def test_kill_9_at_random_moments_of_saving(dataset, straight, tmp_path):
+    """Saves take ~25 ms here (the first ~250 ms); kill -9 anywhere in [0, 80 ms] after one began, 16 times."""
+    import random
+
+    rng = random.Random(9)
+    outcomes = []
+    for trial in range(16):
+        run = tmp_path / f"run{trial}"
+        step, delay = rng.randint(1, 5), rng.uniform(0, 0.08)
+        kill_during_save(dataset, run, save_step=step, delay=delay)
+        outcomes.append((step, round(delay * 1000, 1), resume_after_kill(dataset, straight, run)))
+    print("kill -9 trials (save step, ms after it began, resumed from):", outcomes)
+
+
+def test_damaged_newest_checkpoint_falls_back_to_the_previous_one(dataset, straight, tmp_path):
+    run = tmp_path / "run"
+    proc = dit_train(*run_args(dataset, run, 6, "checkpoint.every=2", "train.stop_at=4"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert [p.name for p in checkpoint.complete_checkpoints(run)] == ["step-0000002", "step-0000004"]
+    broken_copy = tmp_path / "both-damaged"
+    shutil.copytree(run, broken_copy)
+
+    shard = checkpoint.step_dir(run, 4) / "model_parallel_rank_00.pt"
+    with shard.open("r+b") as f:
+        f.truncate(shard.stat().st_size // 2)
+    proc = dit_train(*run_args(dataset, run, 6, "checkpoint.every=2"), "--resume", "auto")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    warnings = [ln for ln in proc.stderr.splitlines() if ln.startswith("warning:")]
+    assert len(warnings) == 1 and f"checkpoint {shard.parent} is damaged: {shard.name} has" in warnings[0]
+    assert "trying step-0000002 instead" in warnings[0]
+    assert f"resumed from {checkpoint.step_dir(run, 2)} at step 2" in proc.stdout + proc.stderr
+    assert_same_training(straight, run, 6)
+
+    # Both damaged (one truncated, one with flipped bytes of the same size): refuse, never start over.
+    for step, damage in ((4, "truncate"), (2, "flip")):
+        f = checkpoint.step_dir(broken_copy, step) / ("model_parallel_rank_00.pt" if step == 4 else "rank-00000.pt")
+        data = bytearray(f.read_bytes())
+        if damage == "truncate":
+            del data[len(data) // 3:]
+        else:
+            data[len(data) // 2] ^= 0xFF
+        f.write_bytes(bytes(data))
+    proc = dit_train(*run_args(dataset, broken_copy, 6, "checkpoint.every=2"), "--resume", "auto")
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
+    assert len(errors) == 1 and "none of the 2 complete checkpoints" in errors[0] and "--resume none" in errors[0]
+    assert "rank-00000.pt is corrupted" in proc.stderr and "Traceback" not in proc.stderr
+    assert [p.name for p in checkpoint.complete_checkpoints(broken_copy)] == ["step-0000002", "step-0000004"]

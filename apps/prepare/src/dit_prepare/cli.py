@@ -7,7 +7,7 @@ from pathlib import Path
 
 import typer
 
-from ditcore.cli import version_option
+from ditcore.cli import entry_point, version_option
 
 app = typer.Typer(
     name="dit-prepare",
@@ -185,3 +185,6 @@ def mock(
     typer.echo(f"dataset   {out}\nsamples   {num} ({num - videos} images, {videos} clips) in "
                f"{info.counts['shards']} shards, {writer.bytes / 2**20:.1f} MiB\n"
                f"time      {time.perf_counter() - t0:.1f} s")
+
+
+run = entry_point(app)  # the console script: usage errors are one line, exit code 2

@@ -1,31 +1,47 @@
-"""Training checkpoints: RUN_DIR/checkpoints/step-XXXXXXX/, written atomically, newest K kept.
+"""Training checkpoints: RUN_DIR/checkpoints/step-XXXXXXX/, durable, verified on load, newest K kept.
 
-A checkpoint is written into `.tmp-step-XXXXXXX/` and renamed only after every rank has written its part
-and rank 0 has added the `COMPLETE` marker, so a folder without the marker (a crash mid-save) is never
-resumed from. Contents:
+A checkpoint is written into `.tmp-step-XXXXXXX/`; every file is fsynced by the rank that wrote it, rank 0
+adds the `COMPLETE` manifest (size and CRC-32 of every file), fsyncs the folder and renames it into place.
+So a folder named step-XXXXXXX is complete whenever it exists, even after kill -9 or a power loss, and a
+file damaged later (truncated, overwritten) is detected before it is loaded. Contents:
     model_parallel_rank_XX.pt   one per tensor-parallel shard (MegatronStrategy): model, optimizer, EMA,
                                 scheduler, step, loss history
     rank-XXXXX.pt               one per process: its data loader state and RNG states
     config.yaml                 the resolved training config
-    COMPLETE                    written last
+    COMPLETE                    JSON manifest, written last: step, world size, {file: {bytes, crc32}}
+
+`--resume auto` takes the newest checkpoint that verifies and loads; a damaged one is reported in one line
+and the previous one is used instead. It never silently starts over.
 """
 
 from __future__ import annotations
 
-import os
+import json
 import pickle
 import re
-import shutil
+import sys
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
+
+from ditcore import durable
 
 MARKER = "COMPLETE"
 PATTERN = re.compile(r"^step-(\d{7})$")
+TMP_PREFIX = ".tmp-"
+
+
+class CheckpointError(RuntimeError):
+    """No usable checkpoint where one was asked for, with what to do about it."""
 
 
 def step_dir(run_dir: Path, step: int) -> Path:
     return Path(run_dir) / "checkpoints" / f"step-{step:07d}"
+
+
+def rank_file(fabric) -> str:
+    return f"rank-{fabric.global_rank:05d}.pt"
 
 
 def complete_checkpoints(run_dir: Path) -> list[Path]:
@@ -37,26 +53,25 @@ def complete_checkpoints(run_dir: Path) -> list[Path]:
     return sorted(found, key=lambda p: int(PATTERN.match(p.name).group(1)))
 
 
-def resolve_resume(run_dir: Path, resume: str) -> Path | None:
-    """--resume auto → the newest complete checkpoint (or None: a fresh run); none → None; else a path."""
+def resolve_resume(run_dir: Path, resume: str) -> list[Path]:
+    """Checkpoints to try, in order: --resume auto → every complete one, newest first; none → []; else that one."""
     if resume == "none":
-        return None
+        return []
     if resume == "auto":
-        found = complete_checkpoints(run_dir)
-        return found[-1] if found else None
+        return complete_checkpoints(run_dir)[::-1]
     path = Path(resume)
     if not (path / MARKER).is_file():
         raise FileNotFoundError(f"--resume {resume}: not a complete checkpoint (no {MARKER} marker) — pass a "
                                 "RUN_DIR/checkpoints/step-XXXXXXX folder, 'auto' or 'none'")
-    return path
+    return [path]
 
 
 def save(fabric, run_dir: Path, step: int, state: dict, loader, config_yaml: str, keep: int) -> Path:
     """Collective: every rank calls it. Returns the final checkpoint folder."""
     final = step_dir(run_dir, step)
-    tmp = final.with_name(f".tmp-{final.name}")
+    tmp = final.with_name(f"{TMP_PREFIX}{final.name}")
     if fabric.global_rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
+        durable.remove_leftovers(final.parent, (TMP_PREFIX, durable.TRASH_PREFIX))  # from an interrupted save
         tmp.mkdir(parents=True)
     fabric.barrier()
     fabric.save(tmp, state)  # the strategy writes one file per model-parallel shard, then waits for all
@@ -65,30 +80,111 @@ def save(fabric, run_dir: Path, step: int, state: dict, loader, config_yaml: str
         "torch_rng": torch.get_rng_state(),
         "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
     }
-    torch.save(rank_state, tmp / f"rank-{fabric.global_rank:05d}.pt")
-    fabric.barrier()
+    torch.save(rank_state, tmp / rank_file(fabric))
+    # Every rank makes its own files durable and measures them (in parallel); rank 0 records them all.
+    mine = [rank_file(fabric)] + ([_shard_file(fabric, tmp)] if fabric.strategy.groups.is_model_parallel_writer
+                                  else [])
+    for name in mine:
+        durable.fsync_file(tmp / name)
+    files = _gather(fabric, {name: durable.digest(tmp / name) for name in mine})
     if fabric.global_rank == 0:
-        (tmp / "config.yaml").write_text(config_yaml)
-        (tmp / MARKER).write_text(f"step {step}\nworld_size {fabric.world_size}\n")
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
+        durable.write_text(tmp / "config.yaml", config_yaml)
+        files["config.yaml"] = durable.digest(tmp / "config.yaml")
+        manifest = {"step": step, "world_size": fabric.world_size, "files": dict(sorted(files.items()))}
+        durable.write_text(tmp / MARKER, json.dumps(manifest, indent=1) + "\n")
+        durable.publish_dir(tmp, final)
         for old in complete_checkpoints(run_dir)[:-keep]:
-            shutil.rmtree(old, ignore_errors=True)
+            durable.remove_dir(old)
     fabric.barrier()
     return final
 
 
-def load(fabric, path: Path, state: dict, loader) -> None:
-    """Restore `state` in place, and this rank's loader (before it is iterated) and RNG states."""
-    rank_file = Path(path) / f"rank-{fabric.global_rank:05d}.pt"
-    marker = (Path(path) / MARKER).read_text()
-    if not rank_file.is_file():
-        raise FileNotFoundError(f"checkpoint {path} has no state for rank {fabric.global_rank} ({marker.strip()}): "
-                                "resume with the same number of processes it was written with")
-    fabric.load(path, state)
-    rank_state = torch.load(rank_file, weights_only=True)
-    loader.restore_state_rank(pickle.loads(rank_state["loader"]))
+def resume(fabric, run_dir: Path, resume_arg: str, state: dict, loader) -> Path | None:
+    """Restore `state` in place from the first checkpoint that verifies and loads; None: start fresh.
+
+    All ranks agree on the checkpoint. With --resume auto a damaged checkpoint is reported (one line naming
+    the file) and the previous one is tried; if none loads, or an explicitly named one is damaged, this
+    raises CheckpointError rather than starting over.
+    """
+    candidates = resolve_resume(run_dir, resume_arg)
+    newest_problem = None
+    for i, ckpt in enumerate(candidates):
+        problem, fatal = _agree(fabric, _load(fabric, ckpt, state, loader))
+        if problem is None:
+            return ckpt
+        if fatal or resume_arg != "auto":
+            raise CheckpointError(problem if fatal else f"{problem} — pick another checkpoint, or --resume auto")
+        newest_problem = newest_problem or problem
+        then = f"trying {candidates[i + 1].name} instead" if i + 1 < len(candidates) else "no older checkpoint left"
+        if fabric.global_rank == 0:
+            print(f"warning: {problem}; {then}", file=sys.stderr, flush=True)
+    if candidates:
+        raise CheckpointError(f"none of the {len(candidates)} complete checkpoints in {Path(run_dir) / 'checkpoints'} "
+                              f"loads (newest: {newest_problem}) — restore them from a copy, or pass --resume none "
+                              "to start over")
+    return None
+
+
+def _load(fabric, ckpt: Path, state: dict, loader) -> tuple[str | None, bool]:
+    """Verify this rank's files against the manifest, then load them: (what went wrong or None, fatal?).
+
+    Fatal problems are about the job, not the files (another number of processes): an older checkpoint
+    would not help.
+    """
+    ckpt = Path(ckpt)
+    try:
+        manifest = json.loads((ckpt / MARKER).read_text())
+    except (OSError, ValueError):
+        manifest = None  # a marker from before manifests: loading is the only check
+    written_by = manifest.get("world_size") if isinstance(manifest, dict) else None
+    if not (ckpt / rank_file(fabric)).is_file() or written_by not in (None, fabric.world_size):
+        return (f"checkpoint {ckpt} was written by {written_by or 'another number of'} processes, this job has "
+                f"{fabric.world_size}: resume with the same number, or start a new run from its export"), True
+    files = manifest.get("files", {}) if isinstance(manifest, dict) else {}
+    shard, mine = _shard_file(fabric, ckpt), rank_file(fabric)
+    for name in (shard, mine):
+        if files and name not in files:
+            return f"checkpoint {ckpt} is damaged: its manifest does not list {name}", False
+        wrong = durable.verify(ckpt / name, files[name]) if name in files else None
+        if wrong:
+            return f"checkpoint {ckpt} is damaged: {wrong}", False
+    try:
+        fabric.load(ckpt, state)
+    except Exception as e:  # verified, yet unreadable (e.g. written by another version): try the previous one
+        return f"checkpoint {ckpt} does not load: {shard}: {_first_line(e)}", False
+    try:
+        rank_state = torch.load(ckpt / mine, weights_only=True)
+        loader.restore_state_rank(pickle.loads(rank_state["loader"]))
+    except Exception as e:
+        return f"checkpoint {ckpt} does not load: {mine}: {_first_line(e)}", False
     torch.set_rng_state(rank_state["torch_rng"])
     if torch.cuda.is_available() and rank_state["cuda_rng"]:
         torch.cuda.set_rng_state_all(rank_state["cuda_rng"])
+    return None, False
+
+
+def _first_line(e: Exception) -> str:
+    text = str(e).strip()
+    return f"{type(e).__name__}: {text.splitlines()[0]}" if text else type(e).__name__
+
+
+def _shard_file(fabric, ckpt: Path) -> str:
+    return fabric.strategy.shard_path(ckpt).name
+
+
+def _gather(fabric, mine: dict) -> dict:
+    """Union of every rank's dict, on every rank."""
+    if fabric.world_size == 1:
+        return dict(mine)
+    parts = [None] * fabric.world_size
+    dist.all_gather_object(parts, mine)
+    return {k: v for part in parts for k, v in part.items()}
+
+
+def _agree(fabric, verdict: tuple[str | None, bool]) -> tuple[str | None, bool]:
+    """Every rank's verdict on the same checkpoint: a fatal problem first, then any problem, else (None, False)."""
+    if fabric.world_size == 1:
+        return verdict
+    parts = [None] * fabric.world_size
+    dist.all_gather_object(parts, verdict)
+    return min(parts, key=lambda v: (not v[1], v[0] is None))

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import typer
 
-from ditcore.cli import version_option
+from ditcore.cli import entry_point, version_option
 
 app = typer.Typer(name="dit-train", add_completion=False, pretty_exceptions_enable=False)
 
@@ -38,6 +38,7 @@ def main(
     Writes RUN_DIR (train.run_dir): checkpoints/, samples/, csv/ and tensorboard/ logs, loss.png, export/.
     SIGTERM or SIGUSR1 saves a checkpoint and exits 0.
     """
+    from dit_train.checkpoint import CheckpointError
     from dit_train.config import load_config
     from ditcore.data.schema import DatasetError
     from ditcore.errors import ConfigError
@@ -53,7 +54,7 @@ def main(
 
     try:
         result = train(cfg, resume=resume, config_yaml=cfg.to_yaml())
-    except (ConfigError, DatasetError, FileNotFoundError, ValueError) as e:
+    except (ConfigError, DatasetError, CheckpointError, FileNotFoundError, ValueError) as e:
         _fail(str(e))
     if not result["stopped"]:
         run = Path(cfg.train.run_dir)
@@ -65,3 +66,6 @@ def main(
 def _fail(message: str):
     typer.echo(f"error: {message}", err=True)
     raise typer.Exit(2)
+
+
+run = entry_point(app)  # the console script: usage errors are one line, exit code 2

@@ -156,9 +156,8 @@ def train(cfg: TrainConfig, resume: str = "auto", config_yaml: str | None = None
              "history": history}
 
     # ---------------------------------------------------------------- resume
-    ckpt = checkpoint.resolve_resume(run_dir, resume)
+    ckpt = checkpoint.resume(fabric, run_dir, resume, state, loader)  # verified; a damaged one → the previous
     if ckpt is not None:
-        checkpoint.load(fabric, ckpt, state, loader)
         history = state["history"]
         fabric.print(f"resumed from {ckpt} at step {state['step']}")
     start = state["step"]

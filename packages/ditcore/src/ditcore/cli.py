@@ -1,8 +1,13 @@
-"""Pieces the command-line apps share."""
+"""Pieces the command-line apps share: the `--version` option and the entry point that keeps errors to one line."""
 
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
 from importlib.metadata import version
 
 import typer
+from typer._click import exceptions as click  # typer vendors its own click; its errors are these classes
 
 
 def version_option(dist_name: str):
@@ -14,3 +19,40 @@ def version_option(dist_name: str):
             raise typer.Exit()
 
     return typer.Option(False, "--version", callback=show, is_eager=True, help="Print the version and exit.")
+
+
+def entry_point(app: typer.Typer) -> Callable[[], None]:
+    """The console-script function for `app`: every usage error is one line on stderr and exit code 2.
+
+    Click's standalone mode prints a usage block and a framed error for a bad option value; a user (or a
+    script grepping logs) gets `error: <what was wrong, the value> (see CMD --help)` instead. Errors the
+    commands detect themselves already exit 2 with one line (typer.Exit(2)).
+    """
+
+    def run() -> None:
+        try:
+            code = app(standalone_mode=False)
+        except click.NoArgsIsHelpError as e:
+            e.show()  # no arguments at all: the help is the answer
+            sys.exit(e.exit_code)
+        except click.UsageError as e:
+            where = f" (see {e.ctx.command_path} --help)" if e.ctx is not None else ""
+            typer.echo(f"error: {e.format_message()}{_value_seen(e)}{where}", err=True)
+            sys.exit(2)
+        except click.ClickException as e:
+            typer.echo(f"error: {e.format_message()}", err=True)
+            sys.exit(e.exit_code)
+        except (click.Abort, KeyboardInterrupt):
+            typer.echo("error: interrupted", err=True)
+            sys.exit(130)
+        sys.exit(code if isinstance(code, int) else 0)
+
+    return run
+
+
+def _value_seen(e: Exception) -> str:
+    """Typer validates option values with pydantic, whose error (the cause) holds the value the user gave."""
+    errors = getattr(e.__cause__, "errors", None)
+    if not callable(errors) or not errors():
+        return ""
+    return f", got {errors()[0].get('input')!r}"

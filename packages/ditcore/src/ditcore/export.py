@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +19,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from ditcore import durable
 from ditcore.codecs import Codec, LatentStats, load_codec
 from ditcore.data.schema import INFO_FILE, DatasetInfo, read_info
 from ditcore.models import DiT, DiTConfig
@@ -38,9 +38,9 @@ def export_model(out: str | Path, state_dict: dict[str, torch.Tensor], cfg: DiTC
     shutil.copy2(dataset / INFO_FILE, tmp / INFO_FILE)
     for codec_file in dataset.glob("codec_*"):
         shutil.copy2(codec_file, tmp / codec_file.name)
-    if out.exists():
-        shutil.rmtree(out)
-    os.replace(tmp, out)
+    for f in tmp.iterdir():
+        durable.fsync_file(f)
+    durable.publish_dir(tmp, out)
     return out
 
 

@@ -20,6 +20,8 @@ from pathlib import Path
 
 import torch
 
+from ditcore import durable
+
 FORMAT = "ditcore-dataset/1"
 INFO_FILE = "ditcore.json"
 LATENT, TEXT, META = "latent.pth", "text.pth", "json"
@@ -41,8 +43,9 @@ class DatasetInfo:
 
     def write(self, root: Path) -> None:
         tmp = root / f".{INFO_FILE}.tmp"
-        tmp.write_text(json.dumps(asdict(self), indent=1))
+        durable.write_text(tmp, json.dumps(asdict(self), indent=1))
         os.replace(tmp, root / INFO_FILE)  # atomic: the file is either absent or complete
+        durable.fsync_dir(root)
 
 
 class DatasetError(ValueError):
@@ -51,15 +54,29 @@ class DatasetError(ValueError):
 
 def read_info(root: str | Path) -> DatasetInfo:
     root = Path(root)
+    if root.is_file():
+        raise DatasetError(f"dataset path '{root}' is a file; expected the folder dit-prepare wrote (with "
+                           f"{INFO_FILE} and .nv-meta/)")
     if not root.is_dir():
         raise DatasetError(f"dataset path '{root}' does not exist — run dit-prepare first")
     if not (root / INFO_FILE).is_file() or not (root / ".nv-meta").is_dir():
         raise DatasetError(f"dataset path '{root}' has no {INFO_FILE} / .nv-meta/: it is not a finished "
-                           "ditcore dataset (dit-prepare did not complete?) — run dit-prepare again")
-    data = json.loads((root / INFO_FILE).read_text())
-    if data.get("format") != FORMAT:
-        raise DatasetError(f"dataset '{root}' has format {data.get('format')!r}; this ditcore reads {FORMAT!r}")
-    return DatasetInfo(**data)
+                           "ditcore dataset (dit-prepare did not complete?) — run dit-prepare again with --overwrite")
+    try:
+        data = json.loads((root / INFO_FILE).read_text())
+        if not isinstance(data, dict):
+            raise ValueError(f"a JSON {type(data).__name__}, not an object")
+        info = DatasetInfo(**data)
+    except (ValueError, TypeError) as e:  # not JSON, or JSON of another shape
+        raise DatasetError(f"dataset '{root}' has an unreadable {INFO_FILE} ({_first_line(e)}) — run dit-prepare "
+                           "again with --overwrite") from None
+    if info.format != FORMAT:
+        raise DatasetError(f"dataset '{root}' has format {info.format!r}; this ditcore reads {FORMAT!r}")
+    return info
+
+
+def _first_line(e: Exception) -> str:
+    return (str(e).strip().splitlines() or [type(e).__name__])[0]
 
 
 def tensor_bytes(t: torch.Tensor) -> bytes:

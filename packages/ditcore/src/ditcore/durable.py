@@ -1,0 +1,99 @@
+"""Publishing files and folders so that a crash (kill -9, power loss) never leaves a half-written one in place.
+
+The recipe (as in SQLite's and PostgreSQL's notes on POSIX durability): write everything under a temporary
+name, fsync each file, fsync the folder that holds them, rename into place (atomic on POSIX), then fsync the
+parent so the rename itself is on disk. A folder that is replaced or deleted is first renamed aside, so no
+reader ever sees a partly deleted one under its real name.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import zlib
+from pathlib import Path
+
+TRASH_PREFIX = ".trash-"
+
+
+def fsync_file(path: str | Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_dir(path: str | Path) -> None:
+    """Make the folder's entries (creations, renames) durable; Linux fsyncs a folder opened read-only."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_text(path: str | Path, text: str) -> None:
+    """Write a small file and fsync it (its folder is fsynced by whoever publishes the folder)."""
+    with open(path, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def digest(path: str | Path, chunk: int = 1 << 24) -> dict:
+    """Size and CRC-32 of a file: enough to tell a truncated or corrupted file from the one written."""
+    crc, size = 0, 0
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            crc = zlib.crc32(block, crc)
+            size += len(block)
+    return {"bytes": size, "crc32": f"{crc:08x}"}
+
+
+def verify(path: str | Path, expected: dict) -> str | None:
+    """None if `path` still has the size and CRC it was written with, else what is wrong (for a message)."""
+    path = Path(path)
+    if not path.is_file():
+        return f"{path.name} is missing"
+    size = path.stat().st_size
+    if size != expected["bytes"]:
+        return f"{path.name} has {size} bytes, {expected['bytes']} were written (truncated or overwritten)"
+    if digest(path)["crc32"] != expected["crc32"]:
+        return f"{path.name} is corrupted (CRC-32 differs from the one recorded when it was written)"
+    return None
+
+
+def remove_dir(path: str | Path) -> None:
+    """Rename aside, make the rename durable, then delete: the folder is never seen half deleted."""
+    path = Path(path)
+    if not path.exists():
+        return
+    trash = path.with_name(f"{TRASH_PREFIX}{path.name}")
+    shutil.rmtree(trash, ignore_errors=True)
+    os.replace(path, trash)
+    fsync_dir(path.parent)
+    shutil.rmtree(trash, ignore_errors=True)
+
+
+def publish_dir(tmp: str | Path, final: str | Path) -> None:
+    """Move a fully written folder `tmp` (files already fsynced) to `final`, replacing any folder there."""
+    tmp, final = Path(tmp), Path(final)
+    fsync_dir(tmp)
+    remove_dir(final)
+    os.replace(tmp, final)
+    fsync_dir(final.parent)
+
+
+def remove_leftovers(folder: str | Path, prefixes: tuple[str, ...]) -> None:
+    """Delete what an interrupted writer left behind (temporary and trash folders)."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return
+    for p in folder.iterdir():
+        if not p.name.startswith(prefixes):
+            continue
+        if p.is_dir():
+            shutil.rmtree(p, ignore_errors=True)
+        else:
+            p.unlink(missing_ok=True)
