@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import enum
+import os
 from pathlib import Path
 
 import typer
 
-from ditcore.cli import version_option
+from ditcore.cli import entry_point, version_option
 
 app = typer.Typer(
     name="dit-sample",
@@ -15,6 +17,23 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
+
+
+class Solver(enum.StrEnum):
+    heun = "heun"
+    euler = "euler"
+
+
+def output_problem(out: Path) -> str | None:
+    """Why `out` cannot be written (checked before the model loads), or None."""
+    folder = out.parent
+    if out.is_dir():
+        return f"--out '{out}' is a directory: give a file name, e.g. {out / 'sample.png'}"
+    if not folder.is_dir():
+        return f"--out '{out}': the folder '{folder}' does not exist — create it first or choose another path"
+    if not os.access(folder, os.W_OK | os.X_OK):
+        return f"--out '{out}': the folder '{folder}' is not writable — choose another path"
+    return None
 
 
 @app.callback()
@@ -34,23 +53,25 @@ def generate(
     frames: int = typer.Option(1, help="Frames (1: an image → png; more: a clip → mp4)."),
     height: int = typer.Option(64, help="Height in pixels."),
     width: int = typer.Option(64, help="Width in pixels."),
-    solver: str = typer.Option("heun", help="heun (2nd order) or euler."),
-    fps: float = typer.Option(8.0, help="Frame rate of the mp4 (and the model's fps condition, if it has one)."),
+    solver: Solver = typer.Option(Solver.heun, help="heun (2nd order) or euler."),
+    fps: float = typer.Option(8.0, min=0.1, max=240.0,
+                              help="Frame rate of the mp4 (and the model's fps condition, if it has one)."),
     out: Path = typer.Option(Path("sample.png"), help="Output file; several prompts add -0, -1, … to the name."),
 ) -> None:
     """Sample prompts and write an mp4 (frames > 1) or png (frames = 1) for each."""
     from dit_sample.generate import RequestError, Sampler
     from ditcore.media import write_sample
 
-    if solver not in ("heun", "euler"):
-        _fail(f"--solver {solver!r} is invalid: expected heun or euler")
+    problem = output_problem(out)
+    if problem:
+        _fail(problem)
     try:
         sampler = Sampler.load(checkpoint)
         if not sampler.class_conditional and not prompt:
             raise RequestError("--prompt is required: describe what to draw, e.g. --prompt 'a red butterfly'")
         result, seconds = sampler.run(prompts=prompt, negative_prompt=negative_prompt, class_labels=class_label,
                                       steps=steps, guidance=guidance, seed=seed, frames=frames, height=height,
-                                      width=width, solver=solver, fps=fps)
+                                      width=width, solver=solver.value, fps=fps)
     except (RequestError, FileNotFoundError, ValueError, KeyError) as e:
         _fail(str(e))
     n = result.pixels.shape[0]
@@ -83,3 +104,6 @@ def serve(
 def _fail(message: str):
     typer.echo(f"error: {message}", err=True)
     raise typer.Exit(2)
+
+
+run = entry_point(app)  # the console script: usage errors are one line, exit code 2
