@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import enum
+import signal
 import time
 from pathlib import Path
 
@@ -27,7 +30,13 @@ def main(version_: bool = version_option("dit-prepare")) -> None:
 
 # Options every source shares. Typer reads these defaults as the option definitions.
 OUT = typer.Option(..., "--out", "-o", help="Output dataset folder (created; must be empty unless --overwrite).")
-CODEC = typer.Option("pca", help="Latent codec: pca (fitted on the data, 8x8 patches), pixel (exact "
+class CodecName(enum.StrEnum):
+    pca = "pca"
+    pixel = "pixel"
+    vae = "vae"
+
+
+CODEC = typer.Option(CodecName.pca, help="Latent codec: pca (fitted on the data, 8x8 patches), pixel (exact "
                                  "pixel_unshuffle) or vae (diffusers, see --vae).")
 PCA_CHANNELS = typer.Option(16, min=1, max=192, help="Latent channels K of the PCA codec.")
 PIXEL_FACTOR = typer.Option(2, min=1, help="Spatial factor of the pixel codec.")
@@ -39,33 +48,51 @@ FIT = typer.Option(256, min=1, help="Samples to fit the codec and measure latent
 WORKERS = typer.Option(0, min=0, help="Processes that load/render samples (0: in this process).")
 SHARD = typer.Option(1000, min=1, help="Samples per shard.")
 OVERWRITE = typer.Option(False, help="Replace an existing dataset at --out.")
+KEEP_PARTIAL = typer.Option(False, help="On failure or Ctrl-C keep what was written (to inspect it); by default "
+                                        "the partial output is removed.")
 SEED = typer.Option(0, min=0, help="Random seed.")
 
 
-def _run(source_factory, out: Path, codec: str, pca_channels: int, pixel_factor: int, vae: str | None,
+def _run(source_factory, out: Path, codec: CodecName, pca_channels: int, pixel_factor: int, vae: str | None,
          vae_class: str, text_encoder: str, fit_samples: int, workers: int, shard_size: int,
-         overwrite: bool) -> None:
+         overwrite: bool, keep_partial: bool) -> None:
     """Shared by the sources: build codec choice, source and text encoder, run the pipeline, print a summary."""
     from dit_prepare.pipeline import CodecChoice, prepare
-    from dit_prepare.sources import SourceError
 
-    if codec not in ("pca", "pixel", "vae"):
-        _fail(f"--codec {codec!r} is invalid: expected pca, pixel or vae")
-    if codec == "vae" and not vae:
+    if codec == CodecName.vae and not vae:
         _fail("--codec vae needs --vae HUB_ID_OR_FOLDER")
-    try:
+    with _one_line_errors():
         from ditcore.codecs.text import load_text_encoder
 
-        choice = CodecChoice(codec, pca_channels, pixel_factor, vae, vae_class)
+        choice = CodecChoice(str(codec), pca_channels, pixel_factor, vae, vae_class)
         source = source_factory(choice.spatial_factor())
         encoder = load_text_encoder(text_encoder)
         summary = prepare(source, out, codec=choice, text_encoder=encoder, fit_samples=fit_samples,
-                          workers=workers, shard_size=shard_size, overwrite=overwrite)
-    except (SourceError, FileExistsError, ValueError, OSError) as e:
-        _fail(str(e))
+                          workers=workers, shard_size=shard_size, overwrite=overwrite, keep_partial=keep_partial)
     typer.echo(f"dataset   {out}")
     for line in summary.lines():
         typer.echo(line)
+
+
+@contextlib.contextmanager
+def _one_line_errors():
+    """Bad input → `error: ...` (with what happened to the partial output) and exit 2; Ctrl-C or SIGTERM → 130."""
+    from dit_prepare.sources import SourceError
+
+    previous = signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        yield
+    except KeyboardInterrupt as e:
+        typer.echo(" — ".join(["error: interrupted", *getattr(e, "__notes__", [])]), err=True)
+        raise typer.Exit(130) from None
+    except (SourceError, FileExistsError, ValueError, OSError, RuntimeError) as e:
+        _fail(" — ".join([str(e), *getattr(e, "__notes__", [])]))
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt  # SIGTERM (kill, Slurm) cleans up like Ctrl-C
 
 
 def _fail(message: str):
@@ -82,17 +109,18 @@ def synthetic(
     video_ratio: float = typer.Option(0.5, min=0.0, max=1.0, help="Fraction of samples that are clips."),
     fps: float = typer.Option(8.0, min=0.1, help="Frame rate recorded for clips."),
     seed: int = SEED,
-    codec: str = CODEC, pca_channels: int = PCA_CHANNELS, pixel_factor: int = PIXEL_FACTOR, vae: str = VAE,
+    codec: CodecName = CODEC, pca_channels: int = PCA_CHANNELS, pixel_factor: int = PIXEL_FACTOR, vae: str = VAE,
     vae_class: str = VAE_CLASS, text_encoder: str = TEXT, fit_samples: int = FIT, workers: int = WORKERS,
-    shard_size: int = SHARD, overwrite: bool = OVERWRITE,
+    shard_size: int = SHARD, overwrite: bool = OVERWRITE, keep_partial: bool = KEEP_PARTIAL,
 ) -> None:
     """Procedurally drawn butterflies (images and wing-flapping clips) with exact captions; needs nothing."""
     from dit_prepare.sources import SyntheticSource
 
-    if size % 8 and codec == "pca":
+    if size % 8 and codec == CodecName.pca:
         _fail(f"--size {size} must be a multiple of 8 for the PCA codec (8x8 patches)")
     _run(lambda factor: SyntheticSource(num, size, frames, video_ratio, seed, fps), out, codec, pca_channels,
-         pixel_factor, vae, vae_class, text_encoder, fit_samples, workers, shard_size, overwrite)
+         pixel_factor, vae, vae_class, text_encoder, fit_samples, workers, shard_size, overwrite,
+         keep_partial)
 
 
 @app.command()
@@ -103,15 +131,16 @@ def butterfly(
     size: int = typer.Option(64, min=8, help="Short side after resizing, in pixels."),
     num: int = typer.Option(None, min=1, help="Use at most this many samples."),
     hub_id: str = typer.Option("huggan/smithsonian_butterflies_subset", help="Hugging Face dataset id."),
-    codec: str = CODEC, pca_channels: int = PCA_CHANNELS, pixel_factor: int = PIXEL_FACTOR, vae: str = VAE,
+    codec: CodecName = CODEC, pca_channels: int = PCA_CHANNELS, pixel_factor: int = PIXEL_FACTOR, vae: str = VAE,
     vae_class: str = VAE_CLASS, text_encoder: str = TEXT, fit_samples: int = FIT, workers: int = WORKERS,
-    shard_size: int = SHARD, overwrite: bool = OVERWRITE,
+    shard_size: int = SHARD, overwrite: bool = OVERWRITE, keep_partial: bool = KEEP_PARTIAL,
 ) -> None:
     """The Smithsonian butterflies (huggan/smithsonian_butterflies_subset), captions from `name`."""
     from dit_prepare.sources import ButterflySource
 
     _run(lambda factor: ButterflySource(size, factor, from_, hub_id, num), out, codec, pca_channels, pixel_factor,
-         vae, vae_class, text_encoder, fit_samples, workers, shard_size, overwrite)
+         vae, vae_class, text_encoder, fit_samples, workers, shard_size, overwrite,
+         keep_partial)
 
 
 @app.command()
@@ -122,15 +151,16 @@ def folder(
     frames: int = typer.Option(8, min=1, help="Frames taken from each video."),
     fps: float = typer.Option(0.0, min=0.0, help="Sample video frames at this rate (0: every frame)."),
     num: int = typer.Option(None, min=1, help="Use at most this many files."),
-    codec: str = CODEC, pca_channels: int = PCA_CHANNELS, pixel_factor: int = PIXEL_FACTOR, vae: str = VAE,
+    codec: CodecName = CODEC, pca_channels: int = PCA_CHANNELS, pixel_factor: int = PIXEL_FACTOR, vae: str = VAE,
     vae_class: str = VAE_CLASS, text_encoder: str = TEXT, fit_samples: int = FIT, workers: int = WORKERS,
-    shard_size: int = SHARD, overwrite: bool = OVERWRITE,
+    shard_size: int = SHARD, overwrite: bool = OVERWRITE, keep_partial: bool = KEEP_PARTIAL,
 ) -> None:
     """Your own images and videos; captions from sidecar .txt files or a captions.jsonl ({"file", "caption"})."""
     from dit_prepare.sources import FolderSource
 
     _run(lambda factor: FolderSource(path, size, factor, frames, fps, limit=num), out, codec, pca_channels,
-         pixel_factor, vae, vae_class, text_encoder, fit_samples, workers, shard_size, overwrite)
+         pixel_factor, vae, vae_class, text_encoder, fit_samples, workers, shard_size, overwrite,
+         keep_partial)
 
 
 @app.command()
@@ -145,12 +175,13 @@ def mock(
     seed: int = SEED,
     shard_size: int = SHARD,
     overwrite: bool = OVERWRITE,
+    keep_partial: bool = KEEP_PARTIAL,
 ) -> None:
     """Random latents and text states of given shapes, for throughput work (nothing to decode)."""
     import torch
 
     from ditcore.data.schema import DatasetInfo
-    from ditcore.data.writer import ShardWriter, finish_dataset, start_dataset
+    from ditcore.data.writer import ShardWriter, finish_dataset, removed_on_failure, start_dataset
     from ditcore.diffusion import SIGMA_DATA
 
     try:
@@ -161,27 +192,28 @@ def mock(
         _fail(f"--latent-shape {latent_shape!r} / --video-latent-shape {video_latent_shape!r}: expected four "
               "positive integers C,T,H,W each, with the same C")
     t0 = time.perf_counter()
-    try:
+    with _one_line_errors():
+        created = not out.exists()
         start_dataset(out, overwrite)
-    except FileExistsError as e:
-        _fail(str(e))
-    g = torch.Generator().manual_seed(seed)
-    videos = 0
-    with ShardWriter(out, max_count=shard_size) as writer:
-        for i in range(num):
-            video = bool(torch.rand((), generator=g) < video_ratio)
-            videos += video
-            latent = torch.randn(shapes[video], generator=g) * SIGMA_DATA
-            writer.write(f"{i:08d}", latent, torch.randn(text_len if text_dim else 0, text_dim, generator=g),
-                         {"caption": f"mock sample {i}", "frames": shapes[video][1], "fps": 8.0 if video else 0.0,
-                          "source": f"mock:{seed}:{i}"})
-    C = shapes[0][0]
-    info = DatasetInfo(codec={"kind": "none", "note": "mock data: random latents, nothing to decode"},
-                       latent_stats={"mean": [0.0] * C, "std": [1.0] * C},
-                       text_encoder={"name": "mock", "dim": text_dim},
-                       latent_channels=C, spatial_factor=1, temporal_factor=1,
-                       counts={"samples": num, "images": num - videos, "videos": videos, "skipped": {}})
-    finish_dataset(out, info)
+        with removed_on_failure(out, created, keep_partial):
+            g = torch.Generator().manual_seed(seed)
+            videos = 0
+            with ShardWriter(out, max_count=shard_size) as writer:
+                for i in range(num):
+                    video = bool(torch.rand((), generator=g) < video_ratio)
+                    videos += video
+                    latent = torch.randn(shapes[video], generator=g) * SIGMA_DATA
+                    text = torch.randn(text_len if text_dim else 0, text_dim, generator=g)
+                    writer.write(f"{i:08d}", latent, text, {"caption": f"mock sample {i}", "frames": shapes[video][1],
+                                                            "fps": 8.0 if video else 0.0, "source": f"mock:{seed}:{i}"})
+            C = shapes[0][0]
+            info = DatasetInfo(codec={"kind": "none", "note": "mock data: random latents, nothing to decode"},
+                               latent_stats={"mean": [0.0] * C, "std": [1.0] * C},
+                               text_encoder={"name": "mock", "dim": text_dim},
+                               latent_channels=C, spatial_factor=1, temporal_factor=1,
+                               counts={"samples": num, "images": num - videos, "videos": videos, "skipped": {},
+                                       "latent_shapes": dict(writer.latent_shapes)})
+            finish_dataset(out, info)
     typer.echo(f"dataset   {out}\nsamples   {num} ({num - videos} images, {videos} clips) in "
                f"{info.counts['shards']} shards, {writer.bytes / 2**20:.1f} MiB\n"
                f"time      {time.perf_counter() - t0:.1f} s")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import os
+import signal
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -19,11 +20,11 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from dit_prepare.sources import Item, Skip
+from dit_prepare.sources import Item, Skip, SourceError
 from ditcore.codecs import Codec, DiffusersVAECodec, LatentStats, PatchPCACodec, PixelCodec, psnr
 from ditcore.codecs.text import TextEncoder
 from ditcore.data.schema import DatasetInfo
-from ditcore.data.writer import ShardWriter, finish_dataset, start_dataset
+from ditcore.data.writer import ShardWriter, finish_dataset, removed_on_failure, start_dataset
 
 
 @dataclass
@@ -60,6 +61,7 @@ class Summary:
     shards: int = 0
     bytes: int = 0
     skipped: Counter = field(default_factory=Counter)
+    latent_shapes: Counter = field(default_factory=Counter)
     seconds: float = 0.0
     fit_psnr: float | None = None
 
@@ -93,8 +95,13 @@ def iterate(source, indices, workers: int):
         for i in indices:
             yield i, _load((source, i))
         return
-    with get_context("spawn").Pool(workers) as pool:
+    with get_context("spawn").Pool(workers, initializer=_ignore_sigint) as pool:
         yield from zip(indices, pool.imap(_load, ((source, i) for i in indices), chunksize=4), strict=True)
+
+
+def _ignore_sigint() -> None:
+    """Workers leave Ctrl-C to the main process, which stops the pool and cleans up (no traceback per worker)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def to_tensor(pixels: np.ndarray) -> torch.Tensor:
@@ -111,23 +118,34 @@ def fit_codec(choice: CodecChoice, items: list[Item]) -> tuple[Codec, float | No
 
 def prepare(source, out: Path, *, codec: CodecChoice, text_encoder: TextEncoder, fit_samples: int = 256,
             workers: int = 0, shard_size: int = 1000, overwrite: bool = False, progress: bool = True,
-            num_classes: int = 0) -> Summary:
+            num_classes: int = 0, keep_partial: bool = False) -> Summary:
+    """Write the dataset. On any failure or interrupt the partial output is removed unless keep_partial."""
     rank, world = dist_env()
     if world > 1:
         import torch.distributed as dist
 
         dist.init_process_group("gloo")
+    created = not Path(out).exists()
+    if rank == 0:
+        start_dataset(out, overwrite)  # refuses a non-empty folder without overwrite: nothing of the user's is lost
+    _barrier(world)
+    with removed_on_failure(out, created, keep_partial, rank):
+        return _prepare(source, out, codec=codec, text_encoder=text_encoder, fit_samples=fit_samples,
+                        workers=workers, shard_size=shard_size, progress=progress, num_classes=num_classes)
+
+
+def _prepare(source, out: Path, *, codec: CodecChoice, text_encoder: TextEncoder, fit_samples: int, workers: int,
+             shard_size: int, progress: bool, num_classes: int) -> Summary:
+    rank, world = dist_env()
     t0 = time.perf_counter()
     summary = Summary()
-    if rank == 0:
-        start_dataset(out, overwrite)
-    _barrier(world)
 
     # 1. Fit the codec (PCA) and measure latent statistics on the first fit_samples samples.
     fit_items = [it for _, it in iterate(source, range(min(fit_samples, len(source))), workers)
                  if isinstance(it, Item)]
     if not fit_items:
-        raise RuntimeError("none of the first samples could be read: nothing to fit the codec on")
+        raise SourceError(f"none of the first {min(fit_samples, len(source))} samples could be read (unreadable "
+                          "files or missing captions): nothing to fit the codec on — check the input")
     the_codec, summary.fit_psnr = fit_codec(codec, fit_items)
     stats = LatentStats.measure(the_codec.encode(to_tensor(it.pixels)) for it in fit_items)
 
@@ -148,7 +166,7 @@ def prepare(source, out: Path, *, codec: CodecChoice, text_encoder: TextEncoder,
                 _write(pending, the_codec, stats, texts, writer, summary)
                 pending = []
         _write(pending, the_codec, stats, texts, writer, summary)
-        summary.bytes = writer.bytes
+        summary.bytes, summary.latent_shapes = writer.bytes, writer.latent_shapes
     bar.close()
 
     # 3. Every rank done → rank 0 indexes and marks the dataset complete.
@@ -161,7 +179,7 @@ def prepare(source, out: Path, *, codec: CodecChoice, text_encoder: TextEncoder,
             latent_channels=the_codec.latent_channels, spatial_factor=the_codec.spatial_factor,
             temporal_factor=the_codec.temporal_factor, num_classes=num_classes,
             counts={"samples": totals.samples, "images": totals.images, "videos": totals.videos,
-                    "skipped": dict(totals.skipped)},
+                    "skipped": dict(totals.skipped), "latent_shapes": dict(totals.latent_shapes)},
         )
         finish_dataset(out, info)
         totals.shards = info.counts["shards"]
@@ -222,4 +240,5 @@ def _sum_over_ranks(summary: Summary, world: int) -> Summary:
         total.videos += s.videos
         total.bytes += s.bytes
         total.skipped += s.skipped
+        total.latent_shapes += s.latent_shapes
     return total

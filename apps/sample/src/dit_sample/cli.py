@@ -71,7 +71,7 @@ def generate(
             raise RequestError("--prompt is required: describe what to draw, e.g. --prompt 'a red butterfly'")
         result, seconds = sampler.run(prompts=prompt, negative_prompt=negative_prompt, class_labels=class_label,
                                       steps=steps, guidance=guidance, seed=seed, frames=frames, height=height,
-                                      width=width, solver=solver.value, fps=fps)
+                                      width=width, solver=str(solver), fps=fps)
     except (RequestError, FileNotFoundError, ValueError, KeyError) as e:
         _fail(str(e))
     n = result.pixels.shape[0]
@@ -87,18 +87,26 @@ def generate(
 def serve(
     checkpoint: Path = typer.Option(..., help="An export folder, or a run directory (pick among its checkpoints)."),
     host: str = typer.Option("127.0.0.1", help="Address to bind; 127.0.0.1 keeps it on this machine."),
-    port: int = typer.Option(7860, help="Port."),
+    port: int = typer.Option(7860, min=1, max=65535, help="Port to listen on; it must be free."),
     concurrency: int = typer.Option(1, min=1, help="Requests sampled at the same time; the rest wait in a queue."),
+    queue_size: int = typer.Option(64, min=1, help="Requests that may wait in the queue; more are refused with "
+                                                   "'queue is full' until one finishes."),
 ) -> None:
     """Run the Gradio app: prompt → video/image in the browser. Never opens a public share link."""
-    from dit_sample.app import build_app
+    from dit_sample.app import build_app, port_problem
 
+    problem = port_problem(host, port)  # before the model loads: a taken port should fail in seconds
+    if problem:
+        _fail(problem)
     try:
-        demo = build_app(checkpoint, concurrency=concurrency)
+        demo = build_app(checkpoint, concurrency=concurrency, queue_size=queue_size)
     except (FileNotFoundError, ValueError, KeyError) as e:
         _fail(str(e))
     typer.echo(f"serving {checkpoint} on http://{host}:{port}")
-    demo.launch(server_name=host, server_port=port, share=False, quiet=True)
+    try:
+        demo.launch(server_name=host, server_port=port, share=False, quiet=True)
+    except OSError as e:  # the port was taken between the check and the launch
+        _fail(f"cannot serve on {host}:{port}: {e} — pass a free port with --port")
 
 
 def _fail(message: str):

@@ -6,7 +6,9 @@ checkpoint and printed by `dit-train --print-config`.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -141,9 +143,14 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> TrainConf
         if not path.is_file():
             raise ConfigError("--config", str(path), "an existing YAML file (see apps/train/configs/)")
         try:
-            data = yaml.safe_load(path.read_text()) or {}
+            data = yaml.safe_load(path.read_text())
+        except UnicodeDecodeError:
+            raise ConfigError("--config", str(path), "a UTF-8 text file of YAML (this one is binary)") from None
         except yaml.YAMLError as e:
             raise ConfigError("--config", str(path), f"valid YAML ({str(e).splitlines()[0]})") from None
+        if data is None:
+            raise ConfigError("--config", str(path), "a YAML mapping of sections (the file is empty); start from "
+                                                     "a shipped config, e.g. --config demo")
         if not isinstance(data, dict):
             raise ConfigError("--config", str(path), "a YAML mapping of sections (model, data, train, ...)")
     for item in overrides:
@@ -155,7 +162,7 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> TrainConf
         for p in parents:
             node = node.setdefault(p, {})
             if not isinstance(node, dict):
-                raise ConfigError(key, item, f"a key inside a section, but '{p}' is not a section")
+                raise ConfigError(key, raw, f"a key inside a section, but '{p}' is not a section")
         node[leaf] = yaml.safe_load(raw) if raw != "" else None
     cfg = _build(TrainConfig, data, "")
     validate(cfg)
@@ -206,12 +213,10 @@ def _coerce(value, hint, key: str):
         return value
     if hint is float:
         if isinstance(value, str):  # YAML 1.1 reads 1e-3 (no dot) as a string
-            try:
-                return float(value)
-            except ValueError:
-                pass
-        if isinstance(value, bool) or not isinstance(value, int | float):
-            raise ConfigError(key, value, "a number")
+            with contextlib.suppress(ValueError):
+                value = float(value)
+        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+            raise ConfigError(key, value, "a finite number")
         return float(value)
     if hint is str:
         if not isinstance(value, str):
@@ -253,6 +258,10 @@ def validate(cfg: TrainConfig) -> None:
     need(cfg.train.grad_clip >= 0, "train.grad_clip", cfg.train.grad_clip, "a number >= 0 (0 disables clipping)")
     need(cfg.checkpoint.every >= 1, "checkpoint.every", cfg.checkpoint.every, "an integer >= 1")
     need(cfg.checkpoint.keep >= 1, "checkpoint.keep", cfg.checkpoint.keep, "an integer >= 1")
+    need(cfg.train.stop_at is None or cfg.train.stop_at >= 1, "train.stop_at", cfg.train.stop_at,
+         "an integer >= 1, or null (run to train.steps)")
+    need(bool(cfg.validation.prompts) and all(p.strip() for p in cfg.validation.prompts), "validation.prompts",
+         cfg.validation.prompts, "a non-empty list of non-empty prompts")
     need(cfg.validation.every >= 0, "validation.every", cfg.validation.every, "an integer >= 0 (0: only at the end)")
     need(cfg.validation.steps >= 1, "validation.steps", cfg.validation.steps, "an integer >= 1")
     need(cfg.validation.frames >= 1, "validation.frames", cfg.validation.frames, "an integer >= 1")

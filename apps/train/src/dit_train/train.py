@@ -18,9 +18,10 @@ from dit_train import checkpoint
 from dit_train.config import TrainConfig
 from ditcore.codecs import LatentStats, load_codec
 from ditcore.codecs.text import load_text_encoder
-from ditcore.data.loader import build_loader
+from ditcore.data.loader import build_loader, check_samples_fit
 from ditcore.data.schema import read_info
 from ditcore.diffusion import EMA, EDMLoss, EDMPrecond
+from ditcore.errors import ConfigError
 from ditcore.export import export_model
 from ditcore.flops import gpu_peak_flops, measure_cpu_peak_flops, training_flops_per_token
 from ditcore.media import write_sample
@@ -48,6 +49,19 @@ class Preempted:
         t = torch.tensor([float(self.flag)])
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return bool(t.item())
+
+
+def prepare_run_dir(run_dir: Path) -> None:
+    """Create RUN_DIR, or say why it cannot be (before any process group or model exists)."""
+    if run_dir.exists() and not run_dir.is_dir():
+        raise ConfigError("train.run_dir", str(run_dir), "a folder path (this is a file)")
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        probe = run_dir / f".write-test-{os.getpid()}"
+        probe.touch()
+        probe.unlink()
+    except OSError as e:
+        raise ConfigError("train.run_dir", str(run_dir), f"a folder this user can write ({e.strerror})") from None
 
 
 def model_config(cfg: TrainConfig, info):
@@ -110,7 +124,7 @@ def train(cfg: TrainConfig, resume: str = "auto", config_yaml: str | None = None
                         sequence_parallel=cfg.parallel.sequence_parallel)
     devices = int(os.environ.get("LOCAL_WORLD_SIZE", cfg.parallel.devices))
     bf16 = cfg.train.precision == "bf16" or (cfg.train.precision == "auto" and on_gpu)
-    run_dir.mkdir(parents=True, exist_ok=True)
+    prepare_run_dir(run_dir)
     loggers = []
     if cfg.logging.csv:
         loggers.append(CSVLogger(str(run_dir), name="csv", version=f"run-{time.strftime('%Y%m%d-%H%M%S')}"))
@@ -124,6 +138,11 @@ def train(cfg: TrainConfig, resume: str = "auto", config_yaml: str | None = None
     groups = strategy.groups
     model_cfg = model_config(cfg, info)
     dims.check_model(model_cfg.num_heads, cfg.data.seq_length)
+    too_long = check_samples_fit(info, cfg.data.path, patch_size=model_cfg.patch_size,
+                                 patch_size_t=model_cfg.patch_size_t, seq_length=cfg.data.seq_length)
+    if too_long:
+        fabric.print(f"warning: {too_long} of {info.counts['samples']} samples do not fit data.seq_length="
+                     f"{cfg.data.seq_length} tokens (or the patch sizes) and will be skipped")
     accum = cfg.train.global_batch // (cfg.train.micro_batch * groups.dims.dp)
     if accum * cfg.train.micro_batch * groups.dims.dp != cfg.train.global_batch:
         raise ValueError(f"train.global_batch={cfg.train.global_batch} is not a multiple of train.micro_batch="

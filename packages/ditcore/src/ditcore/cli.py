@@ -36,13 +36,15 @@ def entry_point(app: typer.Typer) -> Callable[[], None]:
             e.show()  # no arguments at all: the help is the answer
             sys.exit(e.exit_code)
         except click.UsageError as e:
-            where = f" (see {e.ctx.command_path} --help)" if e.ctx is not None else ""
-            typer.echo(f"error: {e.format_message()}{_value_seen(e)}{where}", err=True)
+            where = f" — see {e.ctx.command_path} --help" if e.ctx is not None else ""
+            message = e.format_message().rstrip(".")
+            seen = _value_seen(e)
+            typer.echo(f"error: {message}{'' if seen in message else f' (got {seen})'}{where}", err=True)
             sys.exit(2)
         except click.ClickException as e:
             typer.echo(f"error: {e.format_message()}", err=True)
             sys.exit(e.exit_code)
-        except (click.Abort, KeyboardInterrupt):
+        except (typer.Abort, KeyboardInterrupt):
             typer.echo("error: interrupted", err=True)
             sys.exit(130)
         sys.exit(code if isinstance(code, int) else 0)
@@ -55,4 +57,4 @@ def _value_seen(e: Exception) -> str:
     errors = getattr(e.__cause__, "errors", None)
     if not callable(errors) or not errors():
         return ""
-    return f", got {errors()[0].get('input')!r}"
+    return repr(errors()[0].get("input"))

@@ -32,7 +32,7 @@ from megatron.energon import (
 from megatron.energon.flavors.base_dataset import Sample
 
 from ditcore.data.packing import PackedBatch, PackedRow, TokenSample, collate, first_fit_decreasing
-from ditcore.data.schema import LATENT, META, TEXT, read_info
+from ditcore.data.schema import LATENT, META, TEXT, DatasetError, read_info
 from ditcore.models.dit import grid_positions, patchify
 
 log = logging.getLogger(__name__)
@@ -145,6 +145,9 @@ def broken_shards(root: Path) -> dict[str, str]:
     expected = json.loads((root / ".nv-meta" / ".info.json").read_text()).get("shard_counts", {})
     bad = {}
     for name, count in sorted(expected.items()):
+        if not (root / f"{name}.idx").is_file():
+            bad[name] = f"its index {name}.idx is missing"
+            continue
         try:
             with tarfile.open(root / name, mode="r:") as tar:
                 found = len({m.name.split(".", 1)[0] for m in tar if m.isfile()})
@@ -173,6 +176,23 @@ def _indexed_count(root: Path, shards) -> int:
     return sum(counts.get(s, 0) for s in shards)
 
 
+def check_samples_fit(info, root, *, patch_size: int, patch_size_t: int, seq_length: int) -> int:
+    """Refuse a dataset none of whose samples fits a packed row (training would wait forever for a batch);
+    return how many samples will be skipped. Uses the latent shapes dit-prepare records (older datasets: 0)."""
+    shapes = {tuple(int(v) for v in k.split("x")): n for k, n in info.counts.get("latent_shapes", {}).items()}
+    tokens = {s: (s[1] // patch_size_t) * (s[2] // patch_size) * (s[3] // patch_size) for s in shapes
+              if s[1] % patch_size_t == 0 and s[2] % patch_size == 0 and s[3] % patch_size == 0}
+    fitting = sum(shapes[s] for s, n in tokens.items() if n <= seq_length)
+    if shapes and not fitting:
+        need = min(tokens.values(), default=None)
+        fix = (f"raise data.seq_length to at least {need}" if need else
+               f"no latent shape {sorted(shapes)} is divisible by the patch {patch_size_t}x{patch_size}x{patch_size}"
+               " — choose other patch sizes")
+        raise DatasetError(f"no sample of dataset '{root}' fits a packed row of data.seq_length={seq_length} tokens "
+                           f"— {fix}")
+    return sum(shapes.values()) - fitting
+
+
 def build_loader(
     root: str | Path,
     *,
@@ -199,6 +219,10 @@ def build_loader(
     split_config = None
     bad = broken_shards(root)
     if bad:
+        if _indexed_count(root, bad) == info.counts.get("samples", -1) or len(bad) == info.counts.get("shards", -1):
+            name, reason = next(iter(bad.items()))
+            raise DatasetError(f"every shard of dataset '{root}' is broken ({len(bad)}, e.g. {name}: {reason}) — "
+                               "run dit-prepare again with --overwrite")
         for name, reason in bad.items():
             log.warning("leaving out broken shard %s (%s)", name, reason)
         split_config = _split_config_without(root, bad)

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 
 import webdataset as wds
@@ -17,16 +19,57 @@ SHARD_PATTERN = "rank{rank}-%06d.tar"  # as the reference recipe: every rank wri
 def start_dataset(root: Path, overwrite: bool) -> None:
     """Make `root` ready for writing. An existing dataset is replaced only with overwrite=True."""
     root = Path(root)
+    if root.exists() and not root.is_dir():
+        raise FileExistsError(f"output '{root}' is a file — choose a folder path for the dataset")
     if root.exists() and any(root.iterdir()):
         if not overwrite:
             raise FileExistsError(f"output '{root}' already exists and is not empty — choose another path "
                                   "or pass --overwrite")
-        # Remove the completion marker first: if we are interrupted, nothing here passes for complete.
+        remove_dataset_files(root)
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        probe = root / ".write-test"
+        probe.touch()
+        probe.unlink()
+    except PermissionError:
+        raise PermissionError(f"output '{root}' cannot be written (permission denied) — choose another path") from None
+
+
+def remove_dataset_files(root: Path, rank: int | None = None) -> None:
+    """Delete what dit-prepare writes into `root` (only that: other files in the folder stay).
+
+    The completion marker goes first, so an interrupted removal never leaves something that passes for
+    complete. With `rank`, only that rank's shards (each rank removes its own, rank 0 the shared files).
+    """
+    root = Path(root)
+    shards = f"rank{rank}-*.tar*" if rank is not None else "rank*-*.tar*"
+    shared = rank in (None, 0)
+    if shared:
         (root / INFO_FILE).unlink(missing_ok=True)
+        (root / f".{INFO_FILE}.tmp").unlink(missing_ok=True)
         shutil.rmtree(root / ".nv-meta", ignore_errors=True)
-        for p in [*root.glob("rank*-*.tar"), *root.glob("rank*-*.tar.idx"), *root.glob("codec_*")]:
-            p.unlink()
-    root.mkdir(parents=True, exist_ok=True)
+    for p in [*root.glob(shards), *(root.glob("codec_*") if shared else [])]:
+        p.unlink(missing_ok=True)
+
+
+@contextlib.contextmanager
+def removed_on_failure(root: Path, created: bool, keep: bool = False, rank: int = 0):
+    """Around writing a started dataset: on any failure or interrupt, remove this rank's partial output (and
+    the folder, if `created` it), unless `keep`. The exception gets a note saying which happened."""
+    try:
+        yield
+    except BaseException as e:
+        if keep:
+            e.add_note(f"kept the partial output '{root}' as asked; it is incomplete and will not load — rerun "
+                       "with --overwrite")
+            raise
+        if Path(root).is_dir():
+            remove_dataset_files(root, rank)
+            if created and rank == 0:
+                with contextlib.suppress(OSError):  # other ranks' shards may still be there; they remove their own
+                    Path(root).rmdir()
+        e.add_note(f"removed the partial output '{root}' (--keep-partial keeps it)")
+        raise
 
 
 class ShardWriter:
@@ -37,9 +80,11 @@ class ShardWriter:
         self._writer = wds.ShardWriter(pattern, maxcount=max_count, maxsize=max_size, verbose=0)
         self.count = 0
         self.bytes = 0
+        self.latent_shapes: Counter = Counter()  # "CxTxHxW" → samples; dit-train checks them against seq_length
 
     def write(self, key: str, latent, text, meta: dict) -> None:
         record = to_record(key, latent, text, meta)
+        self.latent_shapes["x".join(map(str, latent.shape))] += 1
         self.bytes += sum(len(v) for k, v in record.items() if k != "__key__")
         self._writer.write(record)
         self.count += 1
