@@ -151,10 +151,10 @@ def _prepare(source, out: Path, *, codec: CodecChoice, text_encoder: TextEncoder
 
     # 2. Encode and write this rank's samples.
     mine = range(rank, len(source), world)
-    bar = tqdm(total=len(mine), desc=f"rank {rank} encoding" if world > 1 else "encoding", unit="sample",
-               disable=not progress or rank != 0)
     texts = CaptionCache(text_encoder)
-    with ShardWriter(out, rank=rank, max_count=shard_size) as writer:
+    # closed however the loop ends, so an error message starts on its own line, not after the bar
+    with tqdm(total=len(mine), desc=f"rank {rank} encoding" if world > 1 else "encoding", unit="sample",
+              disable=not progress or rank != 0) as bar, ShardWriter(out, rank=rank, max_count=shard_size) as writer:
         pending: list[Item] = []
         for _, item in iterate(source, mine, workers):
             bar.update()
@@ -167,7 +167,6 @@ def _prepare(source, out: Path, *, codec: CodecChoice, text_encoder: TextEncoder
                 pending = []
         _write(pending, the_codec, stats, texts, writer, summary)
         summary.bytes, summary.latent_shapes = writer.bytes, writer.latent_shapes
-    bar.close()
 
     # 3. Every rank done → rank 0 indexes and marks the dataset complete.
     totals = _sum_over_ranks(summary, world)

@@ -1,0 +1,298 @@
+"""Wrong input as a hostile user gives it: every case is one `error:` line, exit code 2, no traceback, and nothing
+half-written left behind. (The Gradio app under abuse: test_sample_abuse.py.)"""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+BIN = Path(sys.executable).parent
+READ_ONLY = Path("/sys/ditcore-test")  # not writable even for root (chmod is not enough when CI runs as root)
+
+
+def cli(app: str, *args, timeout=180, cwd=None) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
+    return subprocess.run([str(BIN / f"dit-{app}"), *map(str, args)], capture_output=True, text=True, env=env,
+                          timeout=timeout, cwd=cwd)
+
+
+def assert_one_line_error(proc: subprocess.CompletedProcess, *fragments: str) -> str:
+    noise = ("Initializing distributed", "distributed_backend", "All distributed processes", "----------")
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip() and not ln.startswith(noise)]
+    assert proc.returncode == 2, (proc.returncode, proc.stderr[-3000:])
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr[-3000:]
+    for fragment in fragments:
+        assert fragment in lines[0], (fragment, lines[0])
+    return lines[0]
+
+
+# ---------------------------------------------------------------- dit-train
+
+
+@pytest.fixture(scope="module")
+def mock_data(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bad") / "mock"
+    proc = cli("prepare", "mock", "--out", out, "--num", "16", "--latent-shape", "4,1,8,8",
+               "--video-latent-shape", "4,2,4,4", "--text-dim", "16", "--text-len", "3")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out
+
+
+@pytest.fixture(scope="module")
+def configs(tmp_path_factory):
+    d = tmp_path_factory.mktemp("configs")
+    (d / "empty.yaml").write_text("")
+    (d / "corrupt.yaml").write_text("model: [unclosed\n")
+    (d / "list.yaml").write_text("- model\n- train\n")
+    (d / "binary.yaml").write_bytes(bytes(range(128, 256)))
+    (d / "section.yaml").write_text("train: 5\n")
+    return d
+
+
+@pytest.mark.parametrize(
+    ("args", "fragments"),
+    [
+        (["--config", "{cfg}/empty.yaml"], ["the file is empty", "--config demo"]),
+        (["--config", "{cfg}/corrupt.yaml"], ["expected valid YAML"]),
+        (["--config", "{cfg}/list.yaml"], ["a YAML mapping of sections"]),
+        (["--config", "{cfg}/binary.yaml"], ["this one is binary"]),
+        (["--config", "{cfg}/section.yaml"], ["train=5 is invalid: expected a mapping of keys"]),
+        (["--config", "{cfg}"], ["expected an existing YAML file"]),
+        (["--config", "demo", "train.steps=abc"], ["train.steps='abc' is invalid: expected an integer"]),
+        (["--config", "demo", "train.steps=1.5"], ["train.steps=1.5 is invalid: expected an integer"]),
+        (["--config", "demo", "train.steps=0"], ["train.steps=0 is invalid: expected an integer >= 1"]),
+        (["--config", "demo", "optim.lr=-1"], ["optim.lr=-1.0 is invalid: expected a learning rate > 0"]),
+        (["--config", "demo", "optim.lr=inf"], ["optim.lr=inf is invalid: expected a finite number"]),
+        (["--config", "demo", "optim.lr=.nan"], ["optim.lr=nan is invalid: expected a finite number"]),
+        (["--config", "demo", "edm.cfg_dropout=1.5"], ["edm.cfg_dropout=1.5 is invalid: expected a probability"]),
+        (["--config", "demo", "parallel.tp=0"], ["parallel.tp=0 is invalid: expected an integer >= 1"]),
+        (["--config", "demo", "parallel.pp=2"], ["parallel.pp=2 is invalid", "not available yet"]),
+        (["--config", "demo", "train.micro_batch=3"], ["train.global_batch=4 is invalid: expected a multiple of"]),
+        (["--config", "demo", "train.stop_at=0"], ["train.stop_at=0 is invalid"]),
+        (["--config", "demo", "validation.prompts=[]"], ["validation.prompts=[] is invalid: expected a non-empty"]),
+        (["--config", "demo", "validation.prompts=a red butterfly"], ["expected a list of str"]),
+        (["--config", "demo", "model.pos_embed=learned"], ["model.pos_embed='learned' is invalid: expected one of"]),
+        (["--config", "demo", "train"], ["override='train' is invalid: expected key.sub=value"]),
+        (["--config", "demo", "=3"], ["override='=3' is invalid"]),
+        (["--config", "demo", "train.steps.x=3"], ["'steps' is not a section"]),
+        (["--config", "demo", "--resume"], ["Option '--resume' requires an argument"]),
+        (["--config", "demo", "--bogus"], ["No such option: --bogus"]),
+    ],
+)
+def test_bad_config_is_one_line(configs, args, fragments):
+    proc = cli("train", "--print-config", *(a.format(cfg=configs) for a in args))
+    assert_one_line_error(proc, *fragments)
+
+
+def train_args(data, run, *extra):
+    return ["--config", "demo", "model.preset=DiT-Tiny", "data.seq_length=32", "data.num_workers=0",
+            "train.micro_batch=2", "train.global_batch=2", "train.steps=2", "logging.tensorboard=false",
+            f"data.path={data}", f"train.run_dir={run}", *extra]
+
+
+def damaged_copy(data: Path, tmp: Path, how: str) -> Path:
+    copy = tmp / how
+    shutil.copytree(data, copy)
+    shard = next(copy.glob("rank*-*.tar"))
+    if how == "truncated_shard":
+        with shard.open("r+b") as f:
+            f.truncate(1000)
+    elif how == "deleted_idx":
+        Path(f"{shard}.idx").unlink()
+    elif how == "unfinished":
+        (copy / "ditcore.json").unlink()
+    elif how == "corrupt_info":
+        (copy / "ditcore.json").write_text("{not json")
+    return copy
+
+
+@pytest.mark.parametrize(
+    ("case", "fragments"),
+    [
+        ("layout", ["parallel", "expected a divisor of the world size 1"]),
+        ("data_is_a_file", ["is a file; expected the folder dit-prepare wrote"]),
+        ("missing_data", ["does not exist — run dit-prepare first"]),
+        ("unfinished", ["is not a finished ditcore dataset", "--overwrite"]),
+        ("corrupt_info", ["unreadable ditcore.json"]),
+        ("truncated_shard", ["every shard of dataset", "is broken", "--overwrite"]),
+        ("deleted_idx", ["every shard of dataset", ".idx is missing"]),
+        ("seq_too_short", ["fits a packed row of data.seq_length=2 tokens", "at least 8"]),
+        ("patch_does_not_divide", ["is divisible by the patch 1x3x3"]),
+        ("run_dir_is_a_file", ["train.run_dir=", "this is a file"]),
+        ("run_dir_read_only", ["train.run_dir=", "a folder this user can write"]),
+        ("resume_not_a_checkpoint", ["not a complete checkpoint"]),
+    ],
+)
+def test_bad_training_setup_is_one_line(mock_data, tmp_path, case, fragments):
+    data, run, extra = mock_data, tmp_path / "run", []
+    if case == "layout":
+        extra = ["parallel.tp=2"]
+    elif case == "data_is_a_file":
+        data = tmp_path / "file"
+        data.write_text("x")
+    elif case == "missing_data":
+        data = tmp_path / "nope"
+    elif case in ("unfinished", "corrupt_info", "truncated_shard", "deleted_idx"):
+        data = damaged_copy(mock_data, tmp_path, case)
+    elif case == "seq_too_short":
+        extra = ["data.seq_length=2"]  # the smallest sample (a 2×4×4 clip latent) has 2·2·2 = 8 tokens at patch 2
+    elif case == "patch_does_not_divide":
+        extra = ["model.patch_size=3"]
+    elif case == "run_dir_is_a_file":
+        run.write_text("x")
+    elif case == "run_dir_read_only":
+        run = READ_ONLY
+    resume = ["--resume", str(tmp_path)] if case == "resume_not_a_checkpoint" else []
+    proc = cli("train", *train_args(data, run, *extra), *resume)
+    assert_one_line_error(proc, *fragments)
+    assert not (run / "checkpoints").exists() if run.is_dir() else True  # nothing was written
+
+
+# ---------------------------------------------------------------- dit-prepare
+
+
+@pytest.fixture(scope="module")
+def media(tmp_path_factory):
+    import imageio.v3 as iio
+
+    root = tmp_path_factory.mktemp("media")
+    (root / "empty").mkdir()
+    (root / "empty" / "notes.md").write_text("no media here")
+    bad = root / "bad"
+    bad.mkdir()
+    (bad / "a.png").write_text("not a png")
+    (bad / "a.txt").write_text("a caption")
+    (bad / "b.mp4").write_bytes(b"")
+    (bad / "b.txt").write_text("a zero-byte video")
+    mixed = root / "mixed"
+    mixed.mkdir()
+    g = np.random.default_rng(0)
+    captions = ["ein Schmetterling über Blüten 🦋", "蝴蝶在花上", "бабочка", "a red butterfly"]
+    for i, caption in enumerate(captions):
+        iio.imwrite(mixed / f"img{i}.png", (g.random((40, 40, 3)) * 255).astype(np.uint8))
+        (mixed / f"img{i}.txt").write_text(caption, encoding="utf-8")
+    (mixed / "corrupt.png").write_text("garbage")
+    (mixed / "corrupt.txt").write_text("corrupt image")
+    (mixed / "empty.mp4").write_bytes(b"")
+    (mixed / "empty.txt").write_text("zero-byte video")
+    (mixed / "nocaption.png").write_bytes((mixed / "img0.png").read_bytes())
+    return root
+
+
+@pytest.mark.parametrize(
+    ("args", "fragments"),
+    [
+        (["folder", "{media}/empty", "--out", "{tmp}/o"], ["has no images", "or videos"]),
+        (["folder", "{media}/bad", "--out", "{tmp}/o"], ["none of the first 2 samples could be read",
+                                                         "removed the partial output"]),
+        (["folder", "{media}/empty/notes.md", "--out", "{tmp}/o"], ["does not exist or is not a folder"]),
+        (["folder", "{media}/nope", "--out", "{tmp}/o"], ["does not exist or is not a folder"]),
+        (["synthetic", "--out", "{media}/empty/notes.md", "--num", "4"], ["is a file — choose a folder"]),
+        (["synthetic", "--out", "{media}/mixed", "--num", "4"], ["already exists and is not empty", "--overwrite"]),
+        (["synthetic", "--out", str(READ_ONLY), "--num", "4"], ["cannot be written"]),
+        (["synthetic", "--out", "{tmp}/o", "--num", "0"], ["'--num'", "'0'", "dit-prepare synthetic --help"]),
+        (["synthetic", "--out", "{tmp}/o", "--num", "many"], ["'--num'", "'many'"]),
+        (["synthetic", "--out", "{tmp}/o", "--codec", "jpeg"], ["'jpeg' is not one of 'pca', 'pixel', 'vae'"]),
+        (["synthetic", "--out", "{tmp}/o", "--size", "20"], ["--size 20 must be a multiple of 8"]),
+        (["synthetic", "--out", "{tmp}/o", "--video-ratio", "2"], ["'--video-ratio'", "'2'"]),
+        (["synthetic", "--out", "{tmp}/o", "--text-encoder", "clip"], ["text encoder 'clip' is unknown"]),
+        (["synthetic", "--out", "{tmp}/o", "--codec", "vae"], ["--codec vae needs --vae"]),
+        (["synthetic", "--out", "{tmp}/o", "--codec", "vae", "--vae", "{tmp}/novae"], ["does not exist"]),
+        (["mock", "--out", "{tmp}/o", "--latent-shape", "4,1,8"], ["expected four positive integers"]),
+        (["folder", "--out", "{tmp}/o"], ["Missing argument 'path'", "dit-prepare folder --help"]),
+    ],
+)
+def test_bad_prepare_input_is_one_line_and_leaves_nothing(media, tmp_path, args, fragments):
+    before = sorted(p.relative_to(media) for p in media.rglob("*"))
+    proc = cli("prepare", *(a.format(media=media, tmp=tmp_path) for a in args), timeout=300)
+    assert_one_line_error(proc, *fragments)
+    assert not (tmp_path / "o").exists()  # no partial output
+    assert sorted(p.relative_to(media) for p in media.rglob("*")) == before  # nothing of the user's touched
+
+
+def test_folder_skips_what_it_cannot_read_and_keeps_unicode_captions(media, tmp_path):
+    out = tmp_path / "o"
+    proc = cli("prepare", "folder", media / "mixed", "--out", out, "--size", "32", "--fit-samples", "8",
+               "--pca-channels", "4", timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "samples   4 (4 images, 0 clips)" in proc.stdout
+    assert "1 unreadable image" in proc.stdout and "1 unreadable video" in proc.stdout and "1 no caption" in proc.stdout
+    info = json.loads((out / "ditcore.json").read_text())
+    assert info["counts"]["samples"] == 4 and sum(info["counts"]["skipped"].values()) == 3
+    import tarfile
+
+    with tarfile.open(next(out.glob("rank*-*.tar"))) as tar:
+        captions = {json.loads(tar.extractfile(m).read())["caption"] for m in tar if m.name.endswith(".json")}
+    assert captions == {"ein Schmetterling über Blüten 🦋", "蝴蝶在花上", "бабочка", "a red butterfly"}
+
+
+@pytest.mark.parametrize("keep", [False, True])
+def test_ctrl_c_during_prepare_removes_the_partial_output_unless_kept(tmp_path, keep):
+    out = tmp_path / "o"
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
+    cmd = [str(BIN / "dit-prepare"), "synthetic", "--out", str(out), "--num", "4000", "--size", "32",
+           "--shard-size", "50", "--fit-samples", "16", *(["--keep-partial"] if keep else [])]
+    # A shell starts background jobs with SIGINT ignored; a user's Ctrl-C reaches a foreground process: restore it.
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    deadline = time.monotonic() + 180
+    while not list(out.glob("rank0-000001.tar")) and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.1)  # a full shard is written: we are in the middle of encoding
+    assert proc.poll() is None, proc.communicate()[1][-3000:]
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    lines = [ln for ln in err.replace("\r", "\n").splitlines() if ln.startswith("error")]  # past the progress bars
+    assert proc.returncode == 130 and "Traceback" not in err, err[-3000:]
+    assert len(lines) == 1 and lines[0].startswith("error: interrupted"), err[-3000:]
+    if keep:
+        assert "kept the partial output" in lines[0] and list(out.glob("rank0-*.tar"))
+        assert not (out / "ditcore.json").exists()  # incomplete: dit-train refuses it
+        again = cli("prepare", "synthetic", "--out", out, "--num", "4")
+        assert_one_line_error(again, "already exists and is not empty", "--overwrite")
+    else:
+        assert "removed the partial output" in lines[0] and not out.exists()
+
+
+# ---------------------------------------------------------------- dit-sample generate
+
+
+@pytest.mark.parametrize(
+    ("args", "fragments"),
+    [
+        (["--steps", "0"], ["steps=0 is out of range"]),
+        (["--steps", "-3"], ["steps=-3 is out of range"]),
+        (["--guidance", "-1"], ["guidance=-1.0 is out of range"]),
+        (["--guidance", "nan"], ["guidance=nan is out of range"]),
+        (["--frames", "0"], ["frames=0 is out of range"]),
+        (["--height", "30"], ["multiples of 8"]),
+        (["--width", "36"], ["multiples of 8"]),
+        (["--height", "100000"], ["height=100000 is out of range"]),
+        (["--prompt", ""], ["the prompt is empty"]),
+        (["--fps", "0"], ["'--fps'", "'0'"]),
+        (["--solver", "dpm"], ["'dpm' is not one of 'heun', 'euler'"]),
+        (["--seed", "x"], ["'--seed'", "'x'"]),
+        (["--checkpoint", "{data}"], ["is neither an export"]),
+        (["--checkpoint", "{tmp}"], ["is neither an export"]),
+        (["--checkpoint", "{tmp}/nope"], ["does not exist"]),
+        (["--out", "{tmp}/missing/x.png"], ["the folder", "does not exist"]),
+        (["--out", str(READ_ONLY / "x.png")], ["does not exist"]),
+        (["--out", "/proc/self/x.png"], ["is not writable"]),
+        (["--out", "{tmp}"], ["is a directory"]),
+    ],
+)
+def test_bad_generate_request_is_one_line(checkpoint, mock_data, tmp_path, args, fragments):
+    base = {"--checkpoint": str(checkpoint), "--prompt": "a red butterfly", "--steps": "2", "--height": "32",
+            "--width": "32", "--out": str(tmp_path / "s.png")}
+    for k, v in zip(args[::2], args[1::2], strict=True):
+        base[k] = v.format(tmp=tmp_path, data=mock_data)
+    proc = cli("sample", "generate", *[x for kv in base.items() for x in kv])
+    assert_one_line_error(proc, *fragments)
+    assert not list(tmp_path.glob("*.png")) and not list(tmp_path.glob(".*partial*"))
