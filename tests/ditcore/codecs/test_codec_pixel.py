@@ -1,9 +1,11 @@
 import json
+import math
 
 import pytest
 import torch
 
 from ditcore.codecs import CODECS, PixelCodec, load_codec, psnr
+from ditcore.testing import EPS32
 
 
 def pixels(*shape, seed=0):
@@ -67,5 +69,7 @@ def test_unknown_kind_names_the_allowed_kinds(tmp_path):
 
 def test_psnr_golden_value():
     x = pixels(1, 3, 1, 8, 8)
-    assert psnr(x, x + 0.02) == pytest.approx(40.0)  # 10·log10(2² / 0.02²)
+    # 10·log10(2² / 0.02²), but x + 0.02 is rounded in float32 next to |x| ≤ 1: each difference is 0.02 within
+    # (1.02 / 0.02)·u relative, the mean square twice that, and 10·log10 turns a relative error r into 10 / ln 10 · r dB
+    assert psnr(x, x + 0.02) == pytest.approx(40.0, abs=10 / math.log(10) * 2 * (1.02 / 0.02) * EPS32)
     assert psnr(x, x) == float("inf")

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from ditcore.diffusion import edm_sampler, guided, karras_sigmas
+from ditcore.testing import EPS32, assert_close_fp32
 
 S_DATA, SIGMA_MAX = 0.5, 80.0
 
@@ -49,7 +50,8 @@ def test_number_of_denoiser_evaluations(solver, steps, nfe):
     if solver == "heun" and steps > 1:
         sig = karras_sigmas(steps)
         # the correction of step i evaluates D at σ_{i+1}, not again at σ_i
-        assert seen[:4] == pytest.approx([sig[0].item(), sig[1].item(), sig[1].item(), sig[2].item()])
+        # the float32 denoiser sees each float64 σ rounded once: within u = ε/2
+        assert seen[:4] == pytest.approx([sig[0].item(), sig[1].item(), sig[1].item(), sig[2].item()], rel=EPS32)
 
 
 def test_karras_schedule_endpoints_and_monotone():
@@ -84,7 +86,7 @@ def test_classifier_free_guidance_is_one_batched_call():
 
     x = torch.randn(3, 5)
     for w in (0.0, 1.0, 4.5):
-        torch.testing.assert_close(guided(both, w)(x, torch.tensor(1.0)), x + w * (2 * x - x))
+        assert_close_fp32(guided(both, w)(x, torch.tensor(1.0)), x + w * (2 * x - x), work=3)  # −, ·w, +
     assert calls == [6, 6, 6]
 
 

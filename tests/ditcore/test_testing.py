@@ -1,0 +1,43 @@
+import pytest
+import torch
+
+from ditcore.models import DiT, grid_positions, preset
+from ditcore.testing import EPS32, assert_close_fp32, dit_forward_work, fp32_tolerance
+
+
+@pytest.mark.parametrize("n", [1, 16, 384, 4096])
+def test_dot_product_error_is_within_the_bound(n):
+    # Higham's bound is relative to Σ|x_i·y_i|; 200 trials each in float32 against float64
+    g = torch.Generator().manual_seed(n)
+    x, y = torch.randn(200, n, generator=g), torch.randn(200, n, generator=g)
+    got = (x * y).sum(1, dtype=torch.float32).double()
+    terms = x.double() * y.double()
+    exact, scale = terms.sum(1), terms.abs().sum(1)
+    assert ((got - exact).abs() <= fp32_tolerance(n, 1.0) * scale).all()
+    matmul = (x[:, None, :] @ y[:, :, None]).flatten().double()  # BLAS' own blocked order
+    assert ((matmul - exact).abs() <= fp32_tolerance(n, 1.0) * scale).all()
+
+
+def test_dit_forward_is_within_its_bound_of_float64():
+    # sincos: in float64 the model then computes in float64 throughout (RoPE would rotate in float32)
+    cfg = preset("DiT-Tiny", text_dim=24, num_classes=5, fps_cond=True, pos_embed="sincos")
+    model = DiT(cfg)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():  # off the (partly zero) initialisation, so every path contributes
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.2)
+    inputs = (torch.randn(2, 16, cfg.patch_dim, generator=g), torch.randn(2, 1, generator=g), grid_positions((1, 4, 4)))
+    cond = dict(class_labels=torch.tensor([[1], [4]]), fps=torch.tensor([[8.0], [24.0]]),
+                text=torch.randn(2, 7, 24, generator=g))
+    with torch.no_grad():
+        out32 = model(*inputs, **cond)
+        exact = model.double()(inputs[0].double(), *inputs[1:], **{k: v.double() if v.is_floating_point() else v
+                                                                    for k, v in cond.items()})
+    assert_close_fp32(out32.double(), exact, work=dit_forward_work(cfg, seq_len=16, text_len=7))
+
+
+def test_assert_close_fp32_catches_a_relative_error_of_1e_3():
+    expected = torch.randn(1000, generator=torch.Generator().manual_seed(0))
+    assert_close_fp32(expected * (1 + 4 * EPS32), expected, work=8)
+    with pytest.raises(AssertionError, match=r"float32 bound: work 1000"):
+        assert_close_fp32(expected * (1 + 1e-3), expected, work=1000)
