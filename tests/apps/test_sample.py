@@ -2,21 +2,15 @@
 
 import os
 import shutil
-import socket
 import subprocess
 import sys
-import time
 import urllib.request
 from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 
-from ditcore.data.schema import DatasetInfo
-from ditcore.export import export_model
 from ditcore.media import read_video
-from ditcore.models import DiT, preset
 
 BIN = Path(sys.executable).parent
 CHROMIUM = "/usr/bin/chromium"
@@ -24,31 +18,6 @@ CHROMIUM = "/usr/bin/chromium"
 
 def env():
     return {**os.environ, "PYTHONWARNINGS": "ignore", "GRADIO_ANALYTICS_ENABLED": "False"}
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    """An export of a small random text-conditioned DiT with a pixel codec (no training needed to test plumbing)."""
-    root = tmp_path_factory.mktemp("ckpt")
-    data = root / "data"
-    data.mkdir()
-    info = DatasetInfo(codec={"kind": "pixel", "factor": 4}, latent_stats={"mean": [0.0] * 48, "std": [0.5] * 48},
-                       text_encoder={"name": "minilm", "dim": 384}, latent_channels=48, spatial_factor=4,
-                       temporal_factor=1)
-    info.write(data)
-    cfg = preset("DiT-Tiny", in_channels=48, text_dim=384, patch_size=2, max_grid=(32, 16, 16))
-    torch.manual_seed(0)
-    model = DiT(cfg)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.05)
-    run = root / "run"
-    export_model(run / "export", model.state_dict(), cfg, data, extra={"step": 1})
-    (run / "samples" / "step-0000001").mkdir(parents=True)
-    import imageio.v3 as iio
-
-    iio.imwrite(run / "samples" / "step-0000001" / "00-a-red-butterfly.png", np.zeros((32, 32, 3), np.uint8))
-    return run
 
 
 def generate(*args):
@@ -111,32 +80,6 @@ def test_missing_or_wrong_checkpoint(tmp_path, checkpoint):
 
 
 # ---------------------------------------------------------------- the page
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture(scope="module")
-def server(checkpoint):
-    port = free_port()
-    proc = subprocess.Popen([str(BIN / "dit-sample"), "serve", "--checkpoint", str(checkpoint), "--port", str(port)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env())
-    url = f"http://127.0.0.1:{port}/"
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        try:
-            urllib.request.urlopen(url, timeout=2)
-            break
-        except OSError:
-            if proc.poll() is not None:
-                raise RuntimeError(proc.stdout.read()) from None
-            time.sleep(0.5)
-    yield url
-    proc.terminate()
-    proc.wait(timeout=30)
 
 
 @pytest.mark.skipif(not Path(CHROMIUM).exists(), reason="Debian chromium is not installed (.ci/run installs it)")

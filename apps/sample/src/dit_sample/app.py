@@ -1,25 +1,40 @@
 """The Gradio app: prompt → sampled video and first frame, with the run's validation samples alongside.
 
 Given a run directory, a picker offers its export and every complete training checkpoint (whose EMA
-shards are consolidated on load, so a TP>1 run samples on one device). Bad requests show a message in the
-page; the server keeps serving.
+shards are consolidated on load, so a TP>1 run samples on one device). Every request, from the page or the
+API, is checked before anything large is allocated; a bad one gets a message naming the value and what is
+allowed, and the server keeps serving. Memory and disk stay bounded: a few checkpoints loaded, a bounded
+queue, the newest few outputs kept.
 """
 
 from __future__ import annotations
 
+import atexit
+import contextvars
+import errno
+import itertools
 import random
+import shutil
+import socket
 import tempfile
+import threading
+from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import gradio as gr
 import torch
 
-from dit_sample.generate import LIMITS, RequestError, Sampler, resolve_checkpoint
+from dit_sample.generate import LIMITS, SOLVERS, RequestError, Sampler, resolve_checkpoint
 from ditcore.export import load_export
 from ditcore.media import write_sample
 from ditcore.parallel.tensor_parallel import consolidate_shard_files
 
 EXPORT = "export (final EMA weights)"
+KEEP_CHECKPOINTS = 2  # training checkpoints kept loaded besides the export: each one is a full copy of the model
+KEEP_OUTPUTS = 8  # newest request outputs kept on disk (Gradio serves its own copies, see CACHE_CLEANUP)
+CACHE_CLEANUP = (600, 3600)  # Gradio's delete_cache: every 10 min, delete its copies of outputs older than 1 h
+MAX_FRAMES = 32  # the frames slider; longer clips are for `dit-sample generate`
 
 
 def checkpoint_choices(path: Path) -> dict[str, Path]:
@@ -43,49 +58,142 @@ def load_sampler(base: Sampler, folder: Path) -> Sampler:
     return Sampler(exported, base.text, base.path)
 
 
-def build_app(checkpoint: str | Path, concurrency: int = 1) -> gr.Blocks:
+class Checkpoints:
+    """The checkpoints offered in the picker, by label, loaded on first use.
+
+    Only labels offered at start-up load: a request names a label, never a path. The export stays loaded; of the
+    training checkpoints the `keep` most recently used do, so clicking through a long run does not grow memory.
+    """
+
+    def __init__(self, path: Path, keep: int = KEEP_CHECKPOINTS):
+        self.folders = checkpoint_choices(path)
+        self.base = Sampler.load(self.folders[EXPORT])
+        self.keep = keep
+        self.loaded: OrderedDict[str, Sampler] = OrderedDict()  # least recently used first
+        self._lock = threading.Lock()  # concurrent requests must not load the same checkpoint twice
+
+    def check(self, label) -> None:
+        if not isinstance(label, str) or label not in self.folders:
+            raise RequestError(f"checkpoint {label!r} is not one of those offered: {', '.join(self.folders)} — "
+                               "pick one of these (a checkpoint saved after the app started needs a restart)")
+
+    def get(self, label: str) -> Sampler:
+        self.check(label)
+        if label == EXPORT:
+            return self.base
+        with self._lock:
+            if label in self.loaded:
+                self.loaded.move_to_end(label)
+                return self.loaded[label]
+            folder = self.folders[label]
+            if not (folder / "COMPLETE").is_file():  # e.g. deleted by the run's checkpoint rotation since start-up
+                raise RequestError(f"checkpoint {label} is no longer on disk ({folder}) — pick another one")
+            while len(self.loaded) >= self.keep:  # evict first, so at most `keep` copies exist even while loading
+                self.loaded.popitem(last=False)
+            self.loaded[label] = load_sampler(self.base, folder)
+            return self.loaded[label]
+
+
+class Outputs:
+    """One folder per request inside one app-owned temporary folder; only the newest `keep` are kept.
+
+    A request's file must outlive the handler only until Gradio has copied it into its cache, right after the
+    handler returns, so `keep` must exceed the number of requests in flight.
+    """
+
+    def __init__(self, keep: int):
+        self.root = Path(tempfile.mkdtemp(prefix="dit-sample-"))
+        atexit.register(shutil.rmtree, self.root, ignore_errors=True)
+        self.keep = keep
+        self._numbers = itertools.count()
+        self._lock = threading.Lock()
+
+    def new(self) -> Path:
+        with self._lock:
+            folder = self.root / f"{next(self._numbers):09d}"
+            folder.mkdir()
+            for old in sorted(self.root.iterdir())[:-self.keep]:
+                shutil.rmtree(old, ignore_errors=True)
+        return folder
+
+
+def port_problem(host: str, port: int) -> str | None:
+    """Why the server could not listen on host:port (checked before the model loads), or None."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does: a port in TIME_WAIT is free
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            if e.errno == errno.EADDRINUSE:
+                return (f"port {port} on {host} is already in use (another dit-sample serve?) — stop that server "
+                        f"or pass a free port, e.g. --port {port + 1}")
+            return f"cannot listen on {host}:{port}: {e.strerror or e} — check --host and --port"
+    return None
+
+
+def _whole(value):
+    """JSON has one number type: 4.0 from an API caller means 4. Anything else is left for the checks to name."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+def build_app(checkpoint: str | Path, concurrency: int = 1, queue_size: int = 64) -> gr.Blocks:
     checkpoint = Path(checkpoint)
-    choices = checkpoint_choices(checkpoint)
-    base = Sampler.load(choices[EXPORT])
-    loaded = {EXPORT: base}
+    models = Checkpoints(checkpoint)
+    base = models.base
     cfg = base.exported.model.cfg
     sizes = base.sizes()
     default_size = 64 if 64 in sizes else sizes[0]
+    outputs = Outputs(keep=KEEP_OUTPUTS + concurrency)
+    # Sampling runs on the app's own `concurrency` threads, not on whichever of Gradio's worker threads is free:
+    # each new thread that runs torch gets its own OpenMP thread team and malloc arena, so memory crept up with
+    # the number of threads that had ever sampled (measured: +115 MiB after 60 requests, and still rising).
+    # Grad mode is per thread, so it is switched off in each of them.
+    sampling = ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="dit-sample",
+                                  initializer=torch.set_grad_enabled, initargs=(False,))
     samples_dir = checkpoint / "samples"
     gallery = sorted(samples_dir.glob("*/*.png"))[-24:] if samples_dir.is_dir() else []
 
     def run(choice, prompt, negative, class_label, steps, guidance, seed, frames, size, solver,
             progress=gr.Progress()):
+        # The event has preprocess=False: values arrive as the caller sent them (API callers can send anything), and
+        # are all checked here, with messages that name the field, before a checkpoint loads or sampling starts.
         try:
-            if choice not in loaded:
-                loaded[choice] = load_sampler(base, choices[choice])
-            sampler = loaded[choice]
-            kwargs = dict(steps=int(steps), guidance=float(guidance), seed=int(seed), frames=int(frames),
-                          height=int(size), width=int(size), solver=solver)
-            if sampler.class_conditional:
-                kwargs["class_labels"] = [int(class_label)]
+            models.check(choice)
+            steps, seed, frames, size, class_label = map(_whole, (steps, seed, frames, size, class_label))
+            if size not in sizes:
+                raise RequestError(f"size={size!r} is not offered: choose one of {', '.join(map(str, sizes))} "
+                                   "(pixels, square)")
+            kwargs = dict(steps=steps, guidance=guidance, seed=seed, frames=frames, height=size, width=size,
+                          solver=solver)
+            if base.class_conditional:
+                kwargs["class_labels"] = [class_label]
             else:
-                kwargs |= {"prompts": [prompt or ""], "negative_prompt": negative or None}
+                kwargs |= {"prompts": [prompt], "negative_prompt": negative or None}
+            base.check(**kwargs)  # every checkpoint of a run has the export's architecture
+            if frames > MAX_FRAMES:
+                raise RequestError(f"frames={frames} is more than this app offers: expected 1..{MAX_FRAMES} "
+                                   "(longer clips: dit-sample generate --frames)")
+            sampler = models.get(choice)
             progress(0, desc="sampling")
-            result, seconds = sampler.run(callback=lambda i, n: progress((i + 1) / n, desc=f"step {i + 1}/{n}"),
-                                          **kwargs)
+            in_context = contextvars.copy_context().run  # progress() finds its request through context variables
+            result, seconds = sampling.submit(in_context, sampler.run, **kwargs, callback=lambda i, n: progress(
+                (i + 1) / n, desc=f"step {i + 1}/{n}")).result()
         except RequestError as e:
-            raise gr.Error(str(e)) from None
-        out = Path(tempfile.mkdtemp(prefix="dit-sample-"))
+            raise gr.Error(str(e), print_exception=False) from None  # the caller's mistake, not a server fault
         pixels = result.pixels[0].numpy()
         # always an mp4 for the player (a single frame plays as a still), and the first frame as an image
-        video = write_sample(pixels if pixels.shape[0] > 1 else pixels.repeat(2, 0), out / "sample.mp4")
-        info = f"NFE {result.nfe} · {seconds:.2f} s · seed {int(seed)} · {int(frames)}×{int(size)}×{int(size)}"
+        video = write_sample(pixels if pixels.shape[0] > 1 else pixels.repeat(2, 0), outputs.new() / "sample.mp4")
+        info = f"NFE {result.nfe} · {seconds:.2f} s · seed {seed} · {frames}×{size}×{size}"
         return str(video), pixels[0], info
 
-    with gr.Blocks(title="ditcore sampler") as demo:
+    with gr.Blocks(title="ditcore sampler", delete_cache=CACHE_CLEANUP) as demo:
         conditioning = "class-conditional" if base.class_conditional else \
             f"text: {base.exported.info.text_encoder['name']}"
         gr.Markdown(f"## ditcore sampler\n`{checkpoint}` · {cfg.depth} layers × {cfg.hidden_size} · {conditioning}")
         with gr.Row():
             with gr.Column():
-                choice = gr.Dropdown(list(choices), value=EXPORT, label="checkpoint", elem_id="checkpoint",
-                                     visible=len(choices) > 1)
+                choice = gr.Dropdown(list(models.folders), value=EXPORT, label="checkpoint", elem_id="checkpoint",
+                                     visible=len(models.folders) > 1)
                 prompt = gr.Textbox(label="prompt", value="a red butterfly", elem_id="prompt",
                                     visible=not base.class_conditional)
                 negative = gr.Textbox(label="negative prompt", elem_id="negative", visible=not base.class_conditional)
@@ -96,9 +204,9 @@ def build_app(checkpoint: str | Path, concurrency: int = 1) -> gr.Blocks:
                 with gr.Row():
                     seed = gr.Number(value=0, precision=0, label="seed", elem_id="seed")
                     shuffle = gr.Button("random seed", elem_id="random-seed")
-                frames = gr.Slider(1, 32, value=8, step=1, label="frames", elem_id="frames")
+                frames = gr.Slider(1, MAX_FRAMES, value=8, step=1, label="frames", elem_id="frames")
                 size = gr.Dropdown(sizes, value=default_size, label="resolution (pixels, square)", elem_id="size")
-                solver = gr.Radio(["heun", "euler"], value="heun", label="solver", elem_id="solver")
+                solver = gr.Radio(list(SOLVERS), value="heun", label="solver", elem_id="solver")
                 go = gr.Button("Generate", variant="primary", elem_id="generate")
             with gr.Column():
                 video = gr.Video(label="sample", elem_id="vid", autoplay=True, loop=True)
@@ -109,7 +217,6 @@ def build_app(checkpoint: str | Path, concurrency: int = 1) -> gr.Blocks:
                        elem_id="gallery")
         shuffle.click(lambda: random.randint(0, 2**31 - 1), outputs=seed)
         go.click(run, [choice, prompt, negative, class_label, steps, guidance, seed, frames, size, solver],
-                 [video, first, info], concurrency_limit=concurrency, api_name="generate")
-    demo.queue(default_concurrency_limit=concurrency)
-    torch.set_grad_enabled(False)
+                 [video, first, info], concurrency_limit=concurrency, api_name="generate", preprocess=False)
+    demo.queue(default_concurrency_limit=concurrency, max_size=queue_size)
     return demo

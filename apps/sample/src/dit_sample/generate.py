@@ -6,11 +6,16 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from ditcore.codecs.text import TextEncoder, load_text_encoder
+from ditcore.codecs.text import MAX_TOKENS, TextEncoder, load_text_encoder
 from ditcore.export import Exported, load_export
 from ditcore.sampling import SampleResult, sample, token_grid
 
-LIMITS = {"steps": (1, 500), "guidance": (0.0, 30.0), "frames": (1, 128), "size": (8, 1024)}
+# Inclusive ranges; seed: what torch.Generator.manual_seed accepts.
+LIMITS = {"steps": (1, 500), "guidance": (0.0, 30.0), "frames": (1, 128), "size": (8, 1024), "seed": (0, 2**64 - 1)}
+SOLVERS = ("heun", "euler")
+# The text encoder reads only the first MAX_TOKENS tokens (a few hundred characters); a prompt far longer than
+# that is a paste accident or abuse, and is refused rather than silently cut.
+MAX_PROMPT_CHARS = 2000
 
 
 class RequestError(ValueError):
@@ -49,19 +54,34 @@ class Sampler:
     def class_conditional(self) -> bool:
         return self.exported.model.cfg.num_classes > 0
 
-    def check(self, *, prompts, steps, guidance, frames, height, width, class_labels=None) -> None:
-        """Raise RequestError naming the first out-of-range value."""
-        for name, value, (lo, hi) in (("steps", steps, LIMITS["steps"]), ("guidance", guidance, LIMITS["guidance"]),
-                                      ("frames", frames, LIMITS["frames"]), ("height", height, LIMITS["size"]),
-                                      ("width", width, LIMITS["size"])):
-            if not lo <= value <= hi:
+    def check(self, *, prompts=None, steps, guidance, frames, height, width, seed=0, solver="heun",
+              negative_prompt=None, class_labels=None) -> None:
+        """Raise RequestError naming the first value of the wrong type or out of range.
+
+        Cheap (nothing is allocated), so a request is refused before it costs memory; values may come straight from
+        an API caller's JSON, so the types are checked too.
+        """
+        for name, value, kind in (("steps", steps, int), ("guidance", guidance, float), ("frames", frames, int),
+                                  ("height", height, int), ("width", width, int), ("seed", seed, int)):
+            lo, hi = LIMITS["size" if name in ("height", "width") else name]
+            if not _is_number(value, kind):
+                what = "an integer" if kind is int else "a number"
+                raise RequestError(f"{name}={value!r} is not {what}: expected {lo}..{hi}")
+            if not lo <= value <= hi:  # also refuses nan
                 raise RequestError(f"{name}={value} is out of range: expected {lo}..{hi}")
+        if solver not in SOLVERS:
+            raise RequestError(f"solver={solver!r} is unknown: expected one of {', '.join(SOLVERS)}")
         if self.class_conditional:
             n = self.exported.model.cfg.num_classes
-            if not class_labels or any(not 0 <= c < n for c in class_labels):
+            if not class_labels or any(not _is_number(c, int) or not 0 <= c < n for c in class_labels):
                 raise RequestError(f"class labels {class_labels} are invalid: expected integers in 0..{n - 1}")
-        elif not prompts or any(not p.strip() for p in prompts):
-            raise RequestError("the prompt is empty: describe what to draw, e.g. 'a red butterfly'")
+        else:
+            for p in prompts or [""]:
+                _check_text("prompt", p)
+                if not p.strip():
+                    raise RequestError("the prompt is empty: describe what to draw, e.g. 'a red butterfly'")
+            if negative_prompt is not None:
+                _check_text("negative prompt", negative_prompt)
         try:
             token_grid(self.exported.model, self.exported.codec, frames, height, width)
         except ValueError as e:
@@ -77,7 +97,7 @@ class Sampler:
     def run(self, *, prompts=None, negative_prompt=None, class_labels=None, steps=18, guidance=4.0, seed=0,
             frames=1, height=64, width=64, solver="heun", fps=8.0, callback=None) -> tuple[SampleResult, float]:
         self.check(prompts=prompts, steps=steps, guidance=guidance, frames=frames, height=height, width=width,
-                   class_labels=class_labels)
+                   seed=seed, solver=solver, negative_prompt=negative_prompt, class_labels=class_labels)
         t0 = time.perf_counter()
         states = negative = None
         if self.text is not None:
@@ -89,3 +109,16 @@ class Sampler:
                         width=width, steps=steps, guidance=guidance, solver=solver, seed=seed, fps=fps,
                         callback=callback)
         return result, time.perf_counter() - t0
+
+
+def _is_number(value, kind: type) -> bool:
+    """An int (kind int), or an int or float (kind float); bools are not numbers here, though Python says so."""
+    return isinstance(value, (int, float) if kind is float else int) and not isinstance(value, bool)
+
+
+def _check_text(name: str, text) -> None:
+    if not isinstance(text, str):
+        raise RequestError(f"the {name} must be text, got {text!r}")
+    if len(text) > MAX_PROMPT_CHARS:
+        raise RequestError(f"the {name} is {len(text)} characters long; the limit is {MAX_PROMPT_CHARS} (the text "
+                           f"encoder reads only the first {MAX_TOKENS} tokens) — shorten it")

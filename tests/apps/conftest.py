@@ -1,0 +1,116 @@
+"""Shared by the app tests: a tiny exported model, and `dit-sample serve` in a subprocess on a free port."""
+
+import contextlib
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from ditcore.data.schema import DatasetInfo
+from ditcore.export import export_model
+from ditcore.models import DiT, preset
+
+BIN = Path(sys.executable).parent
+
+
+def env(**extra) -> dict:
+    return {**os.environ, "PYTHONWARNINGS": "ignore", "GRADIO_ANALYTICS_ENABLED": "False", **extra}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def tiny_export(run: Path, num_classes: int = 0) -> Path:
+    """Export a small random DiT with a pixel codec to run/export (no training needed to test plumbing):
+    text-conditioned (minilm), or class-conditional when num_classes > 0. Returns the run directory."""
+    data = run.parent / f"{run.name}-data"
+    data.mkdir(parents=True)
+    text = {"name": "null", "dim": 0} if num_classes else {"name": "minilm", "dim": 384}
+    info = DatasetInfo(codec={"kind": "pixel", "factor": 4}, latent_stats={"mean": [0.0] * 48, "std": [0.5] * 48},
+                       text_encoder=text, latent_channels=48, spatial_factor=4, temporal_factor=1,
+                       num_classes=num_classes)
+    info.write(data)
+    cfg = preset("DiT-Tiny", in_channels=48, text_dim=text["dim"], num_classes=num_classes, patch_size=2,
+                 max_grid=(32, 16, 16))
+    torch.manual_seed(0)
+    model = DiT(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    export_model(run / "export", model.state_dict(), cfg, data, extra={"step": 1})
+    return run
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """A run directory: the export of a tiny text-conditioned DiT and one validation sample image."""
+    run = tiny_export(tmp_path_factory.mktemp("ckpt") / "run")
+    (run / "samples" / "step-0000001").mkdir(parents=True)
+    import imageio.v3 as iio
+
+    iio.imwrite(run / "samples" / "step-0000001" / "00-a-red-butterfly.png", np.zeros((32, 32, 3), np.uint8))
+    return run
+
+
+@dataclass
+class Server:
+    url: str
+    port: int
+    proc: subprocess.Popen
+
+
+@contextlib.contextmanager
+def launch(checkpoint: Path, *args, extra_env: dict | None = None):
+    """`dit-sample serve --checkpoint CHECKPOINT ARGS` on a free port, until it answers HTTP; stopped on exit."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}/"
+    # output to a file, not a pipe: a pipe nobody reads fills up and blocks the server
+    with tempfile.TemporaryFile("w+") as log:
+        proc = subprocess.Popen([str(BIN / "dit-sample"), "serve", "--checkpoint", str(checkpoint), "--port",
+                                 str(port), *map(str, args)],
+                                stdout=log, stderr=subprocess.STDOUT, text=True, env=env(**(extra_env or {})))
+        try:
+            deadline = time.monotonic() + 120
+            while True:
+                try:
+                    urllib.request.urlopen(url, timeout=2)
+                    break
+                except OSError:
+                    if proc.poll() is not None:
+                        log.seek(0)
+                        raise RuntimeError(log.read()) from None
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(f"dit-sample serve did not answer on {url} within 120 s") from None
+                    time.sleep(0.5)
+            yield Server(url, port, proc)
+        finally:
+            proc.terminate()
+            proc.wait(timeout=30)
+
+
+@pytest.fixture(scope="session")
+def make_export():
+    return tiny_export
+
+
+@pytest.fixture(scope="session")
+def serve():
+    return launch
+
+
+@pytest.fixture(scope="module")
+def server(checkpoint):
+    with launch(checkpoint) as s:
+        yield s.url
