@@ -164,7 +164,7 @@ def test_mock_dataset_for_throughput(tmp_path):
     [
         (["folder", "/no/such/folder", "--out", "{tmp}/o"], "input folder '/no/such/folder' does not exist"),
         (["butterfly", "--from", "/no/such.parquet", "--out", "{tmp}/o"], "no parquet file there"),
-        (["synthetic", "--out", "{tmp}/o", "--codec", "jpeg"], "--codec 'jpeg' is invalid"),
+        (["synthetic", "--out", "{tmp}/o", "--codec", "jpeg"], "'jpeg' is not one of 'pca', 'pixel', 'vae'"),
         (["mock", "--out", "{tmp}/o", "--latent-shape", "4,1,8"], "expected four positive integers"),
     ],
 )
