@@ -19,7 +19,7 @@ app = typer.Typer(
 )
 
 
-class Solver(enum.StrEnum):
+class Solver(enum.StrEnum):  # Typer lists and validates these; the sampler's own check is generate.SOLVERS
     heun = "heun"
     euler = "euler"
 
@@ -53,7 +53,7 @@ def generate(
     frames: int = typer.Option(1, help="Frames (1: an image → png; more: a clip → mp4)."),
     height: int = typer.Option(64, help="Height in pixels."),
     width: int = typer.Option(64, help="Width in pixels."),
-    solver: Solver = typer.Option(Solver.heun, help="heun (2nd order) or euler."),
+    solver: Solver = typer.Option("heun", help="heun (2nd order) or euler."),
     fps: float = typer.Option(8.0, min=0.1, max=240.0,
                               help="Frame rate of the mp4 (and the model's fps condition, if it has one)."),
     out: Path = typer.Option(Path("sample.png"), help="Output file; several prompts add -0, -1, … to the name."),

@@ -86,7 +86,7 @@ def save(fabric, run_dir: Path, step: int, state: dict, loader, config_yaml: str
                                   else [])
     for name in mine:
         durable.fsync_file(tmp / name)
-    files = _gather(fabric, {name: durable.digest(tmp / name) for name in mine})
+    files = {k: v for part in _all_ranks(fabric, {n: durable.digest(tmp / n) for n in mine}) for k, v in part.items()}
     if fabric.global_rank == 0:
         durable.write_text(tmp / "config.yaml", config_yaml)
         files["config.yaml"] = durable.digest(tmp / "config.yaml")
@@ -172,19 +172,15 @@ def _shard_file(fabric, ckpt: Path) -> str:
     return fabric.strategy.shard_path(ckpt).name
 
 
-def _gather(fabric, mine: dict) -> dict:
-    """Union of every rank's dict, on every rank."""
+def _all_ranks(fabric, value) -> list:
+    """Every rank's `value`, in rank order, on every rank."""
     if fabric.world_size == 1:
-        return dict(mine)
+        return [value]
     parts = [None] * fabric.world_size
-    dist.all_gather_object(parts, mine)
-    return {k: v for part in parts for k, v in part.items()}
+    dist.all_gather_object(parts, value)
+    return parts
 
 
 def _agree(fabric, verdict: tuple[str | None, bool]) -> tuple[str | None, bool]:
     """Every rank's verdict on the same checkpoint: a fatal problem first, then any problem, else (None, False)."""
-    if fabric.world_size == 1:
-        return verdict
-    parts = [None] * fabric.world_size
-    dist.all_gather_object(parts, verdict)
-    return min(parts, key=lambda v: (not v[1], v[0] is None))
+    return min(_all_ranks(fabric, verdict), key=lambda v: (not v[1], v[0] is None))

@@ -16,6 +16,7 @@ from tqdm import tqdm
 
 from dit_train import checkpoint
 from dit_train.config import TrainConfig
+from ditcore import durable
 from ditcore.codecs import LatentStats, load_codec
 from ditcore.codecs.text import load_text_encoder
 from ditcore.data.loader import build_loader, check_samples_fit
@@ -56,10 +57,7 @@ def prepare_run_dir(run_dir: Path) -> None:
     if run_dir.exists() and not run_dir.is_dir():
         raise ConfigError("train.run_dir", str(run_dir), "a folder path (this is a file)")
     try:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        probe = run_dir / f".write-test-{os.getpid()}"
-        probe.touch()
-        probe.unlink()
+        durable.make_writable_dir(run_dir)
     except OSError as e:
         raise ConfigError("train.run_dir", str(run_dir), f"a folder this user can write ({e.strerror})") from None
 

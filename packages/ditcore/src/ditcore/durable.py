@@ -8,6 +8,7 @@ reader ever sees a partly deleted one under its real name.
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import zlib
@@ -31,6 +32,21 @@ def fsync_dir(path: str | Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def make_writable_dir(path: str | Path) -> None:
+    """Create the folder (and parents) and prove a file can be written in it; OSError saying why not.
+
+    Checked up front so a long job does not find out at its first checkpoint (os.access is not enough: it
+    says yes to root on a read-only file system).
+    """
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise NotADirectoryError(errno.ENOTDIR, "it is a file", str(path))
+    path.mkdir(parents=True, exist_ok=True)
+    probe = path / f".write-test-{os.getpid()}"
+    probe.touch()
+    probe.unlink()
 
 
 def write_text(path: str | Path, text: str) -> None:

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import webdataset as wds
 
+from ditcore import durable
 from ditcore.data.schema import INFO_FILE, DatasetInfo, to_record
 
 SHARD_PATTERN = "rank{rank}-%06d.tar"  # as the reference recipe: every rank writes its own shards
@@ -27,12 +28,9 @@ def start_dataset(root: Path, overwrite: bool) -> None:
                                   "or pass --overwrite")
         remove_dataset_files(root)
     try:
-        root.mkdir(parents=True, exist_ok=True)
-        probe = root / ".write-test"
-        probe.touch()
-        probe.unlink()
-    except PermissionError:
-        raise PermissionError(f"output '{root}' cannot be written (permission denied) — choose another path") from None
+        durable.make_writable_dir(root)
+    except OSError as e:
+        raise PermissionError(f"output '{root}' cannot be written ({e.strerror}) — choose another path") from None
 
 
 def remove_dataset_files(root: Path, rank: int | None = None) -> None:
