@@ -28,22 +28,40 @@ def main(version_: bool = version_option("dit-prepare")) -> None:
     """Turn images/videos + captions into an Energon dataset of precomputed latents and text embeddings."""
 
 
-# Options every source shares. Typer reads these defaults as the option definitions.
-OUT = typer.Option(..., "--out", "-o", help="Output dataset folder (created; must be empty unless --overwrite).")
+# The choices of the options below; Typer checks them and --help lists them.
 class CodecName(enum.StrEnum):
     pca = "pca"
     pixel = "pixel"
     vae = "vae"
 
 
+class VaeClass(enum.StrEnum):
+    """The diffusers classes of ditcore.codecs.vae.VAE_CLASSES, spelled out so that --help need not import torch."""
+
+    AutoencoderKL = "AutoencoderKL"
+    AutoencoderTiny = "AutoencoderTiny"
+    AutoencoderKLWan = "AutoencoderKLWan"
+
+
+def _text_encoder_name(name: str) -> str:
+    """A name that ditcore.codecs.text.load_text_encoder takes, checked before any work starts."""
+    if name in ("minilm", "null") or (name.startswith("t5:") and len(name) > 3):
+        return name
+    raise typer.BadParameter(f"text encoder {name!r} is unknown: expected minilm, null or t5:<hub id or folder>, "
+                             "e.g. t5:google-t5/t5-11b")
+
+
+# Options every source shares. Typer reads these defaults as the option definitions.
+OUT = typer.Option(..., "--out", "-o", help="Output dataset folder (created; must be empty unless --overwrite).")
 CODEC = typer.Option(CodecName.pca, help="Latent codec: pca (fitted on the data, 8x8 patches), pixel (exact "
                                  "pixel_unshuffle) or vae (diffusers, see --vae).")
 PCA_CHANNELS = typer.Option(16, min=1, max=192, help="Latent channels K of the PCA codec.")
 PIXEL_FACTOR = typer.Option(2, min=1, help="Spatial factor of the pixel codec.")
 VAE = typer.Option(None, help="With --codec vae: a diffusers VAE hub id or local folder.")
-VAE_CLASS = typer.Option("AutoencoderKL", help="With --codec vae: the diffusers class (AutoencoderKL, "
-                                               "AutoencoderTiny, or a video VAE).")
-TEXT = typer.Option("minilm", "--text-encoder", help="minilm (offline default), t5:<hub id or folder>, or null.")
+VAE_CLASS = typer.Option(VaeClass.AutoencoderKL, help="With --codec vae: the diffusers class (AutoencoderKLWan is "
+                                                      "a video VAE).")
+TEXT = typer.Option("minilm", "--text-encoder", metavar="<minilm|null|t5:ID>", callback=_text_encoder_name,
+                    help="minilm (offline default), null (no text), or t5:<hub id or folder>.")
 FIT = typer.Option(256, min=1, help="Samples to fit the codec and measure latent statistics on.")
 WORKERS = typer.Option(0, min=0, help="Processes that load/render samples (0: in this process).")
 SHARD = typer.Option(1000, min=1, help="Samples per shard.")
@@ -54,7 +72,7 @@ SEED = typer.Option(0, min=0, help="Random seed.")
 
 
 def _run(source_factory, out: Path, codec: CodecName, pca_channels: int, pixel_factor: int, vae: str | None,
-         vae_class: str, text_encoder: str, fit_samples: int, workers: int, shard_size: int,
+         vae_class: VaeClass, text_encoder: str, fit_samples: int, workers: int, shard_size: int,
          overwrite: bool, keep_partial: bool) -> None:
     """Shared by the sources: build codec choice, source and text encoder, run the pipeline, print a summary."""
     from dit_prepare.pipeline import CodecChoice, prepare
@@ -64,7 +82,7 @@ def _run(source_factory, out: Path, codec: CodecName, pca_channels: int, pixel_f
     with _one_line_errors():
         from ditcore.codecs.text import load_text_encoder
 
-        choice = CodecChoice(str(codec), pca_channels, pixel_factor, vae, vae_class)
+        choice = CodecChoice(str(codec), pca_channels, pixel_factor, vae, str(vae_class))
         source = source_factory(choice.spatial_factor())
         encoder = load_text_encoder(text_encoder)
         summary = prepare(source, out, codec=choice, text_encoder=encoder, fit_samples=fit_samples,
@@ -110,7 +128,7 @@ def synthetic(
     fps: float = typer.Option(8.0, min=0.1, help="Frame rate recorded for clips."),
     seed: int = SEED,
     codec: CodecName = CODEC, pca_channels: int = PCA_CHANNELS, pixel_factor: int = PIXEL_FACTOR, vae: str = VAE,
-    vae_class: str = VAE_CLASS, text_encoder: str = TEXT, fit_samples: int = FIT, workers: int = WORKERS,
+    vae_class: VaeClass = VAE_CLASS, text_encoder: str = TEXT, fit_samples: int = FIT, workers: int = WORKERS,
     shard_size: int = SHARD, overwrite: bool = OVERWRITE, keep_partial: bool = KEEP_PARTIAL,
 ) -> None:
     """Procedurally drawn butterflies (images and wing-flapping clips) with exact captions; needs nothing."""
@@ -132,7 +150,7 @@ def butterfly(
     num: int = typer.Option(None, min=1, help="Use at most this many samples."),
     hub_id: str = typer.Option("huggan/smithsonian_butterflies_subset", help="Hugging Face dataset id."),
     codec: CodecName = CODEC, pca_channels: int = PCA_CHANNELS, pixel_factor: int = PIXEL_FACTOR, vae: str = VAE,
-    vae_class: str = VAE_CLASS, text_encoder: str = TEXT, fit_samples: int = FIT, workers: int = WORKERS,
+    vae_class: VaeClass = VAE_CLASS, text_encoder: str = TEXT, fit_samples: int = FIT, workers: int = WORKERS,
     shard_size: int = SHARD, overwrite: bool = OVERWRITE, keep_partial: bool = KEEP_PARTIAL,
 ) -> None:
     """The Smithsonian butterflies (huggan/smithsonian_butterflies_subset), captions from `name`."""
@@ -152,7 +170,7 @@ def folder(
     fps: float = typer.Option(0.0, min=0.0, help="Sample video frames at this rate (0: every frame)."),
     num: int = typer.Option(None, min=1, help="Use at most this many files."),
     codec: CodecName = CODEC, pca_channels: int = PCA_CHANNELS, pixel_factor: int = PIXEL_FACTOR, vae: str = VAE,
-    vae_class: str = VAE_CLASS, text_encoder: str = TEXT, fit_samples: int = FIT, workers: int = WORKERS,
+    vae_class: VaeClass = VAE_CLASS, text_encoder: str = TEXT, fit_samples: int = FIT, workers: int = WORKERS,
     shard_size: int = SHARD, overwrite: bool = OVERWRITE, keep_partial: bool = KEEP_PARTIAL,
 ) -> None:
     """Your own images and videos; captions from sidecar .txt files or a captions.jsonl ({"file", "caption"})."""
@@ -182,7 +200,7 @@ def mock(
 
     from ditcore.data.schema import DatasetInfo
     from ditcore.data.writer import ShardWriter, finish_dataset, removed_on_failure, start_dataset
-    from ditcore.diffusion import SIGMA_DATA
+    from ditcore.layout import SIGMA_DATA
 
     try:
         shapes = [tuple(int(v) for v in s.split(",")) for s in (latent_shape, video_latent_shape)]

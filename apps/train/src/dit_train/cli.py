@@ -6,27 +6,25 @@ from pathlib import Path
 
 import typer
 
+from dit_train.config import SHIPPED_NAMES, shipped_configs
 from ditcore.cli import entry_point, version_option
 
 app = typer.Typer(name="dit-train", add_completion=False, pretty_exceptions_enable=False)
 
-SHIPPED = Path(__file__).resolve().parents[2] / "configs"  # apps/train/configs
-
 
 def find_config(name: str) -> Path:
-    """A path, or the name of a shipped config (demo, butterfly, dit-xl, dit-7b-8k, mock)."""
+    """A path, or the name of a shipped config (apps/train/configs/NAME.yaml)."""
     path = Path(name)
     if path.exists() or path.suffix:
         return path
-    shipped = SHIPPED / f"{name}.yaml"
-    return shipped if shipped.is_file() else path
+    return shipped_configs().get(name, path)
 
 
 @app.command()
 def main(
     overrides: list[str] = typer.Argument(None, help="Dotted overrides, e.g. train.steps=200 parallel.tp=2."),
     config: str = typer.Option(None, "--config", "-c", help="YAML config file, or a shipped config name: "
-                                                            "demo, butterfly, dit-xl, dit-7b-8k, mock."),
+                                                            + ", ".join(SHIPPED_NAMES) + "."),
     resume: str = typer.Option("auto", help="auto: continue from the newest complete checkpoint in RUN_DIR "
                                             "(fresh run if none); none: start over; or a checkpoint folder."),
     print_config: bool = typer.Option(False, "--print-config", help="Print the resolved config and exit."),

@@ -1,132 +1,199 @@
 """The training config: one typed value, read from YAML with dotted overrides (defaults < file < overrides).
 
-Every error names the key, the value seen and what is allowed. The resolved config is saved next to every
-checkpoint and printed by `dit-train --print-config`.
+Each section is a strict pydantic model (no string is read as a number, no number as a bool) with its bounds as
+Field constraints. The first thing wrong becomes one ConfigError that names the dotted key, the value seen and
+what is allowed. The resolved config is saved next to every checkpoint and printed by `dit-train --print-config`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import math
 import types
-import typing
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal, Union, get_args, get_origin
 
 import yaml
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic.fields import FieldInfo
 
 from ditcore.errors import ConfigError
-from ditcore.models import PRESETS
 
-SHIPPED_NAMES = ("demo", "butterfly", "dit-xl", "dit-7b-8k", "mock")  # apps/train/configs/NAME.yaml
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"  # apps/train/configs, beside the package source
 
 
-@dataclass
-class Model:
-    preset: str = "DiT-Demo"  # a name from ditcore.models.PRESETS; data-dependent fields come from the dataset
-    patch_size: int | None = None  # override the preset's spatial patch
-    patch_size_t: int | None = None  # override the preset's temporal patch
+def shipped_configs() -> dict[str, Path]:
+    """The configs that come with dit-train, by name: apps/train/configs/NAME.yaml."""
+    return {path.stem: path for path in sorted(CONFIGS.glob("*.yaml"))}
+
+
+SHIPPED_NAMES = tuple(shipped_configs())
+
+
+# --------------------------------------------------------------------------------------------------
+# Field types
+
+
+@dataclass(frozen=True)
+class Expect:
+    """What a field allows, in words, for its range errors where its type and bounds alone would say too little."""
+
+    text: str
+
+
+def _yaml_number(value):
+    """YAML 1.1 reads 1e-3 (no dot) as a string and 1 as an int: both are numbers here. A bool is not."""
+    if isinstance(value, str):
+        with contextlib.suppress(ValueError):
+            return float(value)
+    if isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    return value
+
+
+# A finite float. allow_inf_nan stands before the conversion so that it is checked first and on the number read:
+# optim.lr=.nan is reported as not finite (rather than as not > 0), and errors show inf or -1.0, not the text.
+Number = Annotated[float, Field(allow_inf_nan=False), BeforeValidator(_yaml_number)]
+Prompt = Annotated[str, Field(pattern=r"\S"), Expect("a non-empty prompt")]
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+# --------------------------------------------------------------------------------------------------
+# The sections
+
+
+class Model(Section):
+    preset: str = Field("DiT-Demo", description="a name from ditcore.models.PRESETS; data-dependent fields come "
+                                                "from the dataset")
+    patch_size: int | None = Field(None, ge=1, description="overrides the preset's spatial patch")
+    patch_size_t: int | None = Field(None, ge=1, description="overrides the preset's temporal patch")
     pos_embed: Literal["rope", "sincos"] = "rope"
     qk_norm: bool = True
     fps_cond: bool = False
-    max_grid: list[int] | None = None  # largest (T, H, W) token grid; default: the preset's
-    compile: bool = False  # torch.compile each block
+    max_grid: Annotated[list[Annotated[int, Field(ge=1)]] | None, Expect("three integers >= 1: T, H, W in tokens")] = (
+        Field(None, min_length=3, max_length=3, description="the largest token grid; default: the preset's"))
+    compile: bool = Field(False, description="torch.compile each block")
+
+    @field_validator("preset")
+    @classmethod
+    def _known_preset(cls, name: str) -> str:
+        from ditcore.models import PRESETS  # deferred: it imports torch, and `dit-train --help` imports this module
+
+        if name not in PRESETS:
+            raise ConfigError("model.preset", name, "one of " + ", ".join(PRESETS))
+        return name
 
 
-@dataclass
-class Data:
-    path: str = "data/butterflies"  # a dataset written by dit-prepare
-    seq_length: int = 256  # tokens per packed row
-    num_workers: int = 2
+class Data(Section):
+    path: str = Field("data/butterflies", description="a dataset written by dit-prepare")
+    seq_length: int = Field(256, ge=1, description="tokens per packed row")
+    num_workers: int = Field(2, ge=0)
     shuffle_buffer: int = 100
-    packing_buffer: int | None = None  # samples considered together for packing; default 4 × micro_batch
+    packing_buffer: int | None = Field(None, description="samples considered together for packing; "
+                                                         "default 4 × micro_batch")
 
 
-@dataclass
-class Parallel:
-    tp: int = 1
-    cp: int = 1
-    pp: int = 1
+class Parallel(Section):
+    tp: int = Field(1, ge=1)
+    cp: int = Field(1, ge=1)
+    pp: int = Field(1, ge=1)
     sequence_parallel: bool = False
-    devices: int = 1  # processes per node when not launched by torchrun (Fabric starts them)
+    devices: int = Field(1, ge=1, description="processes per node when not launched by torchrun (Fabric starts "
+                                              "them)")
     accelerator: Literal["auto", "cpu", "gpu"] = "auto"
 
+    @field_validator("pp")
+    @classmethod
+    def _no_pipeline(cls, pp: int) -> int:
+        if pp != 1:
+            raise ConfigError("parallel.pp", pp, "1: pipeline parallelism is not available yet")
+        return pp
 
-@dataclass
-class Optim:
-    lr: float = 1e-4
-    weight_decay: float = 0.0
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
-    eps: float = 1e-8
+
+class Optim(Section):
+    lr: Annotated[Number, Expect("a learning rate > 0")] = Field(1e-4, gt=0)
+    weight_decay: Number = Field(0.0, ge=0)
+    betas: Annotated[list[Annotated[Number, Field(ge=0, lt=1)]], Expect("two numbers in [0, 1)")] = (
+        Field([0.9, 0.999], min_length=2, max_length=2))
+    eps: Number = Field(1e-8, gt=0)
     schedule: Literal["cosine", "constant"] = "cosine"
-    warmup_steps: int = 0
-    min_lr_ratio: float = 0.1  # cosine decays to lr × this
+    warmup_steps: int = Field(0, ge=0)
+    min_lr_ratio: Number = Field(0.1, ge=0, le=1, description="cosine decays to lr × this")
 
 
-@dataclass
-class EDM:
-    p_mean: float = -1.2
-    p_std: float = 1.2
-    cfg_dropout: float = 0.1  # per sample: drop the text (or class) so the model also learns the unconditional
-    ema_decay: float = 0.999
+class EDM(Section):
+    p_mean: Number = -1.2
+    p_std: Number = Field(1.2, gt=0)
+    cfg_dropout: Annotated[Number, Expect("a probability in [0, 1)")] = (
+        Field(0.1, ge=0, lt=1, description="per sample: drop the text or class so the model also learns the "
+                                           "unconditional"))
+    ema_decay: Number = Field(0.999, ge=0, lt=1)
 
 
-@dataclass
-class Train:
+class Train(Section):
     run_dir: str = "runs/demo"
-    steps: int = 1000
-    global_batch: int = 8  # packed rows per optimizer step, over all data-parallel ranks
-    micro_batch: int = 8  # packed rows per forward pass on one rank
-    precision: Literal["auto", "fp32", "bf16"] = "auto"  # auto: bf16 autocast on GPU, fp32 on CPU
-    grad_clip: float = 1.0  # 0 disables
+    steps: int = Field(1000, ge=1)
+    global_batch: int = Field(8, ge=1, description="packed rows per optimizer step, over all data-parallel ranks")
+    micro_batch: int = Field(8, ge=1, description="packed rows per forward pass on one rank")
+    precision: Literal["auto", "fp32", "bf16"] = Field("auto", description="auto: bf16 autocast on GPU, fp32 on CPU")
+    grad_clip: Number = Field(1.0, ge=0, description="0 disables clipping")
     seed: int = 0
-    stop_at: int | None = None  # stop with a checkpoint after this step, as a preemption would (time-boxed jobs)
+    stop_at: int | None = Field(None, ge=1, description="stop with a checkpoint after this step, as a preemption "
+                                                        "would; unset: run to train.steps")
 
 
-@dataclass
-class Checkpoint:
-    every: int = 500  # steps; a checkpoint is also written at the end and on SIGTERM/SIGUSR1
-    keep: int = 3  # newest complete checkpoints kept
+class Checkpoint(Section):
+    every: int = Field(500, ge=1, description="steps; a checkpoint is also written at the end and on "
+                                              "SIGTERM/SIGUSR1")
+    keep: int = Field(3, ge=1, description="newest complete checkpoints kept")
 
 
-@dataclass
-class Validation:
-    every: int = 0  # steps between sampling the prompts with the EMA weights; 0: only at the end
-    prompts: list[str] = field(default_factory=lambda: ["a red butterfly", "a blue butterfly"])
-    steps: int = 18
-    guidance: float = 4.0
+class Validation(Section):
+    every: int = Field(0, ge=0, description="steps between sampling the prompts with the EMA weights; 0: only at "
+                                            "the end")
+    prompts: Annotated[list[Prompt], Expect("a non-empty list of non-empty prompts")] = (
+        Field(["a red butterfly", "a blue butterfly"], min_length=1))
+    steps: int = Field(18, ge=1)
+    guidance: Number = 4.0
     solver: Literal["heun", "euler"] = "heun"
-    frames: int = 1  # pixel frames of each sample (1: an image)
-    clip_frames: int = 0  # > 0: also sample every prompt as a clip of this many frames (mp4)
-    size: int = 64  # pixel height and width
-    fps: float = 8.0
+    frames: int = Field(1, ge=1, description="pixel frames of each sample; 1: an image")
+    clip_frames: int = Field(0, ge=0, description="> 0: also sample every prompt as a clip of this many frames "
+                                                  "(mp4); 0: no clips")
+    size: int = Field(64, ge=8, description="pixel height and width")
+    fps: Number = Field(8.0, gt=0)
     seed: int = 0
 
 
-@dataclass
-class Logging:
-    every: int = 10
+class Logging(Section):
+    every: int = Field(10, ge=1)
     csv: bool = True
     tensorboard: bool = True
-    wandb_project: str | None = None
 
 
-@dataclass
-class TrainConfig:
-    model: Model = field(default_factory=Model)
-    data: Data = field(default_factory=Data)
-    parallel: Parallel = field(default_factory=Parallel)
-    optim: Optim = field(default_factory=Optim)
-    edm: EDM = field(default_factory=EDM)
-    train: Train = field(default_factory=Train)
-    checkpoint: Checkpoint = field(default_factory=Checkpoint)
-    validation: Validation = field(default_factory=Validation)
-    logging: Logging = field(default_factory=Logging)
+class TrainConfig(Section):
+    model: Model = Model()
+    data: Data = Data()
+    parallel: Parallel = Parallel()
+    optim: Optim = Optim()
+    edm: EDM = EDM()
+    train: Train = Train()
+    checkpoint: Checkpoint = Checkpoint()
+    validation: Validation = Validation()
+    logging: Logging = Logging()
+
+    @model_validator(mode="after")
+    def _whole_micro_batches(self) -> TrainConfig:
+        """Relations between fields; the world size is checked at launch."""
+        if self.train.global_batch % self.train.micro_batch:
+            raise ConfigError("train.global_batch", self.train.global_batch,
+                              f"a multiple of train.micro_batch={self.train.micro_batch}")
+        return self
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        return self.model_dump()
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
@@ -141,7 +208,8 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> TrainConf
     if path is not None:
         path = Path(path)
         if not path.is_file():
-            raise ConfigError("--config", str(path), "an existing YAML file (see apps/train/configs/)")
+            raise ConfigError("--config", str(path), "an existing YAML file, or a shipped config name: "
+                                                     + ", ".join(SHIPPED_NAMES))
         try:
             data = yaml.safe_load(path.read_text())
         except UnicodeDecodeError:
@@ -164,108 +232,83 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> TrainConf
             if not isinstance(node, dict):
                 raise ConfigError(key, raw, f"a key inside a section, but '{p}' is not a section")
         node[leaf] = yaml.safe_load(raw) if raw != "" else None
-    cfg = _build(TrainConfig, data, "")
-    validate(cfg)
-    return cfg
+    try:
+        return TrainConfig.model_validate(data)
+    except ValidationError as e:
+        raise _config_error(e) from None
 
 
-def _build(cls, data, prefix: str):
-    if not isinstance(data, dict):
-        raise ConfigError(prefix.rstrip(".") or "config", data, "a mapping of keys")
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    unknown = set(data) - set(fields)
-    if unknown:
-        key = sorted(unknown)[0]
-        raise ConfigError(f"{prefix}{key}", data[key], "one of the known keys: " + ", ".join(fields))
-    hints = typing.get_type_hints(cls)
-    kwargs = {}
-    for name, value in data.items():
-        hint = hints[name]
-        if dataclasses.is_dataclass(hint):
-            kwargs[name] = _build(hint, value, f"{prefix}{name}.")
+# --------------------------------------------------------------------------------------------------
+# Pydantic's errors in the words of ConfigError
+
+_RANGE_ERRORS = {"greater_than", "greater_than_equal", "less_than", "less_than_equal", "too_short", "too_long",
+                 "string_pattern_mismatch"}
+_SYMBOLS = {"ge": ">=", "gt": ">", "le": "<=", "lt": "<"}
+_TYPE_WORDS = {int: "an integer", float: "a finite number", bool: "true or false", str: "a string"}
+
+
+def _config_error(error: ValidationError) -> ConfigError:
+    """The first of pydantic's errors as a ConfigError: its location as a dotted key (list items as key[i]), the
+    value read, and what the field allows."""
+    first = error.errors()[0]
+    kind, loc, value, ctx = first["type"], first["loc"], first["input"], first.get("ctx", {})
+    if isinstance(ctx.get("error"), ConfigError):  # a rule that Field cannot express names its key itself
+        return ctx["error"]
+    key = "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in loc).lstrip(".")
+    section, field = _locate(loc)
+    if kind == "extra_forbidden":
+        return ConfigError(key, value, "one of the known keys: " + ", ".join(section.model_fields))
+    if kind == "model_type":
+        return ConfigError(key, value, "a mapping of keys")
+    return ConfigError(key, value, _allowed(field, kind))
+
+
+def _locate(loc: tuple) -> tuple[type[Section], FieldInfo | None]:
+    """The section that holds what loc points to, and its field (a list item as a FieldInfo; None if unknown)."""
+    section, field = TrainConfig, None
+    for part in loc:
+        if field is not None and isinstance(field.annotation, type) and issubclass(field.annotation, Section):
+            section = field.annotation
+        if isinstance(part, int):
+            items, _ = _without_none(field.annotation)
+            field = FieldInfo.from_annotation(get_args(items)[0])
         else:
-            kwargs[name] = _coerce(value, hint, f"{prefix}{name}")
-    return cls(**kwargs)
+            field = section.model_fields.get(part)
+    return section, field
 
 
-def _coerce(value, hint, key: str):
-    origin, args = typing.get_origin(hint), typing.get_args(hint)
-    if origin in (typing.Union, types.UnionType):
-        if value is None and type(None) in args:
-            return None
+def _allowed(field: FieldInfo, kind: str) -> str:
+    """What the field allows, in words: its type, or for a range error its Expect or its bounds."""
+    annotation, nullable = _without_none(field.annotation)
+    expect = next((m.text for m in field.metadata if isinstance(m, Expect)), None)
+    if kind in _RANGE_ERRORS:
+        text = expect or f"{'an integer' if annotation is int else 'a number'} {_bounds(field.metadata)}"
+    elif get_origin(annotation) is Literal:
+        text = "one of " + ", ".join(map(repr, get_args(annotation)))
+    elif get_origin(annotation) is list:
+        items = FieldInfo.from_annotation(get_args(annotation)[0]).annotation
+        text = f"a list of {items.__name__}"
+    else:
+        text = _TYPE_WORDS[annotation]
+    if nullable:
+        text += ", or null"
+    return f"{text} ({field.description})" if field.description else text
+
+
+def _bounds(metadata: list) -> str:
+    """'>= 1', '> 0' or 'in [0, 1)' from a field's Field(ge=, gt=, le=, lt=)."""
+    limits = {name: getattr(m, name) for m in metadata for name in _SYMBOLS if hasattr(m, name)}
+    if len(limits) == 1:
+        ((name, limit),) = limits.items()
+        return f"{_SYMBOLS[name]} {limit}"
+    low, high = limits.get("ge", limits.get("gt")), limits.get("le", limits.get("lt"))
+    return f"in {'[' if 'ge' in limits else '('}{low}, {high}{']' if 'le' in limits else ')'}"
+
+
+def _without_none(annotation) -> tuple:
+    """(T, True) for `T | None`, else (annotation, False)."""
+    args = get_args(annotation)
+    if get_origin(annotation) in (Union, types.UnionType) and type(None) in args:
         (inner,) = [a for a in args if a is not type(None)]
-        return _coerce(value, inner, key)
-    if origin is Literal:
-        if value not in args:
-            raise ConfigError(key, value, "one of " + ", ".join(map(repr, args)))
-        return value
-    if origin is list:
-        if not isinstance(value, list):
-            raise ConfigError(key, value, f"a list of {args[0].__name__}")
-        return [_coerce(v, args[0], f"{key}[{i}]") for i, v in enumerate(value)]
-    if hint is bool:
-        if not isinstance(value, bool):
-            raise ConfigError(key, value, "true or false")
-        return value
-    if hint is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(key, value, "an integer")
-        return value
-    if hint is float:
-        if isinstance(value, str):  # YAML 1.1 reads 1e-3 (no dot) as a string
-            with contextlib.suppress(ValueError):
-                value = float(value)
-        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-            raise ConfigError(key, value, "a finite number")
-        return float(value)
-    if hint is str:
-        if not isinstance(value, str):
-            raise ConfigError(key, value, "a string")
-        return value
-    raise TypeError(f"config field {key} has an unsupported type {hint}")
-
-
-def validate(cfg: TrainConfig) -> None:
-    """Ranges and relations that one field's type cannot express. The world size is checked at launch."""
-
-    def need(ok: bool, key: str, value, allowed: str) -> None:
-        if not ok:
-            raise ConfigError(key, value, allowed)
-
-    need(cfg.model.preset in PRESETS, "model.preset", cfg.model.preset, "one of " + ", ".join(PRESETS))
-    for key, value in (("model.patch_size", cfg.model.patch_size), ("model.patch_size_t", cfg.model.patch_size_t)):
-        need(value is None or value >= 1, key, value, "an integer >= 1 (or unset for the preset's)")
-    need(cfg.model.max_grid is None or (len(cfg.model.max_grid) == 3 and min(cfg.model.max_grid) >= 1),
-         "model.max_grid", cfg.model.max_grid, "three integers >= 1: T, H, W in tokens")
-    need(cfg.data.seq_length >= 1, "data.seq_length", cfg.data.seq_length, "an integer >= 1")
-    need(cfg.data.num_workers >= 0, "data.num_workers", cfg.data.num_workers, "an integer >= 0")
-    for key in ("tp", "cp", "pp", "devices"):
-        value = getattr(cfg.parallel, key)
-        need(value >= 1, f"parallel.{key}", value, "an integer >= 1")
-    need(cfg.parallel.pp == 1, "parallel.pp", cfg.parallel.pp, "1: pipeline parallelism is not available yet")
-    need(cfg.optim.lr > 0, "optim.lr", cfg.optim.lr, "a learning rate > 0")
-    need(len(cfg.optim.betas) == 2 and all(0 <= b < 1 for b in cfg.optim.betas), "optim.betas", cfg.optim.betas,
-         "two numbers in [0, 1)")
-    need(0 <= cfg.optim.min_lr_ratio <= 1, "optim.min_lr_ratio", cfg.optim.min_lr_ratio, "a number in [0, 1]")
-    need(cfg.optim.warmup_steps >= 0, "optim.warmup_steps", cfg.optim.warmup_steps, "an integer >= 0")
-    need(cfg.edm.p_std > 0, "edm.p_std", cfg.edm.p_std, "a number > 0")
-    need(0 <= cfg.edm.cfg_dropout < 1, "edm.cfg_dropout", cfg.edm.cfg_dropout, "a probability in [0, 1)")
-    need(0 <= cfg.edm.ema_decay < 1, "edm.ema_decay", cfg.edm.ema_decay, "a number in [0, 1)")
-    need(cfg.train.steps >= 1, "train.steps", cfg.train.steps, "an integer >= 1")
-    need(cfg.train.micro_batch >= 1, "train.micro_batch", cfg.train.micro_batch, "an integer >= 1")
-    need(cfg.train.global_batch >= 1 and cfg.train.global_batch % cfg.train.micro_batch == 0, "train.global_batch",
-         cfg.train.global_batch, f"a multiple of train.micro_batch={cfg.train.micro_batch}")
-    need(cfg.train.grad_clip >= 0, "train.grad_clip", cfg.train.grad_clip, "a number >= 0 (0 disables clipping)")
-    need(cfg.checkpoint.every >= 1, "checkpoint.every", cfg.checkpoint.every, "an integer >= 1")
-    need(cfg.checkpoint.keep >= 1, "checkpoint.keep", cfg.checkpoint.keep, "an integer >= 1")
-    need(cfg.train.stop_at is None or cfg.train.stop_at >= 1, "train.stop_at", cfg.train.stop_at,
-         "an integer >= 1, or null (run to train.steps)")
-    need(bool(cfg.validation.prompts) and all(p.strip() for p in cfg.validation.prompts), "validation.prompts",
-         cfg.validation.prompts, "a non-empty list of non-empty prompts")
-    need(cfg.validation.every >= 0, "validation.every", cfg.validation.every, "an integer >= 0 (0: only at the end)")
-    need(cfg.validation.steps >= 1, "validation.steps", cfg.validation.steps, "an integer >= 1")
-    need(cfg.validation.frames >= 1, "validation.frames", cfg.validation.frames, "an integer >= 1")
-    need(cfg.validation.clip_frames >= 0, "validation.clip_frames", cfg.validation.clip_frames,
-         "an integer >= 0 (0: no clips)")
-    need(cfg.validation.size >= 8, "validation.size", cfg.validation.size, "pixels >= 8")
-    need(cfg.logging.every >= 1, "logging.every", cfg.logging.every, "an integer >= 1")
+        return inner, True
+    return annotation, False

@@ -1,0 +1,138 @@
+"""The dit-train config: strict types, one ConfigError naming the dotted key, and a --print-config that loads back."""
+
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dit_train.cli import find_config
+from dit_train.config import CONFIGS, SHIPPED_NAMES, TrainConfig, load_config
+from ditcore.errors import ConfigError
+
+BIN = Path(sys.executable).parent
+DEMO = CONFIGS / "demo.yaml"
+
+
+def error(*overrides: str) -> ConfigError:
+    with pytest.raises(ConfigError) as e:
+        load_config(DEMO, list(overrides))
+    return e.value
+
+
+def test_a_nested_bad_value_names_its_dotted_key_the_value_and_the_range():
+    e = error("edm.cfg_dropout=1.5")
+    assert (e.key, e.value, e.allowed.split(" (")[0]) == ("edm.cfg_dropout", 1.5, "a probability in [0, 1)")
+    e = error("optim.min_lr_ratio=2")
+    assert (e.key, e.value, e.allowed.split(" (")[0]) == ("optim.min_lr_ratio", 2.0, "a number in [0, 1]")
+
+
+def test_an_unknown_key_lists_the_known_ones():
+    e = error("logging.wandb_project=demo")  # removed: it was accepted and never used
+    assert (e.key, e.value, e.allowed) == ("logging.wandb_project", "demo", "one of the known keys: every, csv, "
+                                                                            "tensorboard")
+    e = error("trian.steps=3")
+    assert e.key == "trian" and e.allowed.startswith("one of the known keys: model, data, parallel, optim, edm")
+
+
+@pytest.mark.parametrize("raw", ["inf", ".inf", "-.inf", ".nan", "nan", "1e999"])
+def test_infinite_and_nan_numbers_are_rejected(raw):
+    e = error(f"optim.lr={raw}")
+    assert e.key == "optim.lr" and e.allowed == "a finite number" and not math.isfinite(e.value)
+
+
+def test_an_exponent_without_a_dot_is_a_number(tmp_path):
+    # YAML 1.1 (PyYAML) reads 1e-3 as the string '1e-3', in a file as on the command line
+    assert load_config(DEMO, ["optim.lr=1e-3", "validation.guidance=1e1"]).optim.lr == 0.001
+    path = tmp_path / "c.yaml"
+    path.write_text("optim:\n  lr: 3e-4\n  betas: [0.9, 95e-2]\n")
+    cfg = load_config(path)
+    assert (cfg.optim.lr, cfg.optim.betas) == (3e-4, [0.9, 0.95]) and type(cfg.optim.lr) is float
+
+
+def test_an_int_is_read_as_a_float_where_a_number_is_expected():
+    cfg = load_config(DEMO, ["optim.lr=1", "optim.weight_decay=0"])
+    assert (cfg.optim.lr, cfg.optim.weight_decay) == (1.0, 0.0) and type(cfg.optim.weight_decay) is float
+
+
+@pytest.mark.parametrize(
+    ("override", "allowed"),
+    [
+        ("train.steps=true", "an integer"),  # a bool is not an int
+        ("train.steps='5'", "an integer"),  # nor is a string of digits
+        ("train.steps=5.0", "an integer"),
+        ("model.qk_norm=1", "true or false"),  # an int is not a bool
+        ("model.qk_norm='true'", "true or false"),
+        ("optim.lr=true", "a finite number"),
+        ("optim.lr=abc", "a finite number"),
+        ("data.path=3", "a string (a dataset written by dit-prepare)"),
+        ("model.pos_embed=learned", "one of 'rope', 'sincos'"),
+        ("data.packing_buffer=x", "an integer, or null (samples considered together for packing; "
+                                  "default 4 × micro_batch)"),
+    ],
+)
+def test_types_are_strict(override, allowed):
+    assert error(override).allowed == allowed
+
+
+@pytest.mark.parametrize(
+    ("override", "key", "value", "allowed"),
+    [
+        ("validation.prompts=[a red butterfly, '  ']", "validation.prompts[1]", "  ", "a non-empty prompt"),
+        ("validation.prompts=[a red butterfly, 3]", "validation.prompts[1]", 3, "a string"),
+        ("optim.betas=[0.9, 1.5]", "optim.betas[1]", 1.5, "a number in [0, 1)"),
+        ("model.max_grid=[4, 0, 8]", "model.max_grid[1]", 0, "an integer >= 1"),
+        ("optim.betas=[0.9]", "optim.betas", [0.9], "two numbers in [0, 1)"),
+    ],
+)
+def test_a_bad_list_item_is_named_by_its_index(override, key, value, allowed):
+    e = error(override)
+    assert (e.key, e.value, e.allowed) == (key, value, allowed)
+
+
+def test_rules_across_fields_and_presets_name_their_key():
+    e = error("train.micro_batch=3")
+    assert (e.key, e.value, e.allowed) == ("train.global_batch", 4, "a multiple of train.micro_batch=3")
+    assert error("parallel.pp=2").allowed == "1: pipeline parallelism is not available yet"
+    assert error("model.preset=DiT-XXL").allowed.startswith("one of DiT-S/2, ")
+
+
+def test_only_the_first_error_is_reported():
+    assert error("model.pos_embed=learned", "train.steps=0").key == "model.pos_embed"
+
+
+@pytest.mark.parametrize("args", [["--config", "demo", "train.steps=123", "optim.lr=3e-4"], []])
+def test_print_config_is_the_yaml_of_the_config_and_loads_back_equal(tmp_path, args):
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    proc = subprocess.run([str(BIN / "dit-train"), *args, "--print-config"], capture_output=True, text=True, env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    cfg = load_config(DEMO, ["train.steps=123", "optim.lr=3e-4"]) if args else TrainConfig()
+    assert proc.stdout == cfg.to_yaml()
+    path = tmp_path / "resolved.yaml"
+    path.write_text(proc.stdout)
+    again = load_config(path)
+    assert again == cfg and again.to_yaml() == proc.stdout
+
+
+def test_shipped_configs_are_the_files_in_the_configs_folder():
+    assert set(SHIPPED_NAMES) == {p.stem for p in CONFIGS.glob("*.yaml")} >= {"demo", "mock"}
+    assert all(find_config(name) == CONFIGS / f"{name}.yaml" for name in SHIPPED_NAMES)
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", "COLUMNS": "300"}
+    help_text = subprocess.run([str(BIN / "dit-train"), "--help"], capture_output=True, text=True, env=env).stdout
+    assert "shipped config name: " + ", ".join(SHIPPED_NAMES) + "." in help_text
+
+
+def test_sections_are_mutable_and_defaults_are_not_shared():
+    a, b = TrainConfig(), TrainConfig()
+    a.train.steps = 5
+    a.optim.betas.append(0.5)
+    assert (b.train.steps, b.optim.betas) == (1000, [0.9, 0.999])
+
+
+def test_prepare_vae_class_choices_are_the_codec_s_classes():
+    from dit_prepare.cli import VaeClass
+    from ditcore.codecs import VAE_CLASSES
+
+    assert tuple(VaeClass) == VAE_CLASSES
