@@ -5,15 +5,18 @@ One sample (one tar member group, key `__key__`):
     text.pth     text-encoder states [L, D], float16, UNPADDED (true length only; L may be 0)
     json         {"caption", "height", "width", "frames", "fps", "source", optional "label"}
 
-Next to `.nv-meta/` (Energon's index, `CrudeWebdataset`), `ditcore.json` records how the latents were made:
-codec identity and parameters, latent statistics, text encoder, counts. It is written last, atomically: a
-dataset without it is incomplete and is refused.
+`.nv-meta/` is Energon's index with two views of the same shards: `dataset.yaml`, typed (the loader's
+`LatentSample`), is what Energon's own CLI reads (`energon info DIR`, `energon lint DIR`); `dataset_crude.yaml`
+(`CrudeWebdataset`) is what the loader opens, cooking the samples itself. Next to it, `ditcore.json` records
+how the latents were made: codec identity and parameters, latent statistics, text encoder, counts. It is written
+last, atomically: a dataset without it is incomplete and is refused.
 """
 
 from __future__ import annotations
 
 import io
 import json
+import logging
 import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -22,9 +25,12 @@ import torch
 
 from ditcore import durable
 
+log = logging.getLogger(__name__)
+
 FORMAT = "ditcore-dataset/1"
 INFO_FILE = "ditcore.json"
 LATENT, TEXT, META = "latent.pth", "text.pth", "json"
+TYPED_CONFIG, CRUDE_CONFIG = "dataset.yaml", "dataset_crude.yaml"  # in .nv-meta/; Energon's CLI reads dataset.yaml
 
 
 @dataclass
@@ -62,17 +68,32 @@ def read_info(root: str | Path) -> DatasetInfo:
     if not (root / INFO_FILE).is_file() or not (root / ".nv-meta").is_dir():
         raise DatasetError(f"dataset path '{root}' has no {INFO_FILE} / .nv-meta/: it is not a finished "
                            "ditcore dataset (dit-prepare did not complete?) — run dit-prepare again with --overwrite")
+    return parse_info(root / INFO_FILE, "dataset", "run dit-prepare again with --overwrite")
+
+
+def parse_info(path: Path, what: str = "dataset", fix: str = "run dit-prepare again with --overwrite") -> DatasetInfo:
+    """A ditcore.json file (of a dataset, or copied into an export), with its format checked."""
     try:
-        data = json.loads((root / INFO_FILE).read_text())
+        data = json.loads(Path(path).read_text())
         if not isinstance(data, dict):
             raise ValueError(f"a JSON {type(data).__name__}, not an object")
         info = DatasetInfo(**data)
     except (ValueError, TypeError) as e:  # not JSON, or JSON of another shape
-        raise DatasetError(f"dataset '{root}' has an unreadable {INFO_FILE} ({_first_line(e)}) — run dit-prepare "
-                           "again with --overwrite") from None
+        raise DatasetError(f"{what} '{Path(path).parent}' has an unreadable {INFO_FILE} ({_first_line(e)}) — "
+                           f"{fix}") from None
     if info.format != FORMAT:
-        raise DatasetError(f"dataset '{root}' has format {info.format!r}; this ditcore reads {FORMAT!r}")
+        raise DatasetError(f"{what} '{Path(path).parent}' has format {info.format!r}; this ditcore reads {FORMAT!r}")
     return info
+
+
+def crude_config(root: Path) -> str:
+    """The Energon config the loader opens. Datasets prepared before dataset.yaml became the typed view have the
+    crude config there (and the typed one as dataset-typed.yaml): they load exactly as before, with a warning."""
+    if (Path(root) / ".nv-meta" / CRUDE_CONFIG).is_file():
+        return CRUDE_CONFIG
+    log.warning("dataset '%s' was prepared by an older ditcore: it loads as before, but Energon's CLI needs "
+                "`--dataset-config dataset-typed.yaml` on it (rerun dit-prepare with --overwrite to drop that)", root)
+    return "dataset.yaml"  # the old layout's crude config
 
 
 def _first_line(e: Exception) -> str:

@@ -10,9 +10,10 @@ from collections import Counter
 from pathlib import Path
 
 import webdataset as wds
+import yaml
 
 from ditcore import durable
-from ditcore.data.schema import INFO_FILE, DatasetInfo, to_record
+from ditcore.data.schema import CRUDE_CONFIG, INFO_FILE, LATENT, META, TEXT, TYPED_CONFIG, DatasetInfo, to_record
 
 SHARD_PATTERN = "rank{rank}-%06d.tar"  # as the reference recipe: every rank writes its own shards
 
@@ -98,33 +99,23 @@ class ShardWriter:
 
 
 def energon_prepare(root: Path) -> None:
-    """Index the shards with Energon as a CrudeWebdataset (train split only), non-interactively."""
+    """Index the shards with Energon (train split only), non-interactively, and write its two configs (schema.py)."""
     cmd = [sys.executable, "-m", "megatron.energon.cli.main", "prepare", str(root), "--non-interactive",
-           "--split-ratio", "1,0,0", "--sample-type", "CrudeWebdataset", "--force-overwrite", "--no-progress"]
+           "--split-ratio", "1,0,0", "--sample-type", "CrudeWebdataset", "--dataset-yaml-name", CRUDE_CONFIG,
+           "--force-overwrite", "--no-progress"]
     proc = subprocess.run(cmd, capture_output=True, text=True)
-    if proc.returncode != 0 or not (Path(root) / ".nv-meta" / "dataset.yaml").is_file():
+    if proc.returncode != 0 or not (Path(root) / ".nv-meta" / CRUDE_CONFIG).is_file():
         tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
         raise RuntimeError(f"energon prepare failed for '{root}': {tail[0]}")
-
-
-# Energon 7.4's `info` needs a typed sample_type and `lint` has no cookers, so neither reads a CrudeWebdataset.
-# This second config describes the same shards as typed samples, for them:
-#     energon info DIR --dataset-config dataset-typed.yaml;  energon lint DIR --dataset-config dataset-typed.yaml
-TYPED_CONFIG = "dataset-typed.yaml"
-_TYPED_YAML = """\
-sample_type:
-  __module__: ditcore.data.loader
-  __class__: LatentSample
-field_map:
-  latent: latent.pth
-  text: text.pth
-  meta: json
-"""
+    # `energon prepare` only knows Energon's own sample types, so the typed view is written here. Its sample type
+    # is the one the loader's cooker makes, so both views read a sample identically.
+    typed = {"sample_type": {"__module__": "ditcore.data.loader", "__class__": "LatentSample"},
+             "field_map": {"latent": LATENT, "text": TEXT, "meta": META}}
+    durable.write_text(Path(root) / ".nv-meta" / TYPED_CONFIG, yaml.safe_dump(typed, sort_keys=False))
 
 
 def finish_dataset(root: Path, info: DatasetInfo) -> None:
     """Index the shards, then write ditcore.json: from this moment the dataset counts as complete."""
     energon_prepare(root)
-    (Path(root) / ".nv-meta" / TYPED_CONFIG).write_text(_TYPED_YAML)
     info.counts["shards"] = len(list(Path(root).glob("rank*-*.tar")))
     info.write(Path(root))
