@@ -30,7 +30,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3)
     args = ap.parse_args()
     info = read_info(args.dataset)
-    cfg = preset(args.preset, in_channels=info.latent_channels, text_dim=info.text_encoder["dim"])
+    cfg = preset(args.preset, in_channels=info.latent_channels, text_dim=info.text_encoder["dim"],
+                 num_classes=info.num_classes)
 
     loader = build_loader(args.dataset, patch_size=cfg.patch_size, patch_size_t=cfg.patch_size_t,
                           seq_length=args.seq_length, batch_size=args.batch, num_workers=args.workers)
@@ -48,7 +49,7 @@ def main() -> None:
     model = EDMPrecond(DiT(cfg))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     b = first
-    cond = dict(pos=b.pos, seg=b.seg, text=b.text, text_seg=b.text_seg)
+    cond = b.model_inputs()
     times = []
     for _ in range(args.steps + 1):
         t = time.perf_counter()

@@ -18,6 +18,7 @@ from safetensors.torch import load_file
 from dit_train import checkpoint
 from dit_train.cli import find_config
 from dit_train.config import SHIPPED_NAMES, load_config
+from ditcore import runs
 from ditcore.media import read_video
 
 BIN = Path(sys.executable).parent
@@ -62,8 +63,8 @@ def run_args(dataset, run_dir, steps, *extra):
 
 
 def final_state(run_dir: Path, step: int):
-    ckpt = checkpoint.step_dir(run_dir, step)
-    shards = sorted(ckpt.glob("model_parallel_rank_*.pt"))
+    ckpt = runs.step_dir(run_dir, step)
+    shards = runs.shard_files(ckpt)
     return [torch.load(p, weights_only=False) for p in shards]
 
 
@@ -127,7 +128,7 @@ def test_straight_equals_stop_and_resume_one_process(dataset, straight, tmp_path
     resumed = tmp_path / "resumed"
     first = dit_train(*run_args(dataset, resumed, 6, "train.stop_at=3"))  # same run, stopped after step 3
     assert first.returncode == 0, first.stderr[-3000:]
-    assert [p.name for p in checkpoint.complete_checkpoints(resumed)] == ["step-0000003"]
+    assert [p.name for p in runs.complete_checkpoints(resumed)] == ["step-0000003"]
     second = dit_train(*run_args(dataset, resumed, 6), "--resume", "auto")
     assert second.returncode == 0, second.stderr[-3000:]
     assert "resumed from" in second.stdout + second.stderr
@@ -163,7 +164,7 @@ def test_loss_decreases_and_outputs_are_written(dataset, tmp_path):
     frames = read_video(video)
     assert frames.shape == (4, 32, 32, 3)
     assert (run / "loss.png").stat().st_size > 1000
-    assert [p.name for p in checkpoint.complete_checkpoints(run)] == ["step-0000020", "step-0000040"]
+    assert [p.name for p in runs.complete_checkpoints(run)] == ["step-0000020", "step-0000040"]
     for name in ("model.safetensors", "model.json", "ditcore.json", "codec_pca.safetensors"):
         assert (run / "export" / name).is_file()
 
@@ -179,7 +180,7 @@ def test_sigterm_saves_a_complete_checkpoint_and_exits_0(dataset, tmp_path):
     proc.send_signal(signal.SIGTERM)
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 0, err[-3000:]
-    saved = checkpoint.complete_checkpoints(run)
+    saved = runs.complete_checkpoints(run)
     assert len(saved) == 1 and "stopped by signal" in out + err
     step = int(saved[0].name.split("-")[1])
     resumed = dit_train(*run_args(dataset, run, step + 2, "checkpoint.every=100000"), "--resume", "auto")
@@ -189,33 +190,17 @@ def test_sigterm_saves_a_complete_checkpoint_and_exits_0(dataset, tmp_path):
 
 def test_a_checkpoint_without_its_marker_is_never_resumed(tmp_path):
     for step in (3, 6):
-        d = checkpoint.step_dir(tmp_path, step)
+        d = runs.step_dir(tmp_path, step)
         d.mkdir(parents=True)
-        (d / checkpoint.MARKER).write_text("done")
-    unfinished = checkpoint.step_dir(tmp_path, 9)
-    shutil.copytree(checkpoint.step_dir(tmp_path, 6), unfinished)
-    (unfinished / checkpoint.MARKER).unlink()
+        (d / runs.MARKER).write_text("done")
+    unfinished = runs.step_dir(tmp_path, 9)
+    shutil.copytree(runs.step_dir(tmp_path, 6), unfinished)
+    (unfinished / runs.MARKER).unlink()
     (tmp_path / "checkpoints" / ".tmp-step-0000012").mkdir()
-    assert checkpoint.resolve_resume(tmp_path, "auto") == [checkpoint.step_dir(tmp_path, s) for s in (6, 3)]
+    assert checkpoint.resolve_resume(tmp_path, "auto") == [runs.step_dir(tmp_path, s) for s in (6, 3)]
     assert checkpoint.resolve_resume(tmp_path, "none") == []
     with pytest.raises(FileNotFoundError, match="not a complete checkpoint"):
         checkpoint.resolve_resume(tmp_path, str(unfinished))
-
-
-def test_batch_flops_counts_every_sample_at_its_own_length():
-    from dit_train.train import batch_flops
-    from ditcore.data.packing import PackedRow, TokenSample, collate
-    from ditcore.flops import training_flops_per_token
-    from ditcore.models import grid_positions, preset
-
-    def tok(grid, text_len):
-        n = grid[0] * grid[1] * grid[2]
-        return TokenSample("k", torch.zeros(n, 4), grid_positions(grid), grid, torch.zeros(text_len, 8), -1, 0.0, "")
-
-    cfg = preset("DiT-Tiny", text_dim=8)
-    b = collate([PackedRow([tok((1, 2, 2), 3), tok((2, 2, 3), 0)]), PackedRow([tok((1, 4, 4), 5)])], seq_length=20)
-    want = sum(training_flops_per_token(cfg, n, L) * n for n, L in ((4, 3), (12, 0), (16, 5)))
-    assert batch_flops(cfg, b) == pytest.approx(want)
 
 
 # ---------------------------------------------------------------- durability: kill -9, damaged checkpoints
@@ -227,11 +212,11 @@ def assert_every_checkpoint_is_whole(run: Path):
 
     root = run / "checkpoints"
     for d in (root.iterdir() if root.is_dir() else []):
-        if not checkpoint.PATTERN.match(d.name):
-            assert d.name.startswith((checkpoint.TMP_PREFIX, durable.TRASH_PREFIX)), d
+        if runs.step_of(d) is None:
+            assert d.name.startswith((runs.TMP_PREFIX, durable.TRASH_PREFIX)), d
             continue
-        manifest = json.loads((d / checkpoint.MARKER).read_text())
-        assert set(manifest["files"]) == {p.name for p in d.iterdir()} - {checkpoint.MARKER}
+        manifest = json.loads((d / runs.MARKER).read_text())
+        assert set(manifest["files"]) == {p.name for p in d.iterdir()} - {runs.MARKER}
         for name, expected in manifest["files"].items():
             assert durable.verify(d / name, expected) is None, (d, name)
 
@@ -240,7 +225,7 @@ def kill_during_save(dataset, run: Path, save_step: int, delay: float) -> None:
     """Start a 6-step run that checkpoints every step; kill -9 it `delay` s after save `save_step` began."""
     proc = subprocess.Popen([str(BIN / "dit-train"), *run_args(dataset, run, 6, "checkpoint.every=1")],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env())
-    started = run / "checkpoints" / f"{checkpoint.TMP_PREFIX}step-{save_step:07d}"
+    started = run / "checkpoints" / f"{runs.TMP_PREFIX}step-{save_step:07d}"
     deadline = time.monotonic() + 240
     while not started.exists() and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.0005)
@@ -251,7 +236,7 @@ def kill_during_save(dataset, run: Path, save_step: int, delay: float) -> None:
 
 def resume_after_kill(dataset, straight: Path, run: Path) -> str:
     assert_every_checkpoint_is_whole(run)
-    complete = [p.name for p in checkpoint.complete_checkpoints(run)]
+    complete = [p.name for p in runs.complete_checkpoints(run)]
     proc = dit_train(*run_args(dataset, run, 6, "checkpoint.every=1"), "--resume", "auto")
     assert proc.returncode == 0, proc.stderr[-3000:]
     said = proc.stdout + proc.stderr
@@ -287,11 +272,11 @@ def test_damaged_newest_checkpoint_falls_back_to_the_previous_one(dataset, strai
     run = tmp_path / "run"
     proc = dit_train(*run_args(dataset, run, 6, "checkpoint.every=2", "train.stop_at=4"))
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert [p.name for p in checkpoint.complete_checkpoints(run)] == ["step-0000002", "step-0000004"]
+    assert [p.name for p in runs.complete_checkpoints(run)] == ["step-0000002", "step-0000004"]
     broken_copy = tmp_path / "both-damaged"
     shutil.copytree(run, broken_copy)
 
-    shard = checkpoint.step_dir(run, 4) / "model_parallel_rank_00.pt"
+    shard = runs.step_dir(run, 4) / "model_parallel_rank_00.pt"
     with shard.open("r+b") as f:
         f.truncate(shard.stat().st_size // 2)
     proc = dit_train(*run_args(dataset, run, 6, "checkpoint.every=2"), "--resume", "auto")
@@ -299,12 +284,12 @@ def test_damaged_newest_checkpoint_falls_back_to_the_previous_one(dataset, strai
     warnings = [ln for ln in proc.stderr.splitlines() if ln.startswith("warning:")]
     assert len(warnings) == 1 and f"checkpoint {shard.parent} is damaged: {shard.name} has" in warnings[0]
     assert "trying step-0000002 instead" in warnings[0]
-    assert f"resumed from {checkpoint.step_dir(run, 2)} at step 2" in proc.stdout + proc.stderr
+    assert f"resumed from {runs.step_dir(run, 2)} at step 2" in proc.stdout + proc.stderr
     assert_same_training(straight, run, 6)
 
     # Both damaged (one truncated, one with flipped bytes of the same size): refuse, never start over.
     for step, damage in ((4, "truncate"), (2, "flip")):
-        f = checkpoint.step_dir(broken_copy, step) / ("model_parallel_rank_00.pt" if step == 4 else "rank-00000.pt")
+        f = runs.step_dir(broken_copy, step) / ("model_parallel_rank_00.pt" if step == 4 else "rank-00000.pt")
         data = bytearray(f.read_bytes())
         if damage == "truncate":
             del data[len(data) // 3:]
@@ -316,4 +301,4 @@ def test_damaged_newest_checkpoint_falls_back_to_the_previous_one(dataset, strai
     errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
     assert len(errors) == 1 and "none of the 2 complete checkpoints" in errors[0] and "--resume none" in errors[0]
     assert "rank-00000.pt is corrupted" in proc.stderr and "Traceback" not in proc.stderr
-    assert [p.name for p in checkpoint.complete_checkpoints(broken_copy)] == ["step-0000002", "step-0000004"]
+    assert [p.name for p in runs.complete_checkpoints(broken_copy)] == ["step-0000002", "step-0000004"]

@@ -2,7 +2,7 @@ import pytest
 import torch
 from torch import nn
 
-from ditcore.flops import count_params, forward_macs, training_flops_per_token
+from ditcore.flops import batch_flops, count_params, forward_macs, training_flops_per_token
 from ditcore.models import DiT, preset
 
 # DiT paper, Table 4 (Gflops = forward multiply-accumulates at 256×256, i.e. 32×32×4 latents)
@@ -45,3 +45,17 @@ def test_training_flops_is_6n_plus_attention():
     with_text = preset("DiT-XL/2", text_dim=512)
     extra = training_flops_per_token(with_text, 256, text_len=77) - training_flops_per_token(with_text, 256)
     assert extra > 12 * 28 * 1152 * 77
+
+
+def test_batch_flops_counts_every_sample_at_its_own_length():
+    from ditcore.data.packing import PackedRow, TokenSample, collate
+    from ditcore.layout import grid_positions
+
+    def tok(grid, text_len):
+        n = grid[0] * grid[1] * grid[2]
+        return TokenSample("k", torch.zeros(n, 4), grid_positions(grid), grid, torch.zeros(text_len, 8), -1, 0.0, "")
+
+    cfg = preset("DiT-Tiny", text_dim=8)
+    b = collate([PackedRow([tok((1, 2, 2), 3), tok((2, 2, 3), 0)]), PackedRow([tok((1, 4, 4), 5)])], seq_length=20)
+    want = sum(training_flops_per_token(cfg, n, L) * n for n, L in ((4, 3), (12, 0), (16, 5)))
+    assert batch_flops(cfg, b) == pytest.approx(want)

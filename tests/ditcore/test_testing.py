@@ -1,7 +1,8 @@
 import pytest
 import torch
 
-from ditcore.models import DiT, grid_positions, preset
+from ditcore.layout import grid_positions
+from ditcore.models import DiT, preset
 from ditcore.testing import EPS32, assert_close_fp32, dit_forward_work, fp32_tolerance
 
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from ditcore.codecs import LatentStats
-from ditcore.diffusion import SIGMA_DATA
+from ditcore.layout import SIGMA_DATA
 from ditcore.testing import assert_close_fp32, fp32_tolerance
 
 MEANS, STDS = torch.tensor([3.0, -1.0, 0.0, 10.0]), torch.tensor([0.1, 2.0, 1.0, 5.0])

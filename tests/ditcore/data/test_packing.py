@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from ditcore.data.packing import PackedRow, TokenSample, collate, first_fit_decreasing
-from ditcore.models import grid_positions
+from ditcore.layout import grid_positions
 
 
 @pytest.mark.parametrize("seed", range(20))

@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from ditcore.diffusion import SIGMA_DATA, EDMLoss, EDMPrecond, edm_coefficients, edm_weight
-from ditcore.models import DiT, grid_positions, preset
+from ditcore.layout import grid_positions
+from ditcore.models import DiT, preset
 from ditcore.testing import EPS32, EPS64, assert_close_fp32
 
 SIGMAS = torch.tensor([0.002, 0.05, 0.5, 1.0, 7.0, 80.0], dtype=torch.float64)

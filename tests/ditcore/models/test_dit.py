@@ -5,8 +5,9 @@ import torch
 from torch import nn
 
 from ditcore.errors import ConfigError
-from ditcore.models import PRESETS, DiT, DiTConfig, grid_positions, patchify, preset, unpatchify
-from ditcore.models.dit import AttentionInputs, DiTBlock, apply_rope, rope_freqs, segment_mask
+from ditcore.layout import grid_positions, segment_mask
+from ditcore.models import PRESETS, DiT, DiTConfig, preset
+from ditcore.models.dit import AttentionInputs, DiTBlock, apply_rope, rope_freqs
 from ditcore.testing import assert_close_fp32, dit_forward_work, dit_grad_work
 
 
@@ -21,37 +22,6 @@ def randomize(model: nn.Module, std: float = 0.2) -> nn.Module:
         for p in model.parameters():
             p.add_(torch.randn(p.shape, generator=g) * std)
     return model
-
-
-# ---------------------------------------------------------------- patches
-
-
-@pytest.mark.parametrize(("p", "pt"), [(1, 1), (2, 1), (2, 2), (4, 3)])
-def test_patchify_roundtrip_exact(p, pt):
-    x = torch.randn(2, 3, 6, 8, 12)
-    grid = (6 // pt, 8 // p, 12 // p)
-    tokens = patchify(x, p, pt)
-    assert tokens.shape == (2, grid[0] * grid[1] * grid[2], 3 * pt * p * p)
-    assert torch.equal(unpatchify(tokens, grid, p, pt), x)
-
-
-def test_patch_embedding_equals_strided_conv3d():
-    """Token features are laid out like Conv3d weights, so x_embedder on tokens == Conv3d(kernel=stride=patch)."""
-    p, pt, C, D = 2, 2, 3, 16
-    x = torch.randn(2, C, 4, 6, 8)
-    conv = nn.Conv3d(C, D, kernel_size=(pt, p, p), stride=(pt, p, p))
-    lin = nn.Linear(C * pt * p * p, D)
-    with torch.no_grad():
-        lin.weight.copy_(conv.weight.reshape(D, -1))
-        lin.bias.copy_(conv.bias)
-    want = conv(x).flatten(2).transpose(1, 2)  # (B, T'H'W', D) in (t, h, w) order
-    assert_close_fp32(lin(patchify(x, p, pt)), want, work=C * pt * p * p + 1)  # one dot product and the bias
-    assert grid_positions((2, 3, 4))[:5].tolist() == [[0, 0, 0], [0, 0, 1], [0, 0, 2], [0, 0, 3], [0, 1, 0]]
-
-
-def test_patch_size_must_divide_latent():
-    with pytest.raises(ValueError, match="latent width 7 is not divisible by the patch size 2"):
-        patchify(torch.randn(1, 4, 1, 8, 7), 2, 1)
 
 
 # ---------------------------------------------------------------- adaLN-Zero

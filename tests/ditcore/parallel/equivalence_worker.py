@@ -15,7 +15,8 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from ditcore.diffusion import EDMLoss, EDMPrecond
-from ditcore.models import DiT, grid_positions, preset
+from ditcore.layout import grid_positions
+from ditcore.models import DiT, preset
 from ditcore.parallel import (
     ParallelDims,
     consolidated_state_dict,
@@ -24,7 +25,7 @@ from ditcore.parallel import (
     load_consolidated,
     parallelize,
 )
-from ditcore.parallel.tensor_parallel import gather_full
+from ditcore.parallel.consolidate import gather_full
 
 CFG = preset("DiT-Tiny", hidden_size=64, depth=2, num_heads=4, in_channels=4, num_classes=5, text_dim=16,
              fps_cond=True)

@@ -15,8 +15,10 @@ from pathlib import Path
 import torch
 from lightning.fabric import Fabric
 
+from ditcore import runs
 from ditcore.diffusion import EDMLoss, EDMPrecond
-from ditcore.models import DiT, grid_positions, preset
+from ditcore.layout import grid_positions
+from ditcore.models import DiT, preset
 from ditcore.parallel import ParallelDims, consolidated_state_dict, finalize_grads, load_consolidated, parallelize
 from ditcore.parallel.fabric import MegatronStrategy
 
@@ -46,7 +48,7 @@ def train_step(fabric, model, opt, groups, step: int) -> float:
 
 def main() -> None:
     mode, out = sys.argv[1], Path(sys.argv[2])
-    strategy = MegatronStrategy(ParallelDims(tp=2))
+    strategy = MegatronStrategy(ParallelDims(tp=2), shard_file=runs.shard_file)
     fabric = Fabric(accelerator="cpu", devices=2, strategy=strategy)
     fabric.launch()
     groups = strategy.groups

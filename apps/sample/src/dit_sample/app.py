@@ -25,10 +25,10 @@ from pathlib import Path
 import gradio as gr
 import torch
 
-from dit_sample.generate import LIMITS, SOLVERS, RequestError, Sampler, resolve_checkpoint
+from dit_sample.generate import LIMITS, SOLVERS, RequestError, Sampler
+from ditcore import runs
 from ditcore.export import load_export
 from ditcore.media import write_sample
-from ditcore.parallel.tensor_parallel import consolidate_shard_files
 
 EXPORT = "export (final EMA weights)"
 KEEP_CHECKPOINTS = 2  # training checkpoints kept loaded besides the export: each one is a full copy of the model
@@ -39,20 +39,17 @@ MAX_FRAMES = 32  # the frames slider; longer clips are for `dit-sample generate`
 
 def checkpoint_choices(path: Path) -> dict[str, Path]:
     """Label → folder: the export, then training checkpoints newest first (run directories only)."""
-    choices = {EXPORT: resolve_checkpoint(path)}
-    ckpts = Path(path) / "checkpoints"
-    if ckpts.is_dir():
-        for d in sorted(ckpts.glob("step-*"), reverse=True):
-            if (d / "COMPLETE").is_file():
-                choices[d.name] = d
+    choices = {EXPORT: runs.find_export(path)}
+    for d in reversed(runs.complete_checkpoints(path)):
+        choices[d.name] = d
     return choices
 
 
 def load_sampler(base: Sampler, folder: Path) -> Sampler:
     """The base (export) sampler with the EMA weights of a training checkpoint folder swapped in."""
-    if (folder / "model.safetensors").is_file():
+    if folder == base.path:
         return base
-    state = consolidate_shard_files(sorted(folder.glob("model_parallel_rank_*.pt")), key="ema")
+    state = runs.load_weights(folder, runs.EMA)
     exported = load_export(base.path)
     exported.model.load_state_dict(state)
     return Sampler(exported, base.text, base.path)
@@ -86,11 +83,14 @@ class Checkpoints:
                 self.loaded.move_to_end(label)
                 return self.loaded[label]
             folder = self.folders[label]
-            if not (folder / "COMPLETE").is_file():  # e.g. deleted by the run's checkpoint rotation since start-up
+            if not runs.is_complete(folder):  # e.g. deleted by the run's checkpoint rotation since start-up
                 raise RequestError(f"checkpoint {label} is no longer on disk ({folder}) — pick another one")
             while len(self.loaded) >= self.keep:  # evict first, so at most `keep` copies exist even while loading
                 self.loaded.popitem(last=False)
-            self.loaded[label] = load_sampler(self.base, folder)
+            try:
+                self.loaded[label] = load_sampler(self.base, folder)
+            except runs.CheckpointError as e:  # damaged since it was written: say so, keep serving the others
+                raise RequestError(f"{e} — pick another checkpoint") from None
             return self.loaded[label]
 
 

@@ -6,6 +6,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from ditcore import runs
 from ditcore.codecs.text import MAX_TOKENS, TextEncoder, load_text_encoder
 from ditcore.export import Exported, load_export
 from ditcore.sampling import SampleResult, sample, token_grid
@@ -22,19 +23,6 @@ class RequestError(ValueError):
     """A request that cannot be sampled, with what to change."""
 
 
-def resolve_checkpoint(path: str | Path) -> Path:
-    """An export folder, or a run directory (its export/)."""
-    path = Path(path)
-    if (path / "model.safetensors").is_file():
-        return path
-    if (path / "export" / "model.safetensors").is_file():
-        return path / "export"
-    if not path.exists():
-        raise FileNotFoundError(f"checkpoint '{path}' does not exist")
-    raise FileNotFoundError(f"'{path}' is neither an export (model.safetensors) nor a run directory with "
-                            "export/ — dit-train writes RUN_DIR/export/ at the end of training")
-
-
 @dataclass
 class Sampler:
     exported: Exported
@@ -43,7 +31,7 @@ class Sampler:
 
     @classmethod
     def load(cls, checkpoint: str | Path) -> Sampler:
-        path = resolve_checkpoint(checkpoint)
+        path = runs.find_export(checkpoint)
         exported = load_export(path)
         text = None
         if exported.model.cfg.text_dim:

@@ -1,14 +1,9 @@
-"""Training checkpoints: RUN_DIR/checkpoints/step-XXXXXXX/, durable, verified on load, newest K kept.
+"""Saving and resuming training checkpoints with Lightning Fabric (the layout: ditcore.runs).
 
 A checkpoint is written into `.tmp-step-XXXXXXX/`; every file is fsynced by the rank that wrote it, rank 0
 adds the `COMPLETE` manifest (size and CRC-32 of every file), fsyncs the folder and renames it into place.
 So a folder named step-XXXXXXX is complete whenever it exists, even after kill -9 or a power loss, and a
-file damaged later (truncated, overwritten) is detected before it is loaded. Contents:
-    model_parallel_rank_XX.pt   one per tensor-parallel shard (MegatronStrategy): model, optimizer, EMA,
-                                scheduler, step, loss history
-    rank-XXXXX.pt               one per process: its data loader state and RNG states
-    config.yaml                 the resolved training config
-    COMPLETE                    JSON manifest, written last: step, world size, {file: {bytes, crc32}}
+file damaged later (truncated, overwritten) is detected before it is loaded.
 
 `--resume auto` takes the newest checkpoint that verifies and loads; a damaged one is reported in one line
 and the previous one is used instead. It never silently starts over.
@@ -16,41 +11,17 @@ and the previous one is used instead. It never silently starts over.
 
 from __future__ import annotations
 
-import json
 import pickle
-import re
 import sys
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from ditcore import durable
+from ditcore import durable, runs
+from ditcore.runs import CheckpointError
 
-MARKER = "COMPLETE"
-PATTERN = re.compile(r"^step-(\d{7})$")
-TMP_PREFIX = ".tmp-"
-
-
-class CheckpointError(RuntimeError):
-    """No usable checkpoint where one was asked for, with what to do about it."""
-
-
-def step_dir(run_dir: Path, step: int) -> Path:
-    return Path(run_dir) / "checkpoints" / f"step-{step:07d}"
-
-
-def rank_file(fabric) -> str:
-    return f"rank-{fabric.global_rank:05d}.pt"
-
-
-def complete_checkpoints(run_dir: Path) -> list[Path]:
-    """Complete checkpoints, oldest first."""
-    root = Path(run_dir) / "checkpoints"
-    if not root.is_dir():
-        return []
-    found = [p for p in root.iterdir() if PATTERN.match(p.name) and (p / MARKER).is_file()]
-    return sorted(found, key=lambda p: int(PATTERN.match(p.name).group(1)))
+__all__ = ["CheckpointError", "resolve_resume", "resume", "save"]
 
 
 def resolve_resume(run_dir: Path, resume: str) -> list[Path]:
@@ -58,20 +29,20 @@ def resolve_resume(run_dir: Path, resume: str) -> list[Path]:
     if resume == "none":
         return []
     if resume == "auto":
-        return complete_checkpoints(run_dir)[::-1]
+        return runs.complete_checkpoints(run_dir)[::-1]
     path = Path(resume)
-    if not (path / MARKER).is_file():
-        raise FileNotFoundError(f"--resume {resume}: not a complete checkpoint (no {MARKER} marker) — pass a "
+    if not runs.is_complete(path):
+        raise FileNotFoundError(f"--resume {resume}: not a complete checkpoint (no {runs.MARKER} marker) — pass a "
                                 "RUN_DIR/checkpoints/step-XXXXXXX folder, 'auto' or 'none'")
     return [path]
 
 
 def save(fabric, run_dir: Path, step: int, state: dict, loader, config_yaml: str, keep: int) -> Path:
     """Collective: every rank calls it. Returns the final checkpoint folder."""
-    final = step_dir(run_dir, step)
-    tmp = final.with_name(f"{TMP_PREFIX}{final.name}")
+    final = runs.step_dir(run_dir, step)
+    tmp = runs.tmp_dir(final)
     if fabric.global_rank == 0:
-        durable.remove_leftovers(final.parent, (TMP_PREFIX, durable.TRASH_PREFIX))  # from an interrupted save
+        durable.remove_leftovers(final.parent, (runs.TMP_PREFIX, durable.TRASH_PREFIX))  # from an interrupted save
         tmp.mkdir(parents=True)
     fabric.barrier()
     fabric.save(tmp, state)  # the strategy writes one file per model-parallel shard, then waits for all
@@ -80,20 +51,20 @@ def save(fabric, run_dir: Path, step: int, state: dict, loader, config_yaml: str
         "torch_rng": torch.get_rng_state(),
         "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
     }
-    torch.save(rank_state, tmp / rank_file(fabric))
+    torch.save(rank_state, tmp / runs.rank_file(fabric.global_rank))
     # Every rank makes its own files durable and measures them (in parallel); rank 0 records them all.
-    mine = [rank_file(fabric)] + ([_shard_file(fabric, tmp)] if fabric.strategy.groups.is_model_parallel_writer
-                                  else [])
+    mine = [runs.rank_file(fabric.global_rank)]
+    if fabric.strategy.groups.is_model_parallel_writer:
+        mine.append(_shard_file(fabric))
     for name in mine:
         durable.fsync_file(tmp / name)
     files = {k: v for part in _all_ranks(fabric, {n: durable.digest(tmp / n) for n in mine}) for k, v in part.items()}
     if fabric.global_rank == 0:
-        durable.write_text(tmp / "config.yaml", config_yaml)
-        files["config.yaml"] = durable.digest(tmp / "config.yaml")
-        manifest = {"step": step, "world_size": fabric.world_size, "files": dict(sorted(files.items()))}
-        durable.write_text(tmp / MARKER, json.dumps(manifest, indent=1) + "\n")
+        durable.write_text(tmp / runs.CONFIG_FILE, config_yaml)
+        files[runs.CONFIG_FILE] = durable.digest(tmp / runs.CONFIG_FILE)
+        runs.write_manifest(tmp, step, fabric.world_size, files)
         durable.publish_dir(tmp, final)
-        for old in complete_checkpoints(run_dir)[:-keep]:
+        for old in runs.complete_checkpoints(run_dir)[:-keep]:
             durable.remove_dir(old)
     fabric.barrier()
     return final
@@ -119,7 +90,8 @@ def resume(fabric, run_dir: Path, resume_arg: str, state: dict, loader) -> Path 
         if fabric.global_rank == 0:
             print(f"warning: {problem}; {then}", file=sys.stderr, flush=True)
     if candidates:
-        raise CheckpointError(f"none of the {len(candidates)} complete checkpoints in {Path(run_dir) / 'checkpoints'} "
+        where = Path(run_dir) / runs.CHECKPOINTS
+        raise CheckpointError(f"none of the {len(candidates)} complete checkpoints in {where} "
                               f"loads (newest: {newest_problem}) — restore them from a copy, or pass --resume none "
                               "to start over")
     return None
@@ -132,22 +104,16 @@ def _load(fabric, ckpt: Path, state: dict, loader) -> tuple[str | None, bool]:
     would not help.
     """
     ckpt = Path(ckpt)
-    try:
-        manifest = json.loads((ckpt / MARKER).read_text())
-    except (OSError, ValueError):
-        manifest = None  # a marker from before manifests: loading is the only check
-    written_by = manifest.get("world_size") if isinstance(manifest, dict) else None
-    if not (ckpt / rank_file(fabric)).is_file() or written_by not in (None, fabric.world_size):
+    manifest = runs.read_manifest(ckpt)
+    written_by = manifest.get("world_size")
+    shard, mine = _shard_file(fabric), runs.rank_file(fabric.global_rank)
+    if not (ckpt / mine).is_file() or written_by not in (None, fabric.world_size):
         return (f"checkpoint {ckpt} was written by {written_by or 'another number of'} processes, this job has "
                 f"{fabric.world_size}: resume with the same number, or start a new run from its export"), True
-    files = manifest.get("files", {}) if isinstance(manifest, dict) else {}
-    shard, mine = _shard_file(fabric, ckpt), rank_file(fabric)
     for name in (shard, mine):
-        if files and name not in files:
-            return f"checkpoint {ckpt} is damaged: its manifest does not list {name}", False
-        wrong = durable.verify(ckpt / name, files[name]) if name in files else None
-        if wrong:
-            return f"checkpoint {ckpt} is damaged: {wrong}", False
+        problem = runs.verify(ckpt, name, manifest)
+        if problem:
+            return problem, False
     try:
         fabric.load(ckpt, state)
     except Exception as e:  # verified, yet unreadable (e.g. written by another version): try the previous one
@@ -168,8 +134,8 @@ def _first_line(e: Exception) -> str:
     return f"{type(e).__name__}: {text.splitlines()[0]}" if text else type(e).__name__
 
 
-def _shard_file(fabric, ckpt: Path) -> str:
-    return fabric.strategy.shard_path(ckpt).name
+def _shard_file(fabric) -> str:
+    return runs.shard_file(fabric.strategy.groups.tp_rank)
 
 
 def _all_ranks(fabric, value) -> list:

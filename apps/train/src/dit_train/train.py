@@ -1,4 +1,5 @@
-"""The training loop: setup → build → resume → fit (accumulate, clip, step, EMA, log, checkpoint, validate) → export."""
+"""The training loop: setup → build → resume → fit (train_step: accumulate, clip, step, EMA; log, checkpoint,
+validate) → export. `train()` reads as that list."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import math
 import os
 import signal
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -16,20 +18,30 @@ from tqdm import tqdm
 
 from dit_train import checkpoint
 from dit_train.config import TrainConfig
-from ditcore import durable
+from ditcore import durable, runs
 from ditcore.codecs import LatentStats, load_codec
 from ditcore.codecs.text import load_text_encoder
 from ditcore.data.loader import build_loader, check_samples_fit
-from ditcore.data.schema import read_info
+from ditcore.data.schema import DatasetInfo, read_info
 from ditcore.diffusion import EMA, EDMLoss, EDMPrecond
 from ditcore.errors import ConfigError
 from ditcore.export import export_model
-from ditcore.flops import gpu_peak_flops, measure_cpu_peak_flops, training_flops_per_token
+from ditcore.flops import batch_flops, gpu_peak_flops, measure_cpu_peak_flops
 from ditcore.media import write_sample
-from ditcore.models import DiT, apply_compile, preset
-from ditcore.parallel import ParallelDims, clip_grad_norm_, finalize_grads, gather_full, load_consolidated, parallelize
+from ditcore.models import DiT, DiTConfig, apply_compile, preset
+from ditcore.parallel import (
+    ParallelDims,
+    ParallelGroups,
+    clip_grad_norm_,
+    finalize_grads,
+    gather_full,
+    load_consolidated,
+    parallelize,
+)
+from ditcore.parallel.consolidate import without_extra_state
 from ditcore.parallel.fabric import MegatronStrategy
 from ditcore.sampling import sample
+from ditcore.training import draw, step_generator
 
 
 class Preempted:
@@ -88,33 +100,53 @@ def lr_lambda(cfg: TrainConfig):
     return factor
 
 
-def batch_flops(model_cfg, batch) -> float:
-    """Training FLOPs of a packed batch: every sample's tokens at its own sequence and text length."""
-    B, S = batch.class_labels.shape
-    real = batch.text_seg >= 0
-    sample_of_text = (torch.arange(B)[:, None] * S + batch.text_seg)[real]  # flat (row, sample) per text token
-    text_len = torch.bincount(sample_of_text, minlength=B * S).view(B, S).tolist()
-    total = 0.0
-    for r, grids in enumerate(batch.grids):  # token counts are known from each sample's grid
-        for s, (t, h, w) in enumerate(grids):
-            total += training_flops_per_token(model_cfg, t * h * w, text_len[r][s]) * t * h * w
-    return total
+@dataclass
+class Setup:
+    """What the run is: config, dataset, processes and layout. The same on every rank."""
+
+    cfg: TrainConfig
+    info: DatasetInfo
+    fabric: Fabric
+    groups: ParallelGroups
+    model_cfg: DiTConfig
+    accum: int  # micro-batches per optimizer step on each rank
+    on_gpu: bool
+    loggers: list
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.cfg.train.run_dir)
 
 
-def drop_conditions(batch, p: float, null_class: int, g: torch.Generator):
-    """CFG dropout per sample: its text becomes empty (all text tokens masked) and its class the null class."""
-    B, S = batch.class_labels.shape
-    drop = torch.rand(B, S, generator=g) < p
-    text_seg = batch.text_seg
-    if text_seg.numel():
-        dropped = drop.gather(1, text_seg.clamp(min=0)) & (text_seg >= 0)
-        text_seg = torch.where(dropped, -1, text_seg)
-    labels = torch.where(drop | (batch.class_labels < 0), null_class, batch.class_labels)
-    return text_seg, labels
+@dataclass
+class Trainee:
+    """What training changes, and what it reads from: model, optimizer, EMA, data."""
+
+    model: torch.nn.Module  # wrapped by Fabric (DDP over DP×CP); .module is the parallelized DiT
+    ema: EMA
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    loader: object
+    loss_fn: EDMLoss
+    denoiser: EDMPrecond  # the model, preconditioned
+    state: dict  # what a checkpoint holds: the above, the step and the loss history
 
 
 def train(cfg: TrainConfig, resume: str = "auto", config_yaml: str | None = None) -> dict:
-    # ---------------------------------------------------------------- setup
+    run = setup(cfg)
+    trainee = build(run)
+    ckpt = checkpoint.resume(run.fabric, run.run_dir, resume, trainee.state, trainee.loader)  # verified; else older
+    if ckpt is not None:
+        run.fabric.print(f"resumed from {ckpt} at step {trainee.state['step']}")
+    validator = Validator(cfg, run.info, run.model_cfg, run.fabric)
+    result = fit(run, trainee, validator, config_yaml or cfg.to_yaml())
+    if not result["stopped"]:
+        result["samples"] = export(run, trainee, validator)
+    return result
+
+
+def setup(cfg: TrainConfig) -> Setup:
+    """Check the dataset and run directory, start the processes and their groups, check the layout fits."""
     run_dir = Path(cfg.train.run_dir)
     info = read_info(cfg.data.path)  # fails early, on every rank, if the dataset is missing or unfinished
     on_gpu = torch.cuda.is_available() and cfg.parallel.accelerator != "cpu"
@@ -128,7 +160,7 @@ def train(cfg: TrainConfig, resume: str = "auto", config_yaml: str | None = None
         loggers.append(CSVLogger(str(run_dir), name="csv", version=f"run-{time.strftime('%Y%m%d-%H%M%S')}"))
     if cfg.logging.tensorboard:
         loggers.append(TensorBoardLogger(str(run_dir), name="tensorboard", version=""))
-    strategy = MegatronStrategy(dims)
+    strategy = MegatronStrategy(dims, shard_file=runs.shard_file)
     num_nodes = int(os.environ.get("WORLD_SIZE", devices)) // devices  # torchrun on several nodes
     fabric = Fabric(accelerator="cuda" if on_gpu else "cpu", devices=devices, num_nodes=num_nodes, strategy=strategy,
                     precision="bf16-mixed" if bf16 else "32-true", loggers=loggers)
@@ -145,8 +177,12 @@ def train(cfg: TrainConfig, resume: str = "auto", config_yaml: str | None = None
     if accum * cfg.train.micro_batch * groups.dims.dp != cfg.train.global_batch:
         raise ValueError(f"train.global_batch={cfg.train.global_batch} is not a multiple of train.micro_batch="
                          f"{cfg.train.micro_batch} x data-parallel size {groups.dims.dp}")
+    return Setup(cfg, info, fabric, groups, model_cfg, accum, on_gpu, loggers)
 
-    # ---------------------------------------------------------------- build
+
+def build(run: Setup) -> Trainee:
+    """The model (same seed on every rank, then sharded), EMA, optimizer, schedule and data loader."""
+    cfg, fabric, groups, model_cfg = run.cfg, run.fabric, run.groups, run.model_cfg
     torch.manual_seed(cfg.train.seed)
     model = DiT(model_cfg)  # same seed on every rank: identical one-device weights to shard
     full_init = model.state_dict()
@@ -166,99 +202,111 @@ def train(cfg: TrainConfig, resume: str = "auto", config_yaml: str | None = None
                           num_workers=cfg.data.num_workers, dp_rank=groups.dp_rank, dp_size=groups.dims.dp,
                           dp_group=groups.dp_group, shuffle_buffer_size=cfg.data.shuffle_buffer,
                           packing_buffer_size=cfg.data.packing_buffer, seed=cfg.train.seed)
-    loss_fn = EDMLoss(cfg.edm.p_mean, cfg.edm.p_std)
-    denoiser = EDMPrecond(model)
-    history: list[list[float]] = []  # [step, loss]
     state = {"model": model, "optimizer": optimizer, "ema": ema.module, "scheduler": scheduler, "step": 0,
-             "history": history}
+             "history": []}  # history: [step, loss] of every step
+    return Trainee(model, ema, optimizer, scheduler, loader, EDMLoss(cfg.edm.p_mean, cfg.edm.p_std),
+                   EDMPrecond(model), state)
 
-    # ---------------------------------------------------------------- resume
-    ckpt = checkpoint.resume(fabric, run_dir, resume, state, loader)  # verified; a damaged one → the previous
-    if ckpt is not None:
-        history = state["history"]
-        fabric.print(f"resumed from {ckpt} at step {state['step']}")
-    start = state["step"]
 
-    # ---------------------------------------------------------------- fit
-    peak = (gpu_peak_flops(torch.cuda.get_device_name()) if on_gpu else measure_cpu_peak_flops()) or float("nan")
-    texts = Validator(cfg, info, model_cfg, fabric)
+def fit(run: Setup, t: Trainee, validator: Validator, config_yaml: str) -> dict:
+    """Steps until train.steps (or a stop): log, checkpoint and validate on schedule. The state is updated in place."""
+    cfg, fabric = run.cfg, run.fabric
+    peak = (gpu_peak_flops(torch.cuda.get_device_name()) if run.on_gpu else measure_cpu_peak_flops()) or float("nan")
     preempted = Preempted()
-    bar = tqdm(total=cfg.train.steps, initial=start, desc="train", unit="step", disable=fabric.global_rank != 0,
+    step = t.state["step"]
+    bar = tqdm(total=cfg.train.steps, initial=step, desc="train", unit="step", disable=fabric.global_rank != 0,
                dynamic_ncols=True)
-    it = iter(loader)
-    step, window = start, {"tokens": 0, "flops": 0.0, "time": 0.0, "loss": 0.0, "n": 0}
+    it = iter(t.loader)
+    window = Window()
     while step < cfg.train.steps:
         t0 = time.perf_counter()
-        losses = []
-        for micro in range(accum):
-            batch = next(it)
-            # Noise levels, noise and CFG drops depend only on (seed, step, micro, dp rank): TP/CP peers agree.
-            g = torch.Generator().manual_seed(hash((cfg.train.seed, step, micro, groups.dp_rank)) % 2**62)
-            text_seg, labels = drop_conditions(batch, cfg.edm.cfg_dropout, model_cfg.num_classes, g)
-            S = batch.class_labels.shape[1]
-            sigma = loss_fn.sample_sigma((batch.x.shape[0], S), generator=g)
-            noise = torch.randn(batch.x.shape, generator=g)
-            to = fabric.to_device
-            cond = {"pos": to(batch.pos), "fps": to(batch.fps)}
-            if model_cfg.text_dim:
-                cond |= {"text": to(batch.text), "text_seg": to(text_seg)}
-            if model_cfg.num_classes:
-                cond["class_labels"] = to(labels)
-            with fabric.no_backward_sync(model, enabled=micro < accum - 1), fabric.autocast():
-                loss = loss_fn(denoiser, to(batch.x), seg=to(batch.seg), mask=to(batch.mask), sigma=to(sigma),
-                               noise=to(noise), **cond)
-            fabric.backward(loss / accum)
-            losses.append(loss.item())
-            window["tokens"] += int(batch.mask.sum())
-            window["flops"] += batch_flops(model_cfg, batch)
-        finalize_grads(model.module, groups)
-        grad_norm = clip_grad_norm_(model.module, cfg.train.grad_clip or float("inf"), groups)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        scheduler.step()
-        ema.update(model.module)
+        loss, grad_norm, tokens, flops = train_step(run, t, it, step)
         step += 1
-        state["step"] = step
-        history.append([step, sum(losses) / len(losses)])
-        window["time"] += time.perf_counter() - t0
-        window["loss"] += history[-1][1]
-        window["n"] += 1
+        t.state["step"] = step
+        t.state["history"].append([step, loss])
+        window.add(time.perf_counter() - t0, loss, tokens, flops)
 
         if step % cfg.logging.every == 0 or step == cfg.train.steps:
-            # tokens and FLOPs of this rank; every data-parallel rank does the same work, so per-process is per-device
-            tps = window["tokens"] / window["time"]
-            mfu = window["flops"] / window["time"] / (peak * max(1, groups.dims.tp * groups.dims.cp))
-            metrics = {"loss": window["loss"] / window["n"], "lr": scheduler.get_last_lr()[0], "tokens_per_s": tps,
-                       "mfu": mfu, "grad_norm": float(grad_norm)}
+            metrics = window.metrics(peak, run.groups.dims) | {"lr": t.scheduler.get_last_lr()[0],
+                                                               "grad_norm": float(grad_norm)}
             fabric.log_dict(metrics, step=step)
-            bar.set_postfix(loss=f"{metrics['loss']:.4f}", lr=f"{metrics['lr']:.2e}", tok_s=f"{tps:.0f}",
-                            mfu=f"{mfu:.1%}")
-            window = {"tokens": 0, "flops": 0.0, "time": 0.0, "loss": 0.0, "n": 0}
+            bar.set_postfix(loss=f"{metrics['loss']:.4f}", lr=f"{metrics['lr']:.2e}",
+                            tok_s=f"{metrics['tokens_per_s']:.0f}", mfu=f"{metrics['mfu']:.1%}")
+            window = Window()
         bar.update()
 
         stop = preempted.agreed(fabric.world_size) or step == cfg.train.stop_at
         if step % cfg.checkpoint.every == 0 or step == cfg.train.steps or stop:
-            checkpoint.save(fabric, run_dir, step, state, loader, config_yaml or cfg.to_yaml(), cfg.checkpoint.keep)
+            checkpoint.save(fabric, run.run_dir, step, t.state, t.loader, config_yaml, cfg.checkpoint.keep)
         if cfg.validation.every and step % cfg.validation.every == 0 and step != cfg.train.steps:
-            texts.run(ema.module, step)
+            validator.run(t.ema.module, step)
         if stop:
             bar.close()
             why = "by signal" if step != cfg.train.stop_at else "at train.stop_at"
             fabric.print(f"stopped {why} at step {step}; checkpoint saved — continue with --resume auto")
-            return {"step": step, "stopped": True, "history": history}
+            return {"step": step, "stopped": True, "history": t.state["history"]}
     bar.close()
+    return {"step": step, "stopped": False, "history": t.state["history"]}
 
-    # ---------------------------------------------------------------- export
-    written = texts.run(ema.module, step)
-    full = gather_full(model.module, {k: v for k, v in ema.module.state_dict().items()
-                                      if not k.endswith("_extra_state")}, groups)
+
+def train_step(run: Setup, t: Trainee, it, step: int) -> tuple[float, torch.Tensor, int, float]:
+    """One optimizer step over `accum` micro-batches: (mean loss, gradient norm, real tokens, FLOPs) of this rank."""
+    cfg, fabric, model_cfg = run.cfg, run.fabric, run.model_cfg
+    losses, tokens, flops = [], 0, 0.0
+    for micro in range(run.accum):
+        batch = next(it)
+        g = step_generator(cfg.train.seed, step, micro, run.groups.dp_rank)  # TP/CP peers draw alike
+        d = draw(batch, g, t.loss_fn, cfg.edm.cfg_dropout, model_cfg.num_classes)
+        inputs = batch.model_inputs(fabric.device, text_seg=d.text_seg, class_labels=d.class_labels)
+        to = fabric.to_device
+        with fabric.no_backward_sync(t.model, enabled=micro < run.accum - 1), fabric.autocast():
+            loss = t.loss_fn(t.denoiser, to(batch.x), mask=to(batch.mask), sigma=to(d.sigma),
+                             noise=to(d.noise), **inputs)
+        fabric.backward(loss / run.accum)
+        losses.append(loss.item())
+        tokens += int(batch.mask.sum())
+        flops += batch_flops(model_cfg, batch)
+    finalize_grads(t.model.module, run.groups)
+    grad_norm = clip_grad_norm_(t.model.module, cfg.train.grad_clip or float("inf"), run.groups)
+    t.optimizer.step()
+    t.optimizer.zero_grad(set_to_none=True)
+    t.scheduler.step()
+    t.ema.update(t.model.module)
+    return sum(losses) / len(losses), grad_norm, tokens, flops
+
+
+@dataclass
+class Window:
+    """Steps since the last log line: their time, losses, tokens and FLOPs."""
+
+    time: float = 0.0
+    loss: float = 0.0
+    steps: int = 0
+    tokens: int = 0
+    flops: float = 0.0
+
+    def add(self, seconds: float, loss: float, tokens: int, flops: float) -> None:
+        self.time, self.loss, self.steps = self.time + seconds, self.loss + loss, self.steps + 1
+        self.tokens, self.flops = self.tokens + tokens, self.flops + flops
+
+    def metrics(self, peak: float, dims) -> dict:
+        # tokens and FLOPs of this rank; every data-parallel rank does the same work, so per-process is per-device
+        return {"loss": self.loss / self.steps, "tokens_per_s": self.tokens / self.time,
+                "mfu": self.flops / self.time / (peak * max(1, dims.tp * dims.cp))}
+
+
+def export(run: Setup, t: Trainee, validator: Validator) -> list[Path]:
+    """Final validation samples, the consolidated EMA export and the loss curve; returns the samples written."""
+    fabric, step = run.fabric, t.state["step"]
+    written = validator.run(t.ema.module, step)
+    full = gather_full(t.model.module, without_extra_state(t.ema.module.state_dict()), run.groups)
     if fabric.global_rank == 0:
-        export_model(run_dir / "export", full, model_cfg, cfg.data.path, extra={"step": step})
-        plot_losses(history, run_dir / "loss.png")
+        export_model(runs.export_dir(run.run_dir), full, run.model_cfg, run.cfg.data.path, extra={"step": step})
+        plot_losses(t.state["history"], run.run_dir / "loss.png")
     fabric.barrier()
-    for logger in loggers:
+    for logger in run.loggers:
         logger.finalize("success")
-    return {"step": step, "stopped": False, "history": history, "samples": written}
+    return written
 
 
 class Validator:

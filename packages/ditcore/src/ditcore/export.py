@@ -21,7 +21,7 @@ from safetensors.torch import load_file, save_file
 
 from ditcore import durable
 from ditcore.codecs import Codec, LatentStats, load_codec
-from ditcore.data.schema import INFO_FILE, DatasetInfo, read_info
+from ditcore.data.schema import INFO_FILE, DatasetInfo, parse_info
 from ditcore.models import DiT, DiTConfig
 
 WEIGHTS, CONFIG = "model.safetensors", "model.json"
@@ -72,16 +72,11 @@ def load_export(path: str | Path, device: str | torch.device = "cpu") -> Exporte
         raise ValueError(f"'{path}' holds weights of another architecture: missing {sorted(missing)[:3]}, "
                          f"unexpected {sorted(unexpected)[:3]}")
     model.load_state_dict(state)
-    info = read_info_file(path)
+    if not (path / INFO_FILE).is_file():
+        raise FileNotFoundError(f"'{path}' has no {INFO_FILE}: the export is incomplete")
+    info = parse_info(path / INFO_FILE, "export", "export the run again (dit-train writes RUN_DIR/export/)")
     return Exported(model.to(device).eval(), load_codec(info.codec, path), LatentStats.from_dict(info.latent_stats),
                     info, {k: v for k, v in meta.items() if k != "model"})
 
 
-def read_info_file(path: Path) -> DatasetInfo:
-    if not (path / INFO_FILE).is_file():
-        raise FileNotFoundError(f"'{path}' has no {INFO_FILE}: the export is incomplete")
-    data = json.loads((path / INFO_FILE).read_text())
-    return DatasetInfo(**data)
-
-
-__all__ = ["CONFIG", "WEIGHTS", "Exported", "export_model", "load_export", "read_info"]
+__all__ = ["CONFIG", "WEIGHTS", "Exported", "export_model", "load_export"]

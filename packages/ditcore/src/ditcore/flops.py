@@ -56,6 +56,22 @@ def training_flops_per_sample(cfg: DiTConfig, seq_len: int, text_len: int = 0) -
     return training_flops_per_token(cfg, seq_len, text_len) * seq_len
 
 
+def batch_flops(cfg: DiTConfig, batch) -> float:
+    """Training FLOPs of a packed batch (ditcore.data.packing.PackedBatch): every sample at its own token and
+    text length, as if it had been run alone; padding costs nothing."""
+    import torch
+
+    B, S = batch.class_labels.shape
+    real = batch.text_seg >= 0
+    sample_of_text = (torch.arange(B)[:, None] * S + batch.text_seg)[real]  # flat (row, sample) per text token
+    text_len = torch.bincount(sample_of_text, minlength=B * S).view(B, S).tolist()
+    total = 0.0
+    for r, grids in enumerate(batch.grids):  # token counts are known from each sample's grid
+        for s, (t, h, w) in enumerate(grids):
+            total += training_flops_per_token(cfg, t * h * w, text_len[r][s]) * t * h * w
+    return total
+
+
 def forward_macs(cfg: DiTConfig, seq_len: int, text_len: int = 0, per_sample_weights: bool = True) -> float:
     """Multiply-accumulates of one forward pass of one sample: what the DiT paper's table calls Gflops.
 

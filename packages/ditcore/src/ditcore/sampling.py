@@ -14,7 +14,8 @@ import torch
 
 from ditcore.codecs import Codec, LatentStats
 from ditcore.diffusion import EDMPrecond, edm_sampler, guided
-from ditcore.models.dit import DiT, grid_positions, unpatchify
+from ditcore.layout import grid_positions, unpatchify
+from ditcore.models.dit import DiT
 
 
 @dataclass

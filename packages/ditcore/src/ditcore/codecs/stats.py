@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ditcore.diffusion import SIGMA_DATA
+from ditcore.layout import SIGMA_DATA
 
 MIN_STD = 1e-6  # a constant channel carries nothing; the floor keeps its normalised value finite (zero)
 

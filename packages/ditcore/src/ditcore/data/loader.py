@@ -32,8 +32,8 @@ from megatron.energon import (
 from megatron.energon.flavors.base_dataset import Sample
 
 from ditcore.data.packing import PackedBatch, PackedRow, TokenSample, collate, first_fit_decreasing
-from ditcore.data.schema import LATENT, META, TEXT, DatasetError, read_info
-from ditcore.models.dit import grid_positions, patchify
+from ditcore.data.schema import LATENT, META, TEXT, DatasetError, crude_config, read_info
+from ditcore.layout import grid_positions, patchify
 
 log = logging.getLogger(__name__)
 
@@ -232,7 +232,8 @@ def build_loader(
     encoder = PackingTaskEncoder(patch_size=patch_size, patch_size_t=patch_size_t, seq_length=seq_length,
                                  text_dim=info.text_encoder["dim"])
     dataset = get_train_dataset(
-        str(root), worker_config=worker_config, batch_size=batch_size, task_encoder=encoder,
+        str(root), dataset_config=crude_config(root),  # dataset.yaml is the typed view, for Energon's CLI
+        worker_config=worker_config, batch_size=batch_size, task_encoder=encoder,
         shuffle_buffer_size=shuffle_buffer_size, max_samples_per_sequence=max_samples_per_sequence,
         packing_buffer_size=packing_buffer_size or 4 * batch_size, **({"split_config": split_config} if bad else {}),
     )

@@ -1,7 +1,7 @@
 """EDM preconditioning and training loss (Karras et al., "Elucidating the Design Space of
 Diffusion-Based Generative Models", NeurIPS 2022). Equation numbers refer to that paper's Table 1.
 
-Both work on token rows that may hold several packed samples (see ditcore.models.dit): noise levels are
+Both work on token rows that may hold several packed samples (see ditcore.layout): noise levels are
 per sample, shaped (B, S), and `seg` (B, N) maps each token to its sample. With seg=None, S = 1.
 """
 
@@ -10,9 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ditcore.models.dit import per_token
-
-SIGMA_DATA = 0.5  # std of the (normalised) latents; datasets are normalised per channel to this scale
+from ditcore.layout import SIGMA_DATA, per_token
 
 
 def edm_coefficients(sigma: torch.Tensor, sigma_data: float = SIGMA_DATA):

@@ -1,14 +1,6 @@
-"""DiT architectures and their size presets."""
+"""DiT architectures and their size presets (token layout helpers: ditcore.layout)."""
 
-from ditcore.models.dit import (
-    PRESETS,
-    DiT,
-    DiTConfig,
-    grid_positions,
-    patchify,
-    preset,
-    unpatchify,
-)
+from ditcore.models.dit import PRESETS, DiT, DiTConfig, preset
 from ditcore.models.techniques import apply_compile
 
-__all__ = ["PRESETS", "DiT", "DiTConfig", "apply_compile", "grid_positions", "patchify", "preset", "unpatchify"]
+__all__ = ["PRESETS", "DiT", "DiTConfig", "apply_compile", "preset"]

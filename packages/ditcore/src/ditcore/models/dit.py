@@ -2,18 +2,14 @@
 
 Extended for video latents and text: latents [B, C, T, H, W] are cut into pt×p×p patches, positions are
 3D RoPE (or fixed 3D sin-cos), queries and keys are RMS-normalised per head, and each block may
-cross-attend to text tokens. The model works on token rows that may be *packed*: one row holds several
-samples one after another, each with its own noise level, conditioning, text and positions, and every
-sample attends only to its own tokens and its own text.
+cross-attend to text tokens. The model works on token rows that may be *packed* (ditcore.layout): one row
+holds several samples one after another, each with its own noise level, conditioning, text and positions,
+and every sample attends only to its own tokens and its own text. Per-sample tensors are shaped (B, S).
 
-A packed row is described by
-    seg      (B, N)  which sample of the row each token belongs to (0..S-1), -1 for padding
-    pos      (B, N, 3)  integer (t, h, w) grid position of each token within its sample
-    text_seg (B, L)  which sample each text token belongs to, -1 for padding
-and per-sample tensors shaped (B, S): c_noise, class labels, fps. With seg=None every row is one sample.
+This file is the one-device model: no process groups, no collectives. ditcore.parallel shards it from the
+outside (tensor parallelism by its plan; context/sequence parallelism by replacing `DiT.rows`).
 
-Reads top to bottom: config → patchify → positions → embedders → attention → block → final layer →
-model → presets.
+Reads top to bottom: config → positions → embedders → attention → block → final layer → model → presets.
 """
 
 from __future__ import annotations
@@ -28,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ditcore.errors import ConfigError
+from ditcore.layout import grid_positions, patchify, per_token, segment_mask, unpatchify
 
 # --------------------------------------------------------------------------------------------------
 # Config
@@ -80,39 +77,6 @@ class DiTConfig:
 
     def replace(self, **changes) -> DiTConfig:
         return dataclasses.replace(self, **changes)
-
-
-# --------------------------------------------------------------------------------------------------
-# Patches. Token order is (t, h, w) row-major; features are ordered (c, pt, p, p). The data pipeline uses
-# these same functions, so model and data always agree on p and pt.
-
-
-def patchify(x: torch.Tensor, p: int, pt: int = 1) -> torch.Tensor:
-    """(B, C, T, H, W) latents → (B, T/pt · H/p · W/p, C·pt·p·p) tokens."""
-    B, C, T, H, W = x.shape
-    for name, size, patch in (("frames", T, pt), ("height", H, p), ("width", W, p)):
-        if size % patch:
-            raise ValueError(f"latent {name} {size} is not divisible by the patch size {patch}; "
-                             f"crop or pad the latent to a multiple of {patch}")
-    x = x.reshape(B, C, T // pt, pt, H // p, p, W // p, p)
-    x = x.permute(0, 2, 4, 6, 1, 3, 5, 7)  # (B, T', H', W', C, pt, p, p)
-    return x.reshape(B, (T // pt) * (H // p) * (W // p), C * pt * p * p)
-
-
-def unpatchify(tokens: torch.Tensor, grid: tuple[int, int, int], p: int, pt: int = 1) -> torch.Tensor:
-    """Exact inverse of `patchify`: (B, T'·H'·W', C·pt·p·p) → (B, C, T'·pt, H'·p, W'·p)."""
-    B, _N, D = tokens.shape
-    Tg, Hg, Wg = grid
-    C = D // (pt * p * p)
-    x = tokens.reshape(B, Tg, Hg, Wg, C, pt, p, p)
-    x = x.permute(0, 4, 1, 5, 2, 6, 3, 7)  # (B, C, T', pt, H', p, W', p)
-    return x.reshape(B, C, Tg * pt, Hg * p, Wg * p)
-
-
-def grid_positions(grid: tuple[int, int, int], device=None) -> torch.Tensor:
-    """(T'·H'·W', 3) integer (t, h, w) positions in patchify's token order."""
-    t, h, w = (torch.arange(n, device=device) for n in grid)
-    return torch.stack(torch.meshgrid(t, h, w, indexing="ij"), dim=-1).reshape(-1, 3)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -198,15 +162,24 @@ C_NOISE_SCALE = 1000.0
 # sequence-parallel layers split and gather along.
 
 
-def segment_mask(seg_q: torch.Tensor, seg_k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(B, 1, Nq, Nk) boolean mask: a query sees only keys of its own sample; and (B, Nq, 1) has_keys.
+class RowSplit:
+    """Which of a row's tokens this process computes: all of them. The seam for context/sequence parallelism.
 
-    A query whose sample has no keys (padding rows, an empty text) is given every key so that softmax
-    stays finite; its output is zeroed by the caller with `has_keys`.
+    ditcore.parallel.context_parallel replaces `DiT.rows` with a split over ranks: each rank then holds a slice of
+    every row, attention gathers the keys and values of the whole row, and the output is gathered at the end.
     """
-    mask = seg_q[:, :, None] == seg_k[:, None, :]
-    has_keys = mask.any(-1, keepdim=True)
-    return (mask | ~has_keys)[:, None], has_keys
+
+    def spans(self, n: int) -> tuple[slice, slice]:
+        """(tokens attention sees as queries, tokens this process holds) of a row of n tokens."""
+        return slice(0, n), slice(0, n)
+
+    def keys_values(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values (B, H, n, hd) of this process's queries → those of the whole row."""
+        return k, v
+
+    def gather(self, out: torch.Tensor) -> torch.Tensor:
+        """Sequence-first output (n, B, F) of the tokens held here → (N, B, F) of the whole row."""
+        return out
 
 
 @dataclass
@@ -217,7 +190,7 @@ class AttentionInputs:
     seq: int  # query tokens per row that attention sees (all of them, or this rank's context-parallel slice)
     rope: torch.Tensor | None  # (B or 1, 1, seq, hd/2) complex rotations
     mask: torch.Tensor | None  # (B, 1, seq, N) self-attention mask over the full rows; None = all keys
-    cp_group: object = None  # context-parallel group: keys and values are gathered over it
+    rows: RowSplit = dataclasses.field(default_factory=RowSplit)  # whole-row keys/values for this rank's queries
     text: torch.Tensor | None = None  # (B, L, D) projected text tokens
     text_mask: torch.Tensor | None = None  # (B, 1, seq, L)
     text_has_keys: torch.Tensor | None = None  # (B, seq, 1)
@@ -245,23 +218,9 @@ class SelfAttention(nn.Module):
         q, k = self.q_norm(q), self.k_norm(k)
         if a.rope is not None:
             q, k = apply_rope(q, a.rope), apply_rope(k, a.rope)
-        if a.cp_group is not None:  # every query needs every key of its row
-            k, v = gather_keys_values(k, v, a.cp_group)  # (B, H, N, hd)
+        k, v = a.rows.keys_values(k, v)  # every query needs every key of its row: (B, H, N, hd)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=a.mask)  # (B, H, seq, hd)
         return self.proj(out.permute(2, 0, 1, 3).reshape(a.seq, a.batch, -1))  # (seq, B, D)
-
-
-def gather_keys_values(k: torch.Tensor, v: torch.Tensor, group) -> tuple[torch.Tensor, torch.Tensor]:
-    """All-gather (B, H, n, hd) keys/values along the sequence over the context-parallel group.
-
-    Backward reduce-scatters: every rank's queries contributed to the gradient of every key.
-    """
-    from ditcore.parallel.comm import gather_seq  # only parallel runs need torch.distributed
-
-    kv = torch.stack([k, v]).permute(3, 0, 1, 2, 4)  # (n, 2, B, H, hd): sequence first
-    kv = gather_seq(kv, group, grad="reduce_scatter")  # (N, 2, B, H, hd)
-    k, v = kv.permute(1, 2, 3, 0, 4).unbind(0)
-    return k, v
 
 
 class CrossAttention(nn.Module):
@@ -294,19 +253,6 @@ class CrossAttention(nn.Module):
 
 def modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return torch.addcmul(shift, x, 1 + scale)  # x (1 + scale) + shift in one kernel
-
-
-def per_token(values: torch.Tensor, seg: torch.Tensor | None) -> torch.Tensor:
-    """Per-sample values (B, S, ...) → per-token (B, N, ...) by each token's sample index.
-
-    seg=None means one sample per row: (B, 1, ...) is returned and broadcasts over tokens. Padding
-    tokens (seg = -1) take sample 0's values; their outputs are masked out of every loss.
-    """
-    if seg is None:
-        return values[:, :1]
-    idx = seg.clamp(min=0)
-    return torch.gather(values, 1, idx.view(*idx.shape, *[1] * (values.ndim - 2)).expand(
-        -1, -1, *values.shape[2:]))
 
 
 class DiTBlock(nn.Module):
@@ -351,37 +297,6 @@ class FinalLayer(nn.Module):
 # Model
 
 
-@dataclass(frozen=True)
-class Sharding:
-    """Which tokens this rank holds. Set by ditcore.parallel.parallelize(); the default is one device.
-
-    Context parallelism gives each rank a contiguous slice of every row (attention gathers the keys);
-    sequence parallelism splits that slice again over the tensor-parallel ranks outside attention.
-    """
-
-    cp_group: object = None
-    cp_rank: int = 0
-    cp_size: int = 1
-    sp_group: object = None  # the tensor-parallel group, when sequence parallelism is on
-    sp_rank: int = 0
-    sp_size: int = 1
-
-    def __deepcopy__(self, memo):  # immutable, and process groups cannot be copied: copies share it
-        return self
-
-    def spans(self, n: int) -> tuple[slice, slice]:
-        """(tokens attention sees, tokens this rank holds) of a row of n tokens."""
-        parts = self.cp_size * self.sp_size
-        if n % parts:
-            raise ValueError(
-                f"a row of {n} tokens cannot be split evenly over {self.cp_size} context-parallel x "
-                f"{self.sp_size} sequence-parallel ranks: pad or pack rows to a multiple of {parts} tokens")
-        seq, n_local = n // self.cp_size, n // parts
-        a0 = self.cp_rank * seq
-        l0 = a0 + self.sp_rank * n_local
-        return slice(a0, a0 + seq), slice(l0, l0 + n_local)
-
-
 class DiT(nn.Module):
     def __init__(self, cfg: DiTConfig):
         super().__init__()
@@ -398,7 +313,7 @@ class DiT(nn.Module):
                 nn.Linear(cfg.text_dim, D), nn.GELU(approximate="tanh"), nn.Linear(D, D))
         self.blocks = nn.ModuleList([DiTBlock(cfg) for _ in range(cfg.depth)])
         self.final = FinalLayer(cfg)
-        self.sharding = Sharding()
+        self.rows = RowSplit()
         self.init_weights()
 
     @property
@@ -457,10 +372,10 @@ class DiT(nn.Module):
         c_noise, class_labels, fps: (B, S) per sample; pos: (B, N, 3) or (N, 3); seg: (B, N) or None;
         text: (B, L, text_dim) with text_seg (B, L) naming each text token's sample (-1: padding).
         """
-        cfg, sh = self.cfg, self.sharding
+        cfg = self.cfg
         B, N, _ = x.shape
         check_positions(pos, cfg.max_grid)
-        attn_span, local = sh.spans(N)  # tokens this rank's attention sees; tokens it holds
+        attn_span, local = self.rows.spans(N)  # tokens this rank's attention sees; tokens it holds
         seq = attn_span.stop - attn_span.start
         seg_local = None if seg is None else seg[:, local]
         c = self.condition(c_noise.reshape(B, -1), class_labels, fps)  # (B, S, D)
@@ -474,7 +389,7 @@ class DiT(nn.Module):
             pe = sincos_3d(pos[..., local, :], cfg.hidden_size).to(h.dtype)
             h = h + (pe[:, None] if pe.ndim == 2 else pe.transpose(0, 1))
         mask = None if seg is None else segment_mask(seg[:, attn_span], seg)[0]  # block-diagonal over samples
-        a = AttentionInputs(batch=B, seq=seq, rope=rope, mask=mask, cp_group=sh.cp_group)
+        a = AttentionInputs(batch=B, seq=seq, rope=rope, mask=mask, rows=self.rows)
 
         if cfg.text_dim:
             if text is None:
@@ -489,14 +404,7 @@ class DiT(nn.Module):
         for block in self.blocks:
             h = block(h, c, seg_local, a)
         out = self.final(h, c, seg_local)  # (n, B, patch_dim)
-        # Collect every rank's tokens. The computation after this point (the loss) runs on every rank alike,
-        # so backward hands each rank only its own tokens' gradient.
-        if sh.sp_size > 1 or sh.cp_size > 1:
-            from ditcore.parallel.comm import gather_seq
-        if sh.sp_size > 1:
-            out = gather_seq(out, sh.sp_group, grad="split")
-        if sh.cp_size > 1:
-            out = gather_seq(out, sh.cp_group, grad="split")
+        out = self.rows.gather(out)  # the whole rows, when they were split over ranks
         return out.transpose(0, 1)  # (B, N, patch_dim)
 
     def forward_latents(self, x: torch.Tensor, c_noise: torch.Tensor, **cond) -> torch.Tensor:

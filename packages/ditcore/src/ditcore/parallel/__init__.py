@@ -1,19 +1,19 @@
-"""Parallelism: topology and process groups, TP/SP/CP for the DiT, gradients, consolidated weights.
+"""Parallelism, applied to a one-device model from the outside (as torchtitan's `parallelize_*`).
+
+- dims: topology (`ParallelDims`) and Megatron-Core process groups (`ParallelGroups`)
+- plan: per architecture, how each parameter is laid out over TP ranks — the only place naming layers
+- tensor_parallel / context_parallel: the sharding itself; parallelize: both, in order
+- grads: completing, measuring and clipping gradients; consolidate: one-device weights and back
+- fabric: the Lightning Fabric strategy for these layouts
 
 Megatron-Core and Lightning are imported only when a layout is initialised or a strategy is built, so
 one-device use of ditcore does not pay for them.
 """
 
+from ditcore.parallel.consolidate import consolidated_state_dict, gather_full, load_consolidated
 from ditcore.parallel.dims import ParallelDims, ParallelGroups
-from ditcore.parallel.tensor_parallel import (
-    clip_grad_norm_,
-    consolidated_state_dict,
-    finalize_grads,
-    gather_full,
-    grad_norm,
-    load_consolidated,
-    parallelize,
-)
+from ditcore.parallel.grads import clip_grad_norm_, finalize_grads, grad_norm
+from ditcore.parallel.parallelize import parallelize
 
 __all__ = [
     "ParallelDims", "ParallelGroups", "clip_grad_norm_", "consolidated_state_dict", "finalize_grads", "gather_full",

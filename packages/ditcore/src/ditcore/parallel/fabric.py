@@ -12,6 +12,7 @@ and changes exactly those three things:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -21,14 +22,13 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ditcore.parallel.dims import ParallelDims, ParallelGroups, default_backend
 
-SHARD_FILE = "model_parallel_rank_{tp:02d}.pt"
-
 
 class MegatronStrategy(DDPStrategy):
-    def __init__(self, dims: ParallelDims, **kwargs: Any):
+    def __init__(self, dims: ParallelDims, shard_file: Callable[[int], str], **kwargs: Any):
+        """shard_file: tensor-parallel rank → the name of its file in a checkpoint folder (ditcore.runs.shard_file)."""
         kwargs.setdefault("process_group_backend", default_backend())
         super().__init__(**kwargs)
-        self.dims = dims
+        self.dims, self.shard_file = dims, shard_file
         self.groups: ParallelGroups | None = None
 
     def setup_environment(self) -> None:
@@ -40,7 +40,7 @@ class MegatronStrategy(DDPStrategy):
             module, process_group=self.groups.dp_cp_group, device_ids=self._determine_ddp_device_ids())
 
     def shard_path(self, path: str | Path) -> Path:
-        return Path(path) / SHARD_FILE.format(tp=self.groups.tp_rank)
+        return Path(path) / self.shard_file(self.groups.tp_rank)
 
     def save_checkpoint(self, path, state, storage_options=None, filter=None) -> None:
         state = self._convert_stateful_objects_in_state(state, filter=filter or {})

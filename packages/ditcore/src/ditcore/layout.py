@@ -1,0 +1,71 @@
+"""The token layout every layer agrees on: latent scale, patches, positions and packed rows.
+
+Codecs store latents normalised to std SIGMA_DATA; the data pipeline cuts them into patch tokens; the model
+reads token rows that may be *packed* (several samples one after another); the diffusion loss weights each
+token by its own sample's noise level. All of them import these definitions from here, and this module
+imports nothing of ditcore, so the layers above it never import each other for a shape convention.
+
+Token order is (t, h, w) row-major; a token's features are ordered (c, pt, p, p). A packed row is described by
+    seg      (B, N)     which sample of the row each token belongs to (0..S-1), -1 for padding
+    pos      (B, N, 3)  integer (t, h, w) grid position of each token within its sample
+    text_seg (B, L)     which sample each text token belongs to, -1 for padding
+and per-sample values shaped (B, S). With seg=None every row is one sample.
+"""
+
+from __future__ import annotations
+
+import torch
+
+SIGMA_DATA = 0.5  # std of the (normalised) latents; datasets are normalised per channel to this scale
+
+
+def patchify(x: torch.Tensor, p: int, pt: int = 1) -> torch.Tensor:
+    """(B, C, T, H, W) latents → (B, T/pt · H/p · W/p, C·pt·p·p) tokens."""
+    B, C, T, H, W = x.shape
+    for name, size, patch in (("frames", T, pt), ("height", H, p), ("width", W, p)):
+        if size % patch:
+            raise ValueError(f"latent {name} {size} is not divisible by the patch size {patch}; "
+                             f"crop or pad the latent to a multiple of {patch}")
+    x = x.reshape(B, C, T // pt, pt, H // p, p, W // p, p)
+    x = x.permute(0, 2, 4, 6, 1, 3, 5, 7)  # (B, T', H', W', C, pt, p, p)
+    return x.reshape(B, (T // pt) * (H // p) * (W // p), C * pt * p * p)
+
+
+def unpatchify(tokens: torch.Tensor, grid: tuple[int, int, int], p: int, pt: int = 1) -> torch.Tensor:
+    """Exact inverse of `patchify`: (B, T'·H'·W', C·pt·p·p) → (B, C, T'·pt, H'·p, W'·p)."""
+    B, _N, D = tokens.shape
+    Tg, Hg, Wg = grid
+    C = D // (pt * p * p)
+    x = tokens.reshape(B, Tg, Hg, Wg, C, pt, p, p)
+    x = x.permute(0, 4, 1, 5, 2, 6, 3, 7)  # (B, C, T', pt, H', p, W', p)
+    return x.reshape(B, C, Tg * pt, Hg * p, Wg * p)
+
+
+def grid_positions(grid: tuple[int, int, int], device=None) -> torch.Tensor:
+    """(T'·H'·W', 3) integer (t, h, w) positions in patchify's token order."""
+    t, h, w = (torch.arange(n, device=device) for n in grid)
+    return torch.stack(torch.meshgrid(t, h, w, indexing="ij"), dim=-1).reshape(-1, 3)
+
+
+def per_token(values: torch.Tensor, seg: torch.Tensor | None) -> torch.Tensor:
+    """Per-sample values (B, S, ...) → per-token (B, N, ...) by each token's sample index.
+
+    seg=None means one sample per row: (B, 1, ...) is returned and broadcasts over tokens. Padding
+    tokens (seg = -1) take sample 0's values; their outputs are masked out of every loss.
+    """
+    if seg is None:
+        return values[:, :1]
+    idx = seg.clamp(min=0)
+    return torch.gather(values, 1, idx.view(*idx.shape, *[1] * (values.ndim - 2)).expand(
+        -1, -1, *values.shape[2:]))
+
+
+def segment_mask(seg_q: torch.Tensor, seg_k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, 1, Nq, Nk) boolean mask: a query sees only keys of its own sample; and (B, Nq, 1) has_keys.
+
+    A query whose sample has no keys (padding rows, an empty text) is given every key so that softmax
+    stays finite; its output is zeroed by the caller with `has_keys`.
+    """
+    mask = seg_q[:, :, None] == seg_k[:, None, :]
+    has_keys = mask.any(-1, keepdim=True)
+    return (mask | ~has_keys)[:, None], has_keys

@@ -1,0 +1,73 @@
+"""Consolidated (one-device) weights from a model of any TP layout, and back.
+
+CP and DP ranks hold copies; only the TP shards need gathering, along the dimension the architecture's plan
+splits them (ditcore.parallel.plan).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ditcore.parallel.dims import ParallelGroups
+from ditcore.parallel.plan import Plan
+from ditcore.parallel.tensor_parallel import is_tp_sharded, shard
+
+
+def gather_full(model: nn.Module, tensors: dict[str, torch.Tensor], groups: ParallelGroups | None):
+    """Unshard tensors named and shaped like `model`'s parameters/buffers (weights or gradients).
+
+    Collective over TP: call on every rank. Rank 0 gets the one-device tensors on CPU, the others None.
+    """
+    params = dict(model.named_parameters())
+    full = {}
+    for k, v in tensors.items():
+        p = params.get(k)
+        if groups is not None and groups.dims.tp > 1 and p is not None and is_tp_sharded(p):
+            parts = [torch.empty_like(v) for _ in range(groups.dims.tp)]
+            dist.all_gather(parts, v.detach().contiguous(), group=groups.tp_group)
+            full[k] = torch.cat(parts, dim=p.partition_dim).cpu()
+        else:
+            full[k] = v.detach().cpu().clone()
+    if groups is not None and dist.get_rank() != 0:
+        return None
+    return full
+
+
+def consolidated_state_dict(model: nn.Module, groups: ParallelGroups | None) -> dict[str, torch.Tensor] | None:
+    """The one-device state dict of a model of any layout. Collective; rank 0 gets it, the others None."""
+    return gather_full(model, without_extra_state(model.state_dict()), groups)
+
+
+def load_consolidated(model: nn.Module, state: dict[str, torch.Tensor], groups: ParallelGroups | None) -> None:
+    """Load a one-device state dict into a model of any layout: each rank takes its shard."""
+    params = dict(model.named_parameters())
+    tp, rank = (groups.dims.tp, groups.tp_rank) if groups is not None else (1, 0)
+    local = without_extra_state(model.state_dict())
+    missing, unexpected = local.keys() - state.keys(), state.keys() - local.keys()
+    if missing or unexpected:
+        raise KeyError(f"state dict does not fit this model: missing {sorted(missing)[:5]}, "
+                       f"unexpected {sorted(unexpected)[:5]} — is it a checkpoint of another architecture?")
+    with torch.no_grad():
+        for k, v in local.items():
+            p = params.get(k)
+            src = shard(state[k], p, rank, tp) if p is not None else state[k]
+            if src.shape != v.shape:
+                raise ValueError(f"{k}: checkpoint shape {tuple(state[k].shape)} does not fit this model's "
+                                 f"{tuple(v.shape)} (shard of tp={tp})")
+            v.copy_(src)
+
+
+def consolidate_shards(shards: list[dict[str, torch.Tensor]], plan: Plan) -> dict[str, torch.Tensor]:
+    """One-device state dict from the state dicts of every TP rank, in rank order, offline (no process groups)."""
+    full = {}
+    for name, first in without_extra_state(shards[0]).items():
+        dim = plan.partition_dim(name) if len(shards) > 1 else None
+        full[name] = first if dim is None else torch.cat([s[name] for s in shards], dim=dim)
+    return full
+
+
+def without_extra_state(state: dict) -> dict:
+    """Drop Megatron's `_extra_state` entries (TE bookkeeping): they are not weights and not in a one-device model."""
+    return {k: v for k, v in state.items() if not k.endswith("_extra_state")}

@@ -1,0 +1,55 @@
+"""Gradients of a parallelized model: completed after backward, then measured and clipped without host syncs."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ditcore.parallel.dims import ParallelGroups
+from ditcore.parallel.tensor_parallel import is_tp_sharded
+
+
+def finalize_grads(model: nn.Module, groups: ParallelGroups | None) -> None:
+    """Complete the gradients after backward (and after DDP's averaging over DP×CP), before clipping/stepping.
+
+    1. Sum partial gradients of replicated parameters over TP (tagged by `parallelize` from the plan).
+    2. Context parallel: every CP rank computed the full loss but only its slice of the tokens, so its
+       gradients are partial sums; DDP averaged them over DP×CP, which divides by cp once too often.
+    """
+    if groups is None:
+        return
+    partial = [p.grad for p in model.parameters() if p.grad is not None and getattr(p, "tp_partial_grad", False)]
+    if partial and groups.dims.tp > 1:
+        flat = torch.cat([g.reshape(-1) for g in partial])
+        dist.all_reduce(flat, group=groups.tp_group)  # one collective for all of them
+        torch._foreach_copy_(partial, [s.view_as(g) for g, s in zip(partial, flat.split([g.numel() for g in partial]),
+                                                                         strict=True)])
+    if groups.dims.cp > 1:
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        torch._foreach_mul_(grads, float(groups.dims.cp))
+
+
+def grad_norm(model: nn.Module, groups: ParallelGroups | None) -> torch.Tensor:
+    """Global L2 norm of the gradients, as a device tensor: TP shards' squares are summed over TP, replicated
+    parameters counted once. torch's foreach norms; one collective, no host synchronisation."""
+    sharded = [p.grad for p in model.parameters() if p.grad is not None and is_tp_sharded(p)]
+    replicated = [p.grad for p in model.parameters() if p.grad is not None and not is_tp_sharded(p)]
+    sharded_sq, replicated_sq = (_norm(model, grads).square() for grads in (sharded, replicated))
+    if groups is not None and groups.dims.tp > 1:
+        dist.all_reduce(sharded_sq, group=groups.tp_group)
+    return (sharded_sq + replicated_sq).sqrt()
+
+
+def clip_grad_norm_(model: nn.Module, max_norm: float, groups: ParallelGroups | None) -> torch.Tensor:
+    """Scale the gradients so that their global norm is at most max_norm (inf: measure only); returns the norm."""
+    norm = grad_norm(model, groups)
+    if max_norm != float("inf"):
+        torch.nn.utils.clip_grads_with_norm_(model.parameters(), max_norm, norm)
+    return norm
+
+
+def _norm(model: nn.Module, grads: list[torch.Tensor]) -> torch.Tensor:
+    if not grads:
+        return torch.zeros((), device=next(model.parameters()).device)
+    return torch.nn.utils.get_total_norm(grads)

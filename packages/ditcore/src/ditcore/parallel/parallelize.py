@@ -1,0 +1,32 @@
+"""`parallelize(model, groups)`: shard a one-device model for this rank, from the outside.
+
+The model file knows nothing of ranks. This applies, in order: tensor (and sequence) parallelism as the
+architecture's plan says (ditcore.parallel.plan), the row split for context/sequence parallelism, and the tags
+that gradient finalisation reads (which replicated parameters' gradients are partial over TP).
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from ditcore.parallel.context_parallel import SplitRows
+from ditcore.parallel.dims import ParallelGroups
+from ditcore.parallel.plan import plan_for
+from ditcore.parallel.tensor_parallel import apply_tensor_parallel, is_tp_sharded
+
+
+def parallelize(model: nn.Module, groups: ParallelGroups) -> nn.Module:
+    """Shard `model` (real or meta weights) in place for this rank and return it."""
+    dims, plan = groups.dims, plan_for(model)
+    dims.check_model(model.cfg.num_heads)
+    sp = dims.sequence_parallel and dims.tp > 1
+    names = [name for name, _ in model.named_parameters()]  # the one-device names, which sharding keeps
+    if dims.tp > 1:
+        apply_tensor_parallel(model, plan, groups, sp)
+    if dims.cp > 1 or sp:
+        model.rows = SplitRows(groups, sp)
+    params = dict(model.named_parameters())
+    for name in names:
+        p = params[name]
+        p.tp_partial_grad = dims.tp > 1 and not is_tp_sharded(p) and plan.partial_over_tp(name, sp)
+    return model

@@ -1,0 +1,125 @@
+"""Tensor-parallel plans: for each architecture, how every parameter is laid out over the TP ranks.
+
+A plan maps module paths (fnmatch patterns over `model.named_modules()` names) to a style. It is the only
+place that names a model's layers: sharding, gradient finalisation and offline consolidation all read it, and
+tests/ditcore/parallel/test_plan.py fails if a parameter of any architecture is covered by no entry or by two.
+
+Styles, as Megatron-Core lays them out:
+- `ColumnParallel`: output features split (weight rows and bias); heads and MLP columns are divided.
+- `RowParallel`: input features split (weight columns); the bias is replicated and added after the reduction.
+- `Replicated`: every TP rank holds the whole parameter. Its gradient on one rank may be only a part of the
+  whole, and must then be summed over TP: `partial_grad="tp"` when it is computed from this rank's heads only
+  (shared QK-norm weights), `"sp"` when it sees this rank's share of the tokens only, i.e. under sequence
+  parallelism (embedders, adaLN, norms, the final layer), `"never"` when it sees everything on every rank.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from dataclasses import dataclass, field
+from typing import Literal
+
+from torch import nn
+
+from ditcore.models.dit import DiT
+
+
+@dataclass(frozen=True)
+class ColumnParallel:
+    sequence_parallel: bool = True  # False: the input is never sequence-split (e.g. it reads text tokens)
+
+
+@dataclass(frozen=True)
+class RowParallel:
+    pass
+
+
+@dataclass(frozen=True)
+class Replicated:
+    partial_grad: Literal["never", "sp", "tp"] = "sp"
+
+
+Style = ColumnParallel | RowParallel | Replicated
+
+
+@dataclass(frozen=True)
+class Plan:
+    modules: dict[str, Style]  # module path pattern → style of its parameters (and its children's)
+    heads: tuple[str, ...] = field(default=())  # attention modules whose `num_heads` is divided over TP
+
+    def matches(self, module: str) -> list[str]:
+        """Patterns that cover a module (its own entry, or an ancestor's ending in `.*`)."""
+        return [pattern for pattern in self.modules if fnmatch.fnmatchcase(module, pattern)]
+
+    def style(self, param: str) -> Style:
+        """The style of a parameter, by its full name (e.g. `blocks.3.attn.qkv.weight`)."""
+        module = param.rpartition(".")[0]
+        found = self.matches(module)
+        if len(found) != 1:
+            what = "no entry" if not found else f"{len(found)} entries ({', '.join(found)})"
+            raise KeyError(f"the tensor-parallel plan has {what} for parameter {param}: add exactly one to "
+                           "the architecture's plan in ditcore/parallel/plan.py")
+        return self.modules[found[0]]
+
+    def partition_dim(self, param: str) -> int | None:
+        """Dimension along which a parameter is split over TP ranks; None if every rank holds all of it."""
+        style = self.style(param)
+        if isinstance(style, ColumnParallel):
+            return 0
+        if isinstance(style, RowParallel) and param.endswith("weight"):
+            return 1
+        return None
+
+    def partial_over_tp(self, param: str, sequence_parallel: bool) -> bool:
+        """Is this rank's gradient of a replicated parameter only a part, to be summed over TP?"""
+        style = self.style(param)
+        if isinstance(style, ColumnParallel):
+            return False  # sharded: each rank's gradient is whole for its shard
+        partial = style.partial_grad if isinstance(style, Replicated) else "sp"  # a row-parallel bias
+        return partial == "tp" or (partial == "sp" and sequence_parallel)
+
+    def check(self, model: nn.Module) -> None:
+        """Every parameter covered exactly once, and every entry names modules that exist."""
+        for name, _ in model.named_parameters():
+            self.style(name)
+        for pattern in self.modules:
+            if not any(fnmatch.fnmatchcase(m, pattern) for m, _ in model.named_modules()):
+                raise KeyError(f"the tensor-parallel plan names {pattern}, which matches no module of "
+                               f"{type(model).__name__}: remove or rename the entry")
+
+
+# --------------------------------------------------------------------------------------------------
+# DiT (ditcore.models.dit)
+
+DIT_PLAN = Plan(
+    modules={
+        "x_embedder": Replicated(),
+        "t_embedder.*": Replicated(),
+        "y_embedder": Replicated(),
+        "fps_embedder.*": Replicated(),
+        # Feeds only the column-parallel cross-attention K/V, whose input gradient Megatron already sums over TP.
+        "text_embedder.*": Replicated(partial_grad="never"),
+        "blocks.*.adaLN.*": Replicated(),
+        "blocks.*.attn.qkv": ColumnParallel(),  # output features laid out (heads, 3, head_dim): a split by heads
+        "blocks.*.attn.[qk]_norm": Replicated(partial_grad="tp"),  # shared by all heads; a rank has some heads
+        "blocks.*.attn.proj": RowParallel(),
+        "blocks.*.norm_cross": Replicated(),
+        "blocks.*.cross.q": ColumnParallel(),
+        "blocks.*.cross.kv": ColumnParallel(sequence_parallel=False),  # reads text tokens, never sequence-split
+        "blocks.*.cross.[qk]_norm": Replicated(partial_grad="tp"),
+        "blocks.*.cross.proj": RowParallel(),
+        "blocks.*.mlp.0": ColumnParallel(),
+        "blocks.*.mlp.2": RowParallel(),
+        "final.*": Replicated(),
+    },
+    heads=("blocks.*.attn", "blocks.*.cross"),
+)
+
+
+PLANS: dict[type[nn.Module], Plan] = {DiT: DIT_PLAN}
+
+
+def plan_for(model: nn.Module) -> Plan:
+    if type(model) not in PLANS:
+        raise TypeError(f"no tensor-parallel plan for {type(model).__name__}: add one to ditcore/parallel/plan.py")
+    return PLANS[type(model)]

@@ -1,0 +1,50 @@
+"""What one training step draws at random, reproducibly: its generator, CFG dropout, noise levels and noise.
+
+Everything depends only on (seed, step, micro-batch, data-parallel rank), so tensor- and context-parallel
+peers draw the same values, and a resumed run draws exactly what the uninterrupted one would have.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ditcore.data.packing import PackedBatch
+from ditcore.diffusion import EDMLoss
+
+
+def step_generator(seed: int, step: int, micro: int, dp_rank: int) -> torch.Generator:
+    """The CPU generator of one micro-batch (int tuples hash the same in every process and Python run)."""
+    return torch.Generator().manual_seed(hash((seed, step, micro, dp_rank)) % 2**62)
+
+
+def drop_conditions(batch: PackedBatch, p: float, null_class: int, g: torch.Generator):
+    """CFG dropout per sample: its text becomes empty (all text tokens masked) and its class the null class.
+
+    Returns (text_seg, class_labels) to use in place of the batch's; unlabelled samples get the null class too.
+    """
+    B, S = batch.class_labels.shape
+    drop = torch.rand(B, S, generator=g) < p
+    text_seg = batch.text_seg
+    if text_seg.numel():
+        dropped = drop.gather(1, text_seg.clamp(min=0)) & (text_seg >= 0)
+        text_seg = torch.where(dropped, -1, text_seg)
+    labels = torch.where(drop | (batch.class_labels < 0), null_class, batch.class_labels)
+    return text_seg, labels
+
+
+@dataclass
+class StepDraw:
+    text_seg: torch.Tensor  # (B, L) after CFG dropout
+    class_labels: torch.Tensor  # (B, S) after CFG dropout, null class for unlabelled samples
+    sigma: torch.Tensor  # (B, S) noise level of each sample
+    noise: torch.Tensor  # like batch.x
+
+
+def draw(batch: PackedBatch, g: torch.Generator, loss: EDMLoss, cfg_dropout: float, null_class: int) -> StepDraw:
+    """One micro-batch's random choices, in a fixed order from one generator."""
+    text_seg, labels = drop_conditions(batch, cfg_dropout, null_class, g)
+    sigma = loss.sample_sigma(tuple(batch.class_labels.shape), generator=g)
+    noise = torch.randn(batch.x.shape, generator=g)
+    return StepDraw(text_seg, labels, sigma, noise)

@@ -1,0 +1,64 @@
+"""The tensor-parallel plan covers every parameter of every architecture exactly once, and says what it should."""
+
+import pytest
+from torch import nn
+
+from ditcore.models import DiT, preset
+from ditcore.parallel.plan import DIT_PLAN, ColumnParallel, plan_for
+
+FULL = dict(text_dim=24, num_classes=5, fps_cond=True)  # every optional layer of the DiT
+
+
+@pytest.mark.parametrize("changes", [{}, FULL, dict(text_dim=24), dict(num_classes=5)])
+def test_every_parameter_is_covered_by_exactly_one_entry(changes):
+    model = DiT(preset("DiT-Tiny", **changes))
+    for name, _ in model.named_parameters():
+        assert len(DIT_PLAN.matches(name.rpartition(".")[0])) == 1, name
+    if changes == FULL:
+        DIT_PLAN.check(model)  # and every entry names layers that exist
+
+
+def test_a_layer_the_plan_does_not_name_fails_the_check():
+    model = DiT(preset("DiT-Tiny"))
+    model.blocks[0].extra = nn.Linear(4, 4)  # e.g. a layer added or renamed without updating the plan
+    with pytest.raises(KeyError, match=r"no entry for parameter blocks\.0\.extra\.weight"):
+        DIT_PLAN.check(model)
+
+
+def test_an_entry_that_names_no_layer_fails_the_check():
+    stale = type(DIT_PLAN)({**DIT_PLAN.modules, "blocks.*.attn.qkv_renamed": ColumnParallel()}, DIT_PLAN.heads)
+    with pytest.raises(KeyError, match="qkv_renamed, which matches no module"):
+        stale.check(DiT(preset("DiT-Tiny", **FULL)))
+
+
+def test_partition_dims_follow_megatron_layouts():
+    dims = {name: DIT_PLAN.partition_dim(name) for name in (
+        "blocks.0.attn.qkv.weight", "blocks.0.attn.qkv.bias", "blocks.0.attn.proj.weight", "blocks.0.attn.proj.bias",
+        "blocks.1.mlp.0.bias", "blocks.1.mlp.2.weight", "blocks.0.cross.kv.weight", "t_embedder.mlp.0.weight",
+        "final.linear.weight", "blocks.0.attn.q_norm.weight")}
+    assert dims == {
+        "blocks.0.attn.qkv.weight": 0, "blocks.0.attn.qkv.bias": 0, "blocks.0.attn.proj.weight": 1,
+        "blocks.0.attn.proj.bias": None, "blocks.1.mlp.0.bias": 0, "blocks.1.mlp.2.weight": 1,
+        "blocks.0.cross.kv.weight": 0, "t_embedder.mlp.0.weight": None, "final.linear.weight": None,
+        "blocks.0.attn.q_norm.weight": None}
+
+
+@pytest.mark.parametrize(("name", "tp_only", "with_sp"), [
+    ("blocks.0.attn.q_norm.weight", True, True),  # shared by heads: partial whenever heads are split
+    ("blocks.0.cross.k_norm.weight", True, True),
+    ("blocks.0.adaLN.1.weight", False, True),  # sees this rank's tokens only under SP
+    ("x_embedder.weight", False, True),
+    ("final.linear.bias", False, True),
+    ("blocks.0.attn.proj.bias", False, True),  # row-parallel bias: added after the reduction
+    ("text_embedder.0.weight", False, False),  # feeds cross.kv only, whose input gradient Megatron all-reduces
+    ("blocks.0.attn.qkv.bias", False, False),  # sharded: whole for its shard
+])
+def test_which_replicated_gradients_are_partial(name, tp_only, with_sp):
+    assert DIT_PLAN.partial_over_tp(name, sequence_parallel=False) is tp_only
+    assert DIT_PLAN.partial_over_tp(name, sequence_parallel=True) is with_sp
+
+
+def test_every_architecture_has_a_plan():
+    assert plan_for(DiT(preset("DiT-Tiny"))) is DIT_PLAN
+    with pytest.raises(TypeError, match="no tensor-parallel plan for Linear"):
+        plan_for(nn.Linear(2, 2))

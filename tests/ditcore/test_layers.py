@@ -1,0 +1,74 @@
+"""ditcore's import graph is one-way: each layer imports only layers below it (and its own subpackage).
+
+Run as a script to print the graph: `python tests/ditcore/test_layers.py`.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+SRC = Path(__file__).resolve().parents[2] / "packages" / "ditcore" / "src"
+
+# Lowest first. Within a layer, subpackages never import each other (models, codecs, data and diffusion are
+# siblings that share only the layout below them).
+LAYERS = [
+    {"ditcore", "ditcore.errors", "ditcore.layout", "ditcore.durable", "ditcore.media", "ditcore.cli"},
+    {"ditcore.models", "ditcore.codecs", "ditcore.data", "ditcore.diffusion"},
+    {"ditcore.parallel", "ditcore.flops", "ditcore.testing", "ditcore.export", "ditcore.sampling", "ditcore.training"},
+    {"ditcore.runs"},
+]
+
+
+def import_graph(root: Path = SRC) -> dict[str, set[str]]:
+    """module → the ditcore modules it imports (at module level or inside functions)."""
+    graph = {}
+    for f in sorted(root.rglob("*.py")):
+        module = ".".join(f.relative_to(root).with_suffix("").parts).removesuffix(".__init__")
+        deps = set()
+        for node in ast.walk(ast.parse(f.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "ditcore":
+                deps.add(node.module)
+            elif isinstance(node, ast.Import):
+                deps |= {a.name for a in node.names if a.name.split(".")[0] == "ditcore"}
+        graph[module] = deps - {module}
+    return graph
+
+
+def unit(module: str) -> str:
+    """The layer entry a module belongs to: its subpackage (ditcore.models.dit → ditcore.models) or itself."""
+    parts = module.split(".")
+    return ".".join(parts[:2])
+
+
+def layer(module: str) -> int:
+    for i, names in enumerate(LAYERS):
+        if unit(module) in names:
+            return i
+    raise AssertionError(f"{module} is in no layer: add {unit(module)} to LAYERS in {Path(__file__).name}")
+
+
+def test_every_import_goes_down_a_layer_or_stays_in_its_subpackage():
+    upward = []
+    for module, deps in import_graph().items():
+        for dep in deps:
+            if unit(dep) != unit(module) and layer(dep) >= layer(module) and unit(dep) != "ditcore":
+                upward.append(f"{module} -> {dep}")
+    assert not upward, "imports that are not one-way:\n" + "\n".join(sorted(upward))
+
+
+def test_the_model_files_have_no_process_groups_or_collectives():
+    for f in (SRC / "ditcore" / "models").glob("*.py"):
+        tree = ast.parse(f.read_text())
+        imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+        imported |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+        names = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
+        names |= {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)}
+        assert not {m for m in imported if m.startswith(("torch.distributed", "ditcore.parallel", "megatron"))}, f
+        collective = {n for n in names if "group" in n or n.startswith(("all_", "reduce_", "broadcast", "dist"))}
+        assert not collective, f"{f.name} uses {sorted(collective)}: parallelism belongs in ditcore.parallel"
+
+
+if __name__ == "__main__":
+    for module, deps in import_graph().items():
+        print(f"{module:34s} -> {', '.join(sorted(deps)) or '-'}")
