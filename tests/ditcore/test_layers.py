@@ -27,7 +27,9 @@ def import_graph(root: Path = SRC) -> dict[str, set[str]]:
         module = ".".join(f.relative_to(root).with_suffix("").parts).removesuffix(".__init__")
         deps = set()
         for node in ast.walk(ast.parse(f.read_text())):
-            if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "ditcore":
+            if isinstance(node, ast.ImportFrom) and node.module == "ditcore":  # from ditcore import runs
+                deps |= {f"ditcore.{a.name}" for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "ditcore":
                 deps.add(node.module)
             elif isinstance(node, ast.Import):
                 deps |= {a.name for a in node.names if a.name.split(".")[0] == "ditcore"}

@@ -67,3 +67,11 @@ def test_find_export_takes_an_export_or_a_run_directory(tmp_path):
     assert runs.find_export(tmp_path) == runs.find_export(export) == export
     with pytest.raises(FileNotFoundError, match="does not exist"):
         runs.find_export(tmp_path / "nope")
+
+
+def test_a_lost_shard_is_named_not_consolidated_to_half_width(tmp_path, full):
+    ckpt = write_checkpoint(tmp_path, 3, full, 2)
+    (ckpt / runs.shard_file(1)).unlink()
+    with pytest.raises(runs.CheckpointError, match=rf"has lost {runs.shard_file(1)}"):
+        runs.load_weights(ckpt)
+

@@ -33,12 +33,3 @@ def test_dropout_empties_text_and_nulls_labels_per_sample():
     assert keep_labels.tolist() == [[1, 9], [2, 9]]  # unlabelled samples and unused slots get the null class
     all_seg, all_labels = drop_conditions(b, 1.0, null_class=9, g=torch.Generator().manual_seed(0))
     assert (all_seg == -1).all() and (all_labels == 9).all()
-
-
-def test_model_inputs_carry_the_batch_with_overrides():
-    b = batch()
-    inputs = b.model_inputs()
-    assert set(inputs) == {"pos", "seg", "text", "text_seg", "class_labels", "fps"}
-    assert inputs["seg"] is b.seg and inputs["class_labels"] is b.class_labels
-    labels = torch.full_like(b.class_labels, 9)
-    assert b.model_inputs("cpu", class_labels=labels)["class_labels"] is labels

@@ -44,3 +44,14 @@ def test_collate_lays_out_samples_and_padding():
     assert b.class_labels.tolist() == [[1, -1], [-1, -1]] and b.num_samples.tolist() == [2, 1]
     assert b.mask.sum().item() == 6 + 8 + 16
     assert b.grids == [[(1, 2, 3), (2, 2, 2)], [(1, 4, 4)]]
+
+
+def test_model_inputs_carry_the_batch_with_overrides():
+    grid = (1, 2, 2)
+    smp = TokenSample("k", torch.randn(4, 6), grid_positions(grid), grid, torch.randn(3, 8), 1, 8.0, "")
+    b = collate([PackedRow([smp, smp])], seq_length=8)
+    inputs = b.model_inputs()
+    assert set(inputs) == {"pos", "seg", "text", "text_seg", "class_labels", "fps"}
+    assert inputs["seg"] is b.seg and inputs["class_labels"] is b.class_labels
+    labels = torch.full_like(b.class_labels, 9)
+    assert b.model_inputs(class_labels=labels)["class_labels"] is labels

@@ -3,8 +3,8 @@ import math
 import pytest
 import torch
 
-from ditcore.diffusion import SIGMA_DATA, EDMLoss, EDMPrecond, edm_coefficients, edm_weight
-from ditcore.layout import grid_positions
+from ditcore.diffusion import EDMLoss, EDMPrecond, edm_coefficients, edm_weight
+from ditcore.layout import SIGMA_DATA, grid_positions
 from ditcore.models import DiT, preset
 from ditcore.testing import EPS32, EPS64, assert_close_fp32
 

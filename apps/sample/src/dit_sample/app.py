@@ -47,8 +47,6 @@ def checkpoint_choices(path: Path) -> dict[str, Path]:
 
 def load_sampler(base: Sampler, folder: Path) -> Sampler:
     """The base (export) sampler with the EMA weights of a training checkpoint folder swapped in."""
-    if folder == base.path:
-        return base
     state = runs.load_weights(folder, runs.EMA)
     exported = load_export(base.path)
     exported.model.load_state_dict(state)
@@ -89,8 +87,11 @@ class Checkpoints:
                 self.loaded.popitem(last=False)
             try:
                 self.loaded[label] = load_sampler(self.base, folder)
-            except runs.CheckpointError as e:  # damaged since it was written: say so, keep serving the others
+            except (runs.CheckpointError, OSError) as e:  # damaged or deleted since start-up: keep serving the others
                 raise RequestError(f"{e} — pick another checkpoint") from None
+            except RuntimeError as e:  # load_state_dict: weights of another architecture than the export's
+                raise RequestError(f"checkpoint {label} does not fit the export's model ({str(e).splitlines()[0]})"
+                                   " — pick another checkpoint") from None
             return self.loaded[label]
 
 
@@ -150,7 +151,7 @@ def build_app(checkpoint: str | Path, concurrency: int = 1, queue_size: int = 64
     # Grad mode is per thread, so it is switched off in each of them.
     sampling = ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="dit-sample",
                                   initializer=torch.set_grad_enabled, initargs=(False,))
-    samples_dir = checkpoint / "samples"
+    samples_dir = checkpoint / runs.SAMPLES
     gallery = sorted(samples_dir.glob("*/*.png"))[-24:] if samples_dir.is_dir() else []
 
     def run(choice, prompt, negative, class_label, steps, guidance, seed, frames, size, solver,

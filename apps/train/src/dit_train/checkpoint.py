@@ -21,8 +21,6 @@ import torch.distributed as dist
 from ditcore import durable, runs
 from ditcore.runs import CheckpointError
 
-__all__ = ["CheckpointError", "resolve_resume", "resume", "save"]
-
 
 def resolve_resume(run_dir: Path, resume: str) -> list[Path]:
     """Checkpoints to try, in order: --resume auto → every complete one, newest first; none → []; else that one."""

@@ -36,7 +36,6 @@ def main(
     Writes RUN_DIR (train.run_dir): checkpoints/, samples/, csv/ and tensorboard/ logs, loss.png, export/.
     SIGTERM or SIGUSR1 saves a checkpoint and exits 0.
     """
-    from dit_train.checkpoint import CheckpointError
     from dit_train.config import load_config
     from ditcore.data.schema import DatasetError
     from ditcore.errors import ConfigError
@@ -49,14 +48,15 @@ def main(
         typer.echo(cfg.to_yaml(), nl=False)
         raise typer.Exit()
     from dit_train.train import train
+    from ditcore import runs
 
     try:
         result = train(cfg, resume=resume, config_yaml=cfg.to_yaml())
-    except (ConfigError, DatasetError, CheckpointError, FileNotFoundError, ValueError) as e:
+    except (ConfigError, DatasetError, runs.CheckpointError, FileNotFoundError, ValueError) as e:
         _fail(str(e))
     if not result["stopped"]:
         run = Path(cfg.train.run_dir)
-        typer.echo(f"done: {result['step']} steps; export {run / 'export'}; loss curve {run / 'loss.png'}")
+        typer.echo(f"done: {result['step']} steps; export {runs.export_dir(run)}; loss curve {run / runs.LOSS_PLOT}")
         for path in result.get("samples") or []:
             typer.echo(f"sample    {path}")
 

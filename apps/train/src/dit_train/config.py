@@ -1,6 +1,7 @@
 """The training config: one typed value, read from YAML with dotted overrides (defaults < file < overrides).
 
-Each section is a strict pydantic model (no string is read as a number, no number as a bool) with its bounds as
+Each section is a strict pydantic model (no bool is read as a number, no number as a bool or string; numbers
+may be written as YAML strings, as YAML 1.1 reads `1e-3`) with its bounds as
 Field constraints. The first thing wrong becomes one ConfigError that names the dotted key, the value seen and
 what is allowed. The resolved config is saved next to every checkpoint and printed by `dit-train --print-config`.
 """

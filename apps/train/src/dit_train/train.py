@@ -202,7 +202,7 @@ def build(run: Setup) -> Trainee:
                           num_workers=cfg.data.num_workers, dp_rank=groups.dp_rank, dp_size=groups.dims.dp,
                           dp_group=groups.dp_group, shuffle_buffer_size=cfg.data.shuffle_buffer,
                           packing_buffer_size=cfg.data.packing_buffer, seed=cfg.train.seed)
-    state = {"model": model, "optimizer": optimizer, "ema": ema.module, "scheduler": scheduler, "step": 0,
+    state = {runs.MODEL: model, "optimizer": optimizer, runs.EMA: ema.module, "scheduler": scheduler, "step": 0,
              "history": []}  # history: [step, loss] of every step
     return Trainee(model, ema, optimizer, scheduler, loader, EDMLoss(cfg.edm.p_mean, cfg.edm.p_std),
                    EDMPrecond(model), state)
@@ -257,8 +257,8 @@ def train_step(run: Setup, t: Trainee, it, step: int) -> tuple[float, torch.Tens
         batch = next(it)
         g = step_generator(cfg.train.seed, step, micro, run.groups.dp_rank)  # TP/CP peers draw alike
         d = draw(batch, g, t.loss_fn, cfg.edm.cfg_dropout, model_cfg.num_classes)
-        inputs = batch.model_inputs(fabric.device, text_seg=d.text_seg, class_labels=d.class_labels)
         to = fabric.to_device
+        inputs = to(batch.model_inputs(text_seg=d.text_seg, class_labels=d.class_labels))
         with fabric.no_backward_sync(t.model, enabled=micro < run.accum - 1), fabric.autocast():
             loss = t.loss_fn(t.denoiser, to(batch.x), mask=to(batch.mask), sigma=to(d.sigma),
                              noise=to(d.noise), **inputs)
@@ -302,7 +302,7 @@ def export(run: Setup, t: Trainee, validator: Validator) -> list[Path]:
     full = gather_full(t.model.module, without_extra_state(t.ema.module.state_dict()), run.groups)
     if fabric.global_rank == 0:
         export_model(runs.export_dir(run.run_dir), full, run.model_cfg, run.cfg.data.path, extra={"step": step})
-        plot_losses(t.state["history"], run.run_dir / "loss.png")
+        plot_losses(t.state["history"], run.run_dir / runs.LOSS_PLOT)
     fabric.barrier()
     for logger in run.loggers:
         logger.finalize("success")
@@ -339,7 +339,7 @@ class Validator:
             for i, (pixels, prompt) in enumerate(zip(result.pixels, v.prompts, strict=False)):
                 slug = "".join(c if c.isalnum() else "-" for c in prompt.lower())[:48].strip("-")
                 name = f"{i:02d}-{slug}" + (f"-{frames}f" if frames > 1 else "")
-                written.append(write_sample(pixels.numpy(), self.run_dir / "samples" / f"step-{step:07d}" / name,
+                written.append(write_sample(pixels.numpy(), runs.samples_dir(self.run_dir, step) / name,
                                             fps=v.fps))
         return written
 

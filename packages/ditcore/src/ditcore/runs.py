@@ -28,6 +28,7 @@ from ditcore.parallel.consolidate import consolidate_shards
 from ditcore.parallel.plan import DIT_PLAN, Plan
 
 CHECKPOINTS, EXPORT, SAMPLES = "checkpoints", "export", "samples"
+LOSS_PLOT = "loss.png"
 MARKER = "COMPLETE"
 CONFIG_FILE = "config.yaml"
 TMP_PREFIX = ".tmp-"
@@ -111,21 +112,31 @@ def load_weights(ckpt: str | Path, key: str = EMA, plan: Plan = DIT_PLAN) -> dic
     ckpt = Path(ckpt)
     if not is_complete(ckpt):
         raise CheckpointError(f"{ckpt} is not a complete checkpoint (no {MARKER} marker in a step-XXXXXXX folder)")
-    files = shard_files(ckpt)
-    if not files:
-        raise CheckpointError(f"{ckpt} has no {_SHARD.format(tp=0)}: not a training checkpoint folder")
     manifest = read_manifest(ckpt)
+    listed = sorted(n for n in manifest.get("files", {}) if n.startswith(_SHARD.split("{")[0]))
+    names = listed or [f.name for f in shard_files(ckpt)]
+    if not names or names != [shard_file(r) for r in range(len(names))]:
+        raise CheckpointError(f"checkpoint {ckpt} is damaged: its shard files are {names or 'missing'}, expected "
+                              f"{shard_file(0)} .. in tensor-parallel rank order")
     shards = []
-    for f in files:
-        problem = verify(ckpt, f.name, manifest)
+    for name in names:
+        problem = verify(ckpt, name, manifest) if (ckpt / name).is_file() else f"checkpoint {ckpt} has lost {name}"
         if problem:
             raise CheckpointError(problem)
-        shards.append(torch.load(f, map_location="cpu", weights_only=False)[key])
+        try:
+            shards.append(torch.load(ckpt / name, map_location="cpu", weights_only=False, mmap=True)[key])
+        except Exception as e:  # verified, yet unreadable (another version, or no `key` in it)
+            raise CheckpointError(f"checkpoint {ckpt} does not load: {name}: {type(e).__name__}: {e}") from None
     return consolidate_shards(shards, plan)
 
 
 def export_dir(run_dir: str | Path) -> Path:
     return Path(run_dir) / EXPORT
+
+
+def samples_dir(run_dir: str | Path, step: int) -> Path:
+    """Where training writes the validation samples of a step."""
+    return Path(run_dir) / SAMPLES / f"step-{step:07d}"
 
 
 def find_export(path: str | Path) -> Path:

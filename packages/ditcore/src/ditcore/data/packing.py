@@ -76,18 +76,17 @@ class PackedBatch:
     def mask(self) -> torch.Tensor:  # (B, N) real tokens
         return self.seg >= 0
 
-    def model_inputs(self, device=None, *, text_seg: torch.Tensor | None = None,
+    def model_inputs(self, *, text_seg: torch.Tensor | None = None,
                      class_labels: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
-        """The DiT's keyword inputs for these rows besides the tokens and noise level, on `device`.
+        """The DiT's keyword inputs for these rows besides the tokens and noise level (move them with the batch).
 
         text_seg / class_labels replace the batch's (after CFG dropout, see ditcore.training). A model ignores
         the conditioning it was not built for (text without text_dim, labels without classes, fps without
         fps_cond).
         """
-        inputs = {"pos": self.pos, "seg": self.seg, "text": self.text,
-                  "text_seg": self.text_seg if text_seg is None else text_seg,
-                  "class_labels": self.class_labels if class_labels is None else class_labels, "fps": self.fps}
-        return {k: v.to(device) for k, v in inputs.items()} if device is not None else inputs
+        return {"pos": self.pos, "seg": self.seg, "text": self.text,
+                "text_seg": self.text_seg if text_seg is None else text_seg,
+                "class_labels": self.class_labels if class_labels is None else class_labels, "fps": self.fps}
 
 
 def collate(rows: list[PackedRow], seq_length: int) -> PackedBatch:

@@ -1,10 +1,10 @@
 """EDM diffusion: preconditioning, loss, samplers, classifier-free guidance and EMA."""
 
-from ditcore.diffusion.edm import SIGMA_DATA, EDMLoss, EDMPrecond, edm_coefficients, edm_weight
+from ditcore.diffusion.edm import EDMLoss, EDMPrecond, edm_coefficients, edm_weight
 from ditcore.diffusion.ema import EMA
 from ditcore.diffusion.sampler import edm_sampler, guided, karras_sigmas
 
 __all__ = [
-    "EMA", "SIGMA_DATA", "EDMLoss", "EDMPrecond", "edm_coefficients", "edm_sampler", "edm_weight",
+    "EMA", "EDMLoss", "EDMPrecond", "edm_coefficients", "edm_sampler", "edm_weight",
     "guided", "karras_sigmas",
 ]

@@ -31,25 +31,35 @@ def finalize_grads(model: nn.Module, groups: ParallelGroups | None) -> None:
 
 
 def grad_norm(model: nn.Module, groups: ParallelGroups | None) -> torch.Tensor:
-    """Global L2 norm of the gradients, as a device tensor: TP shards' squares are summed over TP, replicated
-    parameters counted once. torch's foreach norms; one collective, no host synchronisation."""
+    """Global L2 norm of the gradients, a float64 tensor on their device: TP shards' squares are summed over TP,
+    replicated parameters counted once. One collective and no host synchronisation.
+
+    The squares are summed in float64, parameter by parameter in model order, so the clipping scale does not
+    depend on the layout's reduction order (and matches the earlier host-side computation bit for bit).
+    """
     sharded = [p.grad for p in model.parameters() if p.grad is not None and is_tp_sharded(p)]
     replicated = [p.grad for p in model.parameters() if p.grad is not None and not is_tp_sharded(p)]
-    sharded_sq, replicated_sq = (_norm(model, grads).square() for grads in (sharded, replicated))
+    device = next(model.parameters()).device
+    sharded_sq, replicated_sq = (_sum_of_squares(grads, device) for grads in (sharded, replicated))
     if groups is not None and groups.dims.tp > 1:
         dist.all_reduce(sharded_sq, group=groups.tp_group)
     return (sharded_sq + replicated_sq).sqrt()
 
 
 def clip_grad_norm_(model: nn.Module, max_norm: float, groups: ParallelGroups | None) -> torch.Tensor:
-    """Scale the gradients so that their global norm is at most max_norm (inf: measure only); returns the norm."""
+    """Scale the gradients so that their global norm is at most max_norm (inf: measure only); returns the norm.
+
+    A non-finite norm leaves the gradients as they are (the step's loss says what went wrong).
+    """
     norm = grad_norm(model, groups)
     if max_norm != float("inf"):
-        torch.nn.utils.clip_grads_with_norm_(model.parameters(), max_norm, norm)
+        scale = torch.nan_to_num(max_norm / (norm + 1e-6), nan=1.0).clamp(max=1.0)
+        torch._foreach_mul_([p.grad for p in model.parameters() if p.grad is not None], scale.float())
     return norm
 
 
-def _norm(model: nn.Module, grads: list[torch.Tensor]) -> torch.Tensor:
-    if not grads:
-        return torch.zeros((), device=next(model.parameters()).device)
-    return torch.nn.utils.get_total_norm(grads)
+def _sum_of_squares(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    for g in grads:
+        total = total + g.detach().double().square().sum()
+    return total

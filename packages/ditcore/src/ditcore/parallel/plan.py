@@ -1,6 +1,7 @@
 """Tensor-parallel plans: for each architecture, how every parameter is laid out over the TP ranks.
 
-A plan maps module paths (fnmatch patterns over `model.named_modules()` names) to a style. It is the only
+A plan maps module paths (fnmatch patterns over `model.named_modules()` names, where `*` also spans dots, so
+`t_embedder.*` covers every layer inside it) to a style. It is the only
 place that names a model's layers: sharding, gradient finalisation and offline consolidation all read it, and
 tests/ditcore/parallel/test_plan.py fails if a parameter of any architecture is covered by no entry or by two.
 
@@ -51,15 +52,21 @@ class Plan:
         """Patterns that cover a module (its own entry, or an ancestor's ending in `.*`)."""
         return [pattern for pattern in self.modules if fnmatch.fnmatchcase(module, pattern)]
 
+    def module_style(self, module: str) -> Style | None:
+        """The style of a module's own parameters; None if no entry covers it; an error if several do."""
+        found = self.matches(module)
+        if len(found) > 1:
+            raise KeyError(f"the tensor-parallel plan has {len(found)} entries ({', '.join(found)}) for {module}: "
+                           "keep exactly one in the architecture's plan in ditcore/parallel/plan.py")
+        return self.modules[found[0]] if found else None
+
     def style(self, param: str) -> Style:
         """The style of a parameter, by its full name (e.g. `blocks.3.attn.qkv.weight`)."""
-        module = param.rpartition(".")[0]
-        found = self.matches(module)
-        if len(found) != 1:
-            what = "no entry" if not found else f"{len(found)} entries ({', '.join(found)})"
-            raise KeyError(f"the tensor-parallel plan has {what} for parameter {param}: add exactly one to "
+        style = self.module_style(param.rpartition(".")[0])
+        if style is None:
+            raise KeyError(f"the tensor-parallel plan has no entry for parameter {param}: add exactly one to "
                            "the architecture's plan in ditcore/parallel/plan.py")
-        return self.modules[found[0]]
+        return style
 
     def partition_dim(self, param: str) -> int | None:
         """Dimension along which a parameter is split over TP ranks; None if every rank holds all of it."""
@@ -73,13 +80,14 @@ class Plan:
     def partial_over_tp(self, param: str, sequence_parallel: bool) -> bool:
         """Is this rank's gradient of a replicated parameter only a part, to be summed over TP?"""
         style = self.style(param)
-        if isinstance(style, ColumnParallel):
+        if self.partition_dim(param) is not None:
             return False  # sharded: each rank's gradient is whole for its shard
         partial = style.partial_grad if isinstance(style, Replicated) else "sp"  # a row-parallel bias
         return partial == "tp" or (partial == "sp" and sequence_parallel)
 
     def check(self, model: nn.Module) -> None:
-        """Every parameter covered exactly once, and every entry names modules that exist."""
+        """Every parameter covered exactly once, and every entry names modules that exist (give a model with
+        every optional layer: text, classes, fps)."""
         for name, _ in model.named_parameters():
             self.style(name)
         for pattern in self.modules:

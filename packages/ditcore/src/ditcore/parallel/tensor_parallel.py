@@ -44,7 +44,8 @@ def shard(full: torch.Tensor, local: torch.Tensor, rank: int, size: int) -> torc
     return full.chunk(size, dim=local.partition_dim)[rank]
 
 
-def _megatron_linear(style, linear: nn.Linear, groups: ParallelGroups, sequence_parallel: bool) -> nn.Module:
+def _megatron_linear(style: ColumnParallel | RowParallel, linear: nn.Linear, groups: ParallelGroups,
+                     sequence_parallel: bool) -> nn.Module:
     from megatron.core import ModelParallelConfig
 
     Column, Row = _parallel_linear_classes()
@@ -77,11 +78,11 @@ def apply_tensor_parallel(model: nn.Module, plan: Plan, groups: ParallelGroups, 
     for name, module in list(model.named_modules()):
         if any(fnmatch.fnmatchcase(name, pattern) for pattern in plan.heads):
             module.num_heads //= tp
-        style = plan.modules[plan.matches(name)[0]] if plan.matches(name) else None
+        style = plan.module_style(name)
         if isinstance(style, ColumnParallel | RowParallel):
             if not isinstance(module, nn.Linear):
                 raise TypeError(f"the plan makes {name} {type(style).__name__}, but it is a "
                                 f"{type(module).__name__}, not an nn.Linear")
             parent_name, _, child = name.rpartition(".")
-            sp = sequence_parallel and getattr(style, "sequence_parallel", True)
+            sp = sequence_parallel and not (isinstance(style, ColumnParallel) and not style.sequence_parallel)
             model.get_submodule(parent_name).register_module(child, _megatron_linear(style, module, groups, sp))
