@@ -188,6 +188,29 @@ def test_sigterm_saves_a_complete_checkpoint_and_exits_0(dataset, tmp_path):
     assert f"at step {step}" in resumed.stdout + resumed.stderr
 
 
+def test_sigterm_to_the_whole_process_group_with_loader_workers_saves_and_exits_0(dataset, tmp_path):
+    """Slurm's cancel, `docker stop` and `timeout` signal the process group: the loader workers get SIGTERM too."""
+    run = tmp_path / "run"
+    args = run_args(dataset, run, 100000, "checkpoint.every=100000", "data.num_workers=2")
+    proc = subprocess.Popen([str(BIN / "dit-train"), *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env(), start_new_session=True)  # its own process group, as under setsid
+    deadline = time.monotonic() + 120
+    while not list((run / "csv").glob("*/metrics.csv")) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    time.sleep(2)
+    os.killpg(proc.pid, signal.SIGTERM)  # kill -TERM -- -PID
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err[-3000:]
+    assert "killed by signal" not in err
+    saved = runs.complete_checkpoints(run)
+    assert len(saved) == 1 and "stopped by signal" in out + err
+    step = runs.step_of(saved[0])
+    resumed = dit_train(*run_args(dataset, run, step + 2, "checkpoint.every=100000", "data.num_workers=2"),
+                        "--resume", "auto")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"at step {step}" in resumed.stdout + resumed.stderr
+
+
 def test_a_checkpoint_without_its_marker_is_never_resumed(tmp_path):
     for step in (3, 6):
         d = runs.step_dir(tmp_path, step)

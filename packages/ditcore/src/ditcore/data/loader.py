@@ -8,9 +8,13 @@ data-parallel rank/size/group, so tensor- and context-parallel peers get identic
 
 from __future__ import annotations
 
+import atexit
+import functools
 import json
 import logging
+import multiprocessing
 import os
+import signal
 import tarfile
 from collections import Counter
 from dataclasses import dataclass
@@ -193,6 +197,31 @@ def check_samples_fit(info, root, *, patch_size: int, patch_size_t: int, seq_len
     return sum(shapes.values()) - fitting
 
 
+def _init_worker(init, worker_id: int) -> None:
+    """Loader workers leave SIGTERM and SIGUSR1 to the trainer. Slurm, `docker stop` and `timeout` signal a whole
+    process group at once; torch's worker handler would then kill the workers, the trainer would crash on their
+    loss, and it could not save the loader's state (which the workers hold) in the checkpoint it is writing.
+    Workers still end with the trainer: it stops them, and they exit when it is gone."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+    if init is not None:
+        init(worker_id)
+
+
+@functools.cache
+def _stop_workers_at_exit() -> None:
+    """Registered once, after multiprocessing's own exit hook, so it runs first: that hook terminates daemon
+    children with SIGTERM, which the workers ignore, and would then wait for them forever."""
+
+    def stop() -> None:
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # torch's handler would report the end we intend as an error
+        for child in multiprocessing.active_children():
+            if child.daemon:
+                child.kill()
+
+    atexit.register(stop)
+
+
 def build_loader(
     root: str | Path,
     *,
@@ -238,5 +267,7 @@ def build_loader(
         packing_buffer_size=packing_buffer_size or 4 * batch_size, **({"split_config": split_config} if bad else {}),
     )
     loader = get_savable_loader(dataset)
+    loader.worker_init_fn = functools.partial(_init_worker, loader.worker_init_fn)
+    _stop_workers_at_exit()
     loader.skipped_at_start = {"broken_shard": _indexed_count(root, bad)} if bad else {}
     return loader
