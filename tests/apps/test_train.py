@@ -211,6 +211,16 @@ def test_sigterm_to_the_whole_process_group_with_loader_workers_saves_and_exits_
     assert f"at step {step}" in resumed.stdout + resumed.stderr
 
 
+def test_a_diverging_loss_stops_with_one_line_and_no_checkpoint_of_it(dataset, tmp_path):
+    run = tmp_path / "run"
+    proc = dit_train(*run_args(dataset, run, 50, "optim.lr=1e30", "train.grad_clip=0", "checkpoint.every=1"))
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "error: the loss is not finite at step" in proc.stderr and "lower optim.lr (now 1e+30)" in proc.stderr
+    nan_step = int(proc.stderr.split("not finite at step ")[1].split()[0])
+    saved = [runs.step_of(p) for p in runs.complete_checkpoints(run)]
+    assert saved == sorted(saved) and all(s < nan_step for s in saved)  # none of the broken weights
+
+
 def test_a_checkpoint_without_its_marker_is_never_resumed(tmp_path):
     for step in (3, 6):
         d = runs.step_dir(tmp_path, step)

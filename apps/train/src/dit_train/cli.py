@@ -47,12 +47,12 @@ def main(
     if print_config:
         typer.echo(cfg.to_yaml(), nl=False)
         raise typer.Exit()
-    from dit_train.train import train
+    from dit_train.train import Diverged, train
     from ditcore import runs
 
     try:
         result = train(cfg, resume=resume, config_yaml=cfg.to_yaml())
-    except (ConfigError, DatasetError, runs.CheckpointError, FileNotFoundError, ValueError) as e:
+    except (ConfigError, DatasetError, runs.CheckpointError, Diverged, FileNotFoundError, ValueError) as e:
         _fail(str(e))
     if not result["stopped"]:
         run = Path(cfg.train.run_dir)

@@ -55,13 +55,17 @@ class Preempted:
     def _handle(self, signum, frame):
         self.flag = True
 
-    def agreed(self, world_size: int) -> bool:
-        """Every rank must stop at the same step: take the flag from any rank."""
+    def agreed(self, world_size: int, diverged: bool, device) -> tuple[bool, bool]:
+        """Every rank must stop at the same step: (a signal arrived on any rank, any rank's loss is not finite)."""
         if world_size == 1:
-            return self.flag
-        t = torch.tensor([float(self.flag)])
+            return self.flag, diverged
+        t = torch.tensor([float(self.flag), float(diverged)], device=device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return bool(t.item())
+        return bool(t[0]), bool(t[1])
+
+
+class Diverged(RuntimeError):
+    """The loss became NaN or infinite: stopping, without a checkpoint of the broken weights."""
 
 
 def prepare_run_dir(run_dir: Path) -> None:
@@ -221,6 +225,12 @@ def fit(run: Setup, t: Trainee, validator: Validator, config_yaml: str) -> dict:
     while step < cfg.train.steps:
         t0 = time.perf_counter()
         loss, grad_norm, tokens, flops = train_step(run, t, it, step)
+        signalled, diverged = preempted.agreed(fabric.world_size, not math.isfinite(loss), fabric.device)
+        if diverged:
+            bar.close()
+            raise Diverged(f"the loss is not finite at step {step + 1} (this rank: {loss}): training diverged — "
+                           f"lower optim.lr (now {cfg.optim.lr:g}) or raise optim.warmup_steps; no checkpoint was "
+                           "written for it, the newest one is kept for --resume auto")
         step += 1
         t.state["step"] = step
         t.state["history"].append([step, loss])
@@ -235,7 +245,7 @@ def fit(run: Setup, t: Trainee, validator: Validator, config_yaml: str) -> dict:
             window = Window()
         bar.update()
 
-        stop = preempted.agreed(fabric.world_size) or step == cfg.train.stop_at
+        stop = signalled or step == cfg.train.stop_at
         if step % cfg.checkpoint.every == 0 or step == cfg.train.steps or stop:
             checkpoint.save(fabric, run.run_dir, step, t.state, t.loader, config_yaml, cfg.checkpoint.keep)
         if cfg.validation.every and step % cfg.validation.every == 0 and step != cfg.train.steps:
