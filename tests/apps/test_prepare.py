@@ -77,6 +77,7 @@ def test_prepared_samples_decode_back_close_to_the_inputs(synthetic):
         assert psnr(decoded(out, f"{i:08d}"), original) > 20.0
 
 
+@pytest.mark.slow
 def test_synthetic_dataset_loads_with_packing(synthetic):
     out, _ = synthetic
     b = next(iter(build_loader(out, patch_size=1, patch_size_t=1, seq_length=64, batch_size=2)))

@@ -169,6 +169,7 @@ def test_loss_decreases_and_outputs_are_written(dataset, tmp_path):
         assert (run / "export" / name).is_file()
 
 
+@pytest.mark.slow
 def test_sigterm_saves_a_complete_checkpoint_and_exits_0(dataset, tmp_path):
     run = tmp_path / "run"
     proc = subprocess.Popen([str(BIN / "dit-train"), *run_args(dataset, run, 100000, "checkpoint.every=100000")],
@@ -301,6 +302,7 @@ def test_kill_9_at_random_moments_of_saving(dataset, straight, tmp_path):
     print("kill -9 trials (save step, ms after it began, resumed from):", outcomes)
 
 
+@pytest.mark.slow
 def test_damaged_newest_checkpoint_falls_back_to_the_previous_one(dataset, straight, tmp_path):
     run = tmp_path / "run"
     proc = dit_train(*run_args(dataset, run, 6, "checkpoint.every=2", "train.stop_at=4"))
