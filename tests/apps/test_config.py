@@ -136,3 +136,18 @@ def test_prepare_vae_class_choices_are_the_codec_s_classes():
     from ditcore.codecs import VAE_CLASSES
 
     assert tuple(VaeClass) == VAE_CLASSES
+
+
+def test_model_depth_overrides_the_preset_s_number_of_blocks():
+    from dit_train.train import model_config
+    from ditcore.data.schema import DatasetInfo
+    from ditcore.models import PRESETS
+
+    info = DatasetInfo(codec={"kind": "none"}, latent_stats={}, text_encoder={"name": "mock", "dim": 4096},
+                       latent_channels=16, spatial_factor=1, temporal_factor=1)
+    cfg = model_config(load_config(DEMO, ["model.preset=DiT-7B", "model.depth=4"]), info)
+    assert (cfg.depth, cfg.hidden_size, cfg.num_heads, cfg.text_dim) == (4, 3072, 24, 4096)
+    assert model_config(load_config(DEMO, ["model.preset=DiT-7B"]), info).depth == PRESETS["DiT-7B"].depth == 32
+    e = error("model.depth=0")
+    assert (e.key, e.value, e.allowed) == ("model.depth", 0, "an integer >= 1, or null (overrides the preset's "
+                                                             "number of blocks)")

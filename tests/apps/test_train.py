@@ -2,6 +2,7 @@
 
 import csv
 import json
+import math
 import os
 import shutil
 import signal
@@ -337,3 +338,56 @@ def test_damaged_newest_checkpoint_falls_back_to_the_previous_one(dataset, strai
     assert len(errors) == 1 and "none of the 2 complete checkpoints" in errors[0] and "--resume none" in errors[0]
     assert "rank-00000.pt is corrupted" in proc.stderr and "Traceback" not in proc.stderr
     assert [p.name for p in runs.complete_checkpoints(broken_copy)] == ["step-0000002", "step-0000004"]
+
+
+# ---------------------------------------------------------------- the metrics of a log window
+
+
+def test_a_window_s_throughput_mfu_and_step_time_and_no_memory_column_without_a_gpu():
+    from dit_train.train import Window
+    from ditcore.parallel import ParallelDims
+
+    w = Window()
+    w.add(1.5, 0.4, 300, 3e9)
+    w.add(0.5, 0.2, 100, 1e9)
+    m = w.metrics(1e10, ParallelDims(tp=2))
+    assert m["loss"] == pytest.approx(0.3) and m["tokens_per_s"] == 200 and m["step_s"] == 1.0
+    assert m["mfu"] == pytest.approx(4e9 / 2 / (1e10 * 2))  # the batch's FLOPs are shared by 2 TP ranks
+    if not torch.cuda.is_initialized():
+        assert "peak_mem_gib" not in m
+
+
+@pytest.mark.gpu
+def test_a_window_reports_the_gpu_memory_peak():
+    from dit_train.train import Window
+    from ditcore.parallel import ParallelDims
+
+    torch.cuda.reset_peak_memory_stats()
+    x = torch.empty(2**28, dtype=torch.uint8, device="cuda")  # 0.25 GiB
+    w = Window()
+    w.add(1.0, 0.1, 10, 1e6)
+    assert w.metrics(1e12, ParallelDims())["peak_mem_gib"] >= 0.25
+    del x
+
+
+@pytest.mark.gpu
+def test_a_training_step_never_waits_for_the_gpu(dataset, tmp_path):
+    """Between logging steps the host only queues work: any synchronising call in train_step raises here."""
+    from dit_train.cli import find_config
+    from dit_train.config import load_config
+    from dit_train.train import build, setup, train_step
+
+    cfg = load_config(find_config("demo"), [*TINY, f"data.path={dataset}", f"train.run_dir={tmp_path / 'run'}",
+                                            "train.steps=4", "train.grad_clip=1.0"])
+    run = setup(cfg)
+    trainee = build(run)
+    it = iter(trainee.loader)
+    train_step(run, trainee, it, 0)  # warm-up: allocations, lazy initialisation
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        loss, grad_norm, tokens, flops = train_step(run, trainee, it, 1)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert loss.device.type == "cuda" and grad_norm.device.type == "cuda"
+    assert math.isfinite(loss.item()) and tokens > 0 and flops > 0

@@ -1,5 +1,6 @@
 """ditcore.training: a step's random draws are reproducible, and CFG dropout drops what it should."""
 
+import pytest
 import torch
 
 from ditcore.data.packing import PackedRow, TokenSample, collate
@@ -33,3 +34,11 @@ def test_dropout_empties_text_and_nulls_labels_per_sample():
     assert keep_labels.tolist() == [[1, 9], [2, 9]]  # unlabelled samples and unused slots get the null class
     all_seg, all_labels = drop_conditions(b, 1.0, null_class=9, g=torch.Generator().manual_seed(0))
     assert (all_seg == -1).all() and (all_labels == 9).all()
+
+
+@pytest.mark.gpu
+def test_draws_are_made_on_the_gpu_and_repeat():
+    b, loss = batch().to("cuda"), EDMLoss()
+    a1, a2 = (draw(b, step_generator(0, 5, 1, 0, "cuda"), loss, 0.5, 9) for _ in range(2))
+    for f in ("text_seg", "class_labels", "sigma", "noise"):
+        assert getattr(a1, f).device.type == "cuda" and torch.equal(getattr(a1, f), getattr(a2, f)), f

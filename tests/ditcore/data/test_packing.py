@@ -55,3 +55,19 @@ def test_model_inputs_carry_the_batch_with_overrides():
     assert inputs["seg"] is b.seg and inputs["class_labels"] is b.class_labels
     labels = torch.full_like(b.class_labels, 9)
     assert b.model_inputs(class_labels=labels)["class_labels"] is labels
+
+
+def test_rows_of_one_whole_sample_need_no_masks():
+    grid = (1, 2, 2)
+    smp = TokenSample("k", torch.randn(4, 6), grid_positions(grid), grid, torch.randn(3, 8), 1, 8.0, "")
+    whole = collate([PackedRow([smp]), PackedRow([smp])], seq_length=4)
+    inputs = whole.model_inputs()
+    assert whole.whole_rows and inputs["seg"] is None and inputs["text_seg"] is None
+    dropped = torch.tensor([[0, 0, 0], [-1, -1, -1]])  # CFG dropout emptied row 1's text: the text mask stays
+    assert whole.model_inputs(text_seg=dropped)["text_seg"] is dropped
+    moved = whole.to("cpu")
+    assert moved.whole_rows and moved.model_inputs()["seg"] is None and torch.equal(moved.x, whole.x)
+    padded = collate([PackedRow([smp])], seq_length=8)  # padding: masked as before
+    assert not padded.whole_rows and padded.model_inputs()["seg"] is padded.seg
+    two = collate([PackedRow([smp, smp])], seq_length=8)
+    assert not two.whole_rows and two.model_inputs()["seg"] is two.seg

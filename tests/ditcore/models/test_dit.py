@@ -5,9 +5,10 @@ import torch
 from torch import nn
 
 from ditcore.errors import ConfigError
-from ditcore.layout import grid_positions, segment_mask
+from ditcore.layout import grid_positions
 from ditcore.models import PRESETS, DiT, DiTConfig, preset
-from ditcore.models.dit import AttentionInputs, DiTBlock, apply_rope, rope_freqs
+from ditcore.models.attention import Mask, segments
+from ditcore.models.dit import AttentionInputs, DiTBlock, RowSplit, apply_rope, rope_angles
 from ditcore.testing import assert_close_fp32, dit_forward_work, dit_grad_work
 
 
@@ -33,11 +34,10 @@ def test_each_block_is_identity_at_init(text_dim):
     model = DiT(cfg)
     N, B, D = 10, 2, cfg.hidden_size
     x, c = torch.randn(N, B, D), torch.randn(B, 1, D)  # blocks work sequence-first
-    a = AttentionInputs(batch=B, seq=N, rope=None, mask=None)
+    a = AttentionInputs(batch=B, seq=N, rope=None, mask=Mask(None), rows=RowSplit())
     if text_dim:
         a.text = torch.randn(B, 5, D)
-        a.text_mask, a.text_has_keys = segment_mask(torch.zeros(B, N, dtype=torch.long),
-                                                    torch.zeros(B, 5, dtype=torch.long))
+        a.text_mask = segments("sdpa", torch.zeros(B, N, dtype=torch.long), torch.zeros(B, 5, dtype=torch.long))
     for block in model.blocks:
         assert isinstance(block, DiTBlock)
         assert torch.equal(block(x, c, None, a), x)
@@ -69,10 +69,12 @@ def _sample(cfg, grid, text_len, g):
     )
 
 
-@pytest.mark.parametrize("pos_embed", ["rope", "sincos"])
-def test_packed_rows_equal_samples_run_alone(pos_embed):
+@pytest.mark.parametrize(("pos_embed", "attention"), [("rope", "sdpa"), ("sincos", "sdpa"), ("rope", "flex")])
+def test_packed_rows_equal_samples_run_alone(pos_embed, attention):
+    """flex on a CPU runs forward only (FlexAttention's reference path): the BlockMask says the same as the dense
+    mask. tests/ditcore/models/test_attention.py checks it on a GPU with gradients."""
     cfg = tiny(text_dim=24, num_classes=5, fps_cond=True, pos_embed=pos_embed, patch_size_t=1, in_channels=4)
-    model = randomize(DiT(cfg)).eval()
+    model = randomize(DiT(cfg, attention=attention)).eval()
     g = torch.Generator().manual_seed(2)
     # Row 0: an image, a 2-frame clip and an image with no text; row 1: one clip. Padding to N = 40 tokens.
     rows = [[((1, 4, 4), 3), ((2, 3, 2), 5), ((1, 2, 2), 0)], [((3, 2, 3), 4)]]
@@ -107,9 +109,10 @@ def test_packed_rows_equal_samples_run_alone(pos_embed):
     assert (packed[0, :16] - x[0, :16]).abs().mean() > 0.1
 
 
-def test_text_padding_is_not_attended():
+@pytest.mark.parametrize("attention", ["sdpa", "flex"])
+def test_text_padding_is_not_attended(attention):
     cfg = tiny(text_dim=24)
-    model = randomize(DiT(cfg)).eval()
+    model = randomize(DiT(cfg, attention=attention)).eval()
     x, pos = torch.randn(1, 16, cfg.patch_dim), grid_positions((1, 4, 4))
     text = torch.randn(1, 6, 24)
     mask = torch.tensor([[True, True, True, False, False, False]])
@@ -133,8 +136,9 @@ def test_rope_scores_depend_only_on_relative_position():
     shift = torch.tensor([3, 7, 11])
 
     def scores(p):
-        freqs = rope_freqs(p, hd, 10000.0)
-        return apply_rope(q, freqs) @ apply_rope(k, freqs).transpose(-1, -2)
+        angles = rope_angles(p, hd, 10000.0)
+        rope = angles.cos(), angles.sin()
+        return apply_rope(q, rope) @ apply_rope(k, rope).transpose(-1, -2)
 
     # An angle a = position · inv_freq ≤ position is rounded to within a·u, so a rotated pair is off by up to
     # (a + 4)·u of its length (sin, cos and the complex multiply round too); q and k together, with ε = 2u,
@@ -151,6 +155,76 @@ def test_position_out_of_range_is_a_clear_error(pos_embed):
     model.forward_latents(x, torch.zeros(1))
     with pytest.raises(ValueError, match=r"position H=8 is outside the model's range 0\.\.7"):
         model.forward_latents(torch.randn(1, cfg.in_channels, 1, 18, 8), torch.zeros(1))
+
+
+# ---------------------------------------------------------------- initialisation
+
+
+def dit_init_kind(name: str, shape: torch.Size) -> str:
+    """What DiT's initialisation gives a parameter, written out from the paper's code (facebookresearch/DiT)."""
+    module, _, kind = name.rpartition(".")
+    parts = module.split(".")
+    if kind == "bias":
+        return "zero"
+    block_zero = parts[0] == "blocks" and parts[2:] in (["adaLN", "1"], ["cross", "proj"])
+    if module in ("final.linear", "final.adaLN.1") or block_zero:
+        return "zero"  # adaLN-Zero: every block starts as the identity, the model's output at zero
+    if module in ("y_embedder", "t_embedder.mlp.0", "t_embedder.mlp.2", "fps_embedder.mlp.0", "fps_embedder.mlp.2"):
+        return "normal"
+    return "xavier" if len(shape) == 2 else "one"
+
+
+def test_initialisation_follows_dit():
+    torch.manual_seed(0)
+    model = DiT(tiny(text_dim=24, num_classes=5, fps_cond=True))
+    kinds = {}
+    for name, p in model.named_parameters():
+        kind = kinds[name] = dit_init_kind(name, p.shape)
+        if kind == "zero":
+            assert torch.equal(p, torch.zeros_like(p)), name
+        elif kind == "one":
+            assert torch.equal(p, torch.ones_like(p)), name
+        elif kind == "normal":  # N(0, 0.02); >= 384 values: the sample std is within 15% (4 sigma)
+            assert abs(p.std().item() / 0.02 - 1) < 0.15 and abs(p.mean().item()) < 0.005, name
+        else:  # xavier-uniform U(-b, b), b = sqrt(6 / (fan_in + fan_out)) from the full (out, in) shape
+            bound = (6 / (p.shape[0] + p.shape[1])) ** 0.5
+            assert p.abs().max() <= bound and p.abs().max() > 0.95 * bound, name  # >= 1024 values reach the edge
+            assert abs(p.std().item() / (bound / 3**0.5) - 1) < 0.1, name
+    counts = {k: list(kinds.values()).count(k) for k in ("zero", "one", "normal", "xavier")}
+    assert counts["normal"] == 5 and counts["xavier"] >= 15 and counts["one"] >= 10, counts  # not vacuous
+
+
+def test_the_global_seed_decides_the_weights():
+    cfg = tiny(text_dim=24, num_classes=5)
+
+    def build(seed):
+        torch.manual_seed(seed)
+        return DiT(cfg).state_dict()
+
+    a, b, c = build(0), build(0), build(1)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert not torch.equal(a["blocks.0.attn.qkv.weight"], c["blocks.0.attn.qkv.weight"])
+    assert not torch.equal(a["y_embedder.weight"], c["y_embedder.weight"])
+
+
+def test_a_parameters_initial_value_depends_only_on_seed_and_name():
+    """Not on which other parameters exist or in what order they are made: a rank can compute any one alone."""
+    plain, full = DiT(tiny()), DiT(tiny(text_dim=24, num_classes=5, fps_cond=True))
+    plain.init_weights(seed=7)
+    full.init_weights(seed=7)
+    shared = plain.state_dict().keys() & full.state_dict().keys()
+    assert len(shared) > 20 and all(torch.equal(plain.state_dict()[k], full.state_dict()[k]) for k in shared)
+    alone = full.initial_value("blocks.1.mlp.0.weight", full.blocks[1].mlp[0].weight.shape, 7, torch.device("cpu"))
+    assert torch.equal(alone, full.blocks[1].mlp[0].weight)
+    full.init_weights(seed=8)
+    assert not torch.equal(alone, full.blocks[1].mlp[0].weight)
+
+
+def test_a_parameter_without_a_rule_is_an_error():
+    model = DiT(tiny())
+    model.blocks[0].gain = nn.Parameter(torch.ones(3))
+    with pytest.raises(ValueError, match=r"no rule for parameter blocks\.0\.gain \(3,\)"):
+        model.init_weights()
 
 
 # ---------------------------------------------------------------- config and presets

@@ -16,7 +16,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ditcore.diffusion import EDMLoss, EDMPrecond
 from ditcore.layout import grid_positions
-from ditcore.models import DiT, preset
+from ditcore.models import DiT, apply_activation_checkpointing, preset
 from ditcore.parallel import (
     ParallelDims,
     consolidated_state_dict,
@@ -102,7 +102,7 @@ def diff(a: torch.Tensor, b: torch.Tensor) -> tuple[float, float]:
     return d, d / max(b.double().abs().max().item(), 1e-30)
 
 
-def run_case(name: str, dims: ParallelDims, packed: bool) -> dict:
+def run_case(name: str, dims: ParallelDims, packed: bool, checkpointing: str = "none") -> dict:
     g = torch.Generator().manual_seed(7)
     batch = packed_batch(g) if packed else unpacked_batch(g)
 
@@ -121,6 +121,7 @@ def run_case(name: str, dims: ParallelDims, packed: bool) -> dict:
     model = DiT(CFG)
     parallelize(model, groups)
     load_consolidated(model, init, groups)
+    apply_activation_checkpointing(model, checkpointing)  # recomputes the sharded linears and their collectives
     ddp = DistributedDataParallel(model, process_group=groups.dp_cp_group)
     dp_size, dp_rank = groups.dims.dp, groups.dp_rank
     per_rank = batch["x"].shape[0] // dp_size
@@ -159,6 +160,9 @@ CASES = {
     "tp2_packed": (ParallelDims(tp=2), True),
     "tp2_sp_packed": (ParallelDims(tp=2, sequence_parallel=True), True),
     "cp2_packed": (ParallelDims(cp=2), True),
+    "tp2_packed_selective": (ParallelDims(tp=2), True, "selective"),  # replays the row-parallel in-place all-reduce
+    "tp2_sp_packed_block": (ParallelDims(tp=2, sequence_parallel=True), True, "block"),
+    "cp2_packed_selective": (ParallelDims(cp=2), True, "selective"),
 }
 
 
@@ -166,8 +170,7 @@ def main() -> None:
     dist.init_process_group("gloo")
     results = {}
     for name in sys.argv[2:] or CASES:
-        dims, packed = CASES[name]
-        results[name] = run_case(name, dims, packed)
+        results[name] = run_case(name, *CASES[name])
     if dist.get_rank() == 0:
         with open(sys.argv[1], "w") as f:
             json.dump(results, f, indent=1)

@@ -8,7 +8,8 @@ from ditcore.testing import dit_forward_work, dit_grad_work, fp32_tolerance
 
 from .equivalence_worker import CFG, GRID, B
 
-CASES = ["tp2", "tp2_sp", "cp2", "dp2", "tp2_packed", "tp2_sp_packed", "cp2_packed"]
+CASES = ["tp2", "tp2_sp", "cp2", "dp2", "tp2_packed", "tp2_sp_packed", "cp2_packed",
+         "tp2_packed_selective", "tp2_sp_packed_block", "cp2_packed_selective"]  # + activation checkpointing
 
 # Float32 work of each compared value (ditcore.testing): rows of 32 tokens with at most 12 text tokens (the packed
 # batch's); EDMPrecond adds c_skip·x + c_out·F (+2) and the layouts split reductions over 2 ranks, then add the

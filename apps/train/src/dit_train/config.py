@@ -71,12 +71,19 @@ class Model(Section):
                                                 "from the dataset")
     patch_size: int | None = Field(None, ge=1, description="overrides the preset's spatial patch")
     patch_size_t: int | None = Field(None, ge=1, description="overrides the preset's temporal patch")
+    depth: int | None = Field(None, ge=1, description="overrides the preset's number of blocks")
     pos_embed: Literal["rope", "sincos"] = "rope"
     qk_norm: bool = True
     fps_cond: bool = False
     max_grid: Annotated[list[Annotated[int, Field(ge=1)]] | None, Expect("three integers >= 1: T, H, W in tokens")] = (
         Field(None, min_length=3, max_length=3, description="the largest token grid; default: the preset's"))
     compile: bool = Field(False, description="torch.compile each block")
+    activation_checkpointing: Literal["none", "block", "selective"] = Field(
+        "none", description="recompute in backward, for memory: block: each block's whole forward; selective: all "
+                            "but its matmuls and attention")
+    attention: Literal["auto", "sdpa", "flex"] = Field(
+        "auto", description="attention kernels: flex (FlexAttention, block-diagonal masks of packed rows; GPU only "
+                            "for training), sdpa (dense masks; unmasked rows use flash), auto: flex on a GPU")
 
     @field_validator("preset")
     @classmethod

@@ -28,14 +28,14 @@ from ditcore.errors import ConfigError
 from ditcore.export import export_model
 from ditcore.flops import batch_flops, gpu_peak_flops, measure_cpu_peak_flops
 from ditcore.media import write_sample
-from ditcore.models import DiT, DiTConfig, apply_compile, preset
+from ditcore.models import DiT, DiTConfig, apply_activation_checkpointing, apply_compile, preset
 from ditcore.parallel import (
     ParallelDims,
     ParallelGroups,
     clip_grad_norm_,
     finalize_grads,
     gather_full,
-    load_consolidated,
+    materialize,
     parallelize,
 )
 from ditcore.parallel.consolidate import without_extra_state
@@ -45,23 +45,31 @@ from ditcore.training import draw, step_generator
 
 
 class Preempted:
-    """SIGTERM / SIGUSR1 (Slurm preemption or time limit) → finish the step, checkpoint, exit 0."""
+    """SIGTERM / SIGUSR1 (Slurm preemption or time limit) → finish the step, checkpoint, exit 0.
 
-    def __init__(self):
+    Every rank must stop at the same step, so the ranks agree on such flags over a CPU (gloo) group: an
+    all-reduce of a host tensor, which never waits for the GPU's queue of work.
+    """
+
+    def __init__(self, world_size: int, on_gpu: bool):
         self.flag = False
+        self.world_size = world_size
+        self.group = dist.new_group(backend="gloo") if world_size > 1 and on_gpu else None  # CPU: the default is
         for sig in (signal.SIGTERM, signal.SIGUSR1):
             signal.signal(sig, self._handle)
 
     def _handle(self, signum, frame):
         self.flag = True
 
-    def agreed(self, world_size: int, diverged: bool, device) -> tuple[bool, bool]:
-        """Every rank must stop at the same step: (a signal arrived on any rank, any rank's loss is not finite)."""
-        if world_size == 1:
-            return self.flag, diverged
-        t = torch.tensor([float(self.flag), float(diverged)], device=device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return bool(t[0]), bool(t[1])
+    def signalled(self) -> bool:
+        return self.any_rank(self.flag)
+
+    def any_rank(self, flag: bool) -> bool:
+        if self.world_size == 1:
+            return flag
+        t = torch.tensor([float(flag)])
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        return bool(t[0])
 
 
 class Diverged(RuntimeError):
@@ -82,7 +90,7 @@ def model_config(cfg: TrainConfig, info):
     m = cfg.model
     changes = dict(in_channels=info.latent_channels, text_dim=info.text_encoder["dim"], num_classes=info.num_classes,
                    pos_embed=m.pos_embed, qk_norm=m.qk_norm, fps_cond=m.fps_cond)
-    for key in ("patch_size", "patch_size_t"):
+    for key in ("patch_size", "patch_size_t", "depth"):
         if getattr(m, key) is not None:
             changes[key] = getattr(m, key)
     if m.max_grid is not None:
@@ -154,6 +162,9 @@ def setup(cfg: TrainConfig) -> Setup:
     run_dir = Path(cfg.train.run_dir)
     info = read_info(cfg.data.path)  # fails early, on every rank, if the dataset is missing or unfinished
     on_gpu = torch.cuda.is_available() and cfg.parallel.accelerator != "cpu"
+    if cfg.model.attention == "flex" and not on_gpu:
+        raise ConfigError("model.attention", "flex", "auto or sdpa on a CPU: FlexAttention has no CPU backward "
+                                                     "(auto picks flex on a GPU)")
     dims = ParallelDims(cfg.parallel.tp, cfg.parallel.cp, cfg.parallel.pp,
                         sequence_parallel=cfg.parallel.sequence_parallel)
     devices = int(os.environ.get("LOCAL_WORLD_SIZE", cfg.parallel.devices))
@@ -188,16 +199,19 @@ def build(run: Setup) -> Trainee:
     """The model (same seed on every rank, then sharded), EMA, optimizer, schedule and data loader."""
     cfg, fabric, groups, model_cfg = run.cfg, run.fabric, run.groups, run.model_cfg
     torch.manual_seed(cfg.train.seed)
-    model = DiT(model_cfg)  # same seed on every rank: identical one-device weights to shard
-    full_init = model.state_dict()
+    with torch.device("meta"):  # shapes only: no rank ever holds the whole model, on the host or the device
+        model = DiT(model_cfg, attention=cfg.model.attention)
     parallelize(model, groups)
-    load_consolidated(model, full_init, groups)
-    del full_init
+    materialize(model, cfg.train.seed, fabric.device, groups)  # each rank computes its shards of the same init
+    # After parallelize: checkpointing recomputes the parallel linears it put in the blocks. Before compile, which
+    # must trace the checkpointed forward.
+    apply_activation_checkpointing(model, cfg.model.activation_checkpointing)
     if cfg.model.compile:
         apply_compile(model)
     ema = EMA(model, cfg.edm.ema_decay)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr, betas=tuple(cfg.optim.betas),
-                                  eps=cfg.optim.eps, weight_decay=cfg.optim.weight_decay)
+                                  eps=cfg.optim.eps, weight_decay=cfg.optim.weight_decay,
+                                  fused=run.on_gpu or None)  # one kernel for all parameters on a GPU
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
     model, optimizer = fabric.setup(model, optimizer)
     ema.module.to(fabric.device)
@@ -213,42 +227,47 @@ def build(run: Setup) -> Trainee:
 
 
 def fit(run: Setup, t: Trainee, validator: Validator, config_yaml: str) -> dict:
-    """Steps until train.steps (or a stop): log, checkpoint and validate on schedule. The state is updated in place."""
+    """Steps until train.steps (or a stop): log, checkpoint and validate on schedule. The state is updated in place.
+
+    Steps are queued on the device without waiting for it: losses stay on the device until a step that logs,
+    checkpoints or validates reads them back, all at once. That is where a non-finite loss is found, before any
+    checkpoint could keep the weights it broke.
+    """
     cfg, fabric = run.cfg, run.fabric
     peak = (gpu_peak_flops(torch.cuda.get_device_name()) if run.on_gpu else measure_cpu_peak_flops()) or float("nan")
-    preempted = Preempted()
+    preempted = Preempted(fabric.world_size, run.on_gpu)
     step = t.state["step"]
     bar = tqdm(total=cfg.train.steps, initial=step, desc="train", unit="step", disable=fabric.global_rank != 0,
                dynamic_ncols=True)
     it = iter(t.loader)
-    window = Window()
+    window, pending = Window(), []
     while step < cfg.train.steps:
         t0 = time.perf_counter()
         loss, grad_norm, tokens, flops = train_step(run, t, it, step)
-        signalled, diverged = preempted.agreed(fabric.world_size, not math.isfinite(loss), fabric.device)
-        if diverged:
-            bar.close()
-            raise Diverged(f"the loss is not finite at step {step + 1} (this rank: {loss}): training diverged — "
-                           f"lower optim.lr (now {cfg.optim.lr:g}) or raise optim.warmup_steps; no checkpoint was "
-                           "written for it, the newest one is kept for --resume auto")
         step += 1
         t.state["step"] = step
-        t.state["history"].append([step, loss])
-        window.add(time.perf_counter() - t0, loss, tokens, flops)
+        pending.append(Pending(step, loss, time.perf_counter() - t0, tokens, flops))
+        bar.update()
 
-        if step % cfg.logging.every == 0 or step == cfg.train.steps:
+        signalled = preempted.signalled()
+        stop = signalled or step == cfg.train.stop_at
+        log = step % cfg.logging.every == 0 or step == cfg.train.steps
+        save = step % cfg.checkpoint.every == 0 or step == cfg.train.steps or stop
+        validate = bool(cfg.validation.every) and step % cfg.validation.every == 0 and step != cfg.train.steps
+        if not (log or save or validate):
+            continue
+        read_back(pending, window, t.state["history"], preempted, bar, cfg.optim.lr)  # waits; may raise Diverged
+        pending = []
+        if log:
             metrics = window.metrics(peak, run.groups.dims) | {"lr": t.scheduler.get_last_lr()[0],
                                                                "grad_norm": float(grad_norm)}
             fabric.log_dict(metrics, step=step)
             bar.set_postfix(loss=f"{metrics['loss']:.4f}", lr=f"{metrics['lr']:.2e}",
                             tok_s=f"{metrics['tokens_per_s']:.0f}", mfu=f"{metrics['mfu']:.1%}")
             window = Window()
-        bar.update()
-
-        stop = signalled or step == cfg.train.stop_at
-        if step % cfg.checkpoint.every == 0 or step == cfg.train.steps or stop:
+        if save:
             checkpoint.save(fabric, run.run_dir, step, t.state, t.loader, config_yaml, cfg.checkpoint.keep)
-        if cfg.validation.every and step % cfg.validation.every == 0 and step != cfg.train.steps:
+        if validate:
             validator.run(t.ema.module, step)
         if stop:
             bar.close()
@@ -259,35 +278,64 @@ def fit(run: Setup, t: Trainee, validator: Validator, config_yaml: str) -> dict:
     return {"step": step, "stopped": False, "history": t.state["history"]}
 
 
-def train_step(run: Setup, t: Trainee, it, step: int) -> tuple[float, torch.Tensor, int, float]:
-    """One optimizer step over `accum` micro-batches: (mean loss, gradient norm, real tokens, FLOPs) of this rank."""
+@dataclass
+class Pending:
+    """A step queued on the device whose loss has not been read back yet."""
+
+    step: int
+    loss: torch.Tensor  # 0-d, on the device
+    seconds: float  # host time to queue it
+    tokens: int
+    flops: float
+
+
+def read_back(pending: list[Pending], window: Window, history: list, preempted: Preempted, bar, lr: float) -> None:
+    """Wait for the queued steps, then record their losses (one transfer). A non-finite loss on any rank stops
+    every rank with Diverged; the time spent waiting for the device is charged to the steps waited for."""
+    t0 = time.perf_counter()
+    losses = torch.stack([p.loss for p in pending]).tolist()
+    waited = time.perf_counter() - t0
+    bad = next(((p.step, loss) for p, loss in zip(pending, losses, strict=True) if not math.isfinite(loss)), None)
+    if preempted.any_rank(bad is not None):
+        bar.close()
+        where = f"at step {bad[0]} (this rank: {bad[1]})" if bad else "on another rank"
+        raise Diverged(f"the loss is not finite {where}: training diverged — lower optim.lr (now {lr:g}) or raise "
+                       "optim.warmup_steps; no checkpoint was written for it, the newest one is kept for --resume auto")
+    for i, (p, loss) in enumerate(zip(pending, losses, strict=True)):
+        history.append([p.step, loss])
+        window.add(p.seconds + (waited if i == len(pending) - 1 else 0.0), loss, p.tokens, p.flops)
+
+
+def train_step(run: Setup, t: Trainee, it, step: int) -> tuple[torch.Tensor, torch.Tensor, int, float]:
+    """One optimizer step over `accum` micro-batches: (mean loss, gradient norm) as device tensors, and the real
+    tokens and FLOPs of this rank. Nothing here waits for the device."""
     cfg, fabric, model_cfg = run.cfg, run.fabric, run.model_cfg
-    losses, tokens, flops = [], 0, 0.0
+    loss_sum = torch.zeros((), device=fabric.device)
+    tokens, flops = 0, 0.0
     for micro in range(run.accum):
         batch = next(it)
-        g = step_generator(cfg.train.seed, step, micro, run.groups.dp_rank)  # TP/CP peers draw alike
-        d = draw(batch, g, t.loss_fn, cfg.edm.cfg_dropout, model_cfg.num_classes)
-        to = fabric.to_device
-        inputs = to(batch.model_inputs(text_seg=d.text_seg, class_labels=d.class_labels))
-        with fabric.no_backward_sync(t.model, enabled=micro < run.accum - 1), fabric.autocast():
-            loss = t.loss_fn(t.denoiser, to(batch.x), mask=to(batch.mask), sigma=to(d.sigma),
-                             noise=to(d.noise), **inputs)
-        fabric.backward(loss / run.accum)
-        losses.append(loss.item())
-        tokens += int(batch.mask.sum())
+        tokens += int(batch.mask.sum())  # still on the host
         flops += batch_flops(model_cfg, batch)
+        batch = batch.to(fabric.device, non_blocking=True)  # from pinned memory on a GPU: an asynchronous copy
+        g = step_generator(cfg.train.seed, step, micro, run.groups.dp_rank, fabric.device)  # TP/CP peers alike
+        d = draw(batch, g, t.loss_fn, cfg.edm.cfg_dropout, model_cfg.num_classes)
+        inputs = batch.model_inputs(text_seg=d.text_seg, class_labels=d.class_labels)
+        with fabric.no_backward_sync(t.model, enabled=micro < run.accum - 1), fabric.autocast():
+            loss = t.loss_fn(t.denoiser, batch.x, mask=batch.mask, sigma=d.sigma, noise=d.noise, **inputs)
+        fabric.backward(loss / run.accum)
+        loss_sum += loss.detach()
     finalize_grads(t.model.module, run.groups)
     grad_norm = clip_grad_norm_(t.model.module, cfg.train.grad_clip or float("inf"), run.groups)
     t.optimizer.step()
     t.optimizer.zero_grad(set_to_none=True)
     t.scheduler.step()
     t.ema.update(t.model.module)
-    return sum(losses) / len(losses), grad_norm, tokens, flops
+    return loss_sum / run.accum, grad_norm, tokens, flops
 
 
 @dataclass
 class Window:
-    """Steps since the last log line: their time, losses, tokens and FLOPs."""
+    """Steps since the last log line: their time, losses, tokens and FLOPs (and the GPU memory peak so far)."""
 
     time: float = 0.0
     loss: float = 0.0
@@ -301,8 +349,12 @@ class Window:
 
     def metrics(self, peak: float, dims) -> dict:
         # tokens and FLOPs of this rank; every data-parallel rank does the same work, so per-process is per-device
-        return {"loss": self.loss / self.steps, "tokens_per_s": self.tokens / self.time,
-                "mfu": self.flops / self.time / (peak * max(1, dims.tp * dims.cp))}
+        # step_s weights the window's rates when windows of packed rows differ in tokens and FLOPs
+        out = {"loss": self.loss / self.steps, "tokens_per_s": self.tokens / self.time,
+               "mfu": self.flops / self.time / (peak * max(1, dims.tp * dims.cp)), "step_s": self.time / self.steps}
+        if torch.cuda.is_initialized():  # on CPU the column is left out rather than written empty
+            out["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30  # this rank's GPU, since the start
+        return out
 
 
 def export(run: Setup, t: Trainee, validator: Validator) -> list[Path]:

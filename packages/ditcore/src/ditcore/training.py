@@ -1,7 +1,8 @@
 """What one training step draws at random, reproducibly: its generator, CFG dropout, noise levels and noise.
 
 Everything depends only on (seed, step, micro-batch, data-parallel rank), so tensor- and context-parallel
-peers draw the same values, and a resumed run draws exactly what the uninterrupted one would have.
+peers draw the same values, and a resumed run draws exactly what the uninterrupted one would have. The draws
+are made on the batch's device (a CUDA generator on a GPU: nothing is drawn on the host and copied).
 """
 
 from __future__ import annotations
@@ -14,9 +15,9 @@ from ditcore.data.packing import PackedBatch
 from ditcore.diffusion import EDMLoss
 
 
-def step_generator(seed: int, step: int, micro: int, dp_rank: int) -> torch.Generator:
-    """The CPU generator of one micro-batch (int tuples hash the same in every process and Python run)."""
-    return torch.Generator().manual_seed(hash((seed, step, micro, dp_rank)) % 2**62)
+def step_generator(seed: int, step: int, micro: int, dp_rank: int, device="cpu") -> torch.Generator:
+    """The generator of one micro-batch on `device` (int tuples hash the same in every process and Python run)."""
+    return torch.Generator(device=device).manual_seed(hash((seed, step, micro, dp_rank)) % 2**62)
 
 
 def drop_conditions(batch: PackedBatch, p: float, null_class: int, g: torch.Generator):
@@ -25,7 +26,7 @@ def drop_conditions(batch: PackedBatch, p: float, null_class: int, g: torch.Gene
     Returns (text_seg, class_labels) to use in place of the batch's; unlabelled samples get the null class too.
     """
     B, S = batch.class_labels.shape
-    drop = torch.rand(B, S, generator=g) < p
+    drop = torch.rand(B, S, generator=g, device=g.device) < p
     text_seg = batch.text_seg
     if text_seg.numel():
         dropped = drop.gather(1, text_seg.clamp(min=0)) & (text_seg >= 0)
@@ -43,8 +44,8 @@ class StepDraw:
 
 
 def draw(batch: PackedBatch, g: torch.Generator, loss: EDMLoss, cfg_dropout: float, null_class: int) -> StepDraw:
-    """One micro-batch's random choices, in a fixed order from one generator."""
+    """One micro-batch's random choices, in a fixed order from one generator on the batch's device."""
     text_seg, labels = drop_conditions(batch, cfg_dropout, null_class, g)
-    sigma = loss.sample_sigma(tuple(batch.class_labels.shape), generator=g)
-    noise = torch.randn(batch.x.shape, generator=g)
+    sigma = loss.sample_sigma(tuple(batch.class_labels.shape), device=g.device, generator=g)
+    noise = torch.randn(batch.x.shape, generator=g, device=g.device)
     return StepDraw(text_seg, labels, sigma, noise)

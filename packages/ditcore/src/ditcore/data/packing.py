@@ -6,6 +6,7 @@ A packed batch is what ditcore.models.DiT.forward takes: token rows with `seg` n
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -71,6 +72,10 @@ class PackedBatch:
     captions: list[list[str]]
     grids: list[list[tuple[int, int, int]]]
     skipped: dict = field(default_factory=dict)  # samples skipped (by reason) since this worker's last batch
+    whole_rows: bool = False  # every row is one sample without padding (known on the host, so no device sync)
+    whole_text: bool = False  # ... and every text token belongs to its row's sample
+
+    TENSORS = ("x", "pos", "seg", "text", "text_seg", "class_labels", "fps", "num_samples")
 
     @property
     def mask(self) -> torch.Tensor:  # (B, N) real tokens
@@ -84,9 +89,19 @@ class PackedBatch:
         the conditioning it was not built for (text without text_dim, labels without classes, fps without
         fps_cond).
         """
-        return {"pos": self.pos, "seg": self.seg, "text": self.text,
-                "text_seg": self.text_seg if text_seg is None else text_seg,
+        seg = None if self.whole_rows else self.seg  # nothing to mask: unmasked attention (flash on a GPU)
+        if text_seg is None:
+            text_seg = None if self.whole_rows and self.whole_text else self.text_seg
+        return {"pos": self.pos, "seg": seg, "text": self.text, "text_seg": text_seg,
                 "class_labels": self.class_labels if class_labels is None else class_labels, "fps": self.fps}
+
+    def to(self, device, non_blocking: bool = False) -> PackedBatch:
+        return dataclasses.replace(self, **{k: getattr(self, k).to(device, non_blocking=non_blocking)
+                                            for k in self.TENSORS})
+
+    def pin_memory(self) -> PackedBatch:
+        """Page-locked copies (torch's DataLoader calls this when it pins batches), so copies to a GPU are async."""
+        return dataclasses.replace(self, **{k: getattr(self, k).pin_memory() for k in self.TENSORS})
 
 
 def collate(rows: list[PackedRow], seq_length: int) -> PackedBatch:
@@ -113,4 +128,6 @@ def collate(rows: list[PackedRow], seq_length: int) -> PackedBatch:
         out.keys.append([s.key for s in row.samples])
         out.captions.append([s.caption for s in row.samples])
         out.grids.append([s.grid for s in row.samples])
+    out.whole_rows = S == 1 and all(row.length == seq_length for row in rows)
+    out.whole_text = bool((out.text_seg >= 0).all())
     return out

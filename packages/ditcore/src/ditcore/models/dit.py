@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import zlib
 from dataclasses import dataclass
 from typing import Literal
 
@@ -24,7 +25,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ditcore.errors import ConfigError
-from ditcore.layout import grid_positions, patchify, per_token, segment_mask, unpatchify
+from ditcore.layout import grid_positions, patchify, per_token, unpatchify
+from ditcore.models.attention import Mask, attend, check_backend, resolve, segments
 
 # --------------------------------------------------------------------------------------------------
 # Config
@@ -104,20 +106,21 @@ def rope_split(head_dim: int) -> tuple[int, int, int]:
     return t, h, pairs - t - h
 
 
-def rope_freqs(pos: torch.Tensor, head_dim: int, theta: float) -> torch.Tensor:
-    """3D RoPE rotations e^{iθ} (..., head_dim/2), complex64, for integer (t, h, w) positions (..., 3)."""
+def rope_angles(pos: torch.Tensor, head_dim: int, theta: float) -> torch.Tensor:
+    """3D RoPE rotation angles (..., head_dim/2), float32, for integer (t, h, w) positions (..., 3)."""
     angles = []
     for axis, n in enumerate(rope_split(head_dim)):
         inv_freq = theta ** (-torch.arange(n, device=pos.device, dtype=torch.float32) / n)
         angles.append(pos[..., axis, None].float() * inv_freq)
-    angles = torch.cat(angles, dim=-1)
-    return torch.polar(torch.ones_like(angles), angles)
+    return torch.cat(angles, dim=-1)
 
 
-def apply_rope(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
-    """Rotate consecutive pairs of x (B, H, N, hd), read as complex numbers, by freqs (B or 1, 1, N, hd/2)."""
-    x_c = torch.view_as_complex(x.float().unflatten(-1, (-1, 2)))  # one complex multiply = the 2×2 rotation
-    return torch.view_as_real(x_c * freqs).flatten(-2).type_as(x)
+def apply_rope(x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """Rotate consecutive pairs (x₁, x₂) of x (B, H, N, hd) by the angles whose (cos, sin) are given, each
+    (B or 1, 1, N, hd/2) in x's dtype: real arithmetic in the compute dtype, which a compiler fuses into one pass."""
+    cos, sin = rope
+    x1, x2 = x.unflatten(-1, (-1, 2)).unbind(-1)
+    return torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
 
 
 def sincos_3d(pos: torch.Tensor, dim: int) -> torch.Tensor:
@@ -188,18 +191,19 @@ class AttentionInputs:
 
     batch: int
     seq: int  # query tokens per row that attention sees (all of them, or this rank's context-parallel slice)
-    rope: torch.Tensor | None  # (B or 1, 1, seq, hd/2) complex rotations
-    mask: torch.Tensor | None  # (B, 1, seq, N) self-attention mask over the full rows; None = all keys
-    rows: RowSplit = dataclasses.field(default_factory=RowSplit)  # whole-row keys/values for this rank's queries
+    rope: tuple[torch.Tensor, torch.Tensor] | None  # (cos, sin), each (B or 1, 1, seq, hd/2) in the compute dtype
+    mask: Mask  # self-attention: this rank's queries over the full rows
+    rows: RowSplit  # whole-row keys/values for this rank's queries
     text: torch.Tensor | None = None  # (B, L, D) projected text tokens
-    text_mask: torch.Tensor | None = None  # (B, 1, seq, L)
-    text_has_keys: torch.Tensor | None = None  # (B, seq, 1)
+    text_mask: Mask | None = None  # cross-attention: queries over text tokens
 
 
 def heads_first(x: torch.Tensor, seq: int, batch: int, heads: int, parts: int, head_dim: int):
-    """(seq, B, heads·parts·hd) projections → `parts` dense tensors of shape (B, heads, seq, hd)."""
-    x = x.view(seq, batch, heads, parts, head_dim).permute(3, 1, 2, 0, 4)
-    return x.contiguous().unbind(0)  # one copy, so norms and SDPA read dense memory
+    """(seq, B, heads·parts·hd) projections → `parts` views of shape (B, heads, seq, hd), without copying.
+
+    Their last dimension is contiguous, which is all the norms, RoPE and the attention kernels need.
+    """
+    return x.view(seq, batch, heads, parts, head_dim).permute(3, 1, 2, 0, 4).unbind(0)
 
 
 class SelfAttention(nn.Module):
@@ -209,8 +213,8 @@ class SelfAttention(nn.Module):
         # qkv output features are laid out (heads, 3, head_dim): a contiguous split of the rows is a split
         # by heads, which is what tensor parallelism needs.
         self.qkv = nn.Linear(cfg.hidden_size, 3 * cfg.hidden_size)
-        self.q_norm = nn.RMSNorm(cfg.head_dim, eps=1e-6) if cfg.qk_norm else nn.Identity()
-        self.k_norm = nn.RMSNorm(cfg.head_dim, eps=1e-6) if cfg.qk_norm else nn.Identity()
+        self.q_norm = RMSNorm(cfg.head_dim, eps=1e-6) if cfg.qk_norm else nn.Identity()
+        self.k_norm = RMSNorm(cfg.head_dim, eps=1e-6) if cfg.qk_norm else nn.Identity()
         self.proj = nn.Linear(cfg.hidden_size, cfg.hidden_size)
 
     def forward(self, x: torch.Tensor, a: AttentionInputs) -> torch.Tensor:
@@ -219,7 +223,7 @@ class SelfAttention(nn.Module):
         if a.rope is not None:
             q, k = apply_rope(q, a.rope), apply_rope(k, a.rope)
         k, v = a.rows.keys_values(k, v)  # every query needs every key of its row: (B, H, N, hd)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=a.mask)  # (B, H, seq, hd)
+        out = attend(q, k, v, a.mask)  # (B, H, seq, hd)
         return self.proj(out.permute(2, 0, 1, 3).reshape(a.seq, a.batch, -1))  # (seq, B, D)
 
 
@@ -231,8 +235,8 @@ class CrossAttention(nn.Module):
         self.num_heads, self.head_dim = cfg.num_heads, cfg.head_dim
         self.q = nn.Linear(cfg.hidden_size, cfg.hidden_size)
         self.kv = nn.Linear(cfg.hidden_size, 2 * cfg.hidden_size)  # (heads, 2, head_dim)
-        self.q_norm = nn.RMSNorm(cfg.head_dim, eps=1e-6) if cfg.qk_norm else nn.Identity()
-        self.k_norm = nn.RMSNorm(cfg.head_dim, eps=1e-6) if cfg.qk_norm else nn.Identity()
+        self.q_norm = RMSNorm(cfg.head_dim, eps=1e-6) if cfg.qk_norm else nn.Identity()
+        self.k_norm = RMSNorm(cfg.head_dim, eps=1e-6) if cfg.qk_norm else nn.Identity()
         self.proj = nn.Linear(cfg.hidden_size, cfg.hidden_size)
 
     def forward(self, x: torch.Tensor, a: AttentionInputs) -> torch.Tensor:
@@ -242,9 +246,27 @@ class CrossAttention(nn.Module):
         (q,) = heads_first(self.q(x), a.seq, a.batch, self.num_heads, 1, self.head_dim)  # (B, H, seq, hd)
         kv = self.kv(a.text.transpose(0, 1))  # (L, B, 2·D)
         k, v = heads_first(kv, L, a.batch, self.num_heads, 2, self.head_dim)  # (B, H, L, hd)
-        out = F.scaled_dot_product_attention(self.q_norm(q), self.k_norm(k), v, attn_mask=a.text_mask)
-        out = out * a.text_has_keys[:, None]  # a sample without text gets nothing
+        out = attend(self.q_norm(q), self.k_norm(k), v, a.text_mask)  # a sample without text gets zeros
         return self.proj(out.permute(2, 0, 1, 3).reshape(a.seq, a.batch, -1))  # (seq, B, D)
+
+
+# --------------------------------------------------------------------------------------------------
+# Norms that run in the activations' dtype. Under autocast, layer_norm is autocast to float32 and an rms_norm
+# of a bf16 input with a float32 weight leaves the fused kernel; both kernels accumulate in float32 anyway.
+
+
+class LayerNorm(nn.LayerNorm):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w, b = (None if t is None else t.to(x.dtype) for t in (self.weight, self.bias))
+        with torch.autocast(x.device.type, enabled=False):
+            return F.layer_norm(x, self.normalized_shape, w, b, self.eps)
+
+
+class RMSNorm(nn.RMSNorm):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = None if self.weight is None else self.weight.to(x.dtype)
+        with torch.autocast(x.device.type, enabled=False):
+            return F.rms_norm(x, self.normalized_shape, w, self.eps)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -259,12 +281,12 @@ class DiTBlock(nn.Module):
     def __init__(self, cfg: DiTConfig):
         super().__init__()
         D = cfg.hidden_size
-        self.norm1 = nn.LayerNorm(D, elementwise_affine=False, eps=1e-6)
+        self.norm1 = LayerNorm(D, elementwise_affine=False, eps=1e-6)
         self.attn = SelfAttention(cfg)
         if cfg.text_dim:
-            self.norm_cross = nn.LayerNorm(D, eps=1e-6)
+            self.norm_cross = LayerNorm(D, eps=1e-6)
             self.cross = CrossAttention(cfg)
-        self.norm2 = nn.LayerNorm(D, elementwise_affine=False, eps=1e-6)
+        self.norm2 = LayerNorm(D, elementwise_affine=False, eps=1e-6)
         hidden = int(D * cfg.mlp_ratio)
         self.mlp = nn.Sequential(nn.Linear(D, hidden), nn.GELU(approximate="tanh"), nn.Linear(hidden, D))
         self.adaLN = nn.Sequential(nn.SiLU(), nn.Linear(D, 6 * D))
@@ -284,7 +306,7 @@ class FinalLayer(nn.Module):
     def __init__(self, cfg: DiTConfig):
         super().__init__()
         D = cfg.hidden_size
-        self.norm = nn.LayerNorm(D, elementwise_affine=False, eps=1e-6)
+        self.norm = LayerNorm(D, elementwise_affine=False, eps=1e-6)
         self.adaLN = nn.Sequential(nn.SiLU(), nn.Linear(D, 2 * D))
         self.linear = nn.Linear(D, cfg.patch_dim)
 
@@ -298,9 +320,10 @@ class FinalLayer(nn.Module):
 
 
 class DiT(nn.Module):
-    def __init__(self, cfg: DiTConfig):
+    def __init__(self, cfg: DiTConfig, attention: str = "auto"):
         super().__init__()
         self.cfg = cfg
+        self.attention = check_backend(attention)  # ditcore.models.attention: auto | sdpa | flex
         D = cfg.hidden_size
         self.x_embedder = nn.Linear(cfg.patch_dim, D)  # a Conv3d with kernel = stride = patch, on tokens
         self.t_embedder = ScalarEmbedder(D, scale=C_NOISE_SCALE)
@@ -320,26 +343,50 @@ class DiT(nn.Module):
     def null_class(self) -> int:
         return self.cfg.num_classes
 
-    def init_weights(self) -> None:
-        """DiT's initialisation: xavier linears, N(0, 0.02) embedders, zeros on every adaLN and output."""
-        for m in self.modules():
-            if isinstance(m, nn.Linear):
-                nn.init.xavier_uniform_(m.weight)
-                nn.init.zeros_(m.bias)
-        if self.cfg.num_classes:
-            nn.init.normal_(self.y_embedder.weight, std=0.02)
-        scalar_embedders = [self.t_embedder] + ([self.fps_embedder] if self.cfg.fps_cond else [])
-        for emb in scalar_embedders:
-            nn.init.normal_(emb.mlp[0].weight, std=0.02)
-            nn.init.normal_(emb.mlp[2].weight, std=0.02)
-        zero = [self.final.adaLN[-1], self.final.linear]
-        for block in self.blocks:
-            zero.append(block.adaLN[-1])
-            if self.cfg.text_dim:
-                zero.append(block.cross.proj)  # adaLN-Zero has no gate for cross-attention: zero its output
-        for m in zero:
-            nn.init.zeros_(m.weight)
-            nn.init.zeros_(m.bias)
+    def init_weights(self, seed: int | None = None) -> None:
+        """Fill every parameter with its initial value (`initial_value`); this one-device model only.
+
+        seed None: one integer drawn from torch's global CPU generator, so `torch.manual_seed(s); DiT(cfg)` gives
+        the same weights for the same s and different ones for different s. Parameters on the meta device are left
+        as they are: ditcore.parallel.materialize fills them later, shard by shard, with the same values.
+        """
+        if seed is None:
+            seed = int(torch.randint(2**31, (), device="cpu"))  # drawn even under meta: the same RNG use either way
+        with torch.no_grad():
+            for name, p in self.named_parameters():
+                if not p.is_meta:
+                    p.copy_(self.initial_value(name, p.shape, seed, p.device))
+
+    def initial_value(self, name: str, shape: torch.Size, seed: int, device: torch.device) -> torch.Tensor:
+        """DiT's initial value of one parameter, from its one-device name and full one-device shape.
+
+        xavier-uniform linears, zero biases, N(0, 0.02) class and scalar embedders, norms' scales one, and zeros on
+        every adaLN's last linear and on the outputs (adaLN-Zero). Random values come from a generator on `device`
+        seeded by (seed, name) alone — crc32 of both, as Python's str hash changes from process to process — so a
+        value does not depend on the order parameters are made or filled, nor on how many ranks share the
+        parameter (each computes the whole and keeps its shard). CPU and CUDA generators differ: the numbers
+        depend on the device type.
+        """
+        owner_name, _, kind = name.rpartition(".")
+        owner = self.get_submodule(owner_name)  # the same path after ditcore.parallel swaps in parallel linears
+        embedders = [self.t_embedder] + ([self.fps_embedder] if self.cfg.fps_cond else [])
+        small = [m for e in embedders for m in (e.mlp[0], e.mlp[2])]
+        small += [self.y_embedder] if self.cfg.num_classes else []
+        zero = [self.final.adaLN[-1], self.final.linear] + [b.adaLN[-1] for b in self.blocks]
+        if self.cfg.text_dim:
+            zero += [b.cross.proj for b in self.blocks]  # adaLN-Zero has no gate for cross-attention: zero its output
+        value = torch.empty(shape, device=device)
+        g = torch.Generator(device).manual_seed(zlib.crc32(f"{seed}/{name}".encode()))
+        if kind == "bias" or any(owner is m for m in zero):
+            return value.zero_()
+        if any(owner is m for m in small):
+            return value.normal_(0.0, 0.02, generator=g)
+        if kind == "weight" and len(shape) == 2 and not isinstance(owner, nn.Embedding):  # a linear, (out, in)
+            return nn.init.xavier_uniform_(value, generator=g)
+        if kind == "weight" and len(shape) == 1:  # a norm's scale
+            return value.fill_(1.0)
+        raise ValueError(f"DiT.initial_value has no rule for parameter {name} {tuple(shape)} "
+                         f"({type(owner).__name__}): add one")
 
     def condition(self, c_noise, class_labels=None, fps=None) -> torch.Tensor:
         """Per-sample conditioning vector (B, S, D) from (B, S) noise levels, labels and fps."""
@@ -383,12 +430,15 @@ class DiT(nn.Module):
         h = self.x_embedder(x[:, local].transpose(0, 1))  # (n, B, D): sequence first from here on
         rope = None
         if cfg.pos_embed == "rope":
-            rope = rope_freqs(pos[..., attn_span, :], cfg.head_dim, cfg.rope_theta)  # (B or -, seq, hd/2)
-            rope = rope.reshape(-1, 1, seq, rope.shape[-1])  # shared by all blocks
+            angles = rope_angles(pos[..., attn_span, :], cfg.head_dim, cfg.rope_theta)  # (B or -, seq, hd/2)
+            angles = angles.reshape(-1, 1, seq, angles.shape[-1])
+            rope = angles.cos().to(h.dtype), angles.sin().to(h.dtype)  # shared by all blocks
         else:
             pe = sincos_3d(pos[..., local, :], cfg.hidden_size).to(h.dtype)
             h = h + (pe[:, None] if pe.ndim == 2 else pe.transpose(0, 1))
-        mask = None if seg is None else segment_mask(seg[:, attn_span], seg)[0]  # block-diagonal over samples
+        backend = resolve(self.attention, x.device)
+        q_seg = None if seg is None else seg[:, attn_span]
+        mask = segments(backend, q_seg, seg)  # block-diagonal over samples; built once, shared by all blocks
         a = AttentionInputs(batch=B, seq=seq, rope=rope, mask=mask, rows=self.rows)
 
         if cfg.text_dim:
@@ -396,10 +446,14 @@ class DiT(nn.Module):
                 raise ValueError(f"this model cross-attends to text: pass text (B, L, {cfg.text_dim}) "
                                  "and text_seg (use L=0 for no text)")
             a.text = self.text_embedder(text)  # (B, L, D); never split across ranks
-            q_seg = seg[:, attn_span] if seg is not None else x.new_zeros(B, seq, dtype=torch.long)
-            if text_seg is None:
-                text_seg = x.new_zeros(B, text.shape[1], dtype=torch.long)
-            a.text_mask, a.text_has_keys = segment_mask(q_seg, text_seg)
+            if text.shape[1] and (seg is not None or text_seg is not None):  # else every query sees every text token
+                if q_seg is None:
+                    q_seg = x.new_zeros(B, seq, dtype=torch.long)
+                if text_seg is None:
+                    text_seg = x.new_zeros(B, text.shape[1], dtype=torch.long)
+                a.text_mask = segments(backend, q_seg, text_seg)
+            else:
+                a.text_mask = Mask(None)
 
         for block in self.blocks:
             h = block(h, c, seg_local, a)

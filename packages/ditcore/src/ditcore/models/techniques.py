@@ -6,7 +6,95 @@ compile must see the checkpointed blocks and the wrapper must see the compiled o
 
 from __future__ import annotations
 
+import types
+
+import torch
 from torch import nn
+from torch.utils._pytree import tree_leaves
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+from ditcore.errors import ConfigError
+
+ACTIVATION_CHECKPOINTING = ("none", "block", "selective")
+
+_aten = torch.ops.aten
+# What `selective` keeps: the outputs of the matmuls (linears reach the dispatcher as mm or addmm) and of the
+# attention kernels, the work that is costly to redo. bmm is left out: in a DiT block it comes only from SDPA's
+# math path, where its output is the (B·H, N, N) score matrix, the largest activation there is.
+SAVED_OPS = frozenset({
+    _aten.mm.default,
+    _aten.addmm.default,
+    _aten._scaled_dot_product_flash_attention.default,
+    _aten._scaled_dot_product_efficient_attention.default,  # CUDA with a dense mask (packed rows under sdpa)
+    _aten._scaled_dot_product_cudnn_attention.default,
+    _aten._scaled_dot_product_flash_attention_for_cpu.default,
+    # Seen when the blocks are compiled (or flex runs uncompiled). In eager blocks on CUDA, ditcore.models.attention
+    # calls a separately compiled flex kernel, which this policy cannot see: it is recomputed.
+    torch.ops.higher_order.flex_attention,
+})
+
+
+class _SaveMatmulsAndAttention:
+    """The selective policy for one checkpointed call of a block: keep SAVED_OPS' outputs, recompute the rest."""
+
+    def __init__(self):
+        self.saved: list[torch.Tensor] = []  # outputs kept so far in this call (the cache holds them anyway)
+
+    def __call__(self, ctx, op, *args, **kwargs) -> CheckpointPolicy:
+        if op in SAVED_OPS:
+            self.saved += [t for t in tree_leaves(ctx.op_output) if isinstance(t, torch.Tensor)]
+            return CheckpointPolicy.MUST_SAVE
+        if op is torch.ops.c10d.allreduce_.default and self._all_saved(args[0]):
+            # Megatron's row-parallel linear without sequence parallelism sums its matmul output over the TP ranks
+            # in place. That output is kept, so it already holds the sum: on recompute the collective is replayed
+            # from the cache, as running it again would add the ranks' sums once more. c10d ops do not bump the
+            # version counter, so the checkpoint's own check for mutated cache entries would not catch this.
+            return CheckpointPolicy.MUST_SAVE
+        # Everything else, other collectives included (the all-gathers and reduce-scatters of sequence and
+        # context parallelism write into fresh or shared buffers): run again, on every rank in the same order.
+        return CheckpointPolicy.PREFER_RECOMPUTE
+
+    def _all_saved(self, tensors: list[torch.Tensor]) -> bool:
+        kept = {t.untyped_storage().data_ptr() for t in self.saved}
+        return all(t.untyped_storage().data_ptr() in kept for t in tensors)
+
+
+def _selective_contexts():
+    return create_selective_checkpoint_contexts(_SaveMatmulsAndAttention())  # a fresh policy for every call
+
+
+def apply_activation_checkpointing(model: nn.Module, mode: str) -> nn.Module:
+    """Recompute activations of each transformer block in backward rather than keep them from the forward.
+
+    none: keep everything. block: keep only each block's inputs and rerun its whole forward in backward.
+    selective: keep the outputs of its matmuls and attention kernels too (SAVED_OPS) and recompute only the
+    elementwise work between them (norms, modulation, RoPE, GELU, gates, head-major copies): cheap to redo, but
+    most of the tensors a block's backward reads.
+
+    Each block's forward is replaced in place rather than wrapped in a module, so parameter names and state dict
+    keys are unchanged. Apply it after tensor parallelism, whose linears (and collectives) it then recomputes,
+    and before apply_compile, which traces the checkpointed forward.
+    """
+    if mode not in ACTIVATION_CHECKPOINTING:
+        raise ConfigError("model.activation_checkpointing", mode,
+                          "one of " + ", ".join(map(repr, ACTIVATION_CHECKPOINTING)) + " (block: recompute each "
+                          "block in backward; selective: all of it but its matmuls and attention)")
+    if mode == "none":
+        return model
+    forward = _checkpointed if mode == "block" else _checkpointed_selectively
+    for block in model.blocks:
+        # A method bound to the block: a deepcopy of the model (EMA's) binds it to the copied block. (In torch 2.13
+        # a compiled block with a functools.partial of checkpoint as its forward silently ran uncompiled.)
+        block.forward = types.MethodType(forward, block)
+    return model
+
+
+def _checkpointed(block: nn.Module, *args, **kwargs):
+    return checkpoint(type(block).forward, block, *args, use_reentrant=False, **kwargs)
+
+
+def _checkpointed_selectively(block: nn.Module, *args, **kwargs):
+    return checkpoint(type(block).forward, block, *args, use_reentrant=False, context_fn=_selective_contexts, **kwargs)
 
 
 def apply_compile(model: nn.Module, **compile_kwargs) -> nn.Module:

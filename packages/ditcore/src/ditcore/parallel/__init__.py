@@ -3,6 +3,7 @@
 - dims: topology (`ParallelDims`) and Megatron-Core process groups (`ParallelGroups`)
 - plan: per architecture, how each parameter is laid out over TP ranks — the only place naming layers
 - tensor_parallel / context_parallel: the sharding itself; parallelize: both, in order
+- materialize: initial weights for a model built on the meta device, each rank computing only its shards
 - grads: completing, measuring and clipping gradients; consolidate: one-device weights and back
 - fabric: the Lightning Fabric strategy for these layouts
 
@@ -13,9 +14,10 @@ one-device use of ditcore does not pay for them.
 from ditcore.parallel.consolidate import consolidated_state_dict, gather_full, load_consolidated
 from ditcore.parallel.dims import ParallelDims, ParallelGroups
 from ditcore.parallel.grads import clip_grad_norm_, finalize_grads, grad_norm
+from ditcore.parallel.materialize import materialize
 from ditcore.parallel.parallelize import parallelize
 
 __all__ = [
     "ParallelDims", "ParallelGroups", "clip_grad_norm_", "consolidated_state_dict", "finalize_grads", "gather_full",
-    "grad_norm", "load_consolidated", "parallelize",
+    "grad_norm", "load_consolidated", "materialize", "parallelize",
 ]

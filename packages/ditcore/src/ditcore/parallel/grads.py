@@ -32,10 +32,10 @@ def finalize_grads(model: nn.Module, groups: ParallelGroups | None) -> None:
 
 def grad_norm(model: nn.Module, groups: ParallelGroups | None) -> torch.Tensor:
     """Global L2 norm of the gradients, a float64 tensor on their device: TP shards' squares are summed over TP,
-    replicated parameters counted once. One collective and no host synchronisation.
+    replicated parameters counted once. One fused (foreach) reduction per kind, one collective, no host sync.
 
-    The squares are summed in float64, parameter by parameter in model order, so the clipping scale does not
-    depend on the layout's reduction order (and matches the earlier host-side computation bit for bit).
+    torch._foreach_norm computes every gradient's norm in float64 (one kernel launch for many tensors), and
+    their squares are summed in float64: the norm carries only the gradients' own error, in any layout.
     """
     sharded = [p.grad for p in model.parameters() if p.grad is not None and is_tp_sharded(p)]
     replicated = [p.grad for p in model.parameters() if p.grad is not None and not is_tp_sharded(p)]
@@ -59,7 +59,7 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, groups: ParallelGroups | 
 
 
 def _sum_of_squares(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
-    total = torch.zeros((), dtype=torch.float64, device=device)
-    for g in grads:
-        total = total + g.detach().double().square().sum()
-    return total
+    if not grads:
+        return torch.zeros((), dtype=torch.float64, device=device)
+    norms = torch._foreach_norm([g.detach() for g in grads], 2, dtype=torch.float64)
+    return torch.stack(norms).square().sum()

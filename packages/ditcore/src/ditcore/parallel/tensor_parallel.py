@@ -44,32 +44,50 @@ def shard(full: torch.Tensor, local: torch.Tensor, rank: int, size: int) -> torc
     return full.chunk(size, dim=local.partition_dim)[rank]
 
 
+def full_shape(local: torch.Tensor, size: int) -> torch.Size:
+    """The one-device shape of a parameter of which this rank holds `local` (the inverse of `shard`)."""
+    if not is_tp_sharded(local):
+        return local.shape
+    if getattr(local, "partition_stride", 1) != 1:
+        raise NotImplementedError(f"a parameter split with partition_stride={local.partition_stride}; "
+                                  "ditcore's plans split contiguously (stride 1)")
+    shape = list(local.shape)
+    shape[local.partition_dim] *= size
+    return torch.Size(shape)
+
+
 def _megatron_linear(style: ColumnParallel | RowParallel, linear: nn.Linear, groups: ParallelGroups,
                      sequence_parallel: bool) -> nn.Module:
     from megatron.core import ModelParallelConfig
+    from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 
     Column, Row = _parallel_linear_classes()
     config = ModelParallelConfig(
         tensor_model_parallel_size=groups.dims.tp,
         sequence_parallel=sequence_parallel,
-        use_cpu_initialization=True,  # allocate on the host, then move; works with and without CUDA
-        perform_initialization=True,  # tags the weights as sharded; the values are overwritten below
+        use_cpu_initialization=True,  # allocate where torch's default device says (below), not on a CUDA device
+        # Megatron's CPU initialisation would build the whole weight on the host for every layer; the values come
+        # from `linear` here, or from ditcore.parallel.materialize for a model built on the meta device.
+        perform_initialization=False,
         params_dtype=linear.weight.dtype,
         gradient_accumulation_fusion=False,
     )
     out_f, in_f = linear.weight.shape
     kw = dict(config=config, init_method=nn.init.zeros_, bias=linear.bias is not None, skip_bias_add=False,
               tp_group=groups.tp_group)
-    if isinstance(style, ColumnParallel):
-        layer = Column(in_f, out_f, gather_output=False, **kw)
-    else:
-        layer = Row(in_f, out_f, input_is_parallel=True, **kw)
-    if linear.weight.device.type != "meta":
+    with torch.device(linear.weight.device):  # only this rank's shard is allocated, where the linear lives
+        if isinstance(style, ColumnParallel):
+            layer = Column(in_f, out_f, gather_output=False, **kw)  # tags its bias as split along dim 0 itself
+        else:
+            layer = Row(in_f, out_f, input_is_parallel=True, **kw)
+    # Megatron tags the weight only when it initialises it: tag it as it would (grads.py, consolidate.py read these)
+    set_tensor_model_parallel_attributes(layer.weight, True, 0 if isinstance(style, ColumnParallel) else 1, 1)
+    if not linear.weight.is_meta:
         with torch.no_grad():
             full = {"weight": linear.weight, "bias": linear.bias}
             for name, p in layer.named_parameters(recurse=False):
                 p.copy_(shard(full[name], p, groups.tp_rank, groups.dims.tp))
-    return layer.to(linear.weight.device)
+    return layer
 
 
 def apply_tensor_parallel(model: nn.Module, plan: Plan, groups: ParallelGroups, sequence_parallel: bool) -> None:

@@ -1,0 +1,95 @@
+"""Attention over packed rows, on the fastest kernel the device has.
+
+A packed row holds several samples, and each token may attend only to its own sample's tokens (and its own
+sample's text). Two ways to say so:
+
+- `sdpa`: F.scaled_dot_product_attention. Rows of one sample each, without padding, need no mask at all and
+  run on the flash kernel. Packed rows get a dense boolean (B, 1, Nq, Nk) block-diagonal mask: correct on
+  every device, but on a GPU a mask leaves the flash kernel. This is the CPU path.
+- `flex`: FlexAttention with a block-diagonal BlockMask built once per forward and shared by every block.
+  Blocks of 128×128 query/key pairs that cross samples are skipped, so packed rows cost what their samples
+  would cost alone. FlexAttention has no CPU backward: on a CPU it serves inference only.
+- `auto`: flex on CUDA, sdpa elsewhere.
+
+Padding tokens (sample index −1) are no sample's keys. Under flex a query with no keys at all (padding, a
+sample whose text was dropped) gets a zero output; under sdpa the caller zeroes it with `has_keys`.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ditcore.errors import ConfigError
+from ditcore.layout import segment_mask
+
+BACKENDS = ("auto", "sdpa", "flex")
+
+
+def check_backend(backend: str) -> str:
+    if backend not in BACKENDS:
+        raise ConfigError("model.attention", backend, "one of " + ", ".join(BACKENDS) +
+                          " (auto: FlexAttention on CUDA, SDPA elsewhere)")
+    return backend
+
+
+def resolve(backend: str, device: torch.device) -> str:
+    """The backend `auto` stands for on this device."""
+    if check_backend(backend) == "auto":
+        return "flex" if device.type == "cuda" else "sdpa"
+    return backend
+
+
+@dataclass
+class Mask:
+    """Which keys each query of a row may see, in the form its backend takes, built once per forward."""
+
+    attn: torch.Tensor | object | None  # dense bool (B, 1, Nq, Nk), a flex BlockMask, or None: every key
+    has_keys: torch.Tensor | None = None  # (B, Nq, 1) for sdpa: queries whose sample has keys; None: all do
+
+
+def segments(backend: str, seg_q: torch.Tensor | None, seg_k: torch.Tensor | None) -> Mask:
+    """The mask for queries of samples `seg_q` (B, Nq) over keys of samples `seg_k` (B, Nk); −1 is no sample.
+
+    Both None: one sample per row with every token real, so no mask at all (the flash kernel on a GPU).
+    """
+    if seg_q is None and seg_k is None:
+        return Mask(None)
+    if backend == "flex":
+        return Mask(_block_mask(seg_q, seg_k))
+    mask, has_keys = segment_mask(seg_q, seg_k)
+    return Mask(mask, has_keys)
+
+
+def _block_mask(seg_q: torch.Tensor, seg_k: torch.Tensor):
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    def same_sample(b, h, q, kv):
+        return (seg_q[b, q] == seg_k[b, kv]) & (seg_k[b, kv] >= 0)
+
+    (B, Nq), device = seg_q.shape, seg_q.device
+    # On CUDA the mask is evaluated by a compiled kernel, block by block, never as a dense (B, Nq, Nk) tensor.
+    return create_block_mask(same_sample, B, None, Nq, seg_k.shape[1], device=device,
+                             _compile=device.type == "cuda")
+
+
+@functools.cache
+def _flex_attention(device_type: str):
+    from torch.nn.attention.flex_attention import flex_attention
+
+    if device_type == "cuda":  # the fused kernel; uncompiled flex_attention is a slow reference
+        return torch.compile(flex_attention, dynamic=False)
+    return flex_attention  # CPU: forward only, unfused (used for inference and to test the masks)
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask) -> torch.Tensor:
+    """Attention of q (B, H, Nq, hd) over k, v (B, H, Nk, hd) → (B, H, Nq, hd), as `mask` allows."""
+    if mask.attn is None or isinstance(mask.attn, torch.Tensor):
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.attn)
+        return out if mask.has_keys is None else out * mask.has_keys[:, None]
+    if q.device.type == "cpu":  # torch 2.13's compiled CPU flex kernel misreads strided views: give it dense ones
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    return _flex_attention(q.device.type)(q, k, v, block_mask=mask.attn)  # CUDA: strided views, no copies

@@ -1,0 +1,46 @@
+"""`materialize(model, seed, device, groups)`: initial weights for a model built on the meta device, shard by shard.
+
+    with torch.device("meta"):
+        model = DiT(cfg)            # shapes only: no storage
+    parallelize(model, groups)      # still meta: this rank's shard shapes
+    materialize(model, seed, device, groups)
+
+Each parameter's full one-device value comes from the model's own rule (`DiT.initial_value`, seeded by seed and
+the parameter's name): it is computed on `device` one parameter at a time, this rank keeps its tensor-parallel shard
+and the rest is freed. No rank ever holds the whole model, on the host or on the device, and every layout starts
+from the weights `DiT(cfg).init_weights(seed)` gives one device of the same type.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ditcore.parallel.dims import ParallelGroups
+from ditcore.parallel.tensor_parallel import full_shape, shard
+
+
+def materialize(model: nn.Module, seed: int, device: torch.device | str,
+                groups: ParallelGroups | None = None) -> nn.Module:
+    """Allocate every parameter and buffer of `model` on `device` and fill it with its shard of its initial value."""
+    rule = getattr(model, "initial_value", None)
+    if rule is None:
+        raise TypeError(f"{type(model).__name__} has no initial_value(name, shape, seed, device) method: "
+                        "materialize needs the model's per-parameter initialisation rule")
+    tp, rank = (groups.dims.tp, groups.tp_rank) if groups is not None else (1, 0)
+    device = torch.device(device)
+    done: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id → (meta, real): a shared tensor stays shared
+    with torch.no_grad():
+        for prefix, module in model.named_modules():
+            for key, t in [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]:
+                if id(t) not in done:
+                    name = f"{prefix}.{key}" if prefix else key
+                    full = rule(name, full_shape(t, tp), seed, device)  # the whole one-device value, on device
+                    local = torch.empty_like(t, device=device).copy_(shard(full, t, rank, tp))
+                    del full
+                    if isinstance(t, nn.Parameter):
+                        local = nn.Parameter(local, requires_grad=t.requires_grad)
+                        local.__dict__.update(t.__dict__)  # Megatron's TP tags and ours: grads.py, consolidate.py
+                    done[id(t)] = (t, local)
+                setattr(module, key, done[id(t)][1])  # a buffer stays a buffer, persistent or not
+    return model
