@@ -29,6 +29,7 @@ from ditcore.export import export_model
 from ditcore.flops import batch_flops, gpu_peak_flops, measure_cpu_peak_flops
 from ditcore.media import write_sample
 from ditcore.models import DiT, DiTConfig, apply_activation_checkpointing, apply_compile, preset
+from ditcore.models.dit import check_positions
 from ditcore.parallel import (
     ParallelDims,
     ParallelGroups,
@@ -315,6 +316,7 @@ def train_step(run: Setup, t: Trainee, it, step: int) -> tuple[torch.Tensor, tor
     for micro in range(run.accum):
         batch = next(it)
         tokens += int(batch.mask.sum())  # still on the host
+        check_positions(batch.pos, model_cfg.max_grid)  # here, not in the model's forward, where it would sync
         flops += batch_flops(model_cfg, batch)
         batch = batch.to(fabric.device, non_blocking=True)  # from pinned memory on a GPU: an asynchronous copy
         g = step_generator(cfg.train.seed, step, micro, run.groups.dp_rank, fabric.device)  # TP/CP peers alike

@@ -86,6 +86,8 @@ class DiTConfig:
 
 
 def check_positions(pos: torch.Tensor, max_grid: tuple[int, int, int]) -> None:
+    """Refuse positions outside max_grid. Reading the answer waits for the device: call it on host tensors (the
+    model does so for CPU inputs; dit-train checks each batch before copying it to the GPU)."""
     limit = torch.tensor(max_grid, device=pos.device)
     bad = (pos < 0) | (pos >= limit)
     if bad.any():
@@ -421,7 +423,8 @@ class DiT(nn.Module):
         """
         cfg = self.cfg
         B, N, _ = x.shape
-        check_positions(pos, cfg.max_grid)
+        if pos.device.type == "cpu":  # free on the host; on a GPU it would stall every forward (callers check)
+            check_positions(pos, cfg.max_grid)
         attn_span, local = self.rows.spans(N)  # tokens this rank's attention sees; tokens it holds
         seq = attn_span.stop - attn_span.start
         seg_local = None if seg is None else seg[:, local]
@@ -469,6 +472,7 @@ class DiT(nn.Module):
         cfg = self.cfg
         B, _, T, H, W = x.shape
         grid = (T // cfg.patch_size_t, H // cfg.patch_size, W // cfg.patch_size)
+        check_positions(torch.tensor(grid) - 1, cfg.max_grid)  # the largest position, on the host
         tokens = patchify(x, cfg.patch_size, cfg.patch_size_t)
         pos = grid_positions(grid, device=x.device)
         text_mask = cond.pop("text_mask", None)
