@@ -382,11 +382,12 @@ def test_a_training_step_never_waits_for_the_gpu(dataset, tmp_path):
     run = setup(cfg)
     trainee = build(run)
     it = iter(trainee.loader)
-    train_step(run, trainee, it, 0)  # warm-up: allocations, lazy initialisation
+    for step in range(3):  # warm-up: allocations, lazy initialisation, DDP rebuilding its buckets (step 2)
+        train_step(run, trainee, it, step)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        loss, grad_norm, tokens, flops = train_step(run, trainee, it, 1)
+        loss, grad_norm, tokens, flops = train_step(run, trainee, it, 3)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert loss.device.type == "cuda" and grad_norm.device.type == "cuda"

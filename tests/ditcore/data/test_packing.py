@@ -71,3 +71,11 @@ def test_rows_of_one_whole_sample_need_no_masks():
     assert not padded.whole_rows and padded.model_inputs()["seg"] is padded.seg
     two = collate([PackedRow([smp, smp])], seq_length=8)
     assert not two.whole_rows and two.model_inputs()["seg"] is two.seg
+
+
+def test_text_length_is_padded_to_the_multiple_asked():
+    grid = (1, 2, 2)
+    smp = TokenSample("k", torch.randn(4, 6), grid_positions(grid), grid, torch.randn(3, 8), 1, 8.0, "")
+    b = collate([PackedRow([smp, smp])], seq_length=8, text_multiple=4)
+    assert b.text.shape == (1, 8, 8) and b.text_seg.tolist() == [[0, 0, 0, 1, 1, 1, -1, -1]]
+    assert not b.whole_text and collate([PackedRow([smp])], seq_length=4, text_multiple=4).text.shape[1] == 4

@@ -11,9 +11,11 @@ from ditcore.models.attention import attend, resolve, segments
 from ditcore.testing import assert_close_fp32, dit_forward_work, dit_grad_work
 
 
-def test_auto_picks_flex_on_cuda_and_sdpa_elsewhere():
+def test_auto_picks_flex_to_train_on_cuda_and_sdpa_elsewhere():
     assert resolve("auto", torch.device("cpu")) == "sdpa"
     assert resolve("auto", torch.device("cuda")) == "flex"
+    assert resolve("auto", torch.device("cuda"), training=False) == "sdpa"  # sampling: whole rows, flash
+    assert resolve("flex", torch.device("cuda"), training=False) == "flex"
     assert resolve("sdpa", torch.device("cuda")) == "sdpa"
     with pytest.raises(ConfigError, match=r"model\.attention.*'fast'.*auto, sdpa, flex"):
         resolve("fast", torch.device("cpu"))

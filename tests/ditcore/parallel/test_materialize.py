@@ -111,3 +111,15 @@ def test_parallelizing_a_meta_model_allocates_nothing():
     assert all(p.is_meta for p in model.parameters())
     assert sum(is_tp_sharded(p) for p in model.parameters()) == 11 * cfg.depth
     assert grown < 64 * 2**20, f"parallelizing on meta grew RSS by {grown / 2**20:.0f} MiB"
+
+
+def test_tensor_parallel_linears_keep_the_autocast_dtype():
+    """Megatron adds its fp32 bias to the bf16 matmul inside, which would turn the rest of the block into fp32;
+    the wrappers add it in the output's dtype, as nn.Linear under autocast does. (TP=1 of 2 ranks: the fake
+    backend's collectives return their input, which is all the dtypes need.)"""
+    with fake_tp(0, sequence_parallel=False) as groups:
+        model = materialize(parallelize(meta_model(), groups), SEED, "cpu", groups)
+        x = torch.randn(5, 2, CFG.hidden_size)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            column, row = model.blocks[0].attn.qkv(x), model.blocks[0].mlp[2](torch.randn(5, 2, 128))
+    assert column.dtype == row.dtype == torch.bfloat16

@@ -220,7 +220,8 @@ def build(run: Setup) -> Trainee:
                           seq_length=cfg.data.seq_length, batch_size=cfg.train.micro_batch,
                           num_workers=cfg.data.num_workers, dp_rank=groups.dp_rank, dp_size=groups.dims.dp,
                           dp_group=groups.dp_group, shuffle_buffer_size=cfg.data.shuffle_buffer,
-                          packing_buffer_size=cfg.data.packing_buffer, seed=cfg.train.seed)
+                          packing_buffer_size=cfg.data.packing_buffer, seed=cfg.train.seed,
+                          text_multiple=128 if run.on_gpu else 1)  # 128: FlexAttention's key block
     state = {runs.MODEL: model, "optimizer": optimizer, runs.EMA: ema.module, "scheduler": scheduler, "step": 0,
              "history": []}  # history: [step, loss] of every step
     return Trainee(model, ema, optimizer, scheduler, loader, EDMLoss(cfg.edm.p_mean, cfg.edm.p_std),
@@ -247,7 +248,7 @@ def fit(run: Setup, t: Trainee, validator: Validator, config_yaml: str) -> dict:
         loss, grad_norm, tokens, flops = train_step(run, t, it, step)
         step += 1
         t.state["step"] = step
-        pending.append(Pending(step, loss, time.perf_counter() - t0, tokens, flops))
+        pending.append(Pending(step, loss, grad_norm, time.perf_counter() - t0, tokens, flops))
         bar.update()
 
         signalled = preempted.signalled()
@@ -285,24 +286,28 @@ class Pending:
 
     step: int
     loss: torch.Tensor  # 0-d, on the device
+    grad_norm: torch.Tensor  # 0-d, on the device: finite loss, inf gradients (a bf16 overflow) diverge too
     seconds: float  # host time to queue it
     tokens: int
     flops: float
 
 
 def read_back(pending: list[Pending], window: Window, history: list, preempted: Preempted, bar, lr: float) -> None:
-    """Wait for the queued steps, then record their losses (one transfer). A non-finite loss on any rank stops
-    every rank with Diverged; the time spent waiting for the device is charged to the steps waited for."""
+    """Wait for the queued steps, then record their losses (one transfer). A non-finite loss or gradient norm on
+    any rank stops every rank with Diverged; the time spent waiting for the device is charged to the steps waited
+    for."""
     t0 = time.perf_counter()
-    losses = torch.stack([p.loss for p in pending]).tolist()
+    values = torch.stack([torch.stack([p.loss.double(), p.grad_norm.double()]) for p in pending]).tolist()
     waited = time.perf_counter() - t0
-    bad = next(((p.step, loss) for p, loss in zip(pending, losses, strict=True) if not math.isfinite(loss)), None)
+    bad = next(((p.step, what, v[i]) for p, v in zip(pending, values, strict=True)
+                for i, what in enumerate(("loss", "gradient norm")) if not math.isfinite(v[i])), None)
     if preempted.any_rank(bad is not None):
         bar.close()
-        where = f"at step {bad[0]} (this rank: {bad[1]})" if bad else "on another rank"
-        raise Diverged(f"the loss is not finite {where}: training diverged — lower optim.lr (now {lr:g}) or raise "
+        step, what, value = bad or (None, "loss", None)
+        where = f"at step {step} (this rank: {value})" if bad else "on another rank"
+        raise Diverged(f"the {what} is not finite {where}: training diverged — lower optim.lr (now {lr:g}) or raise "
                        "optim.warmup_steps; no checkpoint was written for it, the newest one is kept for --resume auto")
-    for i, (p, loss) in enumerate(zip(pending, losses, strict=True)):
+    for i, (p, (loss, _)) in enumerate(zip(pending, values, strict=True)):
         history.append([p.step, loss])
         window.add(p.seconds + (waited if i == len(pending) - 1 else 0.0), loss, p.tokens, p.flops)
 

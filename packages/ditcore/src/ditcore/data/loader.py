@@ -87,9 +87,10 @@ class PackingTaskEncoder(TaskEncoder):
 
     cookers = (Cooker(cook),)
 
-    def __init__(self, *, patch_size: int, patch_size_t: int, seq_length: int, text_dim: int):
+    def __init__(self, *, patch_size: int, patch_size_t: int, seq_length: int, text_dim: int, text_multiple: int = 1):
         super().__init__()
         self.p, self.pt, self.seq_length, self.text_dim = patch_size, patch_size_t, seq_length, text_dim
+        self.text_multiple = text_multiple
         self._skipped: Counter = Counter()
 
     def _skip(self, sample: LatentSample, reason: str):
@@ -132,7 +133,7 @@ class PackingTaskEncoder(TaskEncoder):
         return PackedSample.derive_from(samples[0], row=PackedRow([s.item for s in samples]))
 
     def batch(self, packs: list[PackedSample]) -> PackedBatch:
-        batch = collate([p.row for p in packs], self.seq_length)
+        batch = collate([p.row for p in packs], self.seq_length, self.text_multiple)
         batch.skipped = dict(self._skipped + _ERRORS)
         self._skipped.clear()
         _ERRORS.clear()
@@ -237,11 +238,13 @@ def build_loader(
     packing_buffer_size: int | None = None,
     max_samples_per_sequence: int = 100,
     seed: int = 0,
+    text_multiple: int = 1,
 ):
     """An endless, resumable loader of PackedBatch for one data-parallel rank.
 
     Broken shards are left out (logged, and counted in `loader.skipped_at_start`); unreadable samples and
-    bad latents are skipped and counted in each batch's `skipped`.
+    bad latents are skipped and counted in each batch's `skipped`. text_multiple: each batch's text length is
+    padded up to a multiple of it (compiled GPU kernels then see a few text lengths, not one per batch).
     """
     root = Path(root)
     info = read_info(root)
@@ -259,7 +262,7 @@ def build_loader(
                                  data_parallel_group=dp_group, seed_offset=seed,
                                  global_error_handler=count_error)
     encoder = PackingTaskEncoder(patch_size=patch_size, patch_size_t=patch_size_t, seq_length=seq_length,
-                                 text_dim=info.text_encoder["dim"])
+                                 text_dim=info.text_encoder["dim"], text_multiple=text_multiple)
     dataset = get_train_dataset(
         str(root), dataset_config=crude_config(root),  # dataset.yaml is the typed view, for Energon's CLI
         worker_config=worker_config, batch_size=batch_size, task_encoder=encoder,

@@ -104,12 +104,14 @@ class PackedBatch:
         return dataclasses.replace(self, **{k: getattr(self, k).pin_memory() for k in self.TENSORS})
 
 
-def collate(rows: list[PackedRow], seq_length: int) -> PackedBatch:
+def collate(rows: list[PackedRow], seq_length: int, text_multiple: int = 1) -> PackedBatch:
+    """Rows → one batch; the text length L is the longest row's text, padded up to a multiple of text_multiple."""
     B = len(rows)
     first = rows[0].samples[0]
     patch_dim, text_dim = first.tokens.shape[1], first.text.shape[1]
     S = max(len(r.samples) for r in rows)
     L = max(sum(s.text.shape[0] for s in r.samples) for r in rows)
+    L = -(-L // text_multiple) * text_multiple
     out = PackedBatch(
         x=torch.zeros(B, seq_length, patch_dim), pos=torch.zeros(B, seq_length, 3, dtype=torch.long),
         seg=torch.full((B, seq_length), -1), text=torch.zeros(B, L, text_dim), text_seg=torch.full((B, L), -1),

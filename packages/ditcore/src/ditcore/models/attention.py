@@ -9,15 +9,16 @@ sample's text). Two ways to say so:
 - `flex`: FlexAttention with a block-diagonal BlockMask built once per forward and shared by every block.
   Blocks of 128×128 query/key pairs that cross samples are skipped, so packed rows cost what their samples
   would cost alone. FlexAttention has no CPU backward: on a CPU it serves inference only.
-- `auto`: flex on CUDA, sdpa elsewhere.
+- `auto`: flex to train on CUDA; sdpa elsewhere, and for inference, whose rows hold one whole sample each (flash)
+  and whose shapes (batch, frames, size) change from request to request, each a new compilation under flex.
 
-Padding tokens (sample index −1) are no sample's keys. Under flex a query with no keys at all (padding, a
-sample whose text was dropped) gets a zero output; under sdpa the caller zeroes it with `has_keys`.
+Padding tokens (sample index −1) are no real sample's keys. Under flex, a query with no keys at all (padding, a
+sample whose text was dropped) gets a zero output. Under sdpa padding queries attend to the padding (their
+outputs are never used), and a query whose sample has no text is zeroed with `has_keys`.
 """
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -36,10 +37,10 @@ def check_backend(backend: str) -> str:
     return backend
 
 
-def resolve(backend: str, device: torch.device) -> str:
-    """The backend `auto` stands for on this device."""
+def resolve(backend: str, device: torch.device, training: bool = True) -> str:
+    """The backend `auto` stands for on this device, for training (gradients on) or inference."""
     if check_backend(backend) == "auto":
-        return "flex" if device.type == "cuda" else "sdpa"
+        return "flex" if device.type == "cuda" and training else "sdpa"
     return backend
 
 
@@ -65,24 +66,34 @@ def segments(backend: str, seg_q: torch.Tensor | None, seg_k: torch.Tensor | Non
 
 
 def _block_mask(seg_q: torch.Tensor, seg_k: torch.Tensor):
-    from torch.nn.attention.flex_attention import create_block_mask
-
     def same_sample(b, h, q, kv):
         return (seg_q[b, q] == seg_k[b, kv]) & (seg_k[b, kv] >= 0)
 
     (B, Nq), device = seg_q.shape, seg_q.device
-    # On CUDA the mask is evaluated by a compiled kernel, block by block, never as a dense (B, Nq, Nk) tensor.
-    return create_block_mask(same_sample, B, None, Nq, seg_k.shape[1], device=device,
-                             _compile=device.type == "cuda")
+    return _kernels(device.type).create_block_mask(same_sample, B, None, Nq, seg_k.shape[1], device=device)
 
 
-@functools.cache
-def _flex_attention(device_type: str):
-    from torch.nn.attention.flex_attention import flex_attention
+@dataclass(frozen=True)
+class _Kernels:
+    create_block_mask: object
+    flex_attention: object
 
-    if device_type == "cuda":  # the fused kernel; uncompiled flex_attention is a slow reference
-        return torch.compile(flex_attention, dynamic=False)
-    return flex_attention  # CPU: forward only, unfused (used for inference and to test the masks)
+
+_KERNELS: dict[str, _Kernels] = {}  # by device type; a plain dict, which torch.compile reads without tracing a cache
+
+
+def _kernels(device_type: str) -> _Kernels:
+    if device_type not in _KERNELS:
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+        if device_type == "cuda":  # fused kernels; the uncompiled ones are slow references that build (Nq, Nk)
+            # The BlockMask is computed block by block, never as a dense (B, Nq, Nk) tensor. Inside compiled blocks
+            # flex_attention is compiled with them; the compiled wrapper serves eager blocks.
+            _KERNELS[device_type] = _Kernels(torch.compile(create_block_mask),
+                                             torch.compile(flex_attention, dynamic=False))
+        else:  # CPU: forward only, unfused (inference and the tests of the masks)
+            _KERNELS[device_type] = _Kernels(create_block_mask, flex_attention)
+    return _KERNELS[device_type]
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask) -> torch.Tensor:
@@ -92,4 +103,4 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask) -> tor
         return out if mask.has_keys is None else out * mask.has_keys[:, None]
     if q.device.type == "cpu":  # torch 2.13's compiled CPU flex kernel misreads strided views: give it dense ones
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    return _flex_attention(q.device.type)(q, k, v, block_mask=mask.attn)  # CUDA: strided views, no copies
+    return _kernels(q.device.type).flex_attention(q, k, v, block_mask=mask.attn)  # CUDA: strided views, no copies

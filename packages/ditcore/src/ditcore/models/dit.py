@@ -439,7 +439,7 @@ class DiT(nn.Module):
         else:
             pe = sincos_3d(pos[..., local, :], cfg.hidden_size).to(h.dtype)
             h = h + (pe[:, None] if pe.ndim == 2 else pe.transpose(0, 1))
-        backend = resolve(self.attention, x.device)
+        backend = resolve(self.attention, x.device, training=torch.is_grad_enabled())
         q_seg = None if seg is None else seg[:, attn_span]
         mask = segments(backend, q_seg, seg)  # block-diagonal over samples; built once, shared by all blocks
         a = AttentionInputs(batch=B, seq=seq, rope=rope, mask=mask, rows=self.rows)

@@ -34,8 +34,8 @@ def grad_norm(model: nn.Module, groups: ParallelGroups | None) -> torch.Tensor:
     """Global L2 norm of the gradients, a float64 tensor on their device: TP shards' squares are summed over TP,
     replicated parameters counted once. One fused (foreach) reduction per kind, one collective, no host sync.
 
-    torch._foreach_norm computes every gradient's norm in float64 (one kernel launch for many tensors), and
-    their squares are summed in float64: the norm carries only the gradients' own error, in any layout.
+    torch._foreach_norm gives every gradient's norm (one kernel launch for many tensors; accumulated in float64
+    on a CPU, in float32 on a GPU) as float64, and their squares are summed in float64.
     """
     sharded = [p.grad for p in model.parameters() if p.grad is not None and is_tp_sharded(p)]
     replicated = [p.grad for p in model.parameters() if p.grad is not None and not is_tp_sharded(p)]
@@ -49,11 +49,12 @@ def grad_norm(model: nn.Module, groups: ParallelGroups | None) -> torch.Tensor:
 def clip_grad_norm_(model: nn.Module, max_norm: float, groups: ParallelGroups | None) -> torch.Tensor:
     """Scale the gradients so that their global norm is at most max_norm (inf: measure only); returns the norm.
 
-    A non-finite norm leaves the gradients as they are (the step's loss says what went wrong).
+    A non-finite norm leaves the gradients as they are (scaling by max_norm/inf = 0 would turn inf into NaN);
+    the caller sees the norm and stops.
     """
     norm = grad_norm(model, groups)
     if max_norm != float("inf"):
-        scale = torch.nan_to_num(max_norm / (norm + 1e-6), nan=1.0).clamp(max=1.0)
+        scale = torch.where(norm.isfinite(), (max_norm / (norm + 1e-6)).clamp(max=1.0), 1.0)
         torch._foreach_mul_([p.grad for p in model.parameters() if p.grad is not None], scale.float())
     return norm
 

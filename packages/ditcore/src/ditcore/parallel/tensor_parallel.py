@@ -22,13 +22,18 @@ from ditcore.parallel.plan import ColumnParallel, Plan, RowParallel
 def _parallel_linear_classes():
     from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
+    # Megatron returns (output, bias), and adds an fp32 bias to a bf16 matmul under autocast, which promotes the
+    # output (and all that follows) to fp32. Like nn.Linear: return the output, the bias added in its dtype.
+    def with_bias(output, bias):
+        return output if bias is None else output + bias.to(output.dtype)
+
     class Column(ColumnParallelLinear):
-        def forward(self, x):  # Megatron returns (output, bias); like nn.Linear, return the output, bias added
-            return super().forward(x)[0]
+        def forward(self, x):
+            return with_bias(*super().forward(x))
 
     class Row(RowParallelLinear):
         def forward(self, x):
-            return super().forward(x)[0]
+            return with_bias(*super().forward(x))
 
     return Column, Row
 
@@ -73,7 +78,7 @@ def _megatron_linear(style: ColumnParallel | RowParallel, linear: nn.Linear, gro
         gradient_accumulation_fusion=False,
     )
     out_f, in_f = linear.weight.shape
-    kw = dict(config=config, init_method=nn.init.zeros_, bias=linear.bias is not None, skip_bias_add=False,
+    kw = dict(config=config, init_method=nn.init.zeros_, bias=linear.bias is not None, skip_bias_add=True,
               tp_group=groups.tp_group)
     with torch.device(linear.weight.device):  # only this rank's shard is allocated, where the linear lives
         if isinstance(style, ColumnParallel):
