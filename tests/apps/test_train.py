@@ -1,6 +1,7 @@
 """dit-train as a user runs it: configs, exact resume (1 process and TP=2), signals, outputs."""
 
 import csv
+import functools
 import json
 import math
 import os
@@ -392,3 +393,23 @@ def test_a_training_step_never_waits_for_the_gpu(dataset, tmp_path):
         torch.cuda.set_sync_debug_mode("default")
     assert loss.device.type == "cuda" and grad_norm.device.type == "cuda"
     assert math.isfinite(loss.item()) and tokens > 0 and flops > 0
+
+
+def test_an_infinite_gradient_norm_diverges_like_a_nan_loss():
+    """A finite loss with inf gradients (a bf16 overflow in backward) would write NaN weights: it stops too."""
+    from tqdm import tqdm
+
+    from dit_train.train import Diverged, Pending, Window, read_back
+
+    class OneRank:
+        def any_rank(self, flag: bool) -> bool:
+            return flag
+
+    norm = functools.partial(torch.tensor, dtype=torch.float64)
+    pending = [Pending(1, torch.tensor(0.5), norm(1.0), 0.1, 10, 1.0),
+               Pending(2, torch.tensor(0.25), norm(float("inf")), 0.1, 10, 1.0)]
+    with pytest.raises(Diverged, match=r"the gradient norm is not finite at step 2 \(this rank: inf\)"):
+        read_back(pending, Window(), [], OneRank(), tqdm(disable=True), 1e-3)
+    history, window = [], Window()
+    read_back(pending[:1], window, history, OneRank(), tqdm(disable=True), 1e-3)
+    assert history == [[1, 0.5]] and (window.steps, window.tokens) == (1, 10)
