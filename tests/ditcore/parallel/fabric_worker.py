@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 import torch
-from lightning.fabric import Fabric
+from lightning_fabric import Fabric
 
 from ditcore import runs
 from ditcore.diffusion import EDMLoss, EDMPrecond

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from lightning.fabric import Fabric
-from lightning.fabric.loggers import CSVLogger, TensorBoardLogger
+from lightning_fabric import Fabric
+from lightning_fabric.loggers import CSVLogger, TensorBoardLogger
 from tqdm import tqdm
 
 from dit_train import checkpoint

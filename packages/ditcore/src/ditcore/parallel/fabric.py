@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from lightning.fabric.strategies import DDPStrategy
+from lightning_fabric.strategies import DDPStrategy
 from torch.nn.parallel import DistributedDataParallel
 
 from ditcore.parallel.dims import ParallelDims, ParallelGroups, default_backend
