@@ -33,7 +33,7 @@ BACKENDS = ("auto", "sdpa", "flex")
 def check_backend(backend: str) -> str:
     if backend not in BACKENDS:
         raise ConfigError("model.attention", backend, "one of " + ", ".join(BACKENDS) +
-                          " (auto: FlexAttention on CUDA, SDPA elsewhere)")
+                          " (auto: flex to train on CUDA, sdpa elsewhere)")
     return backend
 
 

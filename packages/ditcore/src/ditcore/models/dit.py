@@ -442,6 +442,7 @@ class DiT(nn.Module):
         backend = resolve(self.attention, x.device, training=torch.is_grad_enabled())
         q_seg = None if seg is None else seg[:, attn_span]
         mask = segments(backend, q_seg, seg)  # block-diagonal over samples; built once, shared by all blocks
+        mask.has_keys = None  # every query is a key of its own sample: no output to zero on this hot path
         a = AttentionInputs(batch=B, seq=seq, rope=rope, mask=mask, rows=self.rows)
 
         if cfg.text_dim:
