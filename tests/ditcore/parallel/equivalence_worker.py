@@ -26,6 +26,7 @@ from ditcore.parallel import (
     parallelize,
 )
 from ditcore.parallel.consolidate import gather_full
+from ditcore.parallel.fsdp import apply_fsdp
 
 CFG = preset("DiT-Tiny", hidden_size=64, depth=2, num_heads=4, in_channels=4, num_classes=5, text_dim=16,
              fps_cond=True)
@@ -102,7 +103,7 @@ def diff(a: torch.Tensor, b: torch.Tensor) -> tuple[float, float]:
     return d, d / max(b.double().abs().max().item(), 1e-30)
 
 
-def run_case(name: str, dims: ParallelDims, packed: bool, checkpointing: str = "none") -> dict:
+def run_case(name: str, dims: ParallelDims, packed: bool, checkpointing: str = "none", fsdp: bool = False) -> dict:
     g = torch.Generator().manual_seed(7)
     batch = packed_batch(g) if packed else unpacked_batch(g)
 
@@ -122,11 +123,15 @@ def run_case(name: str, dims: ParallelDims, packed: bool, checkpointing: str = "
     parallelize(model, groups)
     load_consolidated(model, init, groups)
     apply_activation_checkpointing(model, checkpointing)  # recomputes the sharded linears and their collectives
-    ddp = DistributedDataParallel(model, process_group=groups.dp_cp_group)
+    if fsdp:  # parameters, gradients and optimizer state split again over DP×CP
+        apply_fsdp(model, groups, "cpu")
+        wrapper = None
+    else:
+        wrapper = DistributedDataParallel(model, process_group=groups.dp_cp_group)
     dp_size, dp_rank = groups.dims.dp, groups.dp_rank
     per_rank = batch["x"].shape[0] // dp_size
     mine = slice(dp_rank * per_rank, (dp_rank + 1) * per_rank)
-    out, loss = step(model, rows(batch, mine), ddp)
+    out, loss = step(model, rows(batch, mine), wrapper)
     unfinished = gather_full(model, {k: p.grad for k, p in model.named_parameters()}, groups)
     finalize_grads(model, groups)
     grads = gather_full(model, {k: p.grad for k, p in model.named_parameters()}, groups)
@@ -163,6 +168,10 @@ CASES = {
     "tp2_packed_selective": (ParallelDims(tp=2), True, "selective"),  # replays the row-parallel in-place all-reduce
     "tp2_sp_packed_block": (ParallelDims(tp=2, sequence_parallel=True), True, "block"),
     "cp2_packed_selective": (ParallelDims(cp=2), True, "selective"),
+    "fsdp_dp2": (ParallelDims(), False, "none", True),
+    "fsdp_tp2_sp_packed": (ParallelDims(tp=2, sequence_parallel=True), True, "none", True),  # FSDP over one rank
+    "fsdp_cp2_packed_selective": (ParallelDims(cp=2), True, "selective", True),
+    "fsdp_tp2_sp_dp2": (ParallelDims(tp=2, sequence_parallel=True), False, "block", True),  # 4 processes
 }
 
 

@@ -9,7 +9,9 @@ from ditcore.testing import dit_forward_work, dit_grad_work, fp32_tolerance
 from .equivalence_worker import CFG, GRID, B
 
 CASES = ["tp2", "tp2_sp", "cp2", "dp2", "tp2_packed", "tp2_sp_packed", "cp2_packed",
-         "tp2_packed_selective", "tp2_sp_packed_block", "cp2_packed_selective"]  # + activation checkpointing
+         "tp2_packed_selective", "tp2_sp_packed_block", "cp2_packed_selective",  # + activation checkpointing
+         "fsdp_dp2", "fsdp_tp2_sp_packed", "fsdp_cp2_packed_selective"]  # + sharded data parallel (FSDP2)
+CASES_4 = ["fsdp_tp2_sp_dp2"]  # 4 processes: TP=2 × FSDP over DP=2
 
 # Float32 work of each compared value (ditcore.testing): rows of 32 tokens with at most 12 text tokens (the packed
 # batch's); EDMPrecond adds c_skip·x + c_out·F (+2) and the layouts split reductions over 2 ranks, then add the
@@ -29,14 +31,22 @@ WORK = {
 @pytest.fixture(scope="module")
 def results(tmp_path_factory, run_torchrun):
     out = tmp_path_factory.mktemp("eq") / "results.json"
-    proc = run_torchrun("equivalence_worker.py", str(out))
+    proc = run_torchrun("equivalence_worker.py", str(out), *CASES)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(out.read_text())
 
 
-@pytest.mark.parametrize("case", CASES)
-def test_layout_matches_one_process(results, case):
-    r = results[case]
+@pytest.fixture(scope="module")
+def results_4(tmp_path_factory, run_torchrun):
+    out = tmp_path_factory.mktemp("eq4") / "results.json"
+    proc = run_torchrun("equivalence_worker.py", str(out), *CASES_4, nproc=4)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(out.read_text())
+
+
+@pytest.mark.parametrize("case", CASES + CASES_4)
+def test_layout_matches_one_process(request, case):
+    r = request.getfixturevalue("results_4" if case in CASES_4 else "results")[case]
     for what, work in WORK.items():
         abs_diff, rel_diff = r[what]
         bound = fp32_tolerance(work, scale=1.0)  # the differences are relative to the reference's largest magnitude

@@ -109,6 +109,10 @@ class Parallel(Section):
     cp: int = Field(1, ge=1)
     pp: int = Field(1, ge=1)
     sequence_parallel: bool = False
+    fsdp: bool = Field(False, description="shard parameters, gradients, optimizer state and EMA over the data-parallel "
+                                         "x context-parallel ranks (FSDP2), on top of tp/cp")
+    reduce_dtype: Literal["fp32", "bf16"] = Field("fp32", description="with fsdp: the dtype gradients are "
+                                                                       "reduce-scattered in")
     devices: int = Field(1, ge=1, description="processes per node when not launched by torchrun (Fabric starts "
                                               "them)")
     accelerator: Literal["auto", "cpu", "gpu"] = "auto"

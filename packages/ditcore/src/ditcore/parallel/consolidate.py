@@ -9,8 +9,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from ditcore.parallel.dims import ParallelGroups
+from ditcore.parallel.fsdp import local, local_piece
 from ditcore.parallel.plan import Plan
 from ditcore.parallel.tensor_parallel import is_tp_sharded, shard
 
@@ -18,12 +20,14 @@ from ditcore.parallel.tensor_parallel import is_tp_sharded, shard
 def gather_full(model: nn.Module, tensors: dict[str, torch.Tensor], groups: ParallelGroups | None):
     """Unshard tensors named and shaped like `model`'s parameters/buffers (weights or gradients).
 
-    Collective over TP: call on every rank. Rank 0 gets the one-device tensors on CPU, the others None.
+    Collective over TP (and over DP×CP for FSDP's DTensors): call on every rank. Rank 0 gets the one-device
+    tensors on CPU, the others None.
     """
     params = dict(model.named_parameters())
     full = {}
     for k, v in tensors.items():
         p = params.get(k)
+        v = v.full_tensor() if isinstance(v, DTensor) else v  # this TP shard, gathered over DP×CP
         if groups is not None and groups.dims.tp > 1 and p is not None and is_tp_sharded(p):
             parts = [torch.empty_like(v) for _ in range(groups.dims.tp)]
             dist.all_gather(parts, v.detach().contiguous(), group=groups.tp_group)
@@ -44,19 +48,19 @@ def load_consolidated(model: nn.Module, state: dict[str, torch.Tensor], groups: 
     """Load a one-device state dict into a model of any layout: each rank takes its shard."""
     params = dict(model.named_parameters())
     tp, rank = (groups.dims.tp, groups.tp_rank) if groups is not None else (1, 0)
-    local = without_extra_state(model.state_dict())
-    missing, unexpected = local.keys() - state.keys(), state.keys() - local.keys()
+    own = without_extra_state(model.state_dict())
+    missing, unexpected = own.keys() - state.keys(), state.keys() - own.keys()
     if missing or unexpected:
         raise KeyError(f"state dict does not fit this model: missing {sorted(missing)[:5]}, "
                        f"unexpected {sorted(unexpected)[:5]} — is it a checkpoint of another architecture?")
     with torch.no_grad():
-        for k, v in local.items():
+        for k, v in own.items():
             p = params.get(k)
             src = shard(state[k], p, rank, tp) if p is not None else state[k]
             if src.shape != v.shape:
                 raise ValueError(f"{k}: checkpoint shape {tuple(state[k].shape)} does not fit this model's "
                                  f"{tuple(v.shape)} (shard of tp={tp})")
-            v.copy_(src)
+            local(v).copy_(local_piece(src, v))  # under FSDP, this rank's piece of its shard
 
 
 def consolidate_shards(shards: list[dict[str, torch.Tensor]], plan: Plan) -> dict[str, torch.Tensor]:

@@ -7,6 +7,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ditcore.parallel.dims import ParallelGroups
+from ditcore.parallel.fsdp import is_fsdp, local
 from ditcore.parallel.tensor_parallel import is_tp_sharded
 
 
@@ -16,34 +17,41 @@ def finalize_grads(model: nn.Module, groups: ParallelGroups | None) -> None:
     1. Sum partial gradients of replicated parameters over TP (tagged by `parallelize` from the plan).
     2. Context parallel: every CP rank computed the full loss but only its slice of the tokens, so its
        gradients are partial sums; DDP averaged them over DP×CP, which divides by cp once too often.
+
+    Under FSDP each rank does the same to its DP×CP piece of every gradient (TP peers hold the same pieces).
     """
     if groups is None:
         return
-    partial = [p.grad for p in model.parameters() if p.grad is not None and getattr(p, "tp_partial_grad", False)]
+    partial = [local(p.grad) for p in model.parameters()
+               if p.grad is not None and getattr(p, "tp_partial_grad", False)]
     if partial and groups.dims.tp > 1:
         flat = torch.cat([g.reshape(-1) for g in partial])
         dist.all_reduce(flat, group=groups.tp_group)  # one collective for all of them
         torch._foreach_copy_(partial, [s.view_as(g) for g, s in zip(partial, flat.split([g.numel() for g in partial]),
                                                                          strict=True)])
     if groups.dims.cp > 1:
-        grads = [p.grad for p in model.parameters() if p.grad is not None]
-        torch._foreach_mul_(grads, float(groups.dims.cp))
+        torch._foreach_mul_(_grads(model), float(groups.dims.cp))
 
 
 def grad_norm(model: nn.Module, groups: ParallelGroups | None) -> torch.Tensor:
     """Global L2 norm of the gradients, a float64 tensor on their device: TP shards' squares are summed over TP,
-    replicated parameters counted once. One fused (foreach) reduction per kind, one collective, no host sync.
+    replicated parameters counted once; under FSDP every rank's pieces are summed over DP×CP. One fused (foreach)
+    reduction per kind, one collective per kind of split, no host sync.
 
     torch._foreach_norm gives every gradient's norm (one kernel launch for many tensors; accumulated in float64
     on a CPU, in float32 on a GPU) as float64, and their squares are summed in float64.
     """
-    sharded = [p.grad for p in model.parameters() if p.grad is not None and is_tp_sharded(p)]
-    replicated = [p.grad for p in model.parameters() if p.grad is not None and not is_tp_sharded(p)]
-    device = next(model.parameters()).device
+    params = [p for p in model.parameters() if p.grad is not None]
+    sharded = [local(p.grad) for p in params if is_tp_sharded(p)]
+    replicated = [local(p.grad) for p in params if not is_tp_sharded(p)]
+    device = local(next(model.parameters())).device
     sharded_sq, replicated_sq = (_sum_of_squares(grads, device) for grads in (sharded, replicated))
     if groups is not None and groups.dims.tp > 1:
         dist.all_reduce(sharded_sq, group=groups.tp_group)
-    return (sharded_sq + replicated_sq).sqrt()
+    total = sharded_sq + replicated_sq
+    if groups is not None and is_fsdp(model):  # every parameter is split over DP×CP: add up the pieces
+        dist.all_reduce(total, group=groups.dp_cp_group)
+    return total.sqrt()
 
 
 def clip_grad_norm_(model: nn.Module, max_norm: float, groups: ParallelGroups | None) -> torch.Tensor:
@@ -55,8 +63,13 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, groups: ParallelGroups | 
     norm = grad_norm(model, groups)
     if max_norm != float("inf"):
         scale = torch.where(norm.isfinite(), (max_norm / (norm + 1e-6)).clamp(max=1.0), 1.0)
-        torch._foreach_mul_([p.grad for p in model.parameters() if p.grad is not None], scale.float())
+        torch._foreach_mul_(_grads(model), scale.float())
     return norm
+
+
+def _grads(model: nn.Module) -> list[torch.Tensor]:
+    """This rank's gradient tensors (local pieces under FSDP), to scale in place."""
+    return [local(p.grad) for p in model.parameters() if p.grad is not None]
 
 
 def _sum_of_squares(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
