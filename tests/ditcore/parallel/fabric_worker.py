@@ -1,9 +1,11 @@
-"""Training through Fabric + MegatronStrategy at TP=2, with a checkpoint in the middle.
+"""Training through Fabric + MegatronStrategy, checkpointing with one layout and resuming with another.
 
-    torchrun --nproc-per-node 2 fabric_worker.py straight OUT    # 4 steps, saving a checkpoint after 2
-    python fabric_worker.py resume OUT                           # Fabric's own launcher: load it, 2 more steps
+    torchrun --nproc-per-node 2 fabric_worker.py straight tp2 OUT    # 4 steps at TP=2, a checkpoint after 2
+    python fabric_worker.py resume tp2 OUT                           # Fabric's own launcher: load it, 2 more steps
+    torchrun --nproc-per-node 2 fabric_worker.py resume fsdp OUT     # the same from FSDP over DP=2; saves at 4
+    python fabric_worker.py load one OUT                             # one process: load FSDP's step-4 checkpoint
 
-Both write losses, the consolidated final weights and the model's output on a probe batch to OUT (rank 0).
+Each writes its losses, the consolidated final weights and the model's output on a probe batch to OUT (rank 0).
 """
 
 from __future__ import annotations
@@ -15,69 +17,89 @@ from pathlib import Path
 import torch
 from lightning_fabric import Fabric
 
-from ditcore import runs
-from ditcore.diffusion import EDMLoss, EDMPrecond
+from ditcore.diffusion import EMA, EDMLoss, EDMPrecond
 from ditcore.layout import grid_positions
 from ditcore.models import DiT, preset
-from ditcore.parallel import ParallelDims, consolidated_state_dict, finalize_grads, load_consolidated, parallelize
+from ditcore.parallel import ParallelDims, consolidated_state_dict, finalize_grads, materialize, parallelize
+from ditcore.parallel import dist_checkpoint as dcp
+from ditcore.parallel.consolidate import gather_full, without_extra_state
 from ditcore.parallel.fabric import MegatronStrategy
+from ditcore.parallel.fsdp import apply_fsdp
 
-CFG = preset("DiT-Tiny", in_channels=4, num_classes=5, text_dim=16)
+CFG = preset("DiT-Tiny", in_channels=4, num_classes=4, text_dim=16)  # 5 class rows: uneven over 2 FSDP ranks
 POS = grid_positions((1, 4, 4))
-STEPS, SAVE_AT = 4, 2
+STEPS, SAVE_AT, ROWS = 4, 2, 4
+LAYOUTS = {"tp2": (ParallelDims(tp=2), False, 2), "fsdp": (ParallelDims(), True, 2), "one": (ParallelDims(), False, 1)}
 
 
 def batch(step: int):
     g = torch.Generator().manual_seed(1000 + step)  # the data and noise of step k are fixed
-    return dict(x=torch.randn(4, 16, CFG.patch_dim, generator=g) * 0.5,
-                sigma=torch.exp(torch.randn(4, 1, generator=g) * 1.2 - 1.2),
-                noise=torch.randn(4, 16, CFG.patch_dim, generator=g),
-                class_labels=torch.randint(0, 6, (4, 1), generator=g), text=torch.randn(4, 5, 16, generator=g))
+    return dict(x=torch.randn(ROWS, 16, CFG.patch_dim, generator=g) * 0.5,
+                sigma=torch.exp(torch.randn(ROWS, 1, generator=g) * 1.2 - 1.2),
+                noise=torch.randn(ROWS, 16, CFG.patch_dim, generator=g),
+                class_labels=torch.randint(0, 5, (ROWS, 1), generator=g), text=torch.randn(ROWS, 5, 16, generator=g))
 
 
-def train_step(fabric, model, opt, groups, step: int) -> float:
-    b = batch(step)
+def build(groups, fsdp: bool):
+    with torch.device("meta"):
+        model = DiT(CFG)
+    parallelize(model, groups)
+    if fsdp:
+        apply_fsdp(model, groups, "cpu")
+    return materialize(model, 0, "cpu", groups)
+
+
+def train_step(fabric, model, opt, ema, groups, step: int) -> float:
+    """One AdamW step on this rank's rows of the step's batch; returns the loss of the whole batch."""
+    per = ROWS // groups.dims.dp
+    b = {k: v[groups.dp_rank * per:(groups.dp_rank + 1) * per] for k, v in batch(step).items()}
     loss = EDMLoss()(EDMPrecond(model), b["x"], sigma=b["sigma"], noise=b["noise"], pos=POS,
                      class_labels=b["class_labels"], text=b["text"])
     opt.zero_grad()
     fabric.backward(loss)
     finalize_grads(model.module, groups)
     opt.step()
-    return loss.item()
+    ema.update(model.module)
+    return fabric.all_reduce(loss.detach(), group=groups.dp_group, reduce_op="mean").item()
 
 
 def main() -> None:
-    mode, out = sys.argv[1], Path(sys.argv[2])
-    strategy = MegatronStrategy(ParallelDims(tp=2), shard_file=runs.shard_file)
-    fabric = Fabric(accelerator="cpu", devices=2, strategy=strategy)
+    mode, layout, out = sys.argv[1], sys.argv[2], Path(sys.argv[3])
+    dims, fsdp, devices = LAYOUTS[layout]
+    strategy = MegatronStrategy(dims, fsdp=fsdp)
+    fabric = Fabric(accelerator="cpu", devices=devices, strategy=strategy)
     fabric.launch()
     groups = strategy.groups
 
-    torch.manual_seed(0)
-    model = DiT(CFG)
-    full_init = {k: v.clone() for k, v in model.state_dict().items()}  # identical on every rank (seeded)
-    parallelize(model, groups)
-    load_consolidated(model, full_init, groups)
+    model = build(groups, fsdp)
+    ema = EMA(model, 0.5, module=build(groups, fsdp)) if fsdp else EMA(model, 0.5)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     model, opt = fabric.setup(model, opt)
 
+    def tensors():
+        return dcp.state_tensors(model.module, ema.module, opt, groups, "cpu")
+
     losses, start = [], 0
-    if mode == "resume":
-        state = {"model": model, "optimizer": opt, "step": 0}
-        fabric.load(out / "checkpoint", state)
-        start = state["step"]
+    if mode in ("resume", "load"):
+        values = dcp.load(out / ("checkpoint" if mode == "resume" else "checkpoint-fsdp"), tensors())
+        dcp.load_optimizer_hyperparameters(opt, values["optim_groups"])
+        start = values["step"]
     for step in range(start, STEPS):
-        losses.append(train_step(fabric, model, opt, groups, step))
+        losses.append(train_step(fabric, model, opt, ema, groups, step))
         if mode == "straight" and step + 1 == SAVE_AT:
-            fabric.save(out / "checkpoint", {"model": model, "optimizer": opt, "step": SAVE_AT})
+            dcp.save(out / "checkpoint", tensors(), {"step": SAVE_AT, "optim_groups": dcp.optimizer_hyperparameters(opt)})
+    if mode == "resume" and layout == "fsdp":
+        dcp.save(out / "checkpoint-fsdp", tensors(), {"step": STEPS, "optim_groups": dcp.optimizer_hyperparameters(opt)})
 
     final = consolidated_state_dict(model.module, groups)
+    final_ema = gather_full(model.module, without_extra_state(ema.module.state_dict()), groups)
     b = batch(99)
     with torch.no_grad():
         probe = EDMPrecond(model.module)(b["x"], b["sigma"], pos=POS, class_labels=b["class_labels"], text=b["text"])
     if fabric.global_rank == 0:
-        torch.save({"weights": final, "probe_output": probe}, out / f"{mode}.pt")
-        (out / f"{mode}.json").write_text(json.dumps({"losses": losses, "start": start,
+        name = f"{mode}-{layout}"
+        torch.save({"weights": final, "ema": final_ema, "probe_output": probe}, out / f"{name}.pt")
+        (out / f"{name}.json").write_text(json.dumps({"losses": losses, "start": start,
                                                       "world_size": fabric.world_size}))
     fabric.barrier()
 

@@ -1,4 +1,5 @@
-"""MegatronStrategy: TP=2 training through Fabric, sharded checkpoints, exact resume, consolidated export."""
+"""MegatronStrategy + layout-free checkpoints: TP=2 training through Fabric, resumed with the same layout (bitwise),
+with FSDP over DP=2 (the same losses within fp32 rounding), and FSDP's checkpoint loaded on one process."""
 
 import json
 import os
@@ -11,48 +12,77 @@ import torch
 from ditcore.diffusion import EDMPrecond
 from ditcore.models import DiT
 from ditcore.parallel import load_consolidated
-from ditcore.testing import assert_close_fp32, dit_forward_work
+from ditcore.parallel import dist_checkpoint as dcp
+from ditcore.testing import assert_close_fp32, dit_forward_work, dit_grad_work, fp32_tolerance
 
 from .conftest import HERE, free_port
-from .fabric_worker import CFG, POS, SAVE_AT, STEPS, batch
+from .fabric_worker import CFG, POS, ROWS, SAVE_AT, STEPS, batch
+
+
+def fabric_launch(*args):
+    env = {**os.environ, "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    return subprocess.run([sys.executable, str(HERE / "fabric_worker.py"), *args], capture_output=True, text=True,
+                          timeout=240, env=env)
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, run_torchrun):
     out = tmp_path_factory.mktemp("fabric")
-    straight = run_torchrun("fabric_worker.py", "straight", str(out))  # launched by torchrun
-    assert straight.returncode == 0, straight.stderr[-4000:]
-    env = {**os.environ, "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    resume = subprocess.run([sys.executable, str(HERE / "fabric_worker.py"), "resume", str(out)],  # Fabric launches
-                            capture_output=True, text=True, timeout=240, env=env)
-    assert resume.returncode == 0, resume.stderr[-4000:]
+    for proc in (run_torchrun("fabric_worker.py", "straight", "tp2", str(out)),  # launched by torchrun
+                 fabric_launch("resume", "tp2", str(out)),  # by Fabric's own launcher
+                 run_torchrun("fabric_worker.py", "resume", "fsdp", str(out)),
+                 fabric_launch("load", "one", str(out))):
+        assert proc.returncode == 0, proc.stderr[-4000:]
     return out
 
 
-def test_checkpoint_keeps_every_tensor_parallel_shard(runs):
-    shards = sorted((runs / "checkpoint").iterdir())
-    assert [p.name for p in shards] == ["model_parallel_rank_00.pt", "model_parallel_rank_01.pt"]
-    a, b = (torch.load(p, weights_only=False)["model"] for p in shards)
-    qkv = "blocks.0.attn.qkv.weight"
-    assert a[qkv].shape == b[qkv].shape == (3 * CFG.hidden_size // 2, CFG.hidden_size)  # half the heads each
-    assert not torch.equal(a[qkv], b[qkv])
-    assert torch.equal(a["t_embedder.mlp.0.weight"], b["t_embedder.mlp.0.weight"])  # replicated stays equal
+def result(runs, name):
+    return json.loads((runs / f"{name}.json").read_text()), torch.load(runs / f"{name}.pt")
 
 
-def test_resume_in_a_fresh_job_continues_bitwise(runs):
-    straight = json.loads((runs / "straight.json").read_text())
-    resume = json.loads((runs / "resume.json").read_text())
+def test_checkpoint_holds_one_device_tensors_written_in_pieces(runs):
+    ckpt = runs / "checkpoint"
+    assert dcp.files_of_rank(ckpt, 0) == ["__0_0.distcp", dcp.METADATA] and dcp.files_of_rank(ckpt, 1) == ["__1_0.distcp"]
+    assert all((ckpt / name).stat().st_size > 1000 for name in ["__0_0.distcp", "__1_0.distcp"])  # both wrote
+    model = dcp.read_full(ckpt, dcp.MODEL)  # no process group: consolidated from the TP=2 pieces
+    assert model.keys() == DiT(CFG).state_dict().keys()
+    assert model["blocks.0.attn.qkv.weight"].shape == (3 * CFG.hidden_size, CFG.hidden_size)
+    moments = dcp.read_full(ckpt, dcp.OPTIM)
+    assert moments["final.linear.weight.exp_avg"].abs().sum() > 0  # AdamW state is there, whole
+    assert float(moments["blocks.0.attn.qkv.weight.step"]) == SAVE_AT
+
+
+def test_resume_with_the_same_layout_continues_bitwise(runs):
+    (straight, a), (resume, b) = result(runs, "straight-tp2"), result(runs, "resume-tp2")
     assert resume["start"] == SAVE_AT and len(straight["losses"]) == STEPS
     assert resume["losses"] == straight["losses"][SAVE_AT:]  # exact float equality
-    a, b = torch.load(runs / "straight.pt"), torch.load(runs / "resume.pt")
-    assert a["weights"].keys() == b["weights"].keys()
     for k in a["weights"]:
         assert torch.equal(a["weights"][k], b["weights"][k]), k
     assert torch.equal(a["probe_output"], b["probe_output"])
 
 
+def test_resume_with_fsdp_over_two_ranks_continues_within_fp32_rounding(runs):
+    (straight, _), (resume, _) = result(runs, "straight-tp2"), result(runs, "resume-fsdp")
+    assert resume["start"] == SAVE_AT
+    # The two layouts split each step's reductions differently (TP halves vs DP halves): relative 1e-6 as the issue
+    # asks, and within the float32 bound of two steps of gradients through this model
+    work = 2 * (dit_grad_work(CFG, seq_len=len(POS), text_len=5, tokens=ROWS * len(POS)) + 2 + 2)
+    for s, r in zip(straight["losses"][SAVE_AT:], resume["losses"], strict=True):
+        assert abs(s - r) / abs(s) < min(1e-6, fp32_tolerance(work, scale=1.0)), (s, r)
+
+
+def test_fsdp_checkpoint_loads_on_one_process(runs):
+    (fsdp, a), (one, b) = result(runs, "resume-fsdp"), result(runs, "load-one")
+    assert one["start"] == STEPS and one["world_size"] == 1
+    for what in ("weights", "ema"):  # model, EMA (and AdamW state, loaded along) are the FSDP run's last ones
+        assert a[what].keys() == b[what].keys()
+        for k in a[what]:
+            assert torch.equal(a[what][k], b[what][k]), (what, k)
+    assert not torch.equal(a["weights"]["final.linear.weight"], a["ema"]["final.linear.weight"])
+
+
 def test_consolidated_tp2_weights_give_the_same_outputs_on_one_device(runs):
-    final = torch.load(runs / "straight.pt")
+    _, final = result(runs, "straight-tp2")
     model = DiT(CFG)
     load_consolidated(model, final["weights"], None)
     b = batch(99)
@@ -65,7 +95,7 @@ def test_consolidated_tp2_weights_give_the_same_outputs_on_one_device(runs):
 
 
 def test_loading_another_architecture_is_a_clear_error(runs):
-    final = torch.load(runs / "straight.pt")
+    _, final = result(runs, "straight-tp2")
     other = DiT(CFG.replace(text_dim=0))
     with pytest.raises(KeyError, match=r"unexpected .*cross.* another architecture"):
         load_consolidated(other, final["weights"], None)
