@@ -17,8 +17,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file
 
+from ditcore import durable, runs
 from ditcore.media import read_video
 
 BIN = Path(sys.executable).parent
@@ -62,20 +64,25 @@ def video_of(result) -> np.ndarray:
     return read_video(video["video"] if isinstance(video, dict) else video)
 
 
+def ema_of_step(run, step: int) -> dict[str, torch.Tensor]:
+    weights = load_file(run / "export" / "model.safetensors")
+    g = torch.Generator().manual_seed(step)
+    return {k: v + 0.05 * torch.randn(v.shape, generator=g) for k, v in weights.items()}
+
+
 @pytest.fixture(scope="module")
 def run_dir(checkpoint, tmp_path_factory):
     """The tiny run with three complete training checkpoints (different EMA weights) and one incomplete one."""
     run = tmp_path_factory.mktemp("abuse") / "run"
     shutil.copytree(checkpoint, run)
-    weights = load_file(run / "export" / "model.safetensors")
     for step in (2, 3, 4, 5):
         folder = run / "checkpoints" / f"step-{step:07d}"
-        folder.mkdir(parents=True)
-        g = torch.Generator().manual_seed(step)
-        ema = {k: v + 0.05 * torch.randn(v.shape, generator=g) for k, v in weights.items()}
-        torch.save({"ema": ema}, folder / "model_parallel_rank_00.pt")
+        ema = ema_of_step(run, step)
+        dcp.save({f"ema.{k}": v for k, v in ema.items()}, no_dist=True,
+                 storage_writer=dcp.FileSystemWriter(str(folder), single_file_per_rank=True))
         if step != 5:  # step 5 is still being written: no COMPLETE marker yet
-            (folder / "COMPLETE").write_text(json.dumps({"step": step}))
+            files = {name: durable.digest(folder / name) for name in ("__0_0.distcp", ".metadata")}
+            runs.write_manifest(folder, step, {"world_size": 1}, files)
     return run
 
 
@@ -173,7 +180,7 @@ def test_loaded_checkpoints_are_bounded_least_recently_used_first(run_dir, tmp_p
     for label in ("step-0000002", "step-0000003", "step-0000002", "step-0000004"):
         models.get(label)
     assert list(models.loaded) == ["step-0000002", "step-0000004"]  # 3 was least recently used
-    saved = torch.load(run / "checkpoints/step-0000004/model_parallel_rank_00.pt")["ema"]
+    saved = ema_of_step(run, 4)
     state = models.get("step-0000004").exported.model.state_dict()
     assert all(torch.equal(state[k], v) for k, v in saved.items())
     assert models.get(EXPORT) is models.base and len(models.loaded) == 2

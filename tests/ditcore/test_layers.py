@@ -16,7 +16,7 @@ LAYERS = [
     {"ditcore", "ditcore.errors", "ditcore.layout", "ditcore.durable", "ditcore.media", "ditcore.cli"},
     {"ditcore.models", "ditcore.codecs", "ditcore.data", "ditcore.diffusion"},
     {"ditcore.parallel", "ditcore.flops", "ditcore.testing", "ditcore.export", "ditcore.sampling", "ditcore.training"},
-    {"ditcore.runs"},
+    {"ditcore.runs", "ditcore.memory"},
 ]
 
 

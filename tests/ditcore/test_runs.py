@@ -2,26 +2,19 @@
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 
 from ditcore import durable, runs
 from ditcore.models import DiT, preset
-from ditcore.parallel.plan import DIT_PLAN
 
 
-def write_checkpoint(run_dir, step, full: dict, tp: int):
-    """A checkpoint as dit-train writes it under TP=tp: each shard file holds its piece of the weights."""
+def write_checkpoint(run_dir, step, full: dict):
+    """A checkpoint as dit-train writes it, from one process: DCP's files and the manifest."""
     ckpt = runs.step_dir(run_dir, step)
-    ckpt.mkdir(parents=True)
-    files = {}
-    for rank in range(tp):
-        piece = {}
-        for k, v in full.items():
-            dim = DIT_PLAN.partition_dim(k)
-            piece[k] = v if dim is None else v.chunk(tp, dim=dim)[rank].clone()
-        name = runs.shard_file(rank)
-        torch.save({runs.MODEL: piece, runs.EMA: {k: v * 2 for k, v in piece.items()}}, ckpt / name)
-        files[name] = durable.digest(ckpt / name)
-    runs.write_manifest(ckpt, step, tp, files)
+    state = {f"{runs.MODEL}.{k}": v for k, v in full.items()} | {f"{runs.EMA}.{k}": v * 2 for k, v in full.items()}
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(str(ckpt), single_file_per_rank=True), no_dist=True)
+    files = {name: durable.digest(ckpt / name) for name in ["__0_0.distcp", ".metadata"]}
+    runs.write_manifest(ckpt, step, {"world_size": 1}, files)
     return ckpt
 
 
@@ -30,9 +23,8 @@ def full():
     return DiT(preset("DiT-Tiny", text_dim=8)).state_dict()
 
 
-@pytest.mark.parametrize("tp", [1, 2])
-def test_load_weights_consolidates_the_ema_of_any_tp(tmp_path, full, tp):
-    ckpt = write_checkpoint(tmp_path, 3, full, tp)
+def test_load_weights_reads_the_ema_or_the_model(tmp_path, full):
+    ckpt = write_checkpoint(tmp_path, 3, full)  # pieces of other layouts: tests/ditcore/parallel/test_fabric_checkpoint
     ema = runs.load_weights(ckpt)
     assert ema.keys() == full.keys()
     assert all(torch.equal(ema[k], full[k] * 2) for k in full)
@@ -41,7 +33,7 @@ def test_load_weights_consolidates_the_ema_of_any_tp(tmp_path, full, tp):
 
 def test_complete_checkpoints_are_found_oldest_first_and_unfinished_ones_ignored(tmp_path, full):
     for step in (10, 2):
-        write_checkpoint(tmp_path, step, full, 1)
+        write_checkpoint(tmp_path, step, full)
     unfinished = runs.step_dir(tmp_path, 20)
     unfinished.mkdir()
     runs.tmp_dir(runs.step_dir(tmp_path, 30)).mkdir()
@@ -50,11 +42,11 @@ def test_complete_checkpoints_are_found_oldest_first_and_unfinished_ones_ignored
         runs.load_weights(unfinished)
 
 
-def test_a_damaged_shard_is_named_before_it_is_loaded(tmp_path, full):
-    ckpt = write_checkpoint(tmp_path, 3, full, 2)
-    shard = ckpt / runs.shard_file(1)
-    shard.write_bytes(shard.read_bytes()[:100])  # truncated after the manifest was written
-    with pytest.raises(runs.CheckpointError, match=rf"damaged: .*{runs.shard_file(1)}"):
+def test_a_damaged_file_is_named_before_it_is_loaded(tmp_path, full):
+    ckpt = write_checkpoint(tmp_path, 3, full)
+    data = ckpt / "__0_0.distcp"
+    data.write_bytes(data.read_bytes()[:100])  # truncated after the manifest was written
+    with pytest.raises(runs.CheckpointError, match=r"damaged: .*__0_0.distcp"):
         runs.load_weights(ckpt)
 
 
@@ -69,9 +61,9 @@ def test_find_export_takes_an_export_or_a_run_directory(tmp_path):
         runs.find_export(tmp_path / "nope")
 
 
-def test_a_lost_shard_is_named_not_consolidated_to_half_width(tmp_path, full):
-    ckpt = write_checkpoint(tmp_path, 3, full, 2)
-    (ckpt / runs.shard_file(1)).unlink()
-    with pytest.raises(runs.CheckpointError, match=rf"has lost {runs.shard_file(1)}"):
+def test_a_lost_file_is_named(tmp_path, full):
+    ckpt = write_checkpoint(tmp_path, 3, full)
+    (ckpt / "__0_0.distcp").unlink()
+    with pytest.raises(runs.CheckpointError, match=r"has lost __0_0.distcp"):
         runs.load_weights(ckpt)
 

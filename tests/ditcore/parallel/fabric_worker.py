@@ -19,6 +19,7 @@ from lightning_fabric import Fabric
 
 from ditcore.diffusion import EMA, EDMLoss, EDMPrecond
 from ditcore.layout import grid_positions
+from ditcore.memory import measured_state_bytes
 from ditcore.models import DiT, preset
 from ditcore.parallel import ParallelDims, consolidated_state_dict, finalize_grads, materialize, parallelize
 from ditcore.parallel import dist_checkpoint as dcp
@@ -63,6 +64,9 @@ def train_step(fabric, model, opt, ema, groups, step: int) -> float:
     return fabric.all_reduce(loss.detach(), group=groups.dp_group, reduce_op="mean").item()
 
 
+hyper = dcp.optimizer_hyperparameters
+
+
 def main() -> None:
     mode, layout, out = sys.argv[1], sys.argv[2], Path(sys.argv[3])
     dims, fsdp, devices = LAYOUTS[layout]
@@ -87,10 +91,13 @@ def main() -> None:
     for step in range(start, STEPS):
         losses.append(train_step(fabric, model, opt, ema, groups, step))
         if mode == "straight" and step + 1 == SAVE_AT:
-            dcp.save(out / "checkpoint", tensors(), {"step": SAVE_AT, "optim_groups": dcp.optimizer_hyperparameters(opt)})
+            dcp.save(out / "checkpoint", tensors(), {"step": SAVE_AT, "optim_groups": hyper(opt)})
     if mode == "resume" and layout == "fsdp":
-        dcp.save(out / "checkpoint-fsdp", tensors(), {"step": STEPS, "optim_groups": dcp.optimizer_hyperparameters(opt)})
+        dcp.save(out / "checkpoint-fsdp", tensors(), {"step": STEPS, "optim_groups": hyper(opt)})
 
+    held = measured_state_bytes(model.module, opt, ema.module)  # this rank's real tensors, gradients still there
+    most = fabric.all_gather(torch.tensor(list(held.values()))).reshape(-1, len(held)).amax(0)  # the largest rank's
+    held = dict(zip(held, most.tolist(), strict=True))
     final = consolidated_state_dict(model.module, groups)
     final_ema = gather_full(model.module, without_extra_state(ema.module.state_dict()), groups)
     b = batch(99)
@@ -100,7 +107,8 @@ def main() -> None:
         name = f"{mode}-{layout}"
         torch.save({"weights": final, "ema": final_ema, "probe_output": probe}, out / f"{name}.pt")
         (out / f"{name}.json").write_text(json.dumps({"losses": losses, "start": start,
-                                                      "world_size": fabric.world_size}))
+                                                      "world_size": fabric.world_size,
+                                                      "state_bytes": {k: int(v) for k, v in held.items()}}))
     fabric.barrier()
 
 

@@ -10,9 +10,10 @@ import pytest
 import torch
 
 from ditcore.diffusion import EDMPrecond
+from ditcore.memory import Layout, plan_from
 from ditcore.models import DiT
-from ditcore.parallel import load_consolidated
 from ditcore.parallel import dist_checkpoint as dcp
+from ditcore.parallel import load_consolidated
 from ditcore.testing import assert_close_fp32, dit_forward_work, dit_grad_work, fp32_tolerance
 
 from .conftest import HERE, free_port
@@ -42,7 +43,8 @@ def result(runs, name):
 
 def test_checkpoint_holds_one_device_tensors_written_in_pieces(runs):
     ckpt = runs / "checkpoint"
-    assert dcp.files_of_rank(ckpt, 0) == ["__0_0.distcp", dcp.METADATA] and dcp.files_of_rank(ckpt, 1) == ["__1_0.distcp"]
+    assert dcp.files_of_rank(ckpt, 0) == ["__0_0.distcp", dcp.METADATA]
+    assert dcp.files_of_rank(ckpt, 1) == ["__1_0.distcp"]
     assert all((ckpt / name).stat().st_size > 1000 for name in ["__0_0.distcp", "__1_0.distcp"])  # both wrote
     model = dcp.read_full(ckpt, dcp.MODEL)  # no process group: consolidated from the TP=2 pieces
     assert model.keys() == DiT(CFG).state_dict().keys()
@@ -72,7 +74,7 @@ def test_resume_with_fsdp_over_two_ranks_continues_within_fp32_rounding(runs):
 
 
 def test_fsdp_checkpoint_loads_on_one_process(runs):
-    (fsdp, a), (one, b) = result(runs, "resume-fsdp"), result(runs, "load-one")
+    (_, a), (one, b) = result(runs, "resume-fsdp"), result(runs, "load-one")
     assert one["start"] == STEPS and one["world_size"] == 1
     for what in ("weights", "ema"):  # model, EMA (and AdamW state, loaded along) are the FSDP run's last ones
         assert a[what].keys() == b[what].keys()
@@ -99,3 +101,18 @@ def test_loading_another_architecture_is_a_clear_error(runs):
     other = DiT(CFG.replace(text_dim=0))
     with pytest.raises(KeyError, match=r"unexpected .*cross.* another architecture"):
         load_consolidated(other, final["weights"], None)
+
+
+@pytest.mark.parametrize("run, tp, fsdp", [("resume-tp2", 2, False), ("resume-fsdp", 1, True)])
+def test_each_rank_holds_the_states_the_memory_plan_predicts(runs, run, tp, fsdp):
+    """Weights, gradients, AdamW state and EMA per rank (the largest rank's) are exactly the plan's figures."""
+    held = result(runs, run)[0]
+    layout = Layout(world_size=2, tp=tp, fsdp=fsdp, micro_batch=ROWS, seq_length=len(POS), text_len=5,
+                    precision="fp32")
+    plan = plan_from(CFG, layout)
+    assert held["state_bytes"] == {k: getattr(plan, k) for k in ("weights", "grads", "optimizer", "ema")}
+    if fsdp:  # FSDP over 2 ranks: about half of what one process holds (a little more: odd rows are padded)
+        one = plan_from(CFG, Layout(world_size=1, micro_batch=ROWS, seq_length=len(POS), text_len=5, precision="fp32"))
+        states = ("weights", "grads", "optimizer", "ema")
+        ratio = sum(getattr(plan, k) for k in states) / sum(getattr(one, k) for k in states)
+        assert 0.5 <= ratio < 0.51, ratio

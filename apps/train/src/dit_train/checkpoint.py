@@ -1,9 +1,15 @@
-"""Saving and resuming training checkpoints with Lightning Fabric (the layout: ditcore.runs).
+"""Saving and resuming training checkpoints (the layout: ditcore.runs; the tensors: ditcore.parallel.dist_checkpoint).
 
-A checkpoint is written into `.tmp-step-XXXXXXX/`; every file is fsynced by the rank that wrote it, rank 0
-adds the `COMPLETE` manifest (size and CRC-32 of every file), fsyncs the folder and renames it into place.
-So a folder named step-XXXXXXX is complete whenever it exists, even after kill -9 or a power loss, and a
-file damaged later (truncated, overwritten) is detected before it is loaded.
+A checkpoint is written into `.tmp-step-XXXXXXX/`: every rank writes its pieces of the model, EMA and optimizer
+state (torch.distributed.checkpoint, in parallel), its RNG states, and one rank per data-parallel rank the data
+loader's position; each rank fsyncs and measures its own files, rank 0 adds the `COMPLETE` manifest (the layout,
+size and CRC-32 of every file), fsyncs the folder and renames it into place. So a folder named step-XXXXXXX is
+complete whenever it exists, even after kill -9 or a power loss, and a file damaged later (truncated,
+overwritten) is detected before it is loaded.
+
+Any layout resumes from any other (TP, CP, DP, FSDP, number of processes): weights, EMA, optimizer state, schedule
+and step exactly. The data loader's position is restored when the data-parallel size is unchanged; otherwise the
+loader starts its pass over the data again, and a note says so. RNG states are restored when the layout is the same.
 
 `--resume auto` takes the newest checkpoint that verifies and loads; a damaged one is reported in one line
 and the previous one is used instead. It never silently starts over.
@@ -19,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from ditcore import durable, runs
+from ditcore.parallel import dist_checkpoint
 from ditcore.runs import CheckpointError
 
 
@@ -35,32 +42,37 @@ def resolve_resume(run_dir: Path, resume: str) -> list[Path]:
     return [path]
 
 
+def layout(fabric) -> dict:
+    """The job's layout, as the manifest records it."""
+    dims = fabric.strategy.groups.dims
+    return {"world_size": fabric.world_size, "tp": dims.tp, "cp": dims.cp, "pp": dims.pp, "dp": dims.dp,
+            "fsdp": bool(fabric.strategy.fsdp)}
+
+
 def save(fabric, run_dir: Path, step: int, state: dict, loader, config_yaml: str, keep: int) -> Path:
     """Collective: every rank calls it. Returns the final checkpoint folder."""
+    groups, rank = fabric.strategy.groups, fabric.global_rank
     final = runs.step_dir(run_dir, step)
     tmp = runs.tmp_dir(final)
-    if fabric.global_rank == 0:
+    if rank == 0:
         durable.remove_leftovers(final.parent, (runs.TMP_PREFIX, durable.TRASH_PREFIX))  # from an interrupted save
         tmp.mkdir(parents=True)
     fabric.barrier()
-    fabric.save(tmp, state)  # the strategy writes one file per model-parallel shard, then waits for all
-    rank_state = {
-        "loader": pickle.dumps(loader.save_state_rank()),  # bytes: loads with weights_only
-        "torch_rng": torch.get_rng_state(),
-        "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
-    }
-    torch.save(rank_state, tmp / runs.rank_file(fabric.global_rank))
+    dist_checkpoint.save(tmp, _tensors(fabric, state), _values(state))  # each rank its pieces, fsynced
+    mine = [*dist_checkpoint.files_of_rank(tmp, rank), runs.rng_file(rank)]
+    torch.save({"torch": torch.get_rng_state(),
+                "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}, tmp / mine[-1])
+    if groups.tp_rank == 0 and groups.cp_rank == 0:  # one writer per data-parallel rank: its peers read the same
+        mine.append(runs.loader_file(groups.dp_rank))
+        (tmp / mine[-1]).write_bytes(pickle.dumps(loader.save_state_rank()))
     # Every rank makes its own files durable and measures them (in parallel); rank 0 records them all.
-    mine = [runs.rank_file(fabric.global_rank)]
-    if fabric.strategy.groups.is_model_parallel_writer:
-        mine.append(_shard_file(fabric))
     for name in mine:
         durable.fsync_file(tmp / name)
     files = {k: v for part in _all_ranks(fabric, {n: durable.digest(tmp / n) for n in mine}) for k, v in part.items()}
-    if fabric.global_rank == 0:
+    if rank == 0:
         durable.write_text(tmp / runs.CONFIG_FILE, config_yaml)
         files[runs.CONFIG_FILE] = durable.digest(tmp / runs.CONFIG_FILE)
-        runs.write_manifest(tmp, step, fabric.world_size, files)
+        runs.write_manifest(tmp, step, layout(fabric), files)
         durable.publish_dir(tmp, final)
         for old in runs.complete_checkpoints(run_dir)[:-keep]:
             durable.remove_dir(old)
@@ -78,11 +90,13 @@ def resume(fabric, run_dir: Path, resume_arg: str, state: dict, loader) -> Path 
     candidates = resolve_resume(run_dir, resume_arg)
     newest_problem = None
     for i, ckpt in enumerate(candidates):
-        problem, fatal = _agree(fabric, _load(fabric, ckpt, state, loader))
+        problem = _agree(fabric, _verify(fabric, ckpt))  # before loading, which is collective
+        if problem is None:
+            problem = _agree(fabric, _load(fabric, ckpt, state, loader))
         if problem is None:
             return ckpt
-        if fatal or resume_arg != "auto":
-            raise CheckpointError(problem if fatal else f"{problem} — pick another checkpoint, or --resume auto")
+        if resume_arg != "auto":
+            raise CheckpointError(f"{problem} — pick another checkpoint, or --resume auto")
         newest_problem = newest_problem or problem
         then = f"trying {candidates[i + 1].name} instead" if i + 1 < len(candidates) else "no older checkpoint left"
         if fabric.global_rank == 0:
@@ -95,45 +109,63 @@ def resume(fabric, run_dir: Path, resume_arg: str, state: dict, loader) -> Path 
     return None
 
 
-def _load(fabric, ckpt: Path, state: dict, loader) -> tuple[str | None, bool]:
-    """Verify this rank's files against the manifest, then load them: (what went wrong or None, fatal?).
-
-    Fatal problems are about the job, not the files (another number of processes): an older checkpoint
-    would not help.
-    """
-    ckpt = Path(ckpt)
+def _verify(fabric, ckpt: Path) -> str | None:
+    """Check the checkpoint's files against its manifest, each file by one rank (all in parallel)."""
     manifest = runs.read_manifest(ckpt)
-    written_by = manifest.get("world_size")
-    shard, mine = _shard_file(fabric), runs.rank_file(fabric.global_rank)
-    if not (ckpt / mine).is_file() or written_by not in (None, fabric.world_size):
-        return (f"checkpoint {ckpt} was written by {written_by or 'another number of'} processes, this job has "
-                f"{fabric.world_size}: resume with the same number, or start a new run from its export"), True
-    for name in (shard, mine):
+    files = sorted(manifest.get("files") or {})
+    if dist_checkpoint.METADATA not in files:
+        return (f"checkpoint {ckpt} was written by an older dit-train (per-shard files, no "
+                f"{dist_checkpoint.METADATA}): start a new run from that run's export/")
+    for name in files[fabric.global_rank::fabric.world_size]:
         problem = runs.verify(ckpt, name, manifest)
         if problem:
-            return problem, False
+            return problem
+    return None
+
+
+def _load(fabric, ckpt: Path, state: dict, loader) -> str | None:
+    """Collective: load the checkpoint into `state` and the loader; what went wrong, or None."""
     try:
-        fabric.load(ckpt, state)
-    except Exception as e:  # verified, yet unreadable (e.g. written by another version): try the previous one
-        return f"checkpoint {ckpt} does not load: {shard}: {_first_line(e)}", False
+        values = dist_checkpoint.load(ckpt, _tensors(fabric, state))
+        state["step"], state["history"] = values["step"], values["history"]
+        state["scheduler"].load_state_dict(values["scheduler"])
+        dist_checkpoint.load_optimizer_hyperparameters(state["optimizer"], values["optim_groups"])
+    except Exception as e:  # verified, yet unreadable (e.g. written for another model)
+        return f"checkpoint {ckpt} does not load: {_first_line(e)}"
+    written, now = runs.read_manifest(ckpt).get("layout", {}), layout(fabric)
+    groups, rank = fabric.strategy.groups, fabric.global_rank
     try:
-        rank_state = torch.load(ckpt / mine, weights_only=True)
-        loader.restore_state_rank(pickle.loads(rank_state["loader"]))
+        if written.get("dp") == now["dp"]:
+            loader.restore_state_rank(pickle.loads((ckpt / runs.loader_file(groups.dp_rank)).read_bytes()))
+        elif rank == 0:
+            print(f"note: checkpoint {ckpt.name} was written with {written.get('dp')} data-parallel ranks, this job "
+                  f"has {now['dp']}: weights, EMA, optimizer state and step resume exactly, but the data loaders' "
+                  "positions do not carry over to another number of ranks, so they start their pass over the data "
+                  "again (samples of the current pass may be seen twice)", file=sys.stderr, flush=True)
+        if written == now:
+            rng = torch.load(ckpt / runs.rng_file(rank), weights_only=True)
+            torch.set_rng_state(rng["torch"])
+            if torch.cuda.is_available() and rng["cuda"]:
+                torch.cuda.set_rng_state_all(rng["cuda"])
     except Exception as e:
-        return f"checkpoint {ckpt} does not load: {mine}: {_first_line(e)}", False
-    torch.set_rng_state(rank_state["torch_rng"])
-    if torch.cuda.is_available() and rank_state["cuda_rng"]:
-        torch.cuda.set_rng_state_all(rank_state["cuda_rng"])
-    return None, False
+        return f"checkpoint {ckpt} does not load: {_first_line(e)}"
+    return None
+
+
+def _tensors(fabric, state: dict) -> dict[str, torch.Tensor]:
+    model = state[runs.MODEL]
+    return dist_checkpoint.state_tensors(getattr(model, "module", model), state[runs.EMA], state["optimizer"],
+                                         fabric.strategy.groups, fabric.device.type)
+
+
+def _values(state: dict) -> dict:
+    return {"step": state["step"], "history": state["history"], "scheduler": state["scheduler"].state_dict(),
+            "optim_groups": dist_checkpoint.optimizer_hyperparameters(state["optimizer"])}
 
 
 def _first_line(e: Exception) -> str:
     text = str(e).strip()
     return f"{type(e).__name__}: {text.splitlines()[0]}" if text else type(e).__name__
-
-
-def _shard_file(fabric) -> str:
-    return runs.shard_file(fabric.strategy.groups.tp_rank)
 
 
 def _all_ranks(fabric, value) -> list:
@@ -145,6 +177,6 @@ def _all_ranks(fabric, value) -> list:
     return parts
 
 
-def _agree(fabric, verdict: tuple[str | None, bool]) -> tuple[str | None, bool]:
-    """Every rank's verdict on the same checkpoint: a fatal problem first, then any problem, else (None, False)."""
-    return min(_all_ranks(fabric, verdict), key=lambda v: (not v[1], v[0] is None))
+def _agree(fabric, problem: str | None) -> str | None:
+    """Every rank's verdict on the same checkpoint: the first problem found, or None."""
+    return next((p for p in _all_ranks(fabric, problem) if p is not None), None)

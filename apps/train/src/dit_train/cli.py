@@ -28,13 +28,24 @@ def main(
     resume: str = typer.Option("auto", help="auto: continue from the newest complete checkpoint in RUN_DIR "
                                             "(fresh run if none); none: start over; or a checkpoint folder."),
     print_config: bool = typer.Option(False, "--print-config", help="Print the resolved config and exit."),
+    plan: bool = typer.Option(False, "--plan", help="Print the memory per GPU this config needs (weights, gradients, "
+                                                    "optimizer, EMA, buffers, activations) and exit: 0 if it fits in "
+                                                    "--gpu-memory, 2 with what to change if not. Starts nothing."),
+    world_size: int = typer.Option(None, "--world-size", min=1, help="With --plan: GPUs in all (default: "
+                                                                     "parallel.devices)."),
+    gpu_memory: float = typer.Option(80.0, "--gpu-memory", min=1, help="With --plan: GiB of memory per GPU."),
+    text_len: int = typer.Option(None, "--text-len", min=0, help="With --plan: text tokens per packed row (default: "
+                                                                 "128, the longest caption dit-prepare encodes)."),
+    text_dim: int = typer.Option(384, "--text-dim", min=0, help="With --plan, when data.path does not exist yet: "
+                                                                "width of the text states (384: MiniLM, dit-prepare's "
+                                                                "default; 4096: T5-XXL; 0: no text)."),
     version_: bool = version_option("dit-train"),
 ) -> None:
     """Train a diffusion transformer with the EDM objective (Lightning Fabric + Megatron-Core parallelism).
 
     Launch one process (or Fabric starts parallel.devices of them), or run under torchrun for several.
     Writes RUN_DIR (train.run_dir): checkpoints/, samples/, csv/ and tensorboard/ logs, loss.png, export/.
-    SIGTERM or SIGUSR1 saves a checkpoint and exits 0.
+    SIGTERM or SIGUSR1 saves a checkpoint and exits 0. --plan checks a layout before any GPU is spent on it.
     """
     from dit_train.config import load_config
     from ditcore.data.schema import DatasetError
@@ -47,6 +58,15 @@ def main(
     if print_config:
         typer.echo(cfg.to_yaml(), nl=False)
         raise typer.Exit()
+    if plan:
+        try:
+            fits = print_plan(cfg, world_size or cfg.parallel.devices, gpu_memory, text_len, text_dim)
+        except (ConfigError, DatasetError) as e:
+            hint = ""
+            if isinstance(e, ConfigError) and e.key == "parallel" and world_size is None:
+                hint = f" (the world size is parallel.devices={cfg.parallel.devices}: pass --world-size, the GPUs)"
+            _fail(f"{e}{hint}")
+        raise typer.Exit(0 if fits else 2)
     from dit_train.train import Diverged, train
     from ditcore import runs
 
@@ -59,6 +79,55 @@ def main(
         typer.echo(f"done: {result['step']} steps; export {runs.export_dir(run)}; loss curve {run / runs.LOSS_PLOT}")
         for path in result.get("samples") or []:
             typer.echo(f"sample    {path}")
+
+
+def print_plan(cfg, world_size: int, gpu_memory: float, text_len: int | None, text_dim: int) -> bool:
+    """Print the memory plan of `cfg` per GPU; on stderr, if it does not fit, what to change. Returns whether it fits.
+
+    Reads only the dataset's ditcore.json (channels, text width, classes); without a dataset, assumes the preset's
+    latent channels and text states of width text_dim. text_len: text tokens per row (None: one longest caption).
+    """
+    from dit_train.config import memory_layout
+    from dit_train.train import model_config
+    from ditcore.codecs.text import MAX_TOKENS
+    from ditcore.data.schema import DatasetInfo, read_info
+    from ditcore.memory import GiB, advise, plan_from, usable
+
+    if Path(cfg.data.path).exists():
+        info, source = read_info(cfg.data.path), f"dataset {cfg.data.path}"
+    else:
+        from ditcore.models import preset
+
+        info = DatasetInfo(codec={}, latent_stats={}, text_encoder={"name": "assumed", "dim": text_dim},
+                           latent_channels=preset(cfg.model.preset).in_channels, spatial_factor=1, temporal_factor=1)
+        source = f"data.path {cfg.data.path} does not exist yet: assumed"
+    model_cfg = model_config(cfg, info)
+    layout = memory_layout(cfg, world_size, (MAX_TOKENS if text_len is None else text_len) if model_cfg.text_dim else 0)
+    result = plan_from(model_cfg, layout)
+    gpu = gpu_memory * GiB
+    text = f"text states of width {model_cfg.text_dim}" if model_cfg.text_dim else "no text"
+    classes = f"{model_cfg.num_classes} classes" if model_cfg.num_classes else "no classes"
+    text_tokens = f" + {layout.text_len} text" if layout.text_len else ""
+    step = f"{layout.micro_batch} x {layout.seq_length} tokens{text_tokens} per micro-batch"
+    tricks = [layout.precision, f"activation checkpointing {layout.activation_checkpointing}"]
+    tricks += ["compiled blocks"] if layout.compile else []
+    typer.echo(f"model  {cfg.model.preset}: {result.params / 1e9:.3g} B parameters, "
+               f"{result.params_local / 1e9:.3g} B on each tensor-parallel rank")
+    typer.echo(f"data   {source} {model_cfg.in_channels} latent channels, {text}, {classes}")
+    typer.echo(f"layout {layout.describe()}")
+    typer.echo(f"step   {step}; {', '.join(tricks)}")
+    typer.echo(result.table(gpu))
+    if result.fits(gpu):
+        return True
+    changes, better = advise(model_cfg, layout, gpu)
+    need = (f"needs {result.total / GiB:.1f} GiB per GPU, more than the {usable(gpu) / GiB:.1f} GiB usable of "
+            f"{gpu_memory:g} GiB")
+    if better.fits(gpu):
+        typer.echo(f"error: {need} — set {' '.join(changes)} (then {better.total / GiB:.1f} GiB)", err=True)
+    else:
+        tried = f"even with {' '.join(changes)} it needs {better.total / GiB:.1f} GiB" if changes else "nothing helps"
+        typer.echo(f"error: {need} — {tried}: use more GPUs (--world-size) or a smaller model", err=True)
+    return False
 
 
 def _fail(message: str):

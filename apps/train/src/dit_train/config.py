@@ -324,3 +324,16 @@ def _without_none(annotation) -> tuple:
         (inner,) = [a for a in args if a is not type(None)]
         return inner, True
     return annotation, False
+
+
+def memory_layout(cfg: TrainConfig, world_size: int, text_len: int):
+    """The ditcore.memory.Layout of a training config on world_size GPUs (bf16 unless train.precision=fp32)."""
+    from ditcore.memory import Layout
+
+    p, m = cfg.parallel, cfg.model
+    return Layout(world_size=world_size, tp=p.tp, cp=p.cp, pp=p.pp, sequence_parallel=p.sequence_parallel,
+                  fsdp=p.fsdp, reduce_dtype=p.reduce_dtype, micro_batch=cfg.train.micro_batch,
+                  seq_length=cfg.data.seq_length, text_len=text_len,
+                  precision="fp32" if cfg.train.precision == "fp32" else "bf16",
+                  activation_checkpointing=m.activation_checkpointing,
+                  attention="sdpa" if m.attention == "sdpa" else "flex", compile=m.compile)

@@ -17,7 +17,7 @@ from lightning_fabric.loggers import CSVLogger, TensorBoardLogger
 from tqdm import tqdm
 
 from dit_train import checkpoint
-from dit_train.config import TrainConfig
+from dit_train.config import TrainConfig, memory_layout
 from ditcore import durable, runs
 from ditcore.codecs import LatentStats, load_codec
 from ditcore.codecs.text import load_text_encoder
@@ -35,6 +35,7 @@ from ditcore.parallel import (
     ParallelGroups,
     clip_grad_norm_,
     finalize_grads,
+    fsdp,
     gather_full,
     materialize,
     parallelize,
@@ -124,6 +125,7 @@ class Setup:
     model_cfg: DiTConfig
     accum: int  # micro-batches per optimizer step on each rank
     on_gpu: bool
+    bf16: bool
     loggers: list
 
     @property
@@ -176,7 +178,7 @@ def setup(cfg: TrainConfig) -> Setup:
         loggers.append(CSVLogger(str(run_dir), name="csv", version=f"run-{time.strftime('%Y%m%d-%H%M%S')}"))
     if cfg.logging.tensorboard:
         loggers.append(TensorBoardLogger(str(run_dir), name="tensorboard", version=""))
-    strategy = MegatronStrategy(dims, shard_file=runs.shard_file)
+    strategy = MegatronStrategy(dims, fsdp=cfg.parallel.fsdp)
     num_nodes = int(os.environ.get("WORLD_SIZE", devices)) // devices  # torchrun on several nodes
     fabric = Fabric(accelerator="cuda" if on_gpu else "cpu", devices=devices, num_nodes=num_nodes, strategy=strategy,
                     precision="bf16-mixed" if bf16 else "32-true", loggers=loggers)
@@ -184,6 +186,8 @@ def setup(cfg: TrainConfig) -> Setup:
     groups = strategy.groups
     model_cfg = model_config(cfg, info)
     dims.check_model(model_cfg.num_heads, cfg.data.seq_length)
+    if on_gpu:
+        check_memory_plan(cfg, model_cfg, fabric.world_size)
     too_long = check_samples_fit(info, cfg.data.path, patch_size=model_cfg.patch_size,
                                  patch_size_t=model_cfg.patch_size_t, seq_length=cfg.data.seq_length)
     if too_long:
@@ -193,23 +197,31 @@ def setup(cfg: TrainConfig) -> Setup:
     if accum * cfg.train.micro_batch * groups.dims.dp != cfg.train.global_batch:
         raise ValueError(f"train.global_batch={cfg.train.global_batch} is not a multiple of train.micro_batch="
                          f"{cfg.train.micro_batch} x data-parallel size {groups.dims.dp}")
-    return Setup(cfg, info, fabric, groups, model_cfg, accum, on_gpu, loggers)
+    return Setup(cfg, info, fabric, groups, model_cfg, accum, on_gpu, bf16, loggers)
+
+
+def check_memory_plan(cfg: TrainConfig, model_cfg: DiTConfig, world_size: int) -> None:
+    """Refuse, before any weight is allocated, a layout whose memory plan (ditcore.memory) exceeds this GPU."""
+    from ditcore.codecs.text import MAX_TOKENS
+    from ditcore.memory import GiB, plan_from
+
+    layout = memory_layout(cfg, world_size, MAX_TOKENS if model_cfg.text_dim else 0)
+    plan = plan_from(model_cfg, layout)
+    gpu = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+    if not plan.fits(gpu, headroom=0.0):
+        raise ConfigError("parallel", layout.describe(),
+                          f"a layout that fits {gpu / GiB:.0f} GiB per GPU: this one needs {plan.total / GiB:.1f} GiB "
+                          f"— run dit-train --plan --world-size {world_size} --gpu-memory {gpu / GiB:.0f} with the "
+                          "same config to see where it goes and what to change")
 
 
 def build(run: Setup) -> Trainee:
     """The model (same seed on every rank, then sharded), EMA, optimizer, schedule and data loader."""
     cfg, fabric, groups, model_cfg = run.cfg, run.fabric, run.groups, run.model_cfg
     torch.manual_seed(cfg.train.seed)
-    with torch.device("meta"):  # shapes only: no rank ever holds the whole model, on the host or the device
-        model = DiT(model_cfg, attention=cfg.model.attention)
-    parallelize(model, groups)
-    materialize(model, cfg.train.seed, fabric.device, groups)  # each rank computes its shards of the same init
-    # After parallelize: checkpointing recomputes the parallel linears it put in the blocks. Before compile, which
-    # must trace the checkpointed forward.
-    apply_activation_checkpointing(model, cfg.model.activation_checkpointing)
-    if cfg.model.compile:
-        apply_compile(model)
-    ema = EMA(model, cfg.edm.ema_decay)
+    model = build_model(run, training=True)
+    # FSDP's model cannot be deep-copied: the EMA gets a second one, sharded the same way
+    ema = EMA(model, cfg.edm.ema_decay, module=build_model(run, training=False) if cfg.parallel.fsdp else None)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr, betas=tuple(cfg.optim.betas),
                                   eps=cfg.optim.eps, weight_decay=cfg.optim.weight_decay,
                                   fused=run.on_gpu or None)  # one kernel for all parameters on a GPU
@@ -226,6 +238,24 @@ def build(run: Setup) -> Trainee:
              "history": []}  # history: [step, loss] of every step
     return Trainee(model, ema, optimizer, scheduler, loader, EDMLoss(cfg.edm.p_mean, cfg.edm.p_std),
                    EDMPrecond(model), state)
+
+
+def build_model(run: Setup, training: bool) -> torch.nn.Module:
+    """This rank's part of the DiT, built on the meta device and materialised shard by shard: no rank ever holds
+    the whole model, on the host or the device, and every layout starts from the same weights."""
+    cfg, groups = run.cfg, run.groups
+    with torch.device("meta"):
+        model = DiT(run.model_cfg, attention=cfg.model.attention)
+    parallelize(model, groups)
+    if training:  # after parallelize: checkpointing recomputes the parallel linears it put in the blocks
+        apply_activation_checkpointing(model, cfg.model.activation_checkpointing)
+    if cfg.parallel.fsdp:  # each TP shard split again over DP×CP; gathered in bf16 under bf16 precision
+        fsdp.apply_fsdp(model, groups, run.fabric.device.type, param_dtype=torch.bfloat16 if run.bf16 else None,
+                   reduce_dtype=fsdp.DTYPES[cfg.parallel.reduce_dtype])
+    materialize(model, cfg.train.seed, run.fabric.device, groups)  # each rank computes its pieces of the init
+    if training and cfg.model.compile:  # last: compile traces the checkpointed (and sharded) forward
+        apply_compile(model)
+    return model
 
 
 def fit(run: Setup, t: Trainee, validator: Validator, config_yaml: str) -> dict:

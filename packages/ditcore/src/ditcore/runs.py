@@ -2,16 +2,20 @@
 
     RUN_DIR/
       checkpoints/step-XXXXXXX/    a complete training checkpoint (written as .tmp-step-XXXXXXX/, then renamed)
-        model_parallel_rank_XX.pt  one per tensor-parallel shard: model, optimizer, EMA, scheduler, step, history
-        rank-XXXXX.pt              one per process: its data loader state and RNG states
+        .metadata  __R_0.distcp    torch.distributed.checkpoint, one file per process R: model, EMA and AdamW
+                                   state under their one-device names, each rank writing its own pieces (any
+                                   layout resumes from it: ditcore.parallel.dist_checkpoint); step, loss
+                                   history, learning-rate schedule
+        loader-dpXXXXX.pkl         one per data-parallel rank: its data loader's position
+        rng-XXXXX.pt               one per process: its RNG states
         config.yaml                the resolved training config
-        COMPLETE                   JSON manifest, written last: step, world size, {file: {bytes, crc32}}
+        COMPLETE                   JSON manifest, written last: step, layout, {file: {bytes, crc32}}
       export/                      consolidated EMA weights for sampling on one device (ditcore.export)
       samples/step-XXXXXXX/        validation samples
       csv/  tensorboard/  loss.png logs
 
-dit-train writes checkpoints (saving and resuming go through Lightning Fabric, in dit_train.checkpoint); dit-sample
-finds the export and the checkpoints and loads a checkpoint's EMA weights, consolidated, on one device.
+dit-train writes checkpoints (dit_train.checkpoint); dit-sample finds the export and the checkpoints and loads a
+checkpoint's EMA weights, consolidated, on one device.
 """
 
 from __future__ import annotations
@@ -24,18 +28,17 @@ import torch
 
 from ditcore import durable
 from ditcore.export import WEIGHTS
-from ditcore.parallel.consolidate import consolidate_shards
-from ditcore.parallel.plan import DIT_PLAN, Plan
+from ditcore.parallel import dist_checkpoint
 
 CHECKPOINTS, EXPORT, SAMPLES = "checkpoints", "export", "samples"
 LOSS_PLOT = "loss.png"
 MARKER = "COMPLETE"
 CONFIG_FILE = "config.yaml"
 TMP_PREFIX = ".tmp-"
-MODEL, EMA = "model", "ema"  # keys of the one-device state dicts inside a shard file
+MODEL, EMA = dist_checkpoint.MODEL, dist_checkpoint.EMA  # prefixes of the one-device tensors in a checkpoint
 _STEP = re.compile(r"^step-(\d{7})$")
-_SHARD = "model_parallel_rank_{tp:02d}.pt"
-_RANK = "rank-{rank:05d}.pt"
+_LOADER = "loader-dp{dp:05d}.pkl"
+_RNG = "rng-{rank:05d}.pt"
 
 
 class CheckpointError(RuntimeError):
@@ -51,12 +54,12 @@ def tmp_dir(final: Path) -> Path:
     return final.with_name(f"{TMP_PREFIX}{final.name}")
 
 
-def shard_file(tp_rank: int) -> str:
-    return _SHARD.format(tp=tp_rank)
+def loader_file(dp_rank: int) -> str:
+    return _LOADER.format(dp=dp_rank)
 
 
-def rank_file(rank: int) -> str:
-    return _RANK.format(rank=rank)
+def rng_file(rank: int) -> str:
+    return _RNG.format(rank=rank)
 
 
 def step_of(ckpt: Path) -> int | None:
@@ -76,9 +79,10 @@ def complete_checkpoints(run_dir: str | Path) -> list[Path]:
     return sorted((p for p in root.iterdir() if is_complete(p)), key=step_of)
 
 
-def write_manifest(ckpt: Path, step: int, world_size: int, files: dict[str, dict]) -> None:
-    """The COMPLETE marker: written (fsynced) last, after every file it lists is durable."""
-    manifest = {"step": step, "world_size": world_size, "files": dict(sorted(files.items()))}
+def write_manifest(ckpt: Path, step: int, layout: dict, files: dict[str, dict]) -> None:
+    """The COMPLETE marker: written (fsynced) last, after every file it lists is durable. layout: world_size, tp, cp,
+    pp, dp, fsdp of the job that wrote it."""
+    manifest = {"step": step, "layout": layout, "files": dict(sorted(files.items()))}
     durable.write_text(ckpt / MARKER, json.dumps(manifest, indent=1) + "\n")
 
 
@@ -102,32 +106,25 @@ def verify(ckpt: Path, name: str, manifest: dict) -> str | None:
     return f"checkpoint {ckpt} is damaged: {wrong}" if wrong else None
 
 
-def shard_files(ckpt: Path) -> list[Path]:
-    """The tensor-parallel shard files of a checkpoint, in rank order."""
-    return sorted(Path(ckpt).glob(_SHARD.replace("{tp:02d}", "[0-9][0-9]")))
-
-
-def load_weights(ckpt: str | Path, key: str = EMA, plan: Plan = DIT_PLAN) -> dict[str, torch.Tensor]:
-    """A checkpoint's one-device weights (EMA by default), consolidated from its TP shards, verified first."""
+def load_weights(ckpt: str | Path, key: str = EMA) -> dict[str, torch.Tensor]:
+    """A checkpoint's one-device weights (EMA by default), consolidated from the pieces of any layout, verified
+    first."""
     ckpt = Path(ckpt)
     if not is_complete(ckpt):
         raise CheckpointError(f"{ckpt} is not a complete checkpoint (no {MARKER} marker in a step-XXXXXXX folder)")
     manifest = read_manifest(ckpt)
-    listed = sorted(n for n in manifest.get("files", {}) if n.startswith(_SHARD.split("{")[0]))
-    names = listed or [f.name for f in shard_files(ckpt)]
-    if not names or names != [shard_file(r) for r in range(len(names))]:
-        raise CheckpointError(f"checkpoint {ckpt} is damaged: its shard files are {names or 'missing'}, expected "
-                              f"{shard_file(0)} .. in tensor-parallel rank order")
-    shards = []
-    for name in names:
+    files = manifest.get("files") or {}
+    if dist_checkpoint.METADATA not in files:
+        raise CheckpointError(f"checkpoint {ckpt} was written by an older dit-train (no {dist_checkpoint.METADATA} "
+                              "in its manifest): sample from that run's export/ instead")
+    for name in files:
         problem = verify(ckpt, name, manifest) if (ckpt / name).is_file() else f"checkpoint {ckpt} has lost {name}"
         if problem:
             raise CheckpointError(problem)
-        try:
-            shards.append(torch.load(ckpt / name, map_location="cpu", weights_only=False, mmap=True)[key])
-        except Exception as e:  # verified, yet unreadable (another version, or no `key` in it)
-            raise CheckpointError(f"checkpoint {ckpt} does not load: {name}: {type(e).__name__}: {e}") from None
-    return consolidate_shards(shards, plan)
+    try:
+        return dist_checkpoint.read_full(ckpt, key)
+    except Exception as e:  # verified, yet unreadable (another version, or no `key` in it)
+        raise CheckpointError(f"checkpoint {ckpt} does not load: {type(e).__name__}: {e}") from None
 
 
 def export_dir(run_dir: str | Path) -> Path:

@@ -1,7 +1,7 @@
 """Consolidated (one-device) weights from a model of any TP layout, and back.
 
-CP and DP ranks hold copies; only the TP shards need gathering, along the dimension the architecture's plan
-splits them (ditcore.parallel.plan).
+CP and DP ranks hold copies (under FSDP, pieces: gathered over DP×CP first); the TP shards are gathered along
+the dimension the architecture's plan splits them (ditcore.parallel.plan).
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ from torch.distributed.tensor import DTensor
 
 from ditcore.parallel.dims import ParallelGroups
 from ditcore.parallel.fsdp import local, local_piece
-from ditcore.parallel.plan import Plan
 from ditcore.parallel.tensor_parallel import is_tp_sharded, shard
 
 
@@ -61,15 +60,6 @@ def load_consolidated(model: nn.Module, state: dict[str, torch.Tensor], groups: 
                 raise ValueError(f"{k}: checkpoint shape {tuple(state[k].shape)} does not fit this model's "
                                  f"{tuple(v.shape)} (shard of tp={tp})")
             local(v).copy_(local_piece(src, v))  # under FSDP, this rank's piece of its shard
-
-
-def consolidate_shards(shards: list[dict[str, torch.Tensor]], plan: Plan) -> dict[str, torch.Tensor]:
-    """One-device state dict from the state dicts of every TP rank, in rank order, offline (no process groups)."""
-    full = {}
-    for name, first in without_extra_state(shards[0]).items():
-        dim = plan.partition_dim(name) if len(shards) > 1 else None
-        full[name] = first if dim is None else torch.cat([s[name] for s in shards], dim=dim)
-    return full
 
 
 def without_extra_state(state: dict) -> dict:

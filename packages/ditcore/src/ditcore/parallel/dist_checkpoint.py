@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import pickle
+import warnings
 from pathlib import Path
 
 import torch
@@ -111,8 +112,19 @@ def read_full(ckpt: Path, prefix: str) -> dict[str, torch.Tensor]:
              if k.startswith(start) and hasattr(m, "size")}
     if not state:
         raise KeyError(f"the checkpoint holds no '{prefix}' tensors")
-    dcp.load(state, storage_reader=reader, no_dist=True)
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(state, storage_reader=reader, no_dist=True)
     return {k[len(start):]: v for k, v in state.items()}
+
+
+def read_values(ckpt: Path) -> dict:
+    """The plain values of a checkpoint (step, loss history, …), without process groups."""
+    state = {VALUES: b""}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(state, storage_reader=dcp.FileSystemReader(str(ckpt)), no_dist=True)
+    return pickle.loads(state[VALUES])
 
 
 def _module_tensors(prefix: str, module: nn.Module, params: dict, groups: ParallelGroups, mesh) -> dict:

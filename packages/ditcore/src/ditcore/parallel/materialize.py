@@ -7,9 +7,9 @@
 
 Each parameter's full one-device value comes from the model's own rule (`DiT.initial_value`, seeded by seed and
 the parameter's name): it is computed on `device` one parameter at a time, this rank keeps its tensor-parallel shard
-and the rest is freed. A model sharded by FSDP2 (`apply_fsdp`, between parallelize and materialize) keeps
-only its DP×CP piece of that shard. No rank ever holds the whole model, on the host or on the device, and every layout starts
-from the weights `DiT(cfg).init_weights(seed)` gives one device of the same type.
+and the rest is freed; a model sharded by FSDP2 (`apply_fsdp`, between parallelize and materialize) keeps only its
+DP×CP piece of that shard. No rank ever holds the whole model, on the host or on the device, and every layout
+starts from the weights `DiT(cfg).init_weights(seed)` gives one device of the same type.
 """
 
 from __future__ import annotations

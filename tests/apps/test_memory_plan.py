@@ -1,0 +1,117 @@
+"""`dit-train --plan`: the memory per GPU that a config needs, and what to change when it does not fit; it starts no
+process and reads no more of the dataset than its ditcore.json."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from typer.testing import CliRunner
+
+from dit_train.cli import app
+from dit_train.config import CONFIGS, load_config
+from ditcore.data.schema import DatasetInfo
+from ditcore.memory import PARTS
+
+BIN = Path(sys.executable).parent
+
+
+def dit_train(*args, cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([str(BIN / "dit-train"), *map(str, args)], capture_output=True, text=True, cwd=cwd,
+                          env={**os.environ, "PYTHONWARNINGS": "ignore"}, timeout=300)
+
+
+def gib(stdout: str) -> dict[str, float]:
+    """The table's GiB by part (and total)."""
+    labels = {label: part for part, label in PARTS.items()} | {"total": "total"}
+    rows = {}
+    for line in stdout.splitlines():
+        label, _, value = line.strip().rpartition(" ")
+        if label.strip() in labels:
+            rows[labels[label.strip()]] = float(value)
+    return rows
+
+
+def test_the_7b_reference_layout_needs_fsdp_on_80_gib(tmp_path):
+    # dit-7b-8k without FSDP: TP=2 + SP and DDP, on 8 GPUs. Every rank holds half the split layers and all of adaLN:
+    # 4.27 B parameters x 16 B (fp32 weights, gradients, AdamW) ~ 68 GB, the EMA and bf16 copies on top.
+    proc = dit_train("--config", "dit-7b-8k", "parallel.fsdp=false", "--plan", "--world-size", 8, cwd=tmp_path)
+    print(proc.stdout)
+    assert proc.returncode == 2, proc.stderr
+    (error,) = proc.stderr.strip().splitlines()
+    assert error.startswith("error: needs ") and "of 80 GiB — set parallel.fsdp=true (then " in error, error
+    plan = gib(proc.stdout)
+    assert 62 < plan["weights"] + plan["grads"] + plan["optimizer"] < 64  # GiB: ~67-68 GB
+    assert plan["total"] > 72 and "does NOT fit in 80 GiB" in proc.stdout
+
+    assert list(tmp_path.iterdir()) == []  # no run directory, no logs: nothing started
+
+    code, out, err = invoke("--config", "dit-7b-8k", f"data.path={tmp_path / 'absent'}", "parallel.fsdp=true", "--plan",
+                            "--world-size", 8)
+    print(out)
+    assert code == 0, err
+    sharded = gib(out)
+    assert abs(sharded["weights"] - plan["weights"] / 4) <= 0.01 and sharded["ema"] == sharded["weights"]  # dp = 4
+    assert sharded["total"] < 72 and "fits in 80 GiB" in out
+
+
+def test_the_shipped_large_configs_fit_their_target_hardware(tmp_path):
+    for name, world in (("dit-7b-8k", 8), ("dit-28b-8k", 32)):  # 8 and 32 GPUs of 80 GiB, as the configs say
+        code, out, err = invoke("--config", name, f"data.path={tmp_path / 'absent'}", "--plan", "--world-size", world)
+        print(out)
+        assert code == 0 and "fits in 80 GiB" in out, err
+        assert gib(out)["total"] < 72
+    code, out, _ = invoke("--config", "dit-28b-8k", f"data.path={tmp_path / 'absent'}", "--plan", "--world-size", 16)
+    assert code == 2  # on half the GPUs it does not
+
+
+def invoke(*args) -> tuple[int, str, str]:
+    result = CliRunner().invoke(app, [str(a) for a in args])
+    return result.exit_code, result.stdout, result.stderr
+
+
+def test_the_dataset_decides_channels_text_and_classes(tmp_path):
+    from dit_train.train import model_config
+    from ditcore.models import DiT
+
+    data = tmp_path / "data"
+    (data / ".nv-meta").mkdir(parents=True)
+    info = DatasetInfo(codec={"kind": "pixel", "factor": 4}, latent_stats={}, text_encoder={"name": "t5", "dim": 48},
+                       latent_channels=12, spatial_factor=4, temporal_factor=1, num_classes=3)
+    info.write(data)
+    overrides = [f"data.path={data}", f"train.run_dir={tmp_path / 'run'}", "model.preset=DiT-Tiny"]
+    code, out, err = invoke("--config", "demo", *overrides, "--plan", "--world-size", 2)
+    assert code == 0, err
+    params = sum(p.numel() for p in DiT(model_config(load_config(CONFIGS / "demo.yaml", overrides), info)).parameters())
+    assert f"{params / 1e9:.3g} B parameters" in out
+    assert f"dataset {data} 12 latent channels, text states of width 48, 3 classes" in out
+    assert not (tmp_path / "run").exists()
+
+
+def test_without_a_dataset_the_text_width_is_an_option(tmp_path):
+    args = ["--config", "demo", f"data.path={tmp_path / 'absent'}", "--plan"]
+    code, out, _ = invoke(*args, "--text-dim", 0)
+    assert code == 0 and "does not exist yet: assumed 4 latent channels, no text, no classes" in out
+    code, wide, _ = invoke(*args, "--text-dim", 4096, "--text-len", 256)
+    assert code == 0 and "text states of width 4096" in wide and "+ 256 text per micro-batch" in wide
+    assert gib(wide)["total"] > gib(out)["total"]
+
+
+def test_the_world_size_defaults_to_parallel_devices(tmp_path):
+    args = ["--config", "demo", f"data.path={tmp_path / 'absent'}", "parallel.tp=2", "--plan"]
+    code, _, err = invoke(*args)
+    assert code == 2
+    assert err.strip() == ("error: parallel='tp*cp*pp = 2*1*1 = 2' is invalid: expected a divisor of the world size 1 "
+                           "(number of processes) (the world size is parallel.devices=1: pass --world-size, the GPUs)")
+    code, out, _ = invoke(*args, "parallel.devices=4")
+    assert code == 0 and "world 4 = tp 2 x cp 1 x pp 1 x dp 2" in out
+
+
+def test_when_nothing_is_enough_it_says_so(tmp_path):
+    code, out, err = invoke("--config", "dit-7b-8k", f"data.path={tmp_path / 'absent'}", "parallel.fsdp=false",
+                            "--plan", "--world-size", 8, "--gpu-memory", 20)
+    assert code == 2 and "does NOT fit in 20 GiB" in out
+    assert err.startswith("error: needs ") and "of 20 GiB — even with parallel.fsdp=true " in err
+    assert err.strip().endswith("use more GPUs (--world-size) or a smaller model")

@@ -1,0 +1,418 @@
+"""ditcore.memory: the plan's parameters, state and activations against what a real tiny DiT holds (CPU).
+
+What is measured, and how:
+- parameters: `sum(p.numel())` of the real model; the tensor-parallel share from a closed form of the layers' sizes.
+- weights, gradients, AdamW state and EMA: the bytes of the real tensors after one AdamW step, exactly; FSDP2's
+  shards as torch.chunk cuts dim 0 (rank 0 holds the first, largest chunk).
+- autocast's bf16 copies of parameters: the copies alive at once during a bf16 forward, exactly.
+- activations: the bytes of the storages the training step makes (each storage once; parameters, views of them, the
+  batch and autocast's parameter copies apart). Without checkpointing, what autograd saves is also counted with
+  `saved_tensors_hooks`. Those hooks see nothing inside a checkpointed block (the checkpoint's own pack hooks replace
+  any outer ones, and selective checkpointing keeps its tensors in a cache of its own), so for block and selective
+  what is alive is tracked instead, op by op: after the forward (what it keeps: `Plan.saved_activations`) and at its
+  peak (`Plan.activations`). With checkpointing the peak comes in the backward of the last block, when it is run
+  again; without, at the end of the forward, where short-lived temporaries of the final layer and the loss, which
+  the plan leaves to its headroom, put the measured peak up to 5% above the plan's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from ditcore.diffusion import EMA, EDMLoss, EDMPrecond
+from ditcore.errors import ConfigError
+from ditcore.layout import grid_positions
+from ditcore.memory import GiB, Layout, advise, measured_state_bytes, plan_from
+from ditcore.models import DiT, apply_activation_checkpointing, preset
+
+TOLERANCE = 0.10
+
+CONFIGS = {
+    "tiny": preset("DiT-Tiny"),
+    "text": preset("DiT-Tiny", text_dim=16),
+    "classes": preset("DiT-Tiny", num_classes=5, hidden_size=96, num_heads=4),
+    "everything": preset("DiT-Tiny", text_dim=24, num_classes=7, fps_cond=True, depth=3, hidden_size=128),
+    "video": preset("DiT-Tiny", patch_size_t=2, in_channels=8, depth=4, qk_norm=False, pos_embed="sincos"),
+}
+
+# Batches: a model, rows (each a list of the (T, H, W) token grids of the samples packed into it), tokens per row,
+# text tokens per row (3 for each sample, padding the rest).
+SHAPES = {
+    "text-2x48": (preset("DiT-Tiny", text_dim=16, num_classes=5), [[(3, 4, 4)], [(2, 3, 4), (1, 4, 4)]], 48, 8),
+    "plain-1x64": (preset("DiT-Tiny", depth=4, hidden_size=128), [[(1, 4, 8), (2, 4, 4)]], 64, 0),
+    "fps-3x32": (preset("DiT-Tiny", depth=3, hidden_size=96, text_dim=24, fps_cond=True),
+                 [[(2, 4, 4)], [(1, 4, 4), (1, 4, 4)], [(1, 2, 4)]], 32, 6),
+}
+
+
+# --------------------------------------------------------------------------------------------------
+# Parameters
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_parameter_counts_are_the_models(name):
+    cfg = CONFIGS[name]
+    plan = plan_from(cfg, Layout())
+    assert plan.params == plan.params_local == sum(p.numel() for p in DiT(cfg).parameters())
+
+
+def test_a_tensor_parallel_rank_holds_the_split_layers_over_tp():
+    cfg = CONFIGS["everything"]
+    D, M = cfg.hidden_size, int(cfg.hidden_size * cfg.mlp_ratio)
+    # Megatron splits qkv, cross.q, cross.kv and mlp.0 by output rows (weights and biases), attn.proj, cross.proj
+    # and mlp.2 by input columns (their biases stay whole); everything else is replicated.
+    column = (3 * D + D + 2 * D) * (D + 1) + M * (D + 1)
+    row = D * D + D * D + D * M
+    split = cfg.depth * (column + row)
+    for tp in (2, 4):
+        plan = plan_from(cfg, Layout(world_size=tp, tp=tp))
+        assert plan.params_local == plan.params - split + split // tp
+
+
+def test_planning_leaves_the_callers_random_numbers_alone():
+    torch.manual_seed(0)
+    expected = torch.rand(3)
+    torch.manual_seed(0)
+    plan_from(CONFIGS["tiny"], Layout())  # builds a meta model, whose constructor draws a seed
+    assert torch.equal(torch.rand(3), expected)
+
+
+# --------------------------------------------------------------------------------------------------
+# Weights, gradients, optimizer state, EMA
+
+
+def train_one_step(cfg):
+    torch.manual_seed(0)
+    model = DiT(cfg, attention="sdpa")
+    ema = EMA(model, 0.9)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    batch, _ = packed_batch(cfg, [[(2, 4, 4)], [(1, 4, 4), (1, 2, 4)]], 32, 6, torch.Generator().manual_seed(0))
+    training_loss(model, batch).backward()
+    optimizer.step()
+    ema.update(model)
+    return model, optimizer, ema
+
+
+@pytest.mark.parametrize("name", ["text", "everything"])
+def test_state_bytes_are_those_of_a_real_training_step(name):
+    cfg = CONFIGS[name]
+    model, optimizer, ema = train_one_step(cfg)
+    plan = plan_from(cfg, Layout(precision="fp32", device="cpu", attention="sdpa"))
+    assert measured_state_bytes(model, optimizer, ema.module) == {
+        "weights": plan.weights, "grads": plan.grads, "optimizer": plan.optimizer, "ema": plan.ema}
+    assert plan.autocast_cache == plan.comm_buffers == 0  # fp32, one process
+
+
+@pytest.mark.parametrize("shards", [3, 5])
+def test_fsdp_shards_are_dim0_chunks_padded_up(shards):
+    # FSDP2 cuts each parameter's dim 0 with torch.chunk: the first chunk, rank 0's, has ceil(rows / shards) rows and
+    # every rank's buffer is that size. Counted here from the real model's tensors, not from the plan's formula.
+    cfg = CONFIGS["everything"]
+    model = DiT(cfg)
+    largest = 4 * sum(torch.chunk(p, shards, dim=0)[0].numel() for p in model.parameters())
+    assert largest > 4 * sum(p.numel() for p in model.parameters()) / shards  # the padding is there to see
+    plan = plan_from(cfg, Layout(world_size=shards, fsdp=True, precision="fp32"))
+    steps = 4 * len(list(model.parameters()))  # AdamW's step counters are not sharded
+    assert (plan.weights, plan.grads, plan.ema, plan.optimizer) == (largest, largest, largest, 2 * largest + steps)
+
+
+def test_fsdp_buffers_and_autocast_copies():
+    cfg = CONFIGS["everything"]
+    params = dict(DiT(cfg).named_parameters())
+    block = sum(p.numel() for n, p in params.items() if n.startswith("blocks.0."))
+    root = sum(p.numel() for n, p in params.items() if not n.startswith("blocks."))
+    ddp = plan_from(cfg, Layout(world_size=4))
+    assert ddp.autocast_cache == 2 * sum(p.numel() for n, p in params.items() if not n.startswith("y_embedder"))
+    for reduce, reduce_bytes in (("fp32", 4), ("bf16", 2)):
+        plan = plan_from(cfg, Layout(world_size=4, fsdp=True, reduce_dtype=reduce))
+        # bf16: the root's and two blocks' parameters, the root's and one block's gradients, a reduce-scatter input
+        assert plan.comm_buffers == 2 * (root + 2 * block) + 2 * (root + block) + reduce_bytes * block
+        assert plan.autocast_cache == 0
+
+
+def test_autocast_copies_of_parameters_are_counted_exactly():
+    cfg, rows, N, L = SHAPES["fps-3x32"]
+    model = DiT(cfg, attention="sdpa")
+    batch, _ = packed_batch(cfg, rows, N, L, torch.Generator().manual_seed(1))
+    meter = ActivationMeter(model)
+    with meter, torch.autocast("cpu", torch.bfloat16):
+        training_loss(model, batch)
+    assert meter.copies_peak == plan_from(cfg, Layout(precision="bf16", device="cpu", attention="sdpa")).autocast_cache
+
+
+# --------------------------------------------------------------------------------------------------
+# Activations
+
+
+def packed_batch(cfg, rows, N, L, g) -> tuple[dict, int]:
+    """Rows of N tokens packing samples of the given grids (padding after them); 3 text tokens per sample."""
+    B, S = len(rows), max(len(r) for r in rows)
+    pos, seg, text_seg = torch.zeros(B, N, 3, dtype=torch.long), torch.full((B, N), -1), torch.full((B, L), -1)
+    for b, row in enumerate(rows):
+        n = t = 0
+        for s, grid in enumerate(row):
+            k, tl = grid[0] * grid[1] * grid[2], min(3, L - t)
+            pos[b, n:n + k], seg[b, n:n + k], text_seg[b, t:t + tl] = grid_positions(grid), s, s
+            n, t = n + k, t + tl
+    batch = dict(x=torch.randn(B, N, cfg.patch_dim, generator=g), noise=torch.randn(B, N, cfg.patch_dim, generator=g),
+                 sigma=torch.rand(B, S, generator=g) + 0.3, seg=seg, mask=seg >= 0, pos=pos,
+                 class_labels=torch.randint(0, max(cfg.num_classes, 1), (B, S), generator=g),
+                 fps=torch.full((B, S), 8.0), text=torch.randn(B, L, max(cfg.text_dim, 1), generator=g),
+                 text_seg=text_seg)
+    return batch, S
+
+
+def whole_rows_batch(cfg, B, grid, L, g) -> dict:
+    """B rows of one sample each, without padding: dit-train passes no seg then (and no text_seg with whole text)."""
+    N = grid[0] * grid[1] * grid[2]
+    return dict(x=torch.randn(B, N, cfg.patch_dim, generator=g), noise=torch.randn(B, N, cfg.patch_dim, generator=g),
+                sigma=torch.rand(B, 1, generator=g) + 0.3, seg=None, mask=torch.ones(B, N, dtype=torch.bool),
+                pos=grid_positions(grid).expand(B, -1, -1), text=torch.randn(B, L, max(cfg.text_dim, 1), generator=g),
+                text_seg=None, class_labels=None, fps=None)
+
+
+def training_loss(model, b) -> torch.Tensor:
+    """dit-train's loss for a batch: EDM preconditioning around the model, EDMLoss with the batch's σ and noise."""
+    cond = {"pos": b["pos"], "text_seg": b["text_seg"], "class_labels": b["class_labels"], "fps": b["fps"]}
+    if model.cfg.text_dim:
+        cond["text"] = b["text"]
+    return EDMLoss()(EDMPrecond(model), b["x"], seg=b["seg"], mask=b["mask"], sigma=b["sigma"], noise=b["noise"],
+                     **cond)
+
+
+class ActivationMeter(TorchDispatchMode):
+    """Bytes of the storages that a training step's ops make and that are still alive, op by op, and their peak.
+
+    Counted: whatever the forward makes, and in backward what ops run with gradients enabled make, i.e. the
+    recomputation of checkpointed blocks (the backward's own ops, which make gradients, run with them disabled).
+    Storages are counted once (views share them). A storage that an op reads before any op made it existed before:
+    parameters, the batch, gradients, Megatron's all-gather buffer; it is not counted. autocast's bf16 copies of
+    parameters are counted apart, in `copies`.
+    """
+
+    def __init__(self, model):
+        super().__init__()
+        self.params = {StorageWeakRef(p.untyped_storage()) for p in model.parameters()}
+        self.existing = set(self.params)
+        self.alive: dict[StorageWeakRef, int] = {}
+        self.copies: dict[StorageWeakRef, int] = {}
+        self.in_backward = False
+        self.peak = self.copies_peak = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        for t in tree_leaves((args, kwargs)):
+            if isinstance(t, torch.Tensor):
+                ref = StorageWeakRef(t.untyped_storage())
+                if ref not in self.alive and ref not in self.copies:
+                    self.existing.add(ref)
+        out = func(*args, **(kwargs or {}))
+        if not self.in_backward or torch.is_grad_enabled():
+            source = args[0] if args and isinstance(args[0], torch.Tensor) else None
+            copy = (func is torch.ops.aten._to_copy.default and source is not None
+                    and StorageWeakRef(source.untyped_storage()) in self.params)
+            for t in tree_leaves(out):
+                if not isinstance(t, torch.Tensor):
+                    continue
+                ref = StorageWeakRef(t.untyped_storage())
+                if ref in self.existing or (not copy and ref in self.copies):
+                    continue
+                (self.copies if copy else self.alive).setdefault(ref, t.untyped_storage().nbytes())
+        self.peak = max(self.peak, self.bytes(self.alive))
+        self.copies_peak = max(self.copies_peak, self.bytes(self.copies))
+        return out
+
+    @staticmethod
+    def bytes(storages: dict[StorageWeakRef, int]) -> int:
+        for ref in [ref for ref in storages if ref.expired()]:
+            del storages[ref]
+        return sum(storages.values())
+
+
+def measure(cfg, mode: str, batch: dict, precision: str) -> tuple[int, int]:
+    """(bytes alive after the forward, peak bytes over forward and backward) of a training step's activations."""
+    torch.manual_seed(0)
+    model = apply_activation_checkpointing(DiT(cfg, attention="sdpa"), mode)
+    meter = ActivationMeter(model)
+    autocast = torch.autocast("cpu", torch.bfloat16) if precision == "bf16" else contextlib.nullcontext()
+    with meter:
+        with autocast:
+            loss = training_loss(model, batch)
+        kept = meter.bytes(meter.alive)
+        meter.in_backward = True
+        loss.backward()
+    return kept, meter.peak
+
+
+def cpu_layout(**kw) -> Layout:
+    return Layout(device="cpu", attention="sdpa", **kw)  # the kernels that run here
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_what_autograd_saves_without_checkpointing(shape):
+    cfg, rows, N, L = SHAPES[shape]
+    batch, S = packed_batch(cfg, rows, N, L, torch.Generator().manual_seed(1))
+    model = DiT(cfg, attention="sdpa")
+    skip = {StorageWeakRef(t.untyped_storage()) for t in [*model.parameters(), *batch.values()]}
+    saved: dict[StorageWeakRef, int] = {}
+
+    def pack(t):
+        ref = StorageWeakRef(t.untyped_storage())
+        if ref not in skip:
+            saved.setdefault(ref, t.untyped_storage().nbytes())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        training_loss(model, batch)
+    plan = plan_from(cfg, cpu_layout(micro_batch=len(rows), seq_length=N, text_len=L, samples_per_row=S,
+                                     precision="fp32"))
+    assert plan.saved_activations == pytest.approx(sum(saved.values()), rel=TOLERANCE)
+    assert plan.activations == plan.saved_activations
+
+
+CASES = [(shape, mode, "fp32") for shape in SHAPES for mode in ("none", "block", "selective")]
+CASES += [("text-2x48", mode, "bf16") for mode in ("none", "block", "selective")]  # CPU autocast
+
+
+@pytest.mark.parametrize(("shape", "mode", "precision"), CASES)
+def test_activations_kept_and_peak(shape, mode, precision):
+    cfg, rows, N, L = SHAPES[shape]
+    batch, S = packed_batch(cfg, rows, N, L, torch.Generator().manual_seed(1))
+    kept, peak = measure(cfg, mode, batch, precision)
+    plan = plan_from(cfg, cpu_layout(micro_batch=len(rows), seq_length=N, text_len=L, samples_per_row=S,
+                                     precision=precision, activation_checkpointing=mode))
+    assert plan.saved_activations == pytest.approx(kept, rel=TOLERANCE)
+    assert plan.activations == pytest.approx(peak, rel=TOLERANCE)
+
+
+@pytest.mark.parametrize("mode", ["none", "block", "selective"])
+def test_activations_of_whole_rows(mode):
+    cfg = preset("DiT-Tiny", text_dim=16)
+    batch = whole_rows_batch(cfg, 2, (2, 4, 6), 8, torch.Generator().manual_seed(1))
+    kept, peak = measure(cfg, mode, batch, "fp32")
+    plan = plan_from(cfg, cpu_layout(micro_batch=2, seq_length=48, text_len=8, packed=False, precision="fp32",
+                                     activation_checkpointing=mode))
+    assert plan.saved_activations == pytest.approx(kept, rel=TOLERANCE)
+    assert plan.activations == pytest.approx(peak, rel=TOLERANCE)
+
+
+def test_checkpointing_orders_the_activations():
+    cfg = preset("DiT-7B", text_dim=4096)
+    act = {mode: plan_from(cfg, Layout(world_size=8, tp=2, sequence_parallel=True, seq_length=8192, text_len=128,
+                                       activation_checkpointing=mode)).activations
+           for mode in ("none", "selective", "block")}
+    assert act["none"] > act["selective"] > act["block"]
+
+
+# Tensor and context parallelism: two gloo processes, each measuring its own activations (rank 0's are compared).
+PARALLEL = {"tp2": dict(tp=2), "tp2_sp": dict(tp=2, sequence_parallel=True), "cp2": dict(cp=2)}
+
+
+@pytest.mark.slow
+def test_activations_of_tensor_and_context_parallel_ranks(tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = tmp_path / "measured.json"
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
+                           f"--master-port={port}", __file__, str(out)], capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"})
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    cfg, rows, N, L = SHAPES["text-2x48"]
+    for case, (kept, peak, S) in json.loads(out.read_text()).items():
+        name, mode = case.split()
+        plan = plan_from(cfg, cpu_layout(world_size=2, **PARALLEL[name], micro_batch=len(rows), seq_length=N,
+                                         text_len=L, samples_per_row=S, precision="fp32",
+                                         activation_checkpointing=mode))
+        assert plan.saved_activations == pytest.approx(kept, rel=TOLERANCE), case
+        assert plan.activations == pytest.approx(peak, rel=TOLERANCE), case
+
+
+def parallel_worker(out: str) -> None:
+    """Under torchrun (2 processes): measure each layout of PARALLEL with every checkpointing mode; rank 0 writes."""
+    import torch.distributed as dist
+
+    from ditcore.parallel import ParallelDims, parallelize
+
+    dist.init_process_group("gloo")
+    cfg, rows, N, L = SHAPES["text-2x48"]
+    results = {}
+    for name, dims in PARALLEL.items():
+        groups = ParallelDims(**dims).initialize()
+        for mode in ("none", "block", "selective"):
+            torch.manual_seed(0)
+            model = apply_activation_checkpointing(parallelize(DiT(cfg, attention="sdpa"), groups), mode)
+            batch, S = packed_batch(cfg, rows, N, L, torch.Generator().manual_seed(1))  # the same rows on both ranks
+            training_loss(model, batch).backward()  # once first: Megatron allocates its all-gather buffer for good
+            model.zero_grad(set_to_none=False)
+            meter = ActivationMeter(model)
+            with meter:
+                loss = training_loss(model, batch)
+                kept = meter.bytes(meter.alive)
+                meter.in_backward = True
+                loss.backward()
+            results[f"{name} {mode}"] = (kept, meter.peak, S)
+    if dist.get_rank() == 0:
+        with open(out, "w") as f:
+            json.dump(results, f)
+    dist.destroy_process_group()
+
+
+# --------------------------------------------------------------------------------------------------
+# The plan as a whole
+
+
+def test_pipeline_parallelism_is_refused():
+    with pytest.raises(ConfigError, match=r"parallel.pp=2 is invalid: expected 1: pipeline parallelism is not"):
+        Layout(world_size=2, pp=2)
+
+
+@pytest.mark.parametrize(("layout", "message"), [
+    (dict(world_size=6, tp=4), r"parallel='tp\*cp\*pp = 4\*1\*1 = 4' is invalid: expected a divisor of the world "
+                               r"size 6"),
+    (dict(world_size=8, tp=8), r"parallel.tp=8 is invalid: expected a divisor of the model's num_heads=4"),
+    (dict(world_size=2, cp=2, seq_length=15), r"data.seq_length=15 is invalid: expected a multiple of cp = 2"),
+    (dict(device="cpu"), r"model.attention='flex' is invalid: expected sdpa on a CPU"),
+    (dict(activation_checkpointing="all"), r"model.activation_checkpointing='all' is invalid: expected one of"),
+])
+def test_layouts_that_cannot_run_are_refused(layout, message):
+    with pytest.raises(ConfigError, match=message):
+        plan_from(CONFIGS["tiny"], Layout(**layout))
+
+
+def test_total_fits_and_table():
+    plan = plan_from(CONFIGS["everything"], Layout(world_size=2, micro_batch=2, seq_length=64, text_len=16))
+    parts = (plan.weights, plan.grads, plan.optimizer, plan.ema, plan.autocast_cache, plan.comm_buffers,
+             plan.activations)
+    assert plan.total == sum(parts)
+    assert plan.fits(plan.total / 0.9 + 1) and not plan.fits(plan.total / 0.9 - 1)
+    assert plan.fits(plan.total, headroom=0) and not plan.fits(plan.total - 1, headroom=0)
+    table = plan.table(plan.total / 0.9 * 2)
+    assert table.splitlines()[-2].split() == ["total", f"{plan.total / GiB:.2f}"]
+    assert "fits in" in table.splitlines()[-1]
+
+
+def test_advice_for_a_7b_model_on_8_gpus():
+    cfg = preset("DiT-7B", text_dim=4096)
+    layout = Layout(world_size=8, tp=2, sequence_parallel=True, seq_length=8192, text_len=128,
+                    activation_checkpointing="selective")
+    assert not plan_from(cfg, layout).fits(80 * GiB)
+    changes, plan = advise(cfg, layout, 80 * GiB)
+    assert changes == ["parallel.fsdp=true"] and plan.fits(80 * GiB)
+    # without checkpointing, 64k-token rows need more than sharding
+    changes, plan = advise(cfg, layout.replace(seq_length=65536, activation_checkpointing="none"), 80 * GiB)
+    assert changes[0] == "parallel.fsdp=true" and len(changes) > 1 and plan.fits(80 * GiB)
+
+
+if __name__ == "__main__":
+    parallel_worker(sys.argv[1])
