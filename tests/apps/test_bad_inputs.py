@@ -15,6 +15,7 @@ import pytest
 
 BIN = Path(sys.executable).parent
 READ_ONLY = Path("/sys/ditcore-test")  # not writable even for root (chmod is not enough when CI runs as root)
+SLOW = pytest.mark.slow  # the same kind of error as a case kept in the default run: `make test-slow` runs it
 
 
 def cli(app: str, *args, timeout=180, cwd=None) -> subprocess.CompletedProcess:
@@ -120,13 +121,13 @@ def damaged_copy(data: Path, tmp: Path, how: str) -> Path:
         ("layout", ["parallel", "expected a divisor of the world size 1"]),
         ("data_is_a_file", ["is a file; expected the folder dit-prepare wrote"]),
         ("missing_data", ["does not exist — run dit-prepare first"]),
-        ("unfinished", ["is not a finished ditcore dataset", "--overwrite"]),
-        ("corrupt_info", ["unreadable ditcore.json"]),
+        pytest.param("unfinished", ["is not a finished ditcore dataset", "--overwrite"], marks=SLOW),
+        pytest.param("corrupt_info", ["unreadable ditcore.json"], marks=SLOW),
         ("truncated_shard", ["every shard of dataset", "is broken", "--overwrite"]),
-        ("deleted_idx", ["every shard of dataset", ".idx is missing"]),
+        pytest.param("deleted_idx", ["every shard of dataset", ".idx is missing"], marks=SLOW),
         ("seq_too_short", ["fits a packed row of data.seq_length=2 tokens", "at least 8"]),
-        ("patch_does_not_divide", ["is divisible by the patch 1x3x3"]),
-        ("run_dir_is_a_file", ["train.run_dir=", "this is a file"]),
+        pytest.param("patch_does_not_divide", ["is divisible by the patch 1x3x3"], marks=SLOW),
+        pytest.param("run_dir_is_a_file", ["train.run_dir=", "this is a file"], marks=SLOW),
         ("run_dir_read_only", ["train.run_dir=", "a folder this user can write"]),
         ("resume_not_a_checkpoint", ["not a complete checkpoint"]),
     ],
@@ -268,24 +269,24 @@ def test_ctrl_c_during_prepare_removes_the_partial_output_unless_kept(tmp_path, 
     ("args", "fragments"),
     [
         (["--steps", "0"], ["steps=0 is out of range"]),
-        (["--steps", "-3"], ["steps=-3 is out of range"]),
+        pytest.param(["--steps", "-3"], ["steps=-3 is out of range"], marks=SLOW),
         (["--guidance", "-1"], ["guidance=-1.0 is out of range"]),
-        (["--guidance", "nan"], ["guidance=nan is out of range"]),
+        pytest.param(["--guidance", "nan"], ["guidance=nan is out of range"], marks=SLOW),
         (["--frames", "0"], ["frames=0 is out of range"]),
         (["--height", "30"], ["multiples of 8"]),
-        (["--width", "36"], ["multiples of 8"]),
-        (["--height", "100000"], ["height=100000 is out of range"]),
+        pytest.param(["--width", "36"], ["multiples of 8"], marks=SLOW),
+        pytest.param(["--height", "100000"], ["height=100000 is out of range"], marks=SLOW),
         (["--prompt", ""], ["the prompt is empty"]),
         (["--fps", "0"], ["'--fps'", "'0'"]),
         (["--solver", "dpm"], ["'dpm' is not one of 'heun', 'euler'"]),
-        (["--seed", "x"], ["'--seed'", "'x'"]),
+        pytest.param(["--seed", "x"], ["'--seed'", "'x'"], marks=SLOW),
         (["--checkpoint", "{data}"], ["is neither an export"]),
-        (["--checkpoint", "{tmp}"], ["is neither an export"]),
+        pytest.param(["--checkpoint", "{tmp}"], ["is neither an export"], marks=SLOW),
         (["--checkpoint", "{tmp}/nope"], ["does not exist"]),
         (["--out", "{tmp}/missing/x.png"], ["the folder", "does not exist"]),
-        (["--out", str(READ_ONLY / "x.png")], ["does not exist"]),
+        pytest.param(["--out", str(READ_ONLY / "x.png")], ["does not exist"], marks=SLOW),
         (["--out", "/proc/self/x.png"], ["is not writable"]),
-        (["--out", "{tmp}"], ["is a directory"]),
+        pytest.param(["--out", "{tmp}"], ["is a directory"], marks=SLOW),
     ],
 )
 def test_bad_generate_request_is_one_line(checkpoint, mock_data, tmp_path, args, fragments):

@@ -224,6 +224,7 @@ def test_sigterm_saves_a_complete_checkpoint_and_exits_0(dataset, tmp_path):
     assert f"at step {step}" in resumed.stdout + resumed.stderr
 
 
+@pytest.mark.slow
 def test_sigterm_to_the_whole_process_group_with_loader_workers_saves_and_exits_0(dataset, tmp_path):
     """Slurm's cancel, `docker stop` and `timeout` signal the process group: the loader workers get SIGTERM too."""
     run = tmp_path / "run"

@@ -23,6 +23,7 @@ from ditcore.parallel import (
     finalize_grads,
     grad_norm,
     load_consolidated,
+    materialize,
     parallelize,
 )
 from ditcore.parallel.consolidate import gather_full
@@ -154,6 +155,19 @@ def run_case(name: str, dims: ParallelDims, packed: bool, checkpointing: str = "
         ref_norm = torch.cat([g.reshape(-1) for g in ref_grads.values()]).double().norm()
         result["grad_norm"] = diff(norm, ref_norm)
         result["params"] = len(grads)
+    if fsdp:  # built on the meta device and materialised piece by piece: exactly the one-device initialisation
+        with torch.device("meta"):
+            meta = DiT(CFG)
+        parallelize(meta, groups)
+        apply_fsdp(meta, groups, "cpu")
+        materialize(meta, 3, "cpu", groups)
+        built = consolidated_state_dict(meta, groups)
+        if built is not None:
+            one = DiT(CFG)
+            one.init_weights(3)
+            expected = one.state_dict()
+            result["materialized_equals_init"] = built.keys() == expected.keys() and all(
+                torch.equal(built[k], expected[k]) for k in expected)
     return result
 
 

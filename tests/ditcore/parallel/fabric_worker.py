@@ -3,6 +3,7 @@
     torchrun --nproc-per-node 2 fabric_worker.py straight tp2 OUT    # 4 steps at TP=2, a checkpoint after 2
     python fabric_worker.py resume tp2 OUT                           # Fabric's own launcher: load it, 2 more steps
     torchrun --nproc-per-node 2 fabric_worker.py resume fsdp OUT     # the same from FSDP over DP=2; saves at 4
+    torchrun --nproc-per-node 2 fabric_worker.py resume tp2_fsdp OUT # the same with TP=2 + SP and FSDP
     python fabric_worker.py load one OUT                             # one process: load FSDP's step-4 checkpoint
 
 Each writes its losses, the consolidated final weights and the model's output on a probe batch to OUT (rank 0).
@@ -30,7 +31,8 @@ from ditcore.parallel.fsdp import apply_fsdp
 CFG = preset("DiT-Tiny", in_channels=4, num_classes=4, text_dim=16)  # 5 class rows: uneven over 2 FSDP ranks
 POS = grid_positions((1, 4, 4))
 STEPS, SAVE_AT, ROWS = 4, 2, 4
-LAYOUTS = {"tp2": (ParallelDims(tp=2), False, 2), "fsdp": (ParallelDims(), True, 2), "one": (ParallelDims(), False, 1)}
+LAYOUTS = {"tp2": (ParallelDims(tp=2), False, 2), "fsdp": (ParallelDims(), True, 2), "one": (ParallelDims(), False, 1),
+           "tp2_fsdp": (ParallelDims(tp=2, sequence_parallel=True), True, 2)}  # FSDP over dp=1: TP tags must survive
 
 
 def batch(step: int):
@@ -78,7 +80,7 @@ def main() -> None:
     model = build(groups, fsdp)
     ema = EMA(model, 0.5, module=build(groups, fsdp)) if fsdp else EMA(model, 0.5)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    model, opt = fabric.setup(model, opt)
+    model, opt = fabric.setup(model, opt, move_to_device=not fsdp)  # as dit-train: a sharded model is not moved
 
     def tensors():
         return dcp.state_tensors(model.module, ema.module, opt, groups, "cpu")

@@ -60,3 +60,9 @@ def test_finalize_grads_is_what_makes_gradients_right(results, case):
     """Under SP, CP (and for TP's per-head QK-norm weights) the raw gradients are partial; finalize_grads fixes them."""
     _, rel_diff = results[case]["grad_before_finalize"]
     assert rel_diff > 1e-2, f"{case}: gradients were already right before finalize_grads ({rel_diff:.1e})"
+
+
+@pytest.mark.parametrize("case", [c for c in CASES + CASES_4 if c.startswith("fsdp")])
+def test_fsdp_materialised_on_the_meta_device_is_the_one_device_init(request, case):
+    """Each rank allocates and fills only its piece of its TP shard; gathered, they are the one-device weights."""
+    assert request.getfixturevalue("results_4" if case in CASES_4 else "results")[case]["materialized_equals_init"]

@@ -51,7 +51,7 @@ def layout(fabric) -> dict:
 
 def save(fabric, run_dir: Path, step: int, state: dict, loader, config_yaml: str, keep: int) -> Path:
     """Collective: every rank calls it. Returns the final checkpoint folder."""
-    groups, rank = fabric.strategy.groups, fabric.global_rank
+    rank = fabric.global_rank
     final = runs.step_dir(run_dir, step)
     tmp = runs.tmp_dir(final)
     if rank == 0:
@@ -59,16 +59,15 @@ def save(fabric, run_dir: Path, step: int, state: dict, loader, config_yaml: str
         tmp.mkdir(parents=True)
     fabric.barrier()
     dist_checkpoint.save(tmp, _tensors(fabric, state), _values(state))  # each rank its pieces, fsynced
-    mine = [*dist_checkpoint.files_of_rank(tmp, rank), runs.rng_file(rank)]
-    torch.save({"torch": torch.get_rng_state(),
-                "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}, tmp / mine[-1])
-    if groups.tp_rank == 0 and groups.cp_rank == 0:  # one writer per data-parallel rank: its peers read the same
-        mine.append(runs.loader_file(groups.dp_rank))
-        (tmp / mine[-1]).write_bytes(pickle.dumps(loader.save_state_rank()))
-    # Every rank makes its own files durable and measures them (in parallel); rank 0 records them all.
-    for name in mine:
-        durable.fsync_file(tmp / name)
-    files = {k: v for part in _all_ranks(fabric, {n: durable.digest(tmp / n) for n in mine}) for k, v in part.items()}
+    try:
+        mine = _write_rank_files(tmp, fabric, loader)
+    except OSError as e:  # e.g. the disk filled up: every rank must hear of it, or the others would wait forever
+        mine = f"rank {rank} could not write its part of checkpoint {final}: {e}"
+    parts = _all_ranks(fabric, mine)
+    problem = next((p for p in parts if isinstance(p, str)), None)
+    if problem:
+        raise CheckpointError(f"{problem} — nothing was published; the newest complete checkpoint is kept")
+    files = {k: v for part in parts for k, v in part.items()}
     if rank == 0:
         durable.write_text(tmp / runs.CONFIG_FILE, config_yaml)
         files[runs.CONFIG_FILE] = durable.digest(tmp / runs.CONFIG_FILE)
@@ -78,6 +77,21 @@ def save(fabric, run_dir: Path, step: int, state: dict, loader, config_yaml: str
             durable.remove_dir(old)
     fabric.barrier()
     return final
+
+
+def _write_rank_files(tmp: Path, fabric, loader) -> dict[str, dict]:
+    """This rank's RNG states (and, for one rank per data-parallel rank, the loader's position), beside its DCP
+    file; every one fsynced and measured: {file name: its size and CRC-32}."""
+    groups, rank = fabric.strategy.groups, fabric.global_rank
+    mine = [*dist_checkpoint.files_of_rank(tmp, rank), runs.rng_file(rank)]
+    torch.save({"torch": torch.get_rng_state(),
+                "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}, tmp / mine[-1])
+    if groups.tp_rank == 0 and groups.cp_rank == 0:  # one writer per data-parallel rank: its peers read the same
+        mine.append(runs.loader_file(groups.dp_rank))
+        (tmp / mine[-1]).write_bytes(pickle.dumps(loader.save_state_rank()))
+    for name in mine:  # every rank makes its own files durable and measures them, in parallel
+        durable.fsync_file(tmp / name)
+    return {name: durable.digest(tmp / name) for name in mine}
 
 
 def resume(fabric, run_dir: Path, resume_arg: str, state: dict, loader) -> Path | None:
@@ -113,13 +127,18 @@ def _verify(fabric, ckpt: Path) -> str | None:
     """Check the checkpoint's files against its manifest, each file by one rank (all in parallel)."""
     manifest = runs.read_manifest(ckpt)
     files = sorted(manifest.get("files") or {})
+    if not files:
+        return f"checkpoint {ckpt} is damaged: its {runs.MARKER} manifest does not list its files"
     if dist_checkpoint.METADATA not in files:
         return (f"checkpoint {ckpt} was written by an older dit-train (per-shard files, no "
                 f"{dist_checkpoint.METADATA}): start a new run from that run's export/")
-    for name in files[fabric.global_rank::fabric.world_size]:
-        problem = runs.verify(ckpt, name, manifest)
-        if problem:
-            return problem
+    try:
+        for name in files[fabric.global_rank::fabric.world_size]:
+            problem = runs.verify(ckpt, name, manifest)
+            if problem:
+                return problem
+    except OSError as e:  # unreadable: a problem like any other, which every rank must hear of
+        return f"checkpoint {ckpt} is damaged: {e}"
     return None
 
 

@@ -226,8 +226,10 @@ def build(run: Setup) -> Trainee:
                                   eps=cfg.optim.eps, weight_decay=cfg.optim.weight_decay,
                                   fused=run.on_gpu or None)  # one kernel for all parameters on a GPU
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
-    model, optimizer = fabric.setup(model, optimizer)
-    ema.module.to(fabric.device)
+    # A sharded model is on its device already; moving it would swap its parameters (and drop their TP tags)
+    model, optimizer = fabric.setup(model, optimizer, move_to_device=not cfg.parallel.fsdp)
+    if not cfg.parallel.fsdp:
+        ema.module.to(fabric.device)
     loader = build_loader(cfg.data.path, patch_size=model_cfg.patch_size, patch_size_t=model_cfg.patch_size_t,
                           seq_length=cfg.data.seq_length, batch_size=cfg.train.micro_batch,
                           num_workers=cfg.data.num_workers, dp_rank=groups.dp_rank, dp_size=groups.dims.dp,

@@ -23,6 +23,7 @@ def gather_full(model: nn.Module, tensors: dict[str, torch.Tensor], groups: Para
     tensors on CPU, the others None.
     """
     params = dict(model.named_parameters())
+    keep = groups is None or dist.get_rank() == 0  # the others take part in the collectives and keep nothing
     full = {}
     for k, v in tensors.items():
         p = params.get(k)
@@ -30,12 +31,10 @@ def gather_full(model: nn.Module, tensors: dict[str, torch.Tensor], groups: Para
         if groups is not None and groups.dims.tp > 1 and p is not None and is_tp_sharded(p):
             parts = [torch.empty_like(v) for _ in range(groups.dims.tp)]
             dist.all_gather(parts, v.detach().contiguous(), group=groups.tp_group)
-            full[k] = torch.cat(parts, dim=p.partition_dim).cpu()
-        else:
+            v = torch.cat(parts, dim=p.partition_dim)
+        if keep:
             full[k] = v.detach().cpu().clone()
-    if groups is not None and dist.get_rank() != 0:
-        return None
-    return full
+    return full if keep else None
 
 
 def consolidated_state_dict(model: nn.Module, groups: ParallelGroups | None) -> dict[str, torch.Tensor] | None:

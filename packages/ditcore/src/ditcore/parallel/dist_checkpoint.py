@@ -145,14 +145,19 @@ def _global(value: torch.Tensor, like: torch.Tensor, groups: ParallelGroups, mes
                               stride=torch.empty(shape, device="meta").stride())
 
 
-def _mesh(groups: ParallelGroups, device_type: str):
-    return _world_mesh(groups.dims.tp, dist.get_world_size(), device_type)
-
-
 @functools.cache
-def _world_mesh(tp: int, world: int, device_type: str):
-    """All ranks as a (tp, dp_cp) mesh: Megatron puts TP peers next to each other, so rank = tp_rank + tp·dp_cp_rank."""
+def _mesh(groups: ParallelGroups, device_type: str):
+    """All ranks as a (tp, dp_cp) mesh over Megatron's own TP and DP×CP groups (no new communicators). Megatron puts
+    TP peers next to each other: rank = tp_rank + tp·dp_cp_rank."""
     from torch.distributed.device_mesh import DeviceMesh
 
+    if groups.dims.pp != 1:
+        raise NotImplementedError("checkpoints of pipeline-parallel layouts: this mesh has no pipeline dimension")
+    world, tp = dist.get_world_size(), groups.dims.tp
     ranks = torch.arange(world).reshape(world // tp, tp).T
-    return DeviceMesh(device_type, ranks, mesh_dim_names=("tp", "dp_cp"))
+    mesh = DeviceMesh.from_group([groups.tp_group, groups.dp_cp_group], device_type, mesh=ranks,
+                                 mesh_dim_names=("tp", "dp_cp"))
+    if tuple(mesh.get_coordinate()) != (groups.tp_rank, groups.dp_cp_rank):
+        raise RuntimeError(f"rank {dist.get_rank()}: the checkpoint mesh puts it at {mesh.get_coordinate()}, "
+                           f"Megatron at tp {groups.tp_rank}, dp×cp {groups.dp_cp_rank}")
+    return mesh

@@ -6,14 +6,16 @@ keeps Fabric's launching, device handling and precision and changes exactly that
 - the Megatron-Core groups are created right after torch.distributed is initialised;
 - DDP runs over the data-parallel group with context parallelism (DP×CP), never across TP ranks;
 - with `fsdp=True` the module comes already sharded over DP×CP (ditcore.parallel.fsdp) and is not wrapped:
-  FSDP2 reduce-scatters the gradients itself, and `fabric.no_backward_sync` turns its reduction off.
+  FSDP2 reduce-scatters the gradients itself, after every micro-batch (`fabric.no_backward_sync` does not turn
+  that off: FSDP2 would then keep an unsharded fp32 gradient of every parameter until the last micro-batch,
+  as much memory as the unsharded weights).
 
 Checkpoints do not go through Fabric: ditcore.parallel.dist_checkpoint writes them in a layout-free form.
 """
 
 from __future__ import annotations
 
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import torch
@@ -47,14 +49,4 @@ class MegatronStrategy(DDPStrategy):
 
 class _FSDPBackwardSyncControl(_BackwardSyncControl):
     def no_backward_sync(self, module: torch.nn.Module, enabled: bool) -> AbstractContextManager:
-        return _no_gradient_sync(module) if enabled else nullcontext()
-
-
-@contextmanager
-def _no_gradient_sync(module: torch.nn.Module):
-    """Gradient accumulation under FSDP2: keep unsharded gradients until the last micro-batch reduces them."""
-    module.set_requires_gradient_sync(False)
-    try:
-        yield
-    finally:
-        module.set_requires_gradient_sync(True)
+        return nullcontext()  # gradients are reduce-scattered into the sharded ones after every micro-batch

@@ -12,7 +12,9 @@ DTensors sharded along dim 0 over DP×CP: a rank holds 1/(dp·cp) of its TP shar
 (averaged over DP×CP, as DDP would), so `finalize_grads` and `clip_grad_norm_` work on the local pieces.
 
 The TP tags that Megatron and ditcore put on parameters (`tensor_model_parallel`, `partition_dim`,
-`tp_partial_grad`) are carried over to the sharded parameters, which FSDP2 creates anew.
+`tp_partial_grad`) are carried over to the sharded parameters, which FSDP2 creates anew. `Module.to_empty` and
+`Module.to` swap DTensor parameters' contents *and* attributes (torch.utils.swap_tensors), which would drop them:
+`apply_fsdp` keeps them by name on the model, and `restore_tags` puts them back after such a move.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from torch.distributed.tensor import DTensor
 from ditcore.parallel.dims import ParallelGroups
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+_TAGS = "_ditcore_tp_tags"  # {parameter name: its tags}, kept on the sharded model
 
 
 def dp_cp_mesh(groups: ParallelGroups, device_type: str):
@@ -54,13 +57,22 @@ def apply_fsdp(model: nn.Module, groups: ParallelGroups, device_type: str, param
 
     tags = {name: dict(vars(p)) for name, p in model.named_parameters()}
     mesh = dp_cp_mesh(groups, device_type)
-    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    # Inputs are left in their dtype (cast_forward_inputs=False): autocast decides the compute dtype per op, as
+    # without FSDP; casting the root's inputs to bf16 would round the noise level before its sinusoidal embedding.
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype, cast_forward_inputs=False)
     for block in model.blocks:
         fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
     # the root: after backward its gradients (embedders, final layer) are reduced with the last block's
     fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+    model.__dict__[_TAGS] = tags
+    return restore_tags(model)
+
+
+def restore_tags(model: nn.Module) -> nn.Module:
+    """Put the TP tags back on a sharded model's parameters (after `to_empty` or `to`, which drop them)."""
+    tags = model.__dict__.get(_TAGS, {})
     for name, p in model.named_parameters():
-        p.__dict__.update(tags[name])
+        p.__dict__.update(tags.get(name, {}))
     return model
 
 

@@ -22,6 +22,10 @@ def finalize_grads(model: nn.Module, groups: ParallelGroups | None) -> None:
     """
     if groups is None:
         return
+    if groups.dims.tp > 1 and not any(is_tp_sharded(p) for p in model.parameters()):
+        raise RuntimeError("tp > 1 but no parameter carries Megatron's tensor-parallel tags: a move of a sharded "
+                           "model (Module.to / to_empty) dropped them — call ditcore.parallel.fsdp.restore_tags "
+                           "after it")
     partial = [local(p.grad) for p in model.parameters()
                if p.grad is not None and getattr(p, "tp_partial_grad", False)]
     if partial and groups.dims.tp > 1:

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from ditcore.parallel.dims import ParallelGroups
-from ditcore.parallel.fsdp import is_fsdp, local, local_piece
+from ditcore.parallel.fsdp import is_fsdp, local, local_piece, restore_tags
 from ditcore.parallel.tensor_parallel import full_shape, shard
 
 
@@ -53,6 +53,7 @@ def materialize(model: nn.Module, seed: int, device: torch.device | str,
 def _materialize_sharded(model: nn.Module, rule, seed: int, device: torch.device, tp: int, rank: int) -> nn.Module:
     """The same for a model sharded by FSDP2 (ditcore.parallel.fsdp): allocate this rank's pieces, fill them in."""
     model.to_empty(device=device)  # FSDP2 allocates its local shard of each parameter; buffers are whole
+    restore_tags(model)  # to_empty swapped the parameters, attributes included
     with torch.no_grad():
         for name, t in [*model.named_parameters(), *model.named_buffers()]:
             full = rule(name, full_shape(t, tp), seed, device)
