@@ -219,6 +219,7 @@ def test_bad_prepare_input_is_one_line_and_leaves_nothing(media, tmp_path, args,
     assert sorted(p.relative_to(media) for p in media.rglob("*")) == before  # nothing of the user's touched
 
 
+@pytest.mark.slow  # the default run keeps test_prepare's folder source
 def test_folder_skips_what_it_cannot_read_and_keeps_unicode_captions(media, tmp_path):
     out = tmp_path / "o"
     proc = cli("prepare", "folder", media / "mixed", "--out", out, "--size", "32", "--fit-samples", "8",

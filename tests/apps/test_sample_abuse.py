@@ -252,6 +252,7 @@ def test_listens_on_localhost_only(app):
     assert listening == [("/proc/net/tcp", "0100007F")]
 
 
+@pytest.mark.slow  # a one-line error of dit-sample serve; ~11 s
 def test_a_taken_port_is_one_line_and_exit_2(app, run_dir):
     proc = subprocess.run([str(BIN / "dit-sample"), "serve", "--checkpoint", str(run_dir), "--port", str(app.port)],
                           capture_output=True, text=True, timeout=120)

@@ -248,6 +248,7 @@ def test_sigterm_to_the_whole_process_group_with_loader_workers_saves_and_exits_
     assert f"at step {step}" in resumed.stdout + resumed.stderr
 
 
+@pytest.mark.slow  # the default run keeps test_an_infinite_gradient_norm_diverges_like_a_nan_loss, in process
 def test_a_diverging_loss_stops_with_one_line_and_no_checkpoint_of_it(dataset, tmp_path):
     run = tmp_path / "run"
     proc = dit_train(*run_args(dataset, run, 50, "optim.lr=1e30", "train.grad_clip=0", "checkpoint.every=1"))
@@ -317,6 +318,7 @@ def resume_after_kill(dataset, straight: Path, run: Path) -> str:
     return complete[-1] if complete else "fresh start"
 
 
+@pytest.mark.slow  # test_kill_9_at_random_moments_of_saving covers it 16 times
 def test_kill_9_during_a_save_then_resume_equals_the_uninterrupted_run(dataset, straight, tmp_path):
     # Save 3 began: step 2 is complete, step 3 is being written; 10 ms in, the shard is half written.
     kill_during_save(dataset, tmp_path / "run", save_step=3, delay=0.010)

@@ -105,6 +105,7 @@ def test_nan_latent_is_skipped_and_counted(dataset):
     assert skipped_in(loader(dataset)).get("non_finite_latent", 0) >= 1
 
 
+@pytest.mark.slow  # ~40 s; the default run keeps dit-train on a truncated shard (test_bad_inputs)
 def test_broken_shard_is_left_out_and_counted(dataset, tmp_path):
     root = shutil.copytree(dataset, tmp_path / "data")
     shard = root / "rank0-000001.tar"
