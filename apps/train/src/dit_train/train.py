@@ -253,7 +253,7 @@ def build_model(run: Setup, training: bool) -> torch.nn.Module:
         apply_activation_checkpointing(model, cfg.model.activation_checkpointing)
     if cfg.parallel.fsdp:  # each TP shard split again over DP×CP; gathered in bf16 under bf16 precision
         fsdp.apply_fsdp(model, groups, run.fabric.device.type, param_dtype=torch.bfloat16 if run.bf16 else None,
-                   reduce_dtype=fsdp.DTYPES[cfg.parallel.reduce_dtype])
+                        reduce_dtype=fsdp.DTYPES[cfg.parallel.reduce_dtype])
     materialize(model, cfg.train.seed, run.fabric.device, groups)  # each rank computes its pieces of the init
     if training and cfg.model.compile:  # last: compile traces the checkpointed (and sharded) forward
         apply_compile(model)

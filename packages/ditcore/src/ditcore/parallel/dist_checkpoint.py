@@ -112,19 +112,22 @@ def read_full(ckpt: Path, prefix: str) -> dict[str, torch.Tensor]:
              if k.startswith(start) and hasattr(m, "size")}
     if not state:
         raise KeyError(f"the checkpoint holds no '{prefix}' tensors")
-    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
-        warnings.simplefilter("ignore", UserWarning)
-        dcp.load(state, storage_reader=reader, no_dist=True)
+    _load_here(state, reader)
     return {k[len(start):]: v for k, v in state.items()}
 
 
 def read_values(ckpt: Path) -> dict:
     """The plain values of a checkpoint (step, loss history, …), without process groups."""
     state = {VALUES: b""}
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)
-        dcp.load(state, storage_reader=dcp.FileSystemReader(str(ckpt)), no_dist=True)
+    _load_here(state, dcp.FileSystemReader(str(ckpt)))
     return pickle.loads(state[VALUES])
+
+
+def _load_here(state: dict, reader) -> None:
+    """dcp.load in this process alone, whatever process group exists."""
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(state, storage_reader=reader, no_dist=True)
 
 
 def _module_tensors(prefix: str, module: nn.Module, params: dict, groups: ParallelGroups, mesh) -> dict:
