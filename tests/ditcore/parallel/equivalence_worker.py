@@ -28,6 +28,8 @@ from ditcore.parallel import (
 )
 from ditcore.parallel.consolidate import gather_full
 from ditcore.parallel.fsdp import apply_fsdp
+from ditcore.parallel.pipeline import one_f_one_b, reduce_grads
+from ditcore.training import stage_forward
 
 CFG = preset("DiT-Tiny", hidden_size=64, depth=2, num_heads=4, in_channels=4, num_classes=5, text_dim=16,
              fps_cond=True)
@@ -68,18 +70,58 @@ def packed_batch(g):
     )
 
 
-def step(model, batch, module=None):
-    """Output, loss and gradients of one EDM training step (module: the DDP wrapper, when there is one)."""
-    outputs = {}
+class Recording(EDMPrecond):
+    """The preconditioned model, keeping every output it gives."""
 
-    def denoiser(x, sigma, seg=None, **cond):
-        outputs["D"] = EDMPrecond(module or model)(x, sigma, seg=seg, **cond)
-        return outputs["D"]
+    def __init__(self, model):
+        super().__init__(model)
+        self.outputs = []
 
-    loss = EDMLoss()(denoiser, batch["x"], seg=batch["seg"], mask=batch["mask"], sigma=batch["sigma"],
-                     noise=batch["noise"], **batch["cond"])
-    loss.backward()
-    return outputs["D"].detach(), loss.detach()
+    def forward(self, *args, **kwargs):
+        out = super().forward(*args, **kwargs)
+        self.outputs.append(out.detach())
+        return out
+
+
+def step(model, batch, module=None, micro: int = 1):
+    """Output, loss and gradients of one EDM training step (module: the DDP wrapper, when there is one), its rows
+    in `micro` micro-batches whose gradients accumulate (the loss: their mean)."""
+    denoiser, losses = Recording(module or model), []
+    for part in micro_batches(batch, micro):
+        loss = EDMLoss()(denoiser, part["x"], seg=part["seg"], mask=part["mask"], sigma=part["sigma"],
+                         noise=part["noise"], **part["cond"])
+        (loss / micro).backward()
+        losses.append(loss.detach())
+    return torch.cat(denoiser.outputs), torch.stack(losses).mean()
+
+
+def micro_batches(batch, micro: int) -> list[dict]:
+    n = batch["x"].shape[0] // micro
+    return [rows(batch, slice(i * n, (i + 1) * n)) for i in range(micro)]
+
+
+def pipeline_step(model, batch, groups, micro: int):
+    """`step` through the pipeline stages (1F1B): every stage gets the output and the loss, from the last one."""
+    parts = micro_batches(batch, micro)
+    denoiser, losses, g = Recording(model), [], groups
+    n = len(range(batch["x"].shape[1])[model.rows.spans(batch["x"].shape[1])[1]])
+
+    def forward(i, hidden):
+        p = parts[i]
+        out = stage_forward(EDMLoss(), denoiser, p["x"], last=g.last_stage, hidden=hidden, seg=p["seg"],
+                            mask=p["mask"], sigma=p["sigma"], noise=p["noise"], **p["cond"])
+        if g.last_stage:
+            losses.append(out.detach())
+            return out / micro
+        return out
+
+    one_f_one_b(g, micro, forward, (n, parts[0]["x"].shape[0], CFG.hidden_size), torch.float32, torch.device("cpu"))
+    out, loss = torch.zeros_like(batch["x"]), torch.zeros(())
+    if g.last_stage:
+        out, loss = torch.cat(denoiser.outputs), torch.stack(losses).mean()
+    for t in (out, loss):
+        dist.broadcast(t, src=g.pp_ranks[-1], group=g.pp_group)
+    return out, loss
 
 
 def optimizer(model):
@@ -104,7 +146,9 @@ def diff(a: torch.Tensor, b: torch.Tensor) -> tuple[float, float]:
     return d, d / max(b.double().abs().max().item(), 1e-30)
 
 
-def run_case(name: str, dims: ParallelDims, packed: bool, checkpointing: str = "none", fsdp: bool = False) -> dict:
+def run_case(name: str, dims: ParallelDims, packed: bool, checkpointing: str = "none", fsdp: bool = False,
+             per_row: bool = False) -> dict:
+    """per_row: a micro-batch per row, whose gradients accumulate (the reference does the same)."""
     g = torch.Generator().manual_seed(7)
     batch = packed_batch(g) if packed else unpacked_batch(g)
 
@@ -114,7 +158,7 @@ def run_case(name: str, dims: ParallelDims, packed: bool, checkpointing: str = "
         for p in ref.parameters():
             p.add_(torch.randn(p.shape, generator=g) * 0.1)
     init = {k: v.clone() for k, v in ref.state_dict().items()}
-    ref_out, ref_loss = step(ref, batch)
+    ref_out, ref_loss = step(ref, batch, micro=len(batch["x"]) if per_row else 1)
     ref_grads = {k: p.grad.clone() for k, p in ref.named_parameters()}
     optimizer(ref).step()
     ref_after = ref.state_dict()
@@ -127,12 +171,18 @@ def run_case(name: str, dims: ParallelDims, packed: bool, checkpointing: str = "
     if fsdp:  # parameters, gradients and optimizer state split again over DP×CP
         apply_fsdp(model, groups, "cpu")
         wrapper = None
-    else:
+    elif dims.pp == 1:
         wrapper = DistributedDataParallel(model, process_group=groups.dp_cp_group)
     dp_size, dp_rank = groups.dims.dp, groups.dp_rank
     per_rank = batch["x"].shape[0] // dp_size
     mine = slice(dp_rank * per_rank, (dp_rank + 1) * per_rank)
-    out, loss = step(model, rows(batch, mine), wrapper)
+    micro = per_rank if per_row else 1
+    if dims.pp == 1:
+        out, loss = step(model, rows(batch, mine), wrapper, micro)
+    else:  # no DDP: its hooks assume one backward per forward; the schedule's gradients are reduced after it
+        out, loss = pipeline_step(model, rows(batch, mine), groups, micro)
+        unreduced = gather_full(model, {k: p.grad for k, p in model.named_parameters()}, groups)
+        reduce_grads(model, groups)
     unfinished = gather_full(model, {k: p.grad for k, p in model.named_parameters()}, groups)
     finalize_grads(model, groups)
     grads = gather_full(model, {k: p.grad for k, p in model.named_parameters()}, groups)
@@ -154,12 +204,15 @@ def run_case(name: str, dims: ParallelDims, packed: bool, checkpointing: str = "
         result["grad_before_finalize"] = max(diff(unfinished[k], ref_grads[k]) for k in ref_grads)
         ref_norm = torch.cat([g.reshape(-1) for g in ref_grads.values()]).double().norm()
         result["grad_norm"] = diff(norm, ref_norm)
+        if dims.pp > 1:  # what reduce_grads fixed: the stages' partial gradients of the embedders (and DP's)
+            result["grad_before_reduce"] = max(diff(unreduced[k], ref_grads[k]) for k in ref_grads)
         result["params"] = len(grads)
-    if fsdp:  # built on the meta device and materialised piece by piece: exactly the one-device initialisation
+    if fsdp or dims.pp > 1:  # built on the meta device and materialised piece by piece: the one-device init
         with torch.device("meta"):
             meta = DiT(CFG)
         parallelize(meta, groups)
-        apply_fsdp(meta, groups, "cpu")
+        if fsdp:
+            apply_fsdp(meta, groups, "cpu")
         materialize(meta, 3, "cpu", groups)
         built = consolidated_state_dict(meta, groups)
         if built is not None:
@@ -186,7 +239,13 @@ CASES = {
     "fsdp_tp2_sp_packed": (ParallelDims(tp=2, sequence_parallel=True), True, "none", True),  # FSDP over one rank
     "fsdp_cp2_packed_selective": (ParallelDims(cp=2), True, "selective", True),
     "fsdp_tp2_sp_dp2": (ParallelDims(tp=2, sequence_parallel=True), False, "block", True),  # 4 processes
+    # pipeline: 1F1B over a micro-batch per row (the first stage runs one ahead, then one forward, one backward)
+    "pp2": (ParallelDims(pp=2), False, "none", False, True),
+    "pp2_packed": (ParallelDims(pp=2), True, "none", False, True),
+    "pp2_tp2_sp_packed": (ParallelDims(tp=2, pp=2, sequence_parallel=True), True, "none", False, True),  # 4 procs
+    "pp2_dp2_selective": (ParallelDims(pp=2), False, "selective", False, True),  # 4 processes
 }
+
 
 
 def main() -> None:

@@ -10,8 +10,10 @@ from .equivalence_worker import CFG, GRID, B
 
 CASES = ["tp2", "tp2_sp", "cp2", "dp2", "tp2_packed", "tp2_sp_packed", "cp2_packed",
          "tp2_packed_selective", "tp2_sp_packed_block", "cp2_packed_selective",  # + activation checkpointing
-         "fsdp_dp2", "fsdp_tp2_sp_packed", "fsdp_cp2_packed_selective"]  # + sharded data parallel (FSDP2)
-CASES_4 = ["fsdp_tp2_sp_dp2"]  # 4 processes: TP=2 × FSDP over DP=2
+         "fsdp_dp2", "fsdp_tp2_sp_packed", "fsdp_cp2_packed_selective",  # + sharded data parallel (FSDP2)
+         "pp2", "pp2_packed"]  # + pipeline parallel (1F1B over a micro-batch per row)
+CASES_4 = ["fsdp_tp2_sp_dp2",  # 4 processes: TP=2 × FSDP over DP=2
+           "pp2_tp2_sp_packed", "pp2_dp2_selective"]  # two stages of TP=2 + SP; two stages × DP=2
 
 # Float32 work of each compared value (ditcore.testing): rows of 32 tokens with at most 12 text tokens (the packed
 # batch's); EDMPrecond adds c_skip·x + c_out·F (+2) and the layouts split reductions over 2 ranks, then add the
@@ -62,7 +64,15 @@ def test_finalize_grads_is_what_makes_gradients_right(results, case):
     assert rel_diff > 1e-2, f"{case}: gradients were already right before finalize_grads ({rel_diff:.1e})"
 
 
-@pytest.mark.parametrize("case", [c for c in CASES + CASES_4 if c.startswith("fsdp")])
-def test_fsdp_materialised_on_the_meta_device_is_the_one_device_init(request, case):
-    """Each rank allocates and fills only its piece of its TP shard; gathered, they are the one-device weights."""
+@pytest.mark.parametrize("case", [c for c in CASES + CASES_4 if c.startswith("pp")])
+def test_reduce_grads_is_what_makes_pipeline_gradients_right(request, case):
+    """Each stage's gradients of the conditioning embedders are partial: summed over the stages by reduce_grads."""
+    _, rel_diff = request.getfixturevalue("results_4" if case in CASES_4 else "results")[case]["grad_before_reduce"]
+    assert rel_diff > 1e-2, f"{case}: gradients were already right before reduce_grads ({rel_diff:.1e})"
+
+
+@pytest.mark.parametrize("case", [c for c in CASES + CASES_4 if c.startswith(("fsdp", "pp"))])
+def test_materialised_on_the_meta_device_is_the_one_device_init(request, case):
+    """Each rank allocates and fills only its piece of its TP shard (FSDP), or of its stage (PP); gathered, they are
+    the one-device weights."""
     assert request.getfixturevalue("results_4" if case in CASES_4 else "results")[case]["materialized_equals_init"]

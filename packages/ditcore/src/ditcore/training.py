@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from ditcore.data.packing import PackedBatch
-from ditcore.diffusion import EDMLoss
+from ditcore.diffusion import EDMLoss, EDMPrecond
 
 
 def step_generator(seed: int, step: int, micro: int, dp_rank: int, device="cpu") -> torch.Generator:
@@ -49,3 +49,14 @@ def draw(batch: PackedBatch, g: torch.Generator, loss: EDMLoss, cfg_dropout: flo
     sigma = loss.sample_sigma(tuple(batch.class_labels.shape), device=g.device, generator=g)
     noise = torch.randn(batch.x.shape, generator=g, device=g.device)
     return StepDraw(text_seg, labels, sigma, noise)
+
+
+def stage_forward(loss: EDMLoss, denoiser: EDMPrecond, x: torch.Tensor, *, last: bool, hidden: torch.Tensor | None,
+                  sigma: torch.Tensor, noise: torch.Tensor, seg=None, mask=None, **cond) -> torch.Tensor:
+    """One pipeline stage's part of the EDM loss (ditcore.parallel.pipeline): the last stage computes the loss from
+    the hidden states it is given; the others run the backbone on the same noisy, preconditioned inputs and return
+    their hidden states. With one stage (last, hidden None) it is the loss itself."""
+    if last:
+        return loss(denoiser, x, seg=seg, mask=mask, sigma=sigma, noise=noise, hidden=hidden, **cond)
+    inputs = denoiser.model_inputs(loss.noisy(x, sigma, noise, seg), sigma, seg)
+    return denoiser.model(*inputs, seg=seg, hidden=hidden, **cond)

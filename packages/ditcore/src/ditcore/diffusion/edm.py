@@ -40,12 +40,17 @@ class EDMPrecond(nn.Module):
 
     def forward(self, x: torch.Tensor, sigma: torch.Tensor, seg: torch.Tensor | None = None, **cond):
         sigma = sigma.to(torch.float32).reshape(x.shape[0], -1)  # (B, S)
-        c_skip, c_out, c_in, c_noise = edm_coefficients(sigma, self.sigma_data)
+        c_skip, c_out, _, _ = edm_coefficients(sigma, self.sigma_data)
         tok = lambda c: per_token(c, seg)[..., None]  # (B, N or 1, 1): each token uses its sample's σ
-        if seg is not None:
-            cond["seg"] = seg
-        F_x = self.model((tok(c_in) * x).to(x.dtype), c_noise, **cond)
+        F_x = self.model(*self.model_inputs(x, sigma, seg), **cond, **({} if seg is None else {"seg": seg}))
         return (tok(c_skip) * x + tok(c_out) * F_x.to(torch.float32)).to(x.dtype)
+
+    def model_inputs(self, x: torch.Tensor, sigma: torch.Tensor, seg: torch.Tensor | None = None):
+        """What the backbone F is given: (c_in(σ) x, c_noise(σ)) — alone, for a pipeline stage that ends before F's
+        output (ditcore.training.stage_forward)."""
+        sigma = sigma.to(torch.float32).reshape(x.shape[0], -1)
+        _, _, c_in, c_noise = edm_coefficients(sigma, self.sigma_data)
+        return (per_token(c_in, seg)[..., None] * x).to(x.dtype), c_noise
 
 
 class EDMLoss:
@@ -62,6 +67,11 @@ class EDMLoss:
         rnd = torch.randn(shape, device=device, generator=generator)
         return (rnd * self.P_std + self.P_mean).exp()
 
+    @staticmethod
+    def noisy(x: torch.Tensor, sigma: torch.Tensor, noise: torch.Tensor, seg: torch.Tensor | None = None):
+        """x + σ n, each token with its sample's σ."""
+        return x + noise * per_token(sigma.reshape(x.shape[0], -1), seg)[..., None]
+
     def __call__(self, denoiser, x, *, seg=None, mask=None, sigma=None, noise=None, generator=None, **cond):
         B, _N, _ = x.shape
         if sigma is None:
@@ -70,7 +80,7 @@ class EDMLoss:
         if noise is None:
             noise = torch.randn(x.shape, device=x.device, generator=generator, dtype=x.dtype)
         sigma_tok = per_token(sigma.reshape(B, -1), seg)[..., None]  # (B, N or 1, 1)
-        D = denoiser(x + noise * sigma_tok, sigma, seg=seg, **cond)
+        D = denoiser(self.noisy(x, sigma, noise, seg), sigma, seg=seg, **cond)
         per_elem = edm_weight(sigma_tok, self.sigma_data) * (D.float() - x.float()) ** 2  # (B, N, F)
         if mask is None:
             return per_elem.mean()

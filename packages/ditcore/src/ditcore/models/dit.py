@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import zlib
 from dataclasses import dataclass
 from typing import Literal
@@ -371,17 +372,15 @@ class DiT(nn.Module):
         """
         owner_name, _, kind = name.rpartition(".")
         owner = self.get_submodule(owner_name)  # the same path after ditcore.parallel swaps in parallel linears
-        embedders = [self.t_embedder] + ([self.fps_embedder] if self.cfg.fps_cond else [])
-        small = [m for e in embedders for m in (e.mlp[0], e.mlp[2])]
-        small += [self.y_embedder] if self.cfg.num_classes else []
-        zero = [self.final.adaLN[-1], self.final.linear] + [b.adaLN[-1] for b in self.blocks]
-        if self.cfg.text_dim:
-            zero += [b.cross.proj for b in self.blocks]  # adaLN-Zero has no gate for cross-attention: zero its output
+        # by path, as a pipeline stage holds only some of the modules (ditcore.parallel.pipeline)
+        small = re.fullmatch(r"(t_embedder|fps_embedder)\.mlp\.[02]|y_embedder", owner_name)
+        # adaLN-Zero; cross-attention has no gate: its output projection is zero instead
+        zero = re.fullmatch(r"final\.(adaLN\.1|linear)|blocks\.\d+\.(adaLN\.1|cross\.proj)", owner_name)
         value = torch.empty(shape, device=device)
         g = torch.Generator(device).manual_seed(zlib.crc32(f"{seed}/{name}".encode()))
-        if kind == "bias" or any(owner is m for m in zero):
+        if kind == "bias" or zero:
             return value.zero_()
-        if any(owner is m for m in small):
+        if small:
             return value.normal_(0.0, 0.02, generator=g)
         if kind == "weight" and len(shape) == 2 and not isinstance(owner, nn.Embedding):  # a linear, (out, in)
             return nn.init.xavier_uniform_(value, generator=g)
@@ -415,11 +414,15 @@ class DiT(nn.Module):
         fps: torch.Tensor | None = None,
         text: torch.Tensor | None = None,
         text_seg: torch.Tensor | None = None,
+        hidden: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Tokens (B, N, patch_dim) → predicted tokens (B, N, patch_dim).
 
         c_noise, class_labels, fps: (B, S) per sample; pos: (B, N, 3) or (N, 3); seg: (B, N) or None;
         text: (B, L, text_dim) with text_seg (B, L) naming each text token's sample (-1: padding).
+
+        A pipeline stage (ditcore.parallel.pipeline) without the patch embedder starts from `hidden`, the previous
+        stage's hidden states (n, B, D), and one without the final layer returns its own, (n, B, D).
         """
         cfg = self.cfg
         B, N, _ = x.shape
@@ -430,15 +433,20 @@ class DiT(nn.Module):
         seg_local = None if seg is None else seg[:, local]
         c = self.condition(c_noise.reshape(B, -1), class_labels, fps)  # (B, S, D)
 
-        h = self.x_embedder(x[:, local].transpose(0, 1))  # (n, B, D): sequence first from here on
+        if self.x_embedder is not None:
+            h = self.x_embedder(x[:, local].transpose(0, 1))  # (n, B, D): sequence first from here on
+            if cfg.pos_embed == "sincos":
+                pe = sincos_3d(pos[..., local, :], cfg.hidden_size).to(h.dtype)
+                h = h + (pe[:, None] if pe.ndim == 2 else pe.transpose(0, 1))
+        elif hidden is None:
+            raise ValueError("this pipeline stage starts from the previous stage's output: pass hidden (n, B, D)")
+        else:
+            h = hidden
         rope = None
         if cfg.pos_embed == "rope":
             angles = rope_angles(pos[..., attn_span, :], cfg.head_dim, cfg.rope_theta)  # (B or -, seq, hd/2)
             angles = angles.reshape(-1, 1, seq, angles.shape[-1])
             rope = angles.cos().to(h.dtype), angles.sin().to(h.dtype)  # shared by all blocks
-        else:
-            pe = sincos_3d(pos[..., local, :], cfg.hidden_size).to(h.dtype)
-            h = h + (pe[:, None] if pe.ndim == 2 else pe.transpose(0, 1))
         backend = resolve(self.attention, x.device, training=torch.is_grad_enabled())
         q_seg = None if seg is None else seg[:, attn_span]
         mask = segments(backend, q_seg, seg)  # block-diagonal over samples; built once, shared by all blocks
@@ -461,6 +469,8 @@ class DiT(nn.Module):
 
         for block in self.blocks:
             h = block(h, c, seg_local, a)
+        if self.final is None:
+            return h  # a pipeline stage's hand-off to the next
         out = self.final(h, c, seg_local)  # (n, B, patch_dim)
         out = self.rows.gather(out)  # the whole rows, when they were split over ranks
         return out.transpose(0, 1)  # (B, N, patch_dim)

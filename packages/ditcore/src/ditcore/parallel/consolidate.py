@@ -19,11 +19,12 @@ from ditcore.parallel.tensor_parallel import is_tp_sharded, shard
 def gather_full(model: nn.Module, tensors: dict[str, torch.Tensor], groups: ParallelGroups | None):
     """Unshard tensors named and shaped like `model`'s parameters/buffers (weights or gradients).
 
-    Collective over TP (and over DP×CP for FSDP's DTensors): call on every rank. Rank 0 gets the one-device
-    tensors on CPU, the others None.
+    Collective over TP (and over DP×CP for FSDP's DTensors, and over the pipeline): call on every rank. Rank 0
+    gets the one-device tensors on CPU, the others None.
     """
     params = dict(model.named_parameters())
-    keep = groups is None or dist.get_rank() == 0  # the others take part in the collectives and keep nothing
+    stage_writer = groups is None or (groups.tp_rank == 0 and groups.dp_cp_rank == 0)  # one per pipeline stage
+    keep = groups is None or (stage_writer and (groups.dims.pp == 1 or dist.get_rank() == 0))
     full = {}
     for k, v in tensors.items():
         p = params.get(k)
@@ -32,8 +33,12 @@ def gather_full(model: nn.Module, tensors: dict[str, torch.Tensor], groups: Para
             parts = [torch.empty_like(v) for _ in range(groups.dims.tp)]
             dist.all_gather(parts, v.detach().contiguous(), group=groups.tp_group)
             v = torch.cat(parts, dim=p.partition_dim)
-        if keep:
+        if stage_writer:
             full[k] = v.detach().cpu().clone()
+    if groups is not None and groups.dims.pp > 1 and stage_writer:  # the stages' writers: global rank 0's pipeline
+        stages = [None] * groups.dims.pp if keep else None
+        dist.gather_object(full, stages, dst=groups.pp_ranks[0], group=groups.pp_group)
+        full = {k: v for stage in stages for k, v in stage.items()} if keep else None
     return full if keep else None
 
 
@@ -48,6 +53,8 @@ def load_consolidated(model: nn.Module, state: dict[str, torch.Tensor], groups: 
     tp, rank = (groups.dims.tp, groups.tp_rank) if groups is not None else (1, 0)
     own = without_extra_state(model.state_dict())
     missing, unexpected = own.keys() - state.keys(), state.keys() - own.keys()
+    if groups is not None and groups.dims.pp > 1:  # a pipeline stage takes its own part of the whole model
+        unexpected = set()
     if missing or unexpected:
         raise KeyError(f"state dict does not fit this model: missing {sorted(missing)[:5]}, "
                        f"unexpected {sorted(unexpected)[:5]} — is it a checkpoint of another architecture?")

@@ -19,7 +19,7 @@ from ditcore.errors import ConfigError
 class ParallelDims:
     tp: int = 1  # tensor parallel: heads and MLP columns split over ranks
     cp: int = 1  # context parallel: each rank holds a contiguous slice of every row
-    pp: int = 1  # pipeline parallel (not available yet: must be 1)
+    pp: int = 1  # pipeline parallel: the transformer blocks split into pp consecutive stages
     dp: int | None = None  # data parallel; None: whatever the world size leaves
     sequence_parallel: bool = False  # with tp > 1: split tokens over TP ranks outside attention
 
@@ -28,8 +28,6 @@ class ParallelDims:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ConfigError(f"parallel.{name}", value, "an integer >= 1")
-        if self.pp != 1:
-            raise ConfigError("parallel.pp", self.pp, "1: pipeline parallelism is not available yet")
         if self.dp is not None and (not isinstance(self.dp, int) or self.dp < 1):
             raise ConfigError("parallel.dp", self.dp, "an integer >= 1, or unset to fill the world size")
 
@@ -47,8 +45,11 @@ class ParallelDims:
                 f"{dp}: tp*cp*pp*dp must equal the world size {world_size}, and tp*cp*pp = {model_parallel}")
         return ParallelDims(self.tp, self.cp, self.pp, dp, self.sequence_parallel)
 
-    def check_model(self, num_heads: int, seq_len: int | None = None) -> None:
+    def check_model(self, num_heads: int, seq_len: int | None = None, depth: int | None = None) -> None:
         """Errors for a model/sequence that this layout cannot split. Call on every rank before any collective."""
+        if depth is not None and depth < self.pp:
+            raise ConfigError("parallel.pp", self.pp, f"at most the model's depth={depth}: every pipeline stage "
+                                                       "holds at least one block")
         if num_heads % self.tp:
             raise ConfigError("parallel.tp", self.tp, f"a divisor of the model's num_heads={num_heads}")
         parts = self.cp * (self.tp if self.sequence_parallel else 1)
@@ -83,6 +84,9 @@ class ParallelDims:
             cp_rank=ps.get_context_parallel_rank(),
             dp_rank=ps.get_data_parallel_rank(),
             dp_cp_rank=ps.get_data_parallel_rank(with_context_parallel=True),
+            pp_group=ps.get_pipeline_model_parallel_group(),
+            pp_rank=ps.get_pipeline_model_parallel_rank(),
+            pp_ranks=tuple(dist.get_process_group_ranks(ps.get_pipeline_model_parallel_group())),
         )
         seed_model_parallel_rng(0, groups.tp_rank)
         return groups
@@ -101,11 +105,22 @@ class ParallelGroups:
     cp_rank: int
     dp_rank: int
     dp_cp_rank: int
+    pp_group: dist.ProcessGroup | None = None  # the pipeline: one rank of every stage, with the same tp/cp/dp ranks
+    pp_rank: int = 0  # this rank's stage
+    pp_ranks: tuple[int, ...] = (0,)  # global ranks of the stages, first to last
 
     @property
     def is_model_parallel_writer(self) -> bool:
-        """One rank per model-parallel shard writes checkpoints: DP×CP rank 0 of each TP group."""
+        """One rank per model-parallel shard writes checkpoints: DP×CP rank 0 of each TP group (of each stage)."""
         return self.dp_cp_rank == 0
+
+    @property
+    def first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def last_stage(self) -> bool:
+        return self.pp_rank == self.dims.pp - 1
 
 
 def destroy() -> None:

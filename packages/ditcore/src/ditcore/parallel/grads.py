@@ -8,6 +8,7 @@ from torch import nn
 
 from ditcore.parallel.dims import ParallelGroups
 from ditcore.parallel.fsdp import is_fsdp, local
+from ditcore.parallel.pipeline import is_shared
 from ditcore.parallel.tensor_parallel import is_tp_sharded
 
 
@@ -40,12 +41,12 @@ def finalize_grads(model: nn.Module, groups: ParallelGroups | None) -> None:
 def grad_norm(model: nn.Module, groups: ParallelGroups | None) -> torch.Tensor:
     """Global L2 norm of the gradients, a float64 tensor on their device: TP shards' squares are summed over TP,
     replicated parameters counted once; under FSDP every rank's pieces are summed over DP×CP. One fused (foreach)
-    reduction per kind, one collective per kind of split, no host sync.
+    reduction per kind, one collective per kind of split, no host sync. Pipeline stages add up their own.
 
     torch._foreach_norm gives every gradient's norm (one kernel launch for many tensors; accumulated in float64
     on a CPU, in float32 on a GPU) as float64, and their squares are summed in float64.
     """
-    params = [p for p in model.parameters() if p.grad is not None]
+    params = [p for n, p in model.named_parameters() if p.grad is not None and _counted_here(model, n, groups)]
     sharded = [local(p.grad) for p in params if is_tp_sharded(p)]
     replicated = [local(p.grad) for p in params if not is_tp_sharded(p)]
     device = local(next(model.parameters())).device
@@ -55,7 +56,14 @@ def grad_norm(model: nn.Module, groups: ParallelGroups | None) -> torch.Tensor:
     total = sharded_sq + replicated_sq
     if groups is not None and is_fsdp(model):  # every parameter is split over DP×CP: add up the pieces
         dist.all_reduce(total, group=groups.dp_cp_group)
+    if groups is not None and groups.dims.pp > 1:  # each stage its own blocks; the shared embedders once
+        dist.all_reduce(total, group=groups.pp_group)
     return total.sqrt()
+
+
+def _counted_here(model: nn.Module, name: str, groups: ParallelGroups | None) -> bool:
+    """Pipeline stages hold the conditioning embedders alike (ditcore.parallel.pipeline): the first one counts them."""
+    return groups is None or groups.dims.pp == 1 or groups.first_stage or not is_shared(model, name)
 
 
 def clip_grad_norm_(model: nn.Module, max_norm: float, groups: ParallelGroups | None) -> torch.Tensor:

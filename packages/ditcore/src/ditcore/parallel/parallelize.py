@@ -1,6 +1,7 @@
 """`parallelize(model, groups)`: shard a one-device model for this rank, from the outside.
 
-The model file knows nothing of ranks. This applies, in order: tensor (and sequence) parallelism as the
+The model file knows nothing of ranks. This applies, in order: the pipeline split (this rank's stage only),
+tensor (and sequence) parallelism as the
 architecture's plan says (ditcore.parallel.plan), the row split for context/sequence parallelism, and the tags
 that gradient finalisation reads (which replicated parameters' gradients are partial over TP).
 """
@@ -11,6 +12,7 @@ from torch import nn
 
 from ditcore.parallel.context_parallel import SplitRows
 from ditcore.parallel.dims import ParallelGroups
+from ditcore.parallel.pipeline import split_stages
 from ditcore.parallel.plan import plan_for
 from ditcore.parallel.tensor_parallel import apply_tensor_parallel, is_tp_sharded
 
@@ -18,7 +20,9 @@ from ditcore.parallel.tensor_parallel import apply_tensor_parallel, is_tp_sharde
 def parallelize(model: nn.Module, groups: ParallelGroups) -> nn.Module:
     """Shard `model` (real or meta weights) in place for this rank and return it."""
     dims, plan = groups.dims, plan_for(model)
-    dims.check_model(model.cfg.num_heads)
+    dims.check_model(model.cfg.num_heads, depth=model.cfg.depth)
+    if dims.pp > 1:
+        split_stages(model, groups)
     sp = dims.sequence_parallel and dims.tp > 1
     names = [name for name, _ in model.named_parameters()]  # the one-device names, which sharding keeps
     if dims.tp > 1:

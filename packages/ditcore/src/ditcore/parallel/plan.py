@@ -5,6 +5,8 @@ A plan maps module paths (fnmatch patterns over `model.named_modules()` names, w
 place that names a model's layers: sharding, gradient finalisation and offline consolidation all read it, and
 tests/ditcore/parallel/test_plan.py fails if a parameter of any architecture is covered by no entry or by two.
 
+It also says how the model splits into pipeline stages (`PipelineSplit`).
+
 Styles, as Megatron-Core lays them out:
 - `ColumnParallel`: output features split (weight rows and bias); heads and MLP columns are divided.
 - `RowParallel`: input features split (weight columns); the bias is replicated and added after the reduction.
@@ -44,9 +46,20 @@ Style = ColumnParallel | RowParallel | Replicated
 
 
 @dataclass(frozen=True)
+class PipelineSplit:
+    """How the model splits into pipeline stages: a ModuleList of layers cut into consecutive runs, modules that only
+    the first or the last stage holds; every other module is on every stage (ditcore.parallel.pipeline)."""
+
+    layers: str
+    first: tuple[str, ...] = ()
+    last: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
 class Plan:
     modules: dict[str, Style]  # module path pattern → style of its parameters (and its children's)
     heads: tuple[str, ...] = field(default=())  # attention modules whose `num_heads` is divided over TP
+    pipeline: PipelineSplit | None = None
 
     def matches(self, module: str) -> list[str]:
         """Patterns that cover a module (its own entry, or an ancestor's ending in `.*`)."""
@@ -121,6 +134,7 @@ DIT_PLAN = Plan(
         "final.*": Replicated(),
     },
     heads=("blocks.*.attn", "blocks.*.cross"),
+    pipeline=PipelineSplit(layers="blocks", first=("x_embedder",), last=("final",)),  # the embedders: every stage
 )
 
 
