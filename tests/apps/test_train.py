@@ -184,6 +184,45 @@ def test_written_with_tp2_resumed_with_fsdp_over_dp2(dataset, stopped_tp2, tmp_p
     assert [s for s, _ in history] == [1, 2, 3, 4] and all(math.isfinite(loss) for _, loss in history)
 
 
+def test_pipeline_of_two_stages_trains_like_one_process(dataset, straight, tmp_path):
+    """parallel.pp=2: one block per stage, 1F1B over the step's 2 micro-batches; validation samples and the export
+    go through the stages too. The same data and draws as one process: the same losses to float32 rounding, and a
+    checkpoint whose one-device tensors are the one process's."""
+    run = tmp_path / "pp2"
+    proc = torchrun_train(*run_args(dataset, run, 6, "parallel.pp=2"))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert proc.stdout.count("done: 6 steps") == 1  # one summary, from rank 0
+    manifest = json.loads((runs.step_dir(run, 6) / runs.MARKER).read_text())
+    assert manifest["layout"] == {"world_size": 2, "tp": 1, "cp": 1, "pp": 2, "dp": 1, "fsdp": False}
+    a, b = final_state(straight, 6), final_state(run, 6)
+    assert [s for s, _ in b["history"]] == [1, 2, 3, 4, 5, 6]
+    for (_, x), (_, y) in zip(a["history"], b["history"], strict=True):
+        assert abs(x - y) <= 1e-6 * abs(x), (x, y)
+    for part in (dcp.MODEL, dcp.EMA):  # every block, from both stages, and the embedders once
+        assert a[part].keys() == b[part].keys()
+        for k in a[part]:
+            scale = a[part][k].abs().max().clamp(min=1e-30)
+            assert (a[part][k] - b[part][k]).abs().max() <= 1e-4 * scale, f"{part}.{k}"
+    exported = load_file(run / "export" / "model.safetensors")
+    assert exported.keys() == load_file(straight / "export" / "model.safetensors").keys()
+    assert sorted(p.name for p in (run / "samples" / "step-0000006").iterdir()) == sorted(
+        p.name for p in (straight / "samples" / "step-0000006").iterdir())
+
+
+def test_written_with_tp2_resumed_as_a_pipeline_of_two_stages(dataset, stopped_tp2, tmp_path):
+    """A checkpoint of TP=2 + SP (every block split over 2 ranks) resumes with each block whole on one stage."""
+    straight, stopped = stopped_tp2
+    resumed = tmp_path / "resumed"
+    shutil.copytree(stopped, resumed)
+    proc = torchrun_train(*run_args(dataset, resumed, 4, "parallel.pp=2", "checkpoint.every=2"), "--resume", "auto")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert f"resumed from {runs.step_dir(resumed, 2)} at step 2" in proc.stdout + proc.stderr
+    a, b = final_state(straight, 4)["history"], final_state(resumed, 4)["history"]
+    assert a[:2] == b[:2] and [s for s, _ in b] == [1, 2, 3, 4]
+    for (_, x), (_, y) in zip(a[2:], b[2:], strict=True):  # the same data, the loader's position restored
+        assert abs(x - y) <= 1e-6 * abs(x), (x, y)
+
+
 def test_loss_decreases_and_outputs_are_written(dataset, tmp_path):
     run = tmp_path / "run"
     proc = dit_train(*run_args(dataset, run, 40, "validation.frames=4", "checkpoint.every=20", "train.micro_batch=4",

@@ -115,7 +115,8 @@ def pipeline_step(model, batch, groups, micro: int):
             return out / micro
         return out
 
-    one_f_one_b(g, micro, forward, (n, parts[0]["x"].shape[0], CFG.hidden_size), torch.float32, torch.device("cpu"))
+    shape = (n, parts[0]["x"].shape[0], CFG.hidden_size)
+    one_f_one_b(g, micro, forward, lambda i: shape, torch.float32, torch.device("cpu"))
     out, loss = torch.zeros_like(batch["x"]), torch.zeros(())
     if g.last_stage:
         out, loss = torch.cat(denoiser.outputs), torch.stack(losses).mean()

@@ -41,7 +41,8 @@ def test_dims_resolve_and_validate():
     assert ParallelDims(tp=2, cp=2, dp=2).resolve(8).dp == 2
     with pytest.raises(ConfigError, match=r"parallel.dp=3 is invalid: expected 4: tp\*cp\*pp\*dp must equal"):
         ParallelDims(tp=2, dp=3).resolve(8)
-    with pytest.raises(ConfigError, match=r"parallel.pp=2 is invalid: expected 1: pipeline parallelism is not"):
-        ParallelDims(pp=2)
+    assert ParallelDims(tp=2, pp=2).resolve(8).dp == 2
+    with pytest.raises(ConfigError, match=r"parallel.pp=3 is invalid: expected at most the model's depth=2"):
+        ParallelDims(pp=3).check_model(num_heads=4, depth=2)
     with pytest.raises(ConfigError, match=r"parallel.tp=0 is invalid: expected an integer >= 1"):
         ParallelDims(tp=0)

@@ -86,7 +86,7 @@ def _write_rank_files(tmp: Path, fabric, loader) -> dict[str, dict]:
     mine = [*dist_checkpoint.files_of_rank(tmp, rank), runs.rng_file(rank)]
     torch.save({"torch": torch.get_rng_state(),
                 "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}, tmp / mine[-1])
-    if groups.tp_rank == 0 and groups.cp_rank == 0:  # one writer per data-parallel rank: its peers read the same
+    if groups.tp_rank == groups.cp_rank == groups.pp_rank == 0:  # one writer per data-parallel rank: its peers read it
         mine.append(runs.loader_file(groups.dp_rank))
         (tmp / mine[-1]).write_bytes(pickle.dumps(loader.save_state_rank()))
     for name in mine:  # every rank makes its own files durable and measures them, in parallel

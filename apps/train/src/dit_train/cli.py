@@ -74,7 +74,7 @@ def main(
         result = train(cfg, resume=resume, config_yaml=cfg.to_yaml())
     except (ConfigError, DatasetError, runs.CheckpointError, Diverged, FileNotFoundError, ValueError) as e:
         _fail(str(e))
-    if not result["stopped"]:
+    if not result["stopped"] and result["rank"] == 0:  # one summary, not one per process
         run = Path(cfg.train.run_dir)
         typer.echo(f"done: {result['step']} steps; export {runs.export_dir(run)}; loss curve {run / runs.LOSS_PLOT}")
         for path in result.get("samples") or []:

@@ -107,7 +107,8 @@ class Data(Section):
 class Parallel(Section):
     tp: int = Field(1, ge=1)
     cp: int = Field(1, ge=1)
-    pp: int = Field(1, ge=1)
+    pp: int = Field(1, ge=1, description="pipeline stages: the blocks split over pp ranks, 1F1B over a step's "
+                                         "micro-batches (use global_batch >= pp x micro_batch x dp)")
     sequence_parallel: bool = False
     fsdp: bool = Field(False, description="shard parameters, gradients, optimizer state and EMA over the data-parallel "
                                          "x context-parallel ranks (FSDP2), on top of tp/cp")
@@ -117,12 +118,12 @@ class Parallel(Section):
                                               "them)")
     accelerator: Literal["auto", "cpu", "gpu"] = "auto"
 
-    @field_validator("pp")
-    @classmethod
-    def _no_pipeline(cls, pp: int) -> int:
-        if pp != 1:
-            raise ConfigError("parallel.pp", pp, "1: pipeline parallelism is not available yet")
-        return pp
+    @model_validator(mode="after")
+    def _fsdp_without_pipeline(self) -> Parallel:
+        if self.fsdp and self.pp > 1:
+            raise ConfigError("parallel.fsdp", True, "false with parallel.pp > 1: FSDP over pipeline stages is not "
+                                                     "available yet (use tp/dp with pp, or fsdp without it)")
+        return self
 
 
 class Optim(Section):

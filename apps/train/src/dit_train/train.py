@@ -22,6 +22,7 @@ from ditcore import durable, runs
 from ditcore.codecs import LatentStats, load_codec
 from ditcore.codecs.text import load_text_encoder
 from ditcore.data.loader import build_loader, check_samples_fit
+from ditcore.data.packing import PackedBatch
 from ditcore.data.schema import DatasetInfo, read_info
 from ditcore.diffusion import EMA, EDMLoss, EDMPrecond
 from ditcore.errors import ConfigError
@@ -42,8 +43,9 @@ from ditcore.parallel import (
 )
 from ditcore.parallel.consolidate import without_extra_state
 from ditcore.parallel.fabric import MegatronStrategy
+from ditcore.parallel.pipeline import PipelinedModel, one_f_one_b, reduce_grads
 from ditcore.sampling import sample
-from ditcore.training import draw, step_generator
+from ditcore.training import StepDraw, draw, stage_forward, step_generator
 
 
 class Preempted:
@@ -153,8 +155,8 @@ def train(cfg: TrainConfig, resume: str = "auto", config_yaml: str | None = None
     ckpt = checkpoint.resume(run.fabric, run.run_dir, resume, trainee.state, trainee.loader)  # verified; else older
     if ckpt is not None:
         run.fabric.print(f"resumed from {ckpt} at step {trainee.state['step']}")
-    validator = Validator(cfg, run.info, run.model_cfg, run.fabric)
-    result = fit(run, trainee, validator, config_yaml or cfg.to_yaml())
+    validator = Validator(cfg, run.info, run.model_cfg, run.fabric, run.groups)
+    result = fit(run, trainee, validator, config_yaml or cfg.to_yaml()) | {"rank": run.fabric.global_rank}
     if not result["stopped"]:
         result["samples"] = export(run, trainee, validator)
     return result
@@ -185,7 +187,7 @@ def setup(cfg: TrainConfig) -> Setup:
     fabric.launch()
     groups = strategy.groups
     model_cfg = model_config(cfg, info)
-    dims.check_model(model_cfg.num_heads, cfg.data.seq_length)
+    dims.check_model(model_cfg.num_heads, cfg.data.seq_length, model_cfg.depth)
     if on_gpu:
         check_memory_plan(cfg, model_cfg, fabric.world_size)
     too_long = check_samples_fit(info, cfg.data.path, patch_size=model_cfg.patch_size,
@@ -347,29 +349,89 @@ def read_back(pending: list[Pending], window: Window, history: list, preempted: 
 def train_step(run: Setup, t: Trainee, it, step: int) -> tuple[torch.Tensor, torch.Tensor, int, float]:
     """One optimizer step over `accum` micro-batches: (mean loss, gradient norm) as device tensors, and the real
     tokens and FLOPs of this rank. Nothing here waits for the device."""
-    cfg, fabric, model_cfg = run.cfg, run.fabric, run.model_cfg
-    loss_sum = torch.zeros((), device=fabric.device)
-    tokens, flops = 0, 0.0
-    for micro in range(run.accum):
-        batch = next(it)
-        tokens += int(batch.mask.sum())  # still on the host
-        check_positions(batch.pos, model_cfg.max_grid)  # here, not in the model's forward, where it would sync
-        flops += batch_flops(model_cfg, batch)
-        batch = batch.to(fabric.device, non_blocking=True)  # from pinned memory on a GPU: an asynchronous copy
-        g = step_generator(cfg.train.seed, step, micro, run.groups.dp_rank, fabric.device)  # TP/CP peers alike
-        d = draw(batch, g, t.loss_fn, cfg.edm.cfg_dropout, model_cfg.num_classes)
-        inputs = batch.model_inputs(text_seg=d.text_seg, class_labels=d.class_labels)
-        with fabric.no_backward_sync(t.model, enabled=micro < run.accum - 1), fabric.autocast():
-            loss = t.loss_fn(t.denoiser, batch.x, mask=batch.mask, sigma=d.sigma, noise=d.noise, **inputs)
-        fabric.backward(loss / run.accum)
-        loss_sum += loss.detach()
-    finalize_grads(t.model.module, run.groups)
-    grad_norm = clip_grad_norm_(t.model.module, cfg.train.grad_clip or float("inf"), run.groups)
+    cfg, fabric, groups = run.cfg, run.fabric, run.groups
+    micro = MicroBatches(run, t, it, step)
+    if groups.dims.pp == 1:
+        loss_sum = torch.zeros((), device=fabric.device)
+        for i in range(run.accum):
+            m = micro[i]
+            with fabric.no_backward_sync(t.model, enabled=i < run.accum - 1), fabric.autocast():
+                loss = t.loss_fn(t.denoiser, m.batch.x, mask=m.batch.mask, sigma=m.draw.sigma, noise=m.draw.noise,
+                                 **m.inputs)
+            fabric.backward(loss / run.accum)
+            loss_sum += loss.detach()
+    else:
+        loss_sum = pipeline_step(run, t, micro)
+    finalize_grads(t.model.module, groups)
+    grad_norm = clip_grad_norm_(t.model.module, cfg.train.grad_clip or float("inf"), groups)
     t.optimizer.step()
     t.optimizer.zero_grad(set_to_none=True)
     t.scheduler.step()
     t.ema.update(t.model.module)
-    return loss_sum / run.accum, grad_norm, tokens, flops
+    return loss_sum / run.accum, grad_norm, micro.tokens, micro.flops
+
+
+def pipeline_step(run: Setup, t: Trainee, micro: MicroBatches) -> torch.Tensor:
+    """The step's micro-batches through the pipeline stages (1F1B), gradients completed; returns the sum of their
+    losses, which the last stage computes and every stage gets (a broadcast on the device, no host sync)."""
+    fabric, groups = run.fabric, run.groups
+    loss_sum = torch.zeros((), device=fabric.device)
+    local = run.model_cfg.hidden_size, t.model.module.rows.spans(run.cfg.data.seq_length)[1]
+
+    def forward(i: int, hidden: torch.Tensor | None) -> torch.Tensor:
+        nonlocal loss_sum
+        m = micro[i]
+        with fabric.autocast():
+            out = stage_forward(t.loss_fn, t.denoiser, m.batch.x, last=groups.last_stage, hidden=hidden,
+                                mask=m.batch.mask, sigma=m.draw.sigma, noise=m.draw.noise, **m.inputs)
+        if not groups.last_stage:
+            return out
+        loss_sum = loss_sum + out.detach()
+        return out / run.accum
+
+    def shape(i: int) -> tuple[int, int, int]:  # this rank's tokens of the rows, the rows, the width
+        x = micro[i].batch.x
+        return len(range(x.shape[1])[local[1]]), x.shape[0], local[0]
+
+    one_f_one_b(groups, run.accum, forward, shape, torch.bfloat16 if run.bf16 else torch.float32, fabric.device)
+    reduce_grads(t.model.module, groups)
+    dist.broadcast(loss_sum, src=groups.pp_ranks[-1], group=groups.pp_group)
+    return loss_sum
+
+
+class MicroBatches:
+    """One step's micro-batches, loaded on first use, in order: on the device, with their random draws, and the
+    real tokens and FLOPs of those loaded so far."""
+
+    def __init__(self, run: Setup, t: Trainee, it, step: int):
+        self.run, self.t, self.it, self.step = run, t, it, step
+        self.loaded: dict[int, MicroBatch] = {}
+        self.tokens, self.flops = 0, 0.0
+
+    def __getitem__(self, i: int) -> MicroBatch:
+        if i not in self.loaded:
+            if i != len(self.loaded):
+                raise IndexError(f"micro-batch {i} asked for before micro-batch {len(self.loaded)}")
+            self.loaded[i] = self._load(i)
+        return self.loaded[i]
+
+    def _load(self, i: int) -> MicroBatch:
+        run, model_cfg, device = self.run, self.run.model_cfg, self.run.fabric.device
+        batch = next(self.it)
+        self.tokens += int(batch.mask.sum())  # still on the host
+        check_positions(batch.pos, model_cfg.max_grid)  # here, not in the model's forward, where it would sync
+        self.flops += batch_flops(model_cfg, batch)
+        batch = batch.to(device, non_blocking=True)  # from pinned memory on a GPU: an asynchronous copy
+        g = step_generator(run.cfg.train.seed, self.step, i, run.groups.dp_rank, device)  # TP/CP/PP peers alike
+        d = draw(batch, g, self.t.loss_fn, run.cfg.edm.cfg_dropout, model_cfg.num_classes)
+        return MicroBatch(batch, d, batch.model_inputs(text_seg=d.text_seg, class_labels=d.class_labels))
+
+
+@dataclass
+class MicroBatch:
+    batch: PackedBatch
+    draw: StepDraw
+    inputs: dict  # the model's keyword inputs: positions, segments, conditioning after CFG dropout
 
 
 @dataclass
@@ -387,10 +449,11 @@ class Window:
         self.tokens, self.flops = self.tokens + tokens, self.flops + flops
 
     def metrics(self, peak: float, dims) -> dict:
-        # tokens and FLOPs of this rank; every data-parallel rank does the same work, so per-process is per-device
+        # tokens and FLOPs of this rank's rows, whose work tp x cp x pp devices share; every data-parallel rank does
+        # the same work
         # step_s weights the window's rates when windows of packed rows differ in tokens and FLOPs
         out = {"loss": self.loss / self.steps, "tokens_per_s": self.tokens / self.time,
-               "mfu": self.flops / self.time / (peak * max(1, dims.tp * dims.cp)), "step_s": self.time / self.steps}
+               "mfu": self.flops / self.time / (peak * dims.tp * dims.cp * dims.pp), "step_s": self.time / self.steps}
         if torch.cuda.is_initialized():  # on CPU the column is left out rather than written empty
             out["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30  # this rank's GPU, since the start
         return out
@@ -413,8 +476,9 @@ def export(run: Setup, t: Trainee, validator: Validator) -> list[Path]:
 class Validator:
     """Samples the validation prompts with the EMA weights and writes mp4/png under RUN_DIR/samples/."""
 
-    def __init__(self, cfg: TrainConfig, info, model_cfg, fabric):
+    def __init__(self, cfg: TrainConfig, info, model_cfg, fabric, groups: ParallelGroups):
         self.cfg, self.fabric, self.run_dir = cfg.validation, fabric, Path(cfg.train.run_dir)
+        self.groups = groups
         self.enabled = info.codec.get("kind") != "none"  # mock data has nothing to decode
         if not self.enabled:
             return
@@ -431,6 +495,8 @@ class Validator:
             return []
         v = self.cfg
         written = []
+        if self.groups.dims.pp > 1:  # every stage runs the sampler; the hidden states go through the stages
+            model = PipelinedModel(model, self.groups)
         for frames in [v.frames] + ([v.clip_frames] if v.clip_frames else []):
             result = sample(model, self.codec, self.stats, text_states=self.states, class_labels=self.labels,
                             num=len(v.prompts), frames=frames, height=v.size, width=v.size, steps=v.steps,

@@ -82,11 +82,17 @@ def apply_activation_checkpointing(model: nn.Module, mode: str) -> nn.Module:
     if mode == "none":
         return model
     forward = _checkpointed if mode == "block" else _checkpointed_selectively
-    for block in model.blocks:
+    for block in held_blocks(model):
         # A method bound to the block: a deepcopy of the model (EMA's) binds it to the copied block. (In torch 2.13
         # a compiled block with a functools.partial of checkpoint as its forward silently ran uncompiled.)
         block.forward = types.MethodType(forward, block)
     return model
+
+
+def held_blocks(model: nn.Module) -> list[nn.Module]:
+    """The model's blocks that hold weights: a pipeline stage keeps the others' as parameterless pass-throughs
+    (ditcore.parallel.pipeline.Elsewhere)."""
+    return [block for block in model.blocks if next(block.parameters(), None) is not None]
 
 
 def _checkpointed(block: nn.Module, *args, **kwargs):
@@ -106,6 +112,6 @@ def apply_compile(model: nn.Module, **compile_kwargs) -> nn.Module:
     measured from 1.29x faster to 0.94x (bench/model_step.py --compile): matmuls dominate there; the
     fusion is meant for GPUs, where the elementwise work is a larger share.
     """
-    for block in model.blocks:
+    for block in held_blocks(model):
         block.compile(**compile_kwargs)  # in place: parameter names (and so checkpoints) are unchanged
     return model

@@ -1,11 +1,12 @@
 """Training state in one layout-free form, written and read with torch.distributed.checkpoint (DCP).
 
 Every tensor of the state (model and EMA weights, AdamW moments) is given to DCP as a DTensor of its one-device
-shape over a (tp, dp_cp) mesh of all ranks: `Shard(partition_dim)` or `Replicate()` over TP (as the plan splits
-it), `Shard(0)` (FSDP) or `Replicate()` over DP×CP. The DTensors are views of the live tensors, so nothing is
-copied. Each rank writes only the pieces it holds (a replicated piece once, by one rank) and reads exactly the
-pieces its own layout needs: a checkpoint written with one layout resumes with any other (TP=2 → FSDP over DP=2,
-FSDP over 2 → one process), and `read_full` gives the one-device tensors without any process group.
+shape over a (tp, dp_cp) mesh of all ranks — of its pipeline stage's ranks under PP, each stage holding its own
+blocks: `Shard(partition_dim)` or `Replicate()` over TP (as the plan splits it), `Shard(0)` (FSDP) or `Replicate()`
+over DP×CP. The DTensors are views of the live tensors, so nothing is copied. Each rank writes only the pieces it
+holds (a replicated piece once, by one rank) and reads exactly the pieces its own layout needs: a checkpoint
+written with one layout resumes with any other (TP=2 → FSDP over DP=2, FSDP over 2 → one process, TP=2 → two
+pipeline stages), and `read_full` gives the one-device tensors without any process group.
 
 Keys are the one-device names: `model.blocks.0.attn.qkv.weight`, `ema.…`, `optim.<parameter>.exp_avg`. Plain
 values (step, loss history, learning-rate schedule, optimizer hyper-parameters) are pickled under their own keys.
@@ -150,14 +151,14 @@ def _global(value: torch.Tensor, like: torch.Tensor, groups: ParallelGroups, mes
 
 @functools.cache
 def _mesh(groups: ParallelGroups, device_type: str):
-    """All ranks as a (tp, dp_cp) mesh over Megatron's own TP and DP×CP groups (no new communicators). Megatron puts
-    TP peers next to each other: rank = tp_rank + tp·dp_cp_rank."""
+    """This pipeline stage's ranks (all ranks without PP) as a (tp, dp_cp) mesh over Megatron's own TP and DP×CP
+    groups (no new communicators). Megatron puts TP peers next to each other and stages outermost:
+    rank = tp_rank + tp·dp_cp_rank + tp·dp_cp·pp_rank. A tensor that every stage holds (the conditioning
+    embedders) is then one replicated piece per stage, and DCP writes it once."""
     from torch.distributed.device_mesh import DeviceMesh
 
-    if groups.dims.pp != 1:
-        raise NotImplementedError("checkpoints of pipeline-parallel layouts: this mesh has no pipeline dimension")
-    world, tp = dist.get_world_size(), groups.dims.tp
-    ranks = torch.arange(world).reshape(world // tp, tp).T
+    world, tp, pp = dist.get_world_size(), groups.dims.tp, groups.dims.pp
+    ranks = torch.arange(world).reshape(pp, world // (tp * pp), tp)[groups.pp_rank].T
     mesh = DeviceMesh.from_group([groups.tp_group, groups.dp_cp_group], device_type, mesh=ranks,
                                  mesh_dim_names=("tp", "dp_cp"))
     if tuple(mesh.get_coordinate()) != (groups.tp_rank, groups.dp_cp_rank):

@@ -8,7 +8,8 @@ keeps Fabric's launching, device handling and precision and changes exactly that
 - with `fsdp=True` the module comes already sharded over DP×CP (ditcore.parallel.fsdp) and is not wrapped:
   FSDP2 reduce-scatters the gradients itself, after every micro-batch (`fabric.no_backward_sync` does not turn
   that off: FSDP2 would then keep an unsharded fp32 gradient of every parameter until the last micro-batch,
-  as much memory as the unsharded weights).
+  as much memory as the unsharded weights);
+- with pipeline stages (pp > 1) the module is not wrapped either: ditcore.parallel.pipeline reduces the gradients.
 
 Checkpoints do not go through Fabric: ditcore.parallel.dist_checkpoint writes them in a layout-free form.
 """
@@ -32,8 +33,8 @@ class MegatronStrategy(DDPStrategy):
         super().__init__(**kwargs)
         self.dims, self.fsdp = dims, fsdp
         self.groups: ParallelGroups | None = None
-        if fsdp:
-            self._backward_sync_control = _FSDPBackwardSyncControl()
+        if fsdp or dims.pp > 1:
+            self._backward_sync_control = _UnwrappedBackwardSyncControl()
 
     def setup_environment(self) -> None:
         super().setup_environment()  # initialises torch.distributed (torchrun or Fabric's launcher)
@@ -42,11 +43,15 @@ class MegatronStrategy(DDPStrategy):
     def setup_module(self, module: torch.nn.Module) -> torch.nn.Module:
         if self.fsdp:
             return module  # sharded by apply_fsdp before its optimizer was made
+        if self.dims.pp > 1:  # 1F1B runs several forwards before their backwards, which DDP's hooks cannot follow:
+            return module  # ditcore.parallel.pipeline.reduce_grads averages the gradients after the schedule
         # gradient_as_bucket_view: the gradients are views into DDP's buckets, not a second copy of them
         return DistributedDataParallel(module, process_group=self.groups.dp_cp_group,
                                        device_ids=self._determine_ddp_device_ids(), gradient_as_bucket_view=True)
 
 
-class _FSDPBackwardSyncControl(_BackwardSyncControl):
+class _UnwrappedBackwardSyncControl(_BackwardSyncControl):
     def no_backward_sync(self, module: torch.nn.Module, enabled: bool) -> AbstractContextManager:
-        return nullcontext()  # gradients are reduce-scattered into the sharded ones after every micro-batch
+        # FSDP: gradients are reduce-scattered into the sharded ones after every micro-batch; PP: reduced after the
+        # step's schedule
+        return nullcontext()

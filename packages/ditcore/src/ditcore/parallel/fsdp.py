@@ -26,6 +26,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from ditcore.models.techniques import held_blocks
 from ditcore.parallel.dims import ParallelGroups
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -60,7 +61,7 @@ def apply_fsdp(model: nn.Module, groups: ParallelGroups, device_type: str, param
     # Inputs are left in their dtype (cast_forward_inputs=False): autocast decides the compute dtype per op, as
     # without FSDP; casting the root's inputs to bf16 would round the noise level before its sinusoidal embedding.
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype, cast_forward_inputs=False)
-    for block in model.blocks:
+    for block in held_blocks(model):
         fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
     # the root: after backward its gradients (embedders, final layer) are reduced with the last block's
     fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)

@@ -95,13 +95,15 @@ def wire_dtype(device: torch.device) -> torch.dtype:
 
 
 def one_f_one_b(groups: ParallelGroups, micro_batches: int, forward: Callable[[int, torch.Tensor | None], torch.Tensor],
-                shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> None:
+                shape: Callable[[int], tuple[int, ...]], dtype: torch.dtype, device: torch.device) -> None:
     """Forward and backward of `micro_batches` micro-batches through the stages, gradients accumulated in `.grad`.
 
     forward(i, hidden) runs micro-batch i on this stage: `hidden` is what the previous stage sent (None on the
-    first stage), and it returns the hidden states to send on ((n, B, D), `shape`), or on the last stage the loss
-    to call backward on (already divided by the number of micro-batches). The non-interleaved 1F1B schedule:
-    stage s runs pp − s − 1 forwards ahead, then alternates one forward and one backward, then drains.
+    first stage), and it returns the hidden states to send on, or on the last stage the loss to call backward on
+    (already divided by the number of micro-batches). shape(i) is the shape of micro-batch i's hidden states,
+    (n, B, D); it is asked before forward(i) and may load the micro-batch. Hidden states and their gradients travel
+    in `dtype`. The non-interleaved 1F1B schedule: stage s runs pp − s − 1 forwards ahead, then alternates one
+    forward and one backward, then drains, so that it holds at most pp − s micro-batches' activations.
     """
     pp, stage = groups.dims.pp, groups.pp_rank
     first, last = stage == 0, stage == pp - 1
@@ -112,8 +114,8 @@ def one_f_one_b(groups: ParallelGroups, micro_batches: int, forward: Callable[[i
     def received(tensor: torch.Tensor) -> torch.Tensor:
         return tensor.requires_grad_()
 
-    def empty() -> torch.Tensor:
-        return torch.empty(shape, dtype=dtype, device=device)
+    def empty(i: int) -> torch.Tensor:
+        return torch.empty(shape(i), dtype=dtype, device=device)
 
     def run_forward(i: int, hidden: torch.Tensor | None) -> torch.Tensor:
         out = forward(i, hidden)
@@ -129,36 +131,36 @@ def one_f_one_b(groups: ParallelGroups, micro_batches: int, forward: Callable[[i
             torch.autograd.backward(out, grad.to(out.dtype))
         return None if first else hidden.grad.to(dtype)
 
-    def recv_forward() -> torch.Tensor | None:
+    def recv_forward(i: int) -> torch.Tensor | None:
         if first:
             return None
-        t = empty()
+        t = empty(i)
         _exchange(groups, {}, {-1: t})
         return received(t)
 
     for i in range(warmup):
-        out = run_forward(i, recv_forward())
+        out = run_forward(i, recv_forward(i))
         if not last:
             _exchange(groups, {+1: out.detach()}, {})
-    hidden = recv_forward() if warmup < micro_batches else None
+    hidden = recv_forward(warmup) if warmup < micro_batches else None
     for i in range(warmup, micro_batches):
         out = run_forward(i, hidden)
+        oldest = i - warmup  # the micro-batch whose backward comes next
         grad = None
         if not last:  # send this forward's output, receive the gradient of the oldest one in flight
-            grad = empty()
+            grad = empty(oldest)
             _exchange(groups, {+1: out.detach()}, {+1: grad})
         grad_in = run_backward(grad)
-        final = i == micro_batches - 1
         hidden = None
         if not first:
-            if final:
+            if i == micro_batches - 1:
                 _exchange(groups, {-1: grad_in}, {})
             else:
-                hidden = empty()
+                hidden = empty(i + 1)
                 _exchange(groups, {-1: grad_in}, {-1: hidden})
                 received(hidden)
-    for _ in range(warmup):  # drain: the backwards of the warm-up forwards
-        grad = empty()
+    for k in range(warmup):  # drain: the backwards of the warm-up forwards
+        grad = empty(micro_batches - warmup + k)
         _exchange(groups, {}, {+1: grad})
         grad_in = run_backward(grad)
         if not first:
