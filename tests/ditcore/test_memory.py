@@ -13,6 +13,10 @@ What is measured, and how:
   peak (`Plan.activations`). With checkpointing the peak comes in the backward of the last block, when it is run
   again; without, at the end of the forward, where short-lived temporaries of the final layer and the loss, which
   the plan leaves to its headroom, put the measured peak up to 5% above the plan's.
+- pipeline stages: the model pruned to each stage (split_stages), its parameters and state counted as above, its
+  activations measured the same way: the forward starts from hidden states made under the meter (as the receive
+  buffer is) and the backward from a gradient of ones. A last stage of one block sees the final layer's temporaries
+  at up to 8% of its peak.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import os
 import socket
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -33,8 +38,11 @@ from torch.utils._pytree import tree_leaves
 from ditcore.diffusion import EMA, EDMLoss, EDMPrecond
 from ditcore.errors import ConfigError
 from ditcore.layout import grid_positions
-from ditcore.memory import GiB, Layout, advise, measured_state_bytes, plan_from
+from ditcore.memory import GiB, Layout, advise, measured_state_bytes, parameters, plan_from
 from ditcore.models import DiT, apply_activation_checkpointing, preset
+from ditcore.parallel.dims import ParallelDims
+from ditcore.parallel.pipeline import split_stages, stage_blocks
+from ditcore.training import stage_forward
 
 TOLERANCE = 0.10
 
@@ -369,12 +377,138 @@ def parallel_worker(out: str) -> None:
 
 
 # --------------------------------------------------------------------------------------------------
+# Pipeline parallelism: each stage planned from what ditcore.parallel.pipeline leaves on it
+
+
+def stage_model(cfg, pp: int, stage: int, device="meta") -> DiT:
+    """The one-device model pruned to a pipeline stage, as a rank of that stage holds it."""
+    with torch.device(device):
+        torch.manual_seed(0)
+        model = DiT(cfg, attention="sdpa")
+    return split_stages(model, SimpleNamespace(dims=ParallelDims(pp=pp), pp_rank=stage))
+
+
+@pytest.mark.parametrize("pp", [2, 3])
+def test_a_pipeline_stage_holds_its_blocks_and_the_embedders(pp):
+    cfg = CONFIGS["everything"]  # depth 3, every embedder
+    whole = sum(p.numel() for p in DiT(cfg).parameters())
+    for stage in range(pp):
+        params = list(stage_model(cfg, pp, stage).parameters())
+        held = sum(p.numel() for p in params)
+        plan = plan_from(cfg, Layout(world_size=pp, pp=pp, precision="fp32"), stage=stage)
+        assert (plan.params, plan.params_local, plan.stage) == (whole, held, stage)
+        assert plan.weights == plan.grads == plan.ema == 4 * held  # no DDP: plain fp32 gradients
+        assert plan.optimizer == 8 * held + 4 * len(params)
+        assert plan.autocast_cache == 0
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_two_stages_halve_the_blocks_of_a_rank(tp):
+    cfg = SHAPES["plain-1x64"][0]  # depth 4: two blocks a stage
+    params = parameters(cfg, tp)
+    size = lambda prefix: sum(p.numel for p in params if p.name.startswith(prefix))
+    block, first, last = size("blocks.0."), size("x_embedder."), size("final.")
+    one = plan_from(cfg, Layout(world_size=tp, tp=tp))
+    stages = [plan_from(cfg, Layout(world_size=2 * tp, tp=tp, pp=2), stage=s) for s in (0, 1)]
+    assert one.params_local - stages[0].params_local == 2 * block + last
+    assert one.params_local - stages[1].params_local == 2 * block + first
+    for plan in stages:  # fp32 weights, a bf16 copy of each (no embedding tables in this model)
+        assert (plan.weights, plan.autocast_cache) == (4 * plan.params_local, 2 * plan.params_local)
+
+
+def test_the_plan_is_the_most_loaded_stages():
+    # depth 3 over 2 stages: the last one holds two blocks and the final layer; depth 4 with more micro-batches than
+    # stages: the first one keeps two in flight
+    for cfg, micro_batches, loaded in ((CONFIGS["everything"], 1, 1), (SHAPES["plain-1x64"][0], 8, 0)):
+        layout = Layout(world_size=2, pp=2, micro_batches=micro_batches, seq_length=256)
+        stages = [plan_from(cfg, layout, stage=s) for s in (0, 1)]
+        plan = plan_from(cfg, layout)
+        assert plan.stage == loaded and plan == stages[loaded]
+        assert plan.total == max(p.total for p in stages) > min(p.total for p in stages)
+        assert plan.table().splitlines()[0].split() == ["per", "GPU,", "pp", "stage", str(loaded), "of", "2", "GiB"]
+    with pytest.raises(ValueError, match=r"stage=2 is invalid"):
+        plan_from(cfg, layout, stage=2)
+
+
+def test_1f1b_keeps_min_of_pp_minus_stage_and_the_micro_batches_in_flight():
+    cfg = SHAPES["plain-1x64"][0]  # depth 4: a block a stage
+    layout = Layout(world_size=4, pp=4, seq_length=64, activation_checkpointing="block")
+    for stage in range(4):
+        one = plan_from(cfg, layout, stage=stage)
+        for micro_batches in (2, 3, 8):
+            plan = plan_from(cfg, layout.replace(micro_batches=micro_batches), stage=stage)
+            in_flight = min(4 - stage, micro_batches)
+            assert plan.saved_activations == in_flight * one.saved_activations
+            # the recomputation in backward is that of one block of one micro-batch
+            assert plan.activations - plan.saved_activations == one.activations - one.saved_activations > 0
+            assert (plan.weights, plan.comm_buffers) == (one.weights, one.comm_buffers)
+    # without a pipeline, micro-batches run one after the other
+    assert plan_from(cfg, Layout(micro_batches=8)).total == plan_from(cfg, Layout()).total
+
+
+def test_a_stage_receives_the_gradient_of_its_hidden_states():
+    cfg = SHAPES["plain-1x64"][0]
+    layout = Layout(world_size=8, tp=2, sequence_parallel=True, pp=2, cp=2, micro_batch=3, seq_length=64)
+    first, last = (plan_from(cfg, layout, stage=s) for s in (0, 1))
+    megatron = 3 * 64 // 2 * cfg.hidden_size * 2  # SP's all-gather buffer: a rank's slice of the rows, bf16
+    hidden = 3 * 64 // (2 * 2) * cfg.hidden_size * 2  # the tokens of this rank (cp, then sp), bf16
+    assert (first.comm_buffers, last.comm_buffers) == (megatron + hidden, megatron)
+    assert layout.describe().endswith("pp 2 x dp 1; 1F1B pipeline, 1 micro-batch a step; no DDP, no FSDP")
+
+
+def test_state_bytes_of_a_real_pipeline_stage():
+    cfg = CONFIGS["everything"]
+    for stage in (0, 1):
+        model = stage_model(cfg, 2, stage, device="cpu")
+        ema = EMA(model, 0.9)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        for p in model.parameters():
+            p.grad = torch.ones_like(p)
+        optimizer.step()
+        ema.update(model)
+        plan = plan_from(cfg, Layout(world_size=2, pp=2, precision="fp32", device="cpu", attention="sdpa"),
+                         stage=stage)
+        assert measured_state_bytes(model, optimizer, ema.module) == {
+            "weights": plan.weights, "grads": plan.grads, "optimizer": plan.optimizer, "ema": plan.ema}
+
+
+def measure_stage(cfg, mode: str, batch: dict, pp: int, stage: int) -> tuple[int, int]:
+    """`measure` for one pipeline stage: its forward from the hidden states the previous stage sent (made here, as
+    the receive buffer is), and its backward from the gradient the next stage sends back (ones)."""
+    model = apply_activation_checkpointing(stage_model(cfg, pp, stage, device="cpu"), mode)
+    meter = ActivationMeter(model)
+    cond = {"pos": batch["pos"], "text_seg": batch["text_seg"], "class_labels": batch["class_labels"],
+            "fps": batch["fps"]} | ({"text": batch["text"]} if cfg.text_dim else {})
+    B, N, _ = batch["x"].shape
+    last = stage == pp - 1
+    with meter:
+        hidden = None if stage == 0 else torch.randn(N, B, cfg.hidden_size).requires_grad_()
+        out = stage_forward(EDMLoss(), EDMPrecond(model), batch["x"], last=last, hidden=hidden, sigma=batch["sigma"],
+                            noise=batch["noise"], seg=batch["seg"], mask=batch["mask"], **cond)
+        kept = meter.bytes(meter.alive)
+        meter.in_backward = True
+        with torch.no_grad():
+            grad = None if last else torch.ones_like(out)
+        torch.autograd.backward(out, grad)
+    return kept, meter.peak
+
+
+@pytest.mark.parametrize("mode", ["none", "block", "selective"])
+def test_activations_of_each_pipeline_stage(mode):
+    cfg, rows, N, L = SHAPES["fps-3x32"]  # depth 3 over 3 stages: the first, one in the middle, the last
+    batch, S = packed_batch(cfg, rows, N, L, torch.Generator().manual_seed(1))
+    layout = cpu_layout(world_size=3, pp=3, micro_batch=len(rows), seq_length=N, text_len=L, samples_per_row=S,
+                        precision="fp32", activation_checkpointing=mode)
+    for stage in range(3):
+        assert len(stage_blocks(cfg.depth, 3, stage)) == 1
+        kept, peak = measure_stage(cfg, mode, batch, 3, stage)
+        plan = plan_from(cfg, layout, stage=stage)
+        assert plan.saved_activations == pytest.approx(kept, rel=TOLERANCE), stage
+        assert plan.activations == pytest.approx(peak, rel=TOLERANCE), stage
+
+
+# --------------------------------------------------------------------------------------------------
 # The plan as a whole
-
-
-def test_pipeline_parallelism_is_refused():
-    with pytest.raises(ConfigError, match=r"parallel.pp=2 is invalid: expected 1: pipeline parallelism is not"):
-        Layout(world_size=2, pp=2)
 
 
 @pytest.mark.parametrize(("layout", "message"), [
@@ -384,6 +518,8 @@ def test_pipeline_parallelism_is_refused():
     (dict(world_size=2, cp=2, seq_length=15), r"data.seq_length=15 is invalid: expected a multiple of cp = 2"),
     (dict(device="cpu"), r"model.attention='flex' is invalid: expected sdpa on a CPU"),
     (dict(activation_checkpointing="all"), r"model.activation_checkpointing='all' is invalid: expected one of"),
+    (dict(world_size=4, pp=2, fsdp=True), r"parallel.fsdp=True is invalid: expected false with parallel.pp > 1"),
+    (dict(world_size=4, pp=4), r"parallel.pp=4 is invalid: expected at most the model's depth=2"),
 ])
 def test_layouts_that_cannot_run_are_refused(layout, message):
     with pytest.raises(ConfigError, match=message):
@@ -412,6 +548,16 @@ def test_advice_for_a_7b_model_on_8_gpus():
     # without checkpointing, 64k-token rows need more than sharding
     changes, plan = advise(cfg, layout.replace(seq_length=65536, activation_checkpointing="none"), 80 * GiB)
     assert changes[0] == "parallel.fsdp=true" and len(changes) > 1 and plan.fits(80 * GiB)
+
+
+def test_advice_for_pipeline_stages_leaves_fsdp_out():
+    cfg = preset("DiT-7B", text_dim=4096)
+    layout = Layout(world_size=8, tp=2, sequence_parallel=True, pp=2, seq_length=16384, text_len=128,
+                    micro_batches=8)
+    plan = plan_from(cfg, layout)
+    assert plan.stage == 0 and not plan.fits(80 * GiB)  # two micro-batches of 16k tokens in flight on the first
+    changes, plan = advise(cfg, layout, 80 * GiB)  # fsdp is refused with pp > 1: recompute instead
+    assert changes == ["model.activation_checkpointing=selective"] and plan.fits(80 * GiB)
 
 
 if __name__ == "__main__":

@@ -112,7 +112,9 @@ def print_plan(cfg, world_size: int, gpu_memory: float, text_len: int | None, te
     tricks = [layout.precision, f"activation checkpointing {layout.activation_checkpointing}"]
     tricks += ["compiled blocks"] if layout.compile else []
     typer.echo(f"model  {cfg.model.preset}: {result.params / 1e9:.3g} B parameters, "
-               f"{result.params_local / 1e9:.3g} B on each tensor-parallel rank")
+               f"{result.params_local / 1e9:.3g} B on each " + ("rank of the stage planned for (its "
+                                                                 "tensor-parallel share)" if layout.pp > 1 else
+                                                                 "tensor-parallel rank"))
     typer.echo(f"data   {source} {model_cfg.in_channels} latent channels, {text}, {classes}")
     typer.echo(f"layout {layout.describe()}")
     typer.echo(f"step   {step}; {', '.join(tricks)}")

@@ -332,8 +332,10 @@ def memory_layout(cfg: TrainConfig, world_size: int, text_len: int):
     from ditcore.memory import Layout
 
     p, m = cfg.parallel, cfg.model
+    dp = max(1, world_size // (p.tp * p.cp * p.pp))  # a world size that does not fit is refused by Layout
     return Layout(world_size=world_size, tp=p.tp, cp=p.cp, pp=p.pp, sequence_parallel=p.sequence_parallel,
                   fsdp=p.fsdp, reduce_dtype=p.reduce_dtype, micro_batch=cfg.train.micro_batch,
+                  micro_batches=max(1, cfg.train.global_batch // (cfg.train.micro_batch * dp)),
                   seq_length=cfg.data.seq_length, text_len=text_len,
                   precision="fp32" if cfg.train.precision == "fp32" else "bf16",
                   activation_checkpointing=m.activation_checkpointing,

@@ -6,7 +6,9 @@ One rank of a layout holds, in bytes:
   exp_avg_sq (8 B, and a 4-byte step counter per parameter tensor), the fp32 EMA copy (4 B). A rank holds its
   tensor-parallel share of every parameter: the layers that the TP plan (ditcore.parallel.plan.DIT_PLAN) splits
   divided by tp, the rest whole. With fsdp, FSDP2 shards each again over the dp x cp ranks along dim 0, padded up to a
-  multiple of that count: a rank holds ceil(rows / (dp*cp)) rows of each.
+  multiple of that count: a rank holds ceil(rows / (dp*cp)) rows of each. With pp > 1 a rank holds its pipeline
+  stage's parameters only (ditcore.parallel.pipeline): its blocks (`stage_blocks`), the conditioning embedders (on
+  every stage), the patch embedder on the first stage and the final layer on the last.
 - autocast_cache: under bf16 autocast without fsdp, the bf16 copies of the parameters that the forward makes and
   keeps for backward (autocast's cached casts of linear weights and biases; the norms cast their scales themselves;
   embedding tables are not cast). Counted whole: all of them are alive at the end of the forward. With fsdp the
@@ -15,9 +17,19 @@ One rank of a layout holds, in bytes:
   layer), what is unsharded in the compute dtype: the parameters of the root (gathered again for the whole backward),
   of the running block and of the next one (prefetched), the gradients of the root (they accumulate until the end of
   backward) and of the running block; and that block's reduce-scatter input in the reduce dtype. Without fsdp, DDP's
-  buckets are the gradients themselves (gradient_as_bucket_view=True). With sequence parallelism, Megatron's buffer
-  for all-gathering a column-parallel linear's input: a rank's whole slice of the rows.
-- activations: the peak, over forward and backward, of what the forward keeps for backward (`_activations`).
+  buckets are the gradients themselves (gradient_as_bucket_view=True); with pp > 1 there is no DDP, and the
+  gradients are the plain fp32 ones counted above. With sequence parallelism, Megatron's buffer for all-gathering a
+  column-parallel linear's input: a rank's whole slice of the rows. With pp > 1, on every stage but the last, the
+  buffer that the gradient of its output arrives in: the hidden states (tokens it holds, micro_batch, hidden_size) in
+  the compute dtype. (The hidden states a stage receives are its first block's input, counted in its activations.)
+- activations: the peak, over forward and backward, of what the forward keeps for backward (`_activations`). With
+  pp > 1 the non-interleaved 1F1B schedule keeps, at its peak, min(pp - s, micro_batches) micro-batches in flight on
+  stage s, each holding what its forward kept there: its blocks', the conditioning's (every stage), the patch
+  embedder's input (the first stage), the final layer's and the loss's (the last), and on every other stage the
+  hidden states it sent on, until their gradient comes back.
+
+With pp > 1 the plan is computed for every stage and the most loaded one reported (`Plan.stage`): the first stage
+keeps the most micro-batches in flight, the last one holds the final layer and the loss.
 
 Not counted, so `Plan.fits` keeps headroom for them: the CUDA context, NCCL's own buffers, kernel workspaces,
 gradients of activations in flight during backward, short-lived temporaries, the batch itself and the allocator's
@@ -40,6 +52,7 @@ from ditcore.errors import ConfigError
 from ditcore.models.dit import DiT, DiTConfig, ScalarEmbedder
 from ditcore.models.techniques import ACTIVATION_CHECKPOINTING
 from ditcore.parallel.dims import ParallelDims
+from ditcore.parallel.pipeline import stage_blocks
 from ditcore.parallel.plan import DIT_PLAN
 
 GiB = 2**30
@@ -60,11 +73,12 @@ class Layout:
     world_size: int = 1
     tp: int = 1
     cp: int = 1
-    pp: int = 1  # must be 1: dit-train has no pipeline parallelism yet
+    pp: int = 1  # pipeline stages: the blocks split into pp consecutive runs, one per rank
     sequence_parallel: bool = False
     fsdp: bool = False
     reduce_dtype: Literal["fp32", "bf16"] = "fp32"  # with fsdp: the dtype gradients are reduce-scattered in
     micro_batch: int = 1  # packed rows per forward on one rank
+    micro_batches: int = 1  # per optimizer step on one rank (gradient accumulation): global_batch / (micro_batch*dp)
     seq_length: int = 256  # tokens per row
     text_len: int = 0  # text tokens per row, padding included (ignored by a model without text)
     samples_per_row: int = 1  # per-sample conditioning is (B, S, ...): small, but counted
@@ -79,8 +93,11 @@ class Layout:
         if not isinstance(self.world_size, int) or self.world_size < 1:
             raise ConfigError("world_size", self.world_size, "an integer >= 1 (processes, one per GPU)")
         ParallelDims(self.tp, self.cp, self.pp, sequence_parallel=self.sequence_parallel).resolve(self.world_size)
+        if self.fsdp and self.pp > 1:
+            raise ConfigError("parallel.fsdp", True, "false with parallel.pp > 1: FSDP over pipeline stages is not "
+                                                     "available yet (use tp/dp with pp, or fsdp without it)")
         for key, value in (("train.micro_batch", self.micro_batch), ("data.seq_length", self.seq_length),
-                           ("samples_per_row", self.samples_per_row)):
+                           ("samples_per_row", self.samples_per_row), ("micro_batches", self.micro_batches)):
             if not isinstance(value, int) or value < 1:
                 raise ConfigError(key, value, "an integer >= 1")
         if not isinstance(self.text_len, int) or self.text_len < 0:
@@ -104,12 +121,22 @@ class Layout:
         """Ranks that FSDP2 shards each parameter over: data parallel x context parallel (1 without fsdp)."""
         return self.dp * self.cp if self.fsdp else 1
 
+    def in_flight(self, stage: int) -> int:
+        """Micro-batches whose activations pipeline stage `stage` keeps at once at its peak (1F1B; 1 without pp)."""
+        return min(self.pp - stage, self.micro_batches)
+
     def replace(self, **changes) -> Layout:
         return dataclasses.replace(self, **changes)
 
     def describe(self) -> str:
         sp = " + sequence parallel" if self.sequence_parallel and self.tp > 1 else ""
-        wrap = f"FSDP2 over dp x cp = {self.shards}, reduce in {self.reduce_dtype}" if self.fsdp else "DDP, no FSDP"
+        if self.fsdp:
+            wrap = f"FSDP2 over dp x cp = {self.shards}, reduce in {self.reduce_dtype}"
+        elif self.pp > 1:
+            n = self.micro_batches
+            wrap = f"1F1B pipeline, {n} micro-batch{'es' if n > 1 else ''} a step; no DDP, no FSDP"
+        else:
+            wrap = "DDP, no FSDP"
         return f"world {self.world_size} = tp {self.tp}{sp} x cp {self.cp} x pp {self.pp} x dp {self.dp}; {wrap}"
 
 
@@ -125,7 +152,7 @@ class Plan:
 
     layout: Layout
     params: int  # the whole model's
-    params_local: int  # one rank's tensor-parallel share
+    params_local: int  # one rank's: its pipeline stage's parameters, their tensor-parallel share
     weights: int
     grads: int
     optimizer: int
@@ -134,6 +161,7 @@ class Plan:
     comm_buffers: int
     activations: int  # the peak over forward and backward
     saved_activations: int  # what the forward keeps for backward; `activations` adds the recomputation in backward
+    stage: int = 0  # the pipeline stage of the rank planned for (with pp > 1, the most loaded one)
 
     @property
     def total(self) -> int:
@@ -144,8 +172,10 @@ class Plan:
         return self.total <= usable(gpu_bytes, headroom)
 
     def table(self, gpu_bytes: float | None = None, headroom: float = 0.1) -> str:
-        """One line per part in GiB, the total, and whether it fits in gpu_bytes (when given)."""
-        lines = [f"{'per GPU':<33}{'GiB':>8}"]
+        """One line per part in GiB, the total, and whether it fits in gpu_bytes (when given); with pp > 1 the title
+        names the stage planned for."""
+        title = f"per GPU, pp stage {self.stage} of {self.layout.pp}" if self.layout.pp > 1 else "per GPU"
+        lines = [f"{title:<33}{'GiB':>8}"]
         lines += [f"  {label:<31}{getattr(self, part) / GiB:8.2f}" for part, label in PARTS.items()]
         lines.append(f"  {'total':<31}{self.total / GiB:8.2f}")
         if gpu_bytes is not None:
@@ -198,39 +228,88 @@ def parameters(cfg: DiTConfig, tp: int = 1) -> list[Param]:
     return params
 
 
+def on_stage(name: str, depth: int, pp: int, stage: int) -> bool:
+    """Does pipeline stage `stage` of `pp` hold the parameter `name`? Its blocks (`stage_blocks`), the modules of the
+    first or the last stage (DIT_PLAN.pipeline), and every other module: the conditioning embedders."""
+    split = DIT_PLAN.pipeline
+    within = lambda module: name.startswith(module + ".")
+    if within(split.layers):
+        return int(name[len(split.layers) + 1:].partition(".")[0]) in stage_blocks(depth, pp, stage)
+    if any(map(within, split.first)):
+        return stage == 0
+    if any(map(within, split.last)):
+        return stage == pp - 1
+    return True
+
+
 # --------------------------------------------------------------------------------------------------
 # The plan
 
 
-def plan_from(cfg: DiTConfig, layout: Layout) -> Plan:
-    """Bytes per GPU of training `cfg` in `layout` (the module docstring says what each part counts)."""
+def plan_from(cfg: DiTConfig, layout: Layout, stage: int | None = None) -> Plan:
+    """Bytes per GPU of training `cfg` in `layout` (the module docstring says what each part counts): on a rank of
+    pipeline stage `stage`, or by default of the most loaded stage (with pp = 1, the only one)."""
     lay = layout
-    ParallelDims(lay.tp, lay.cp, lay.pp, sequence_parallel=lay.sequence_parallel).check_model(cfg.num_heads,
-                                                                                              lay.seq_length)
+    ParallelDims(lay.tp, lay.cp, lay.pp, sequence_parallel=lay.sequence_parallel).check_model(
+        cfg.num_heads, lay.seq_length, cfg.depth)
+    if stage is not None and not (isinstance(stage, int) and 0 <= stage < lay.pp):
+        raise ValueError(f"stage={stage!r} is invalid: expected a pipeline stage in [0, {lay.pp})")
     params = parameters(cfg, lay.tp)
-    held = sum(p.shard(lay.shards) for p in params)  # elements of this rank's (TP, then FSDP) shards
+    act = _activations(cfg, lay)
+    plans = [_stage_plan(cfg, lay, params, act, s) for s in (range(lay.pp) if stage is None else [stage])]
+    return max(plans, key=lambda plan: plan.total)  # the first of the most loaded
+
+
+def _stage_plan(cfg: DiTConfig, lay: Layout, params: list[Param], act: Activations, stage: int) -> Plan:
+    """The plan of a rank of pipeline stage `stage`: its parameters' state, buffers and activations."""
+    mine = [p for p in params if on_stage(p.name, cfg.depth, lay.pp, stage)]
+    held = sum(p.shard(lay.shards) for p in mine)  # elements of this rank's (TP, then FSDP) shards
     weights = grads = ema = FP32 * held
-    optimizer = ADAM_STATES * FP32 * held + ADAM_STEP_BYTES * len(params)
+    optimizer = ADAM_STATES * FP32 * held + ADAM_STEP_BYTES * len(mine)
     compute = DTYPE_BYTES[lay.precision]  # the forward's weights and activations
     autocast_cache = comm = 0
-    if lay.fsdp:
-        block = sum(p.numel for p in params if p.name.startswith("blocks.0."))
-        root = sum(p.numel for p in params if not p.name.startswith("blocks."))
+    if lay.fsdp:  # one stage: Layout refuses fsdp with pp > 1
+        block = sum(p.numel for p in mine if p.name.startswith("blocks.0."))
+        root = sum(p.numel for p in mine if not p.name.startswith("blocks."))
         gathered = root + 2 * block  # parameters: the root's, the running block's and the next one's (prefetched)
         unsharded_grads = root + block  # the root's accumulate through backward; a block's until reduce-scattered
         comm = compute * (gathered + unsharded_grads) + DTYPE_BYTES[lay.reduce_dtype] * block  # + its scatter input
     elif lay.precision == "bf16":
-        autocast_cache = compute * sum(p.numel for p in params if p.cast)
+        autocast_cache = compute * sum(p.numel for p in mine if p.cast)
     if lay.sequence_parallel and lay.tp > 1:  # Megatron's all-gather buffer, reused by every layer and step
         comm += lay.micro_batch * lay.seq_length // lay.cp * cfg.hidden_size * compute
-    saved, peak = _activations(cfg, lay)
-    return Plan(layout=lay, params=sum(p.full for p in params), params_local=sum(p.numel for p in params),
+    if stage < lay.pp - 1:  # the gradient of the hidden states it sent on, received from the next stage
+        comm += act.hidden
+    saved, peak = _stage_activations(act, lay, len(stage_blocks(cfg.depth, lay.pp, stage)), stage)
+    return Plan(layout=lay, params=sum(p.full for p in params), params_local=sum(p.numel for p in mine),
                 weights=weights, grads=grads, optimizer=optimizer, ema=ema, autocast_cache=autocast_cache,
-                comm_buffers=comm, activations=peak, saved_activations=saved)
+                comm_buffers=comm, activations=peak, saved_activations=saved, stage=stage)
 
 
-def _activations(cfg: DiTConfig, lay: Layout) -> tuple[int, int]:
-    """(bytes the forward keeps for backward, peak bytes of activations over forward and backward) on one rank.
+@dataclass(frozen=True)
+class Activations:
+    """Bytes of activations that one micro-batch's forward keeps for backward on one rank, by where they are kept."""
+
+    block: int  # each transformer block's (with checkpointing: its checkpoint's)
+    recompute: int  # what a checkpointed block's backward brings back, less the cached outputs it releases
+    shared: int  # outside the blocks, on every pipeline stage: the conditioning, RoPE, the text, masks
+    embed: int  # the patch embedder's input: the first stage
+    head: int  # the final layer and the loss: the last stage, whose backward runs (and frees them) first
+    hidden: int  # the hidden states of the tokens a rank holds: what a stage sends on and keeps for backward
+
+
+def _stage_activations(act: Activations, lay: Layout, blocks: int, stage: int) -> tuple[int, int]:
+    """(bytes the forwards in flight keep for backward, peak bytes over forward and backward) on a rank of `stage`,
+    which holds `blocks` blocks. Each micro-batch in flight keeps its forward's. With checkpointing the peak comes
+    in the oldest one's backward, when its last block runs again (on the last stage, once the head is freed)."""
+    first, last = stage == 0, stage == lay.pp - 1
+    kept = blocks * act.block + act.shared + (act.embed if first else 0) + (act.head if last else act.hidden)
+    kept *= lay.in_flight(stage)
+    return kept, kept + max(0, act.recompute - (act.head if last else 0))
+
+
+def _activations(cfg: DiTConfig, lay: Layout) -> Activations:
+    """What one micro-batch's forward keeps for backward on one rank, block by block and outside the blocks.
 
     `saved` lists, op by op in DiTBlock.forward's order, what each op keeps for its backward without checkpointing:
     a linear keeps its input, LayerNorm its input, mean and rstd, RMSNorm its input and rstd, addcmul the factor the
@@ -330,15 +409,15 @@ def _activations(cfg: DiTConfig, lay: Layout) -> tuple[int, int]:
     released = sum(v for name, v in cached.items() if name not in saved)
 
     # Kept outside the blocks until the end of backward: each scalar embedder's sinusoids and MLP hidden values (x 2),
-    # c (fp32 when it adds a class embedding: autocast leaves embeddings in fp32), the patch embedding's input, RoPE's
-    # cos and sin (B, 1, seq, hd/2), and the text embedder's input (a bf16 copy under autocast) and hidden values.
-    rest = (1 + cfg.fps_cond) * B * S * (FREQ_DIM + 2 * D) * a + B * S * D * (FP32 if cfg.num_classes else a)
-    rest += T * F * a + (Ta * hd * a if cfg.pos_embed == "rope" else 0)
+    # c (fp32 when it adds a class embedding: autocast leaves embeddings in fp32), RoPE's cos and sin (B, 1, seq,
+    # hd/2), and the text embedder's input (a bf16 copy under autocast) and hidden values: on every pipeline stage.
+    shared = (1 + cfg.fps_cond) * B * S * (FREQ_DIM + 2 * D) * a + B * S * D * (FP32 if cfg.num_classes else a)
+    shared += Ta * hd * a if cfg.pos_embed == "rope" else 0
     if L:
-        rest += B * L * ((cfg.text_dim if a != FP32 else 0) + 2 * D) * a
-        rest += 0 if nn_linear else B * L * D * a  # under TP every block's kv keeps the projected text itself
+        shared += B * L * ((cfg.text_dim if a != FP32 else 0) + 2 * D) * a
+        shared += 0 if nn_linear else B * L * D * a  # under TP every block's kv keeps the projected text itself
     if cached is not saved:  # checkpoints keep their arguments: the projected text, the boolean masks
-        rest += (B * L * D * a if nn_linear else 0) + (Ta * (N + (L + 1 if L else 0)) if sdpa_mask else 0)
+        shared += (B * L * D * a if nn_linear else 0) + (Ta * (N + (L + 1 if L else 0)) if sdpa_mask else 0)
     # The final layer and the loss, whose backward runs (and frees them) first. Final layer: SiLU(c), adaLN's output
     # and the gather's index, its input, norm, 1 + scale and linear's input. The loss (fp32, on whole rows): D - x
     # and, per token, c_out, the loss weight and the mask.
@@ -346,9 +425,9 @@ def _activations(cfg: DiTConfig, lay: Layout) -> tuple[int, int]:
     head += tok * D * a + T * D * a
     head += B * N * (F + (3 if lay.packed else 1)) * FP32
 
-    kept = cfg.depth * sum(cached.values()) + rest + head
-    peak = kept if cached is saved else max(kept, kept - head + recompute - released)  # backward of the last block
-    return kept, peak
+    return Activations(block=sum(cached.values()), recompute=recompute - released, shared=shared,
+                       embed=T * F * a,  # the patch embedding's input
+                       head=head, hidden=T * D * a)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -366,7 +445,7 @@ def advise(cfg: DiTConfig, layout: Layout, gpu_bytes: float, headroom: float = 0
     candidates += [("checkpointing", f"model.activation_checkpointing={mode}", {"activation_checkpointing": mode})
                    for mode in ("selective", "block")]
     tp = layout.tp * 2
-    while tp <= layout.world_size // layout.cp:
+    while tp <= layout.world_size // (layout.cp * layout.pp):
         sp = "" if layout.sequence_parallel else " parallel.sequence_parallel=true"
         candidates.append(("tp", f"parallel.tp={tp}{sp}", {"tp": tp, "sequence_parallel": True}))
         tp *= 2
