@@ -209,6 +209,7 @@ def test_pipeline_of_two_stages_trains_like_one_process(dataset, straight, tmp_p
         p.name for p in (straight / "samples" / "step-0000006").iterdir())
 
 
+@pytest.mark.slow
 def test_written_with_tp2_resumed_as_a_pipeline_of_two_stages(dataset, stopped_tp2, tmp_path):
     """A checkpoint of TP=2 + SP (every block split over 2 ranks) resumes with each block whole on one stage."""
     straight, stopped = stopped_tp2
