@@ -12,8 +12,9 @@ their gradients, partial on each, are summed over the stages (`reduce_grads`).
 - `reduce_grads` completes the gradients after it (no DDP: see `ditcore.parallel.fabric`);
 - `PipelinedModel` is the forward alone, for sampling: every stage returns the last stage's output.
 
-Point-to-point transfers go through torch.distributed's isend/irecv (NCCL on GPUs, gloo on a CPU), all of one
-exchange posted before any is waited for, as Megatron-Core's schedules do, so that no ordering can deadlock.
+Point-to-point transfers go through torch.distributed's batch_isend_irecv over the pipeline group (NCCL on GPUs,
+gloo on a CPU): all of one exchange posted together before any is waited for, as Megatron-Core's schedules do, so
+that no ordering can deadlock.
 """
 
 from __future__ import annotations
@@ -74,13 +75,14 @@ def is_shared(model: nn.Module, name: str) -> bool:
 
 
 def _exchange(groups: ParallelGroups, send: dict[int, torch.Tensor], recv: dict[int, torch.Tensor]) -> None:
-    """Send and receive between this stage and its neighbours ({stage offset: tensor}, -1 previous, +1 next): all
-    posted, then all waited for."""
+    """Send and receive between this stage and its neighbours ({stage offset: tensor}, -1 previous, +1 next): posted
+    as one batch, then waited for. One batch matters on NCCL, whose sends and receives to one peer would otherwise
+    run in the order posted, each side's receive waiting for a send queued behind the other side's receive."""
     ranks, stage = groups.pp_ranks, groups.pp_rank
-    ops = [dist.irecv(t, src=ranks[stage + k]) for k, t in recv.items()]
-    ops += [dist.isend(t.contiguous(), dst=ranks[stage + k]) for k, t in send.items()]
-    for op in ops:
-        op.wait()
+    ops = [dist.P2POp(dist.irecv, t, ranks[stage + k], group=groups.pp_group) for k, t in recv.items()]
+    ops += [dist.P2POp(dist.isend, t.contiguous(), ranks[stage + k], group=groups.pp_group) for k, t in send.items()]
+    for work in dist.batch_isend_irecv(ops):
+        work.wait()
 
 
 def wire_dtype(device: torch.device) -> torch.dtype:
