@@ -240,8 +240,11 @@ def build(run: Setup) -> Trainee:
                           text_multiple=128 if run.on_gpu else 1)  # 128: FlexAttention's key block
     state = {runs.MODEL: model, "optimizer": optimizer, runs.EMA: ema.module, "scheduler": scheduler, "step": 0,
              "history": []}  # history: [step, loss] of every step
-    return Trainee(model, ema, optimizer, scheduler, loader, EDMLoss(cfg.edm.p_mean, cfg.edm.p_std),
-                   EDMPrecond(model), state)
+    # The denoiser calls what Fabric wrapped (DDP, or the model itself) under fabric.autocast(), not Fabric's wrapper:
+    # under bf16-mixed that casts every float input to bf16 (the noise level before its sinusoidal embedding too),
+    # and a pipeline stage's backward of its hidden states cannot go through fabric.backward.
+    denoiser = EDMPrecond(model._forward_module)
+    return Trainee(model, ema, optimizer, scheduler, loader, EDMLoss(cfg.edm.p_mean, cfg.edm.p_std), denoiser, state)
 
 
 def build_model(run: Setup, training: bool) -> torch.nn.Module:
@@ -354,12 +357,13 @@ def train_step(run: Setup, t: Trainee, it, step: int) -> tuple[torch.Tensor, tor
     if groups.dims.pp == 1:
         loss_sum = torch.zeros((), device=fabric.device)
         for i in range(run.accum):
-            m = micro[i]
+            m = micro.take(i)
             with fabric.no_backward_sync(t.model, enabled=i < run.accum - 1), fabric.autocast():
                 loss = t.loss_fn(t.denoiser, m.batch.x, mask=m.batch.mask, sigma=m.draw.sigma, noise=m.draw.noise,
                                  **m.inputs)
             fabric.backward(loss / run.accum)
             loss_sum += loss.detach()
+            del m, loss  # this micro-batch's tensors go before the next one is loaded
     else:
         loss_sum = pipeline_step(run, t, micro)
     finalize_grads(t.model.module, groups)
@@ -380,7 +384,7 @@ def pipeline_step(run: Setup, t: Trainee, micro: MicroBatches) -> torch.Tensor:
 
     def forward(i: int, hidden: torch.Tensor | None) -> torch.Tensor:
         nonlocal loss_sum
-        m = micro[i]
+        m = micro.take(i)  # afterwards autograd keeps what backward needs of it, and nothing else stays
         with fabric.autocast():
             out = stage_forward(t.loss_fn, t.denoiser, m.batch.x, last=groups.last_stage, hidden=hidden,
                                 mask=m.batch.mask, sigma=m.draw.sigma, noise=m.draw.noise, **m.inputs)
@@ -390,8 +394,8 @@ def pipeline_step(run: Setup, t: Trainee, micro: MicroBatches) -> torch.Tensor:
         return out / run.accum
 
     def shape(i: int) -> tuple[int, int, int]:  # this rank's tokens of the rows, the rows, the width
-        x = micro[i].batch.x
-        return len(range(x.shape[1])[local[1]]), x.shape[0], local[0]
+        rows, tokens = micro.shape(i)
+        return len(range(tokens)[local[1]]), rows, local[0]
 
     one_f_one_b(groups, run.accum, forward, shape, torch.bfloat16 if run.bf16 else torch.float32, fabric.device)
     reduce_grads(t.model.module, groups)
@@ -400,20 +404,29 @@ def pipeline_step(run: Setup, t: Trainee, micro: MicroBatches) -> torch.Tensor:
 
 
 class MicroBatches:
-    """One step's micro-batches, loaded on first use, in order: on the device, with their random draws, and the
-    real tokens and FLOPs of those loaded so far."""
+    """One step's micro-batches, loaded in order when first needed (on the device, with their random draws) and
+    handed over once (`take`), so that none stays on the device after its forward; their row shapes, and the real
+    tokens and FLOPs of those loaded so far."""
 
     def __init__(self, run: Setup, t: Trainee, it, step: int):
         self.run, self.t, self.it, self.step = run, t, it, step
-        self.loaded: dict[int, MicroBatch] = {}
+        self.waiting: dict[int, MicroBatch] = {}  # loaded, not taken yet
+        self.shapes: list[tuple[int, int]] = []  # (rows, tokens per row) of every one loaded
         self.tokens, self.flops = 0, 0.0
 
-    def __getitem__(self, i: int) -> MicroBatch:
-        if i not in self.loaded:
-            if i != len(self.loaded):
-                raise IndexError(f"micro-batch {i} asked for before micro-batch {len(self.loaded)}")
-            self.loaded[i] = self._load(i)
-        return self.loaded[i]
+    def take(self, i: int) -> MicroBatch:
+        self._load_until(i)
+        return self.waiting.pop(i)
+
+    def shape(self, i: int) -> tuple[int, int]:
+        self._load_until(i)
+        return self.shapes[i]
+
+    def _load_until(self, i: int) -> None:
+        while len(self.shapes) <= i:
+            m = self._load(len(self.shapes))
+            self.waiting[len(self.shapes)] = m
+            self.shapes.append(tuple(m.batch.x.shape[:2]))
 
     def _load(self, i: int) -> MicroBatch:
         run, model_cfg, device = self.run, self.run.model_cfg, self.run.fabric.device

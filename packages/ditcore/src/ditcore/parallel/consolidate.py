@@ -13,6 +13,7 @@ from torch.distributed.tensor import DTensor
 
 from ditcore.parallel.dims import ParallelGroups
 from ditcore.parallel.fsdp import local, local_piece
+from ditcore.parallel.pipeline import is_shared
 from ditcore.parallel.tensor_parallel import is_tp_sharded, shard
 
 
@@ -33,13 +34,38 @@ def gather_full(model: nn.Module, tensors: dict[str, torch.Tensor], groups: Para
             parts = [torch.empty_like(v) for _ in range(groups.dims.tp)]
             dist.all_gather(parts, v.detach().contiguous(), group=groups.tp_group)
             v = torch.cat(parts, dim=p.partition_dim)
-        if stage_writer:
+        if keep:
             full[k] = v.detach().cpu().clone()
+        elif stage_writer:  # sent to rank 0 below, one tensor at a time
+            full[k] = v.detach()
     if groups is not None and groups.dims.pp > 1 and stage_writer:  # the stages' writers: global rank 0's pipeline
-        stages = [None] * groups.dims.pp if keep else None
-        dist.gather_object(full, stages, dst=groups.pp_ranks[0], group=groups.pp_group)
-        full = {k: v for stage in stages for k, v in stage.items()} if keep else None
+        _gather_stages(full, groups, keep)
     return full if keep else None
+
+
+def _gather_stages(full: dict[str, torch.Tensor], groups: ParallelGroups, keep: bool) -> None:
+    """Every pipeline stage's tensors into rank 0's `full` (called by the stages' writers): their names, shapes and
+    dtypes first, then each tensor by itself, so that no device ever holds more than one extra tensor."""
+    specs = [None] * groups.dims.pp if keep else None
+    mine = {k: (tuple(v.shape), v.dtype) for k, v in full.items()}
+    dist.gather_object(mine, specs, dst=groups.pp_ranks[0], group=groups.pp_group)
+    for stage in range(1, groups.dims.pp):
+        src = groups.pp_ranks[stage]
+        names = sorted(specs[stage]) if keep else sorted(mine) if groups.pp_rank == stage else []
+        for k in names:
+            if keep:
+                shape, dtype = specs[stage][k]
+                t = torch.empty(shape, dtype=dtype, device=_device(groups))
+                dist.recv(t, src=src, group=groups.pp_group)
+                full[k] = t.cpu()
+            else:
+                dist.send(full[k].contiguous(), dst=groups.pp_ranks[0], group=groups.pp_group)
+
+
+def _device(groups: ParallelGroups) -> torch.device:
+    """Where point-to-point tensors go: the current CUDA device under NCCL, else the CPU."""
+    backend = dist.get_backend(groups.pp_group)
+    return torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
 
 
 def consolidated_state_dict(model: nn.Module, groups: ParallelGroups | None) -> dict[str, torch.Tensor] | None:
@@ -53,8 +79,8 @@ def load_consolidated(model: nn.Module, state: dict[str, torch.Tensor], groups: 
     tp, rank = (groups.dims.tp, groups.tp_rank) if groups is not None else (1, 0)
     own = without_extra_state(model.state_dict())
     missing, unexpected = own.keys() - state.keys(), state.keys() - own.keys()
-    if groups is not None and groups.dims.pp > 1:  # a pipeline stage takes its own part of the whole model
-        unexpected = set()
+    if groups is not None and groups.dims.pp > 1:  # a pipeline stage takes its own part: other stages' are expected
+        unexpected = {k for k in unexpected if is_shared(model, k)}
     if missing or unexpected:
         raise KeyError(f"state dict does not fit this model: missing {sorted(missing)[:5]}, "
                        f"unexpected {sorted(unexpected)[:5]} — is it a checkpoint of another architecture?")

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ditcore.errors import ConfigError
 from ditcore.parallel.dims import ParallelGroups
 from ditcore.parallel.fsdp import local
 from ditcore.parallel.plan import plan_for
@@ -52,6 +53,9 @@ def split_stages(model: nn.Module, groups: ParallelGroups) -> nn.Module:
     holds block 7), so initialisation, checkpoints and exports see one-device names."""
     pp, stage = groups.dims.pp, groups.pp_rank
     split = plan_for(model).pipeline
+    if split is None:
+        raise ConfigError("parallel.pp", pp, f"1: {type(model).__name__}'s plan (ditcore/parallel/plan.py) does not "
+                                             "say how it splits into pipeline stages")
     layers: nn.ModuleList = model.get_submodule(split.layers)
     held = stage_blocks(len(layers), pp, stage)
     for i in range(len(layers)):
@@ -172,8 +176,12 @@ def one_f_one_b(groups: ParallelGroups, micro_batches: int, forward: Callable[[i
 def reduce_grads(model: nn.Module, groups: ParallelGroups, data_parallel: bool = True) -> None:
     """Complete the gradients after `one_f_one_b`, before `finalize_grads`: averaged over DP×CP (data_parallel:
     the model is not wrapped in DDP, whose hooks assume one backward per forward), and the stage-shared
-    (conditioning) parameters' summed over the stages, so that every stage takes the same step with them."""
-    params = [(n, p) for n, p in model.named_parameters() if p.grad is not None]
+    (conditioning) parameters' summed over the stages, so that every stage takes the same step with them. A
+    parameter that got no gradient this step gets zeros, as in DDP's buckets."""
+    params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    for _, p in params:  # e.g. cross-attention in a step without any text: every rank must reduce the same tensors
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
     if data_parallel and dist.get_world_size(groups.dp_cp_group) > 1:
         grads = [local(p.grad) for _, p in params]
         _all_reduce(grads, groups.dp_cp_group)
@@ -233,6 +241,6 @@ class PipelinedModel(nn.Module):
             _exchange(g, {+1: out.to(dtype)}, {})
             out = torch.empty((B, N, self.model.cfg.patch_dim), dtype=dtype, device=x.device)
         else:
-            out = out.to(dtype)
+            out = out.to(dtype).contiguous()  # (B, N, F) as a transposed view: broadcast its (B, N, F) order
         dist.broadcast(out, src=g.pp_ranks[-1], group=g.pp_group)
         return out
