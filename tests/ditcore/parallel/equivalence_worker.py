@@ -245,6 +245,7 @@ CASES = {
     "pp2_packed": (ParallelDims(pp=2), True, "none", False, True),
     "pp2_tp2_sp_packed": (ParallelDims(tp=2, pp=2, sequence_parallel=True), True, "none", False, True),  # 4 procs
     "pp2_dp2_selective": (ParallelDims(pp=2), False, "selective", False, True),  # 4 processes
+    "pp2_cp2_packed": (ParallelDims(cp=2, pp=2), True, "none", False, True),  # 4 processes
 }
 
 

@@ -13,7 +13,7 @@ CASES = ["tp2", "tp2_sp", "cp2", "dp2", "tp2_packed", "tp2_sp_packed", "cp2_pack
          "fsdp_dp2", "fsdp_tp2_sp_packed", "fsdp_cp2_packed_selective",  # + sharded data parallel (FSDP2)
          "pp2", "pp2_packed"]  # + pipeline parallel (1F1B over a micro-batch per row)
 CASES_4 = ["fsdp_tp2_sp_dp2",  # 4 processes: TP=2 × FSDP over DP=2
-           "pp2_tp2_sp_packed", "pp2_dp2_selective"]  # two stages of TP=2 + SP; two stages × DP=2
+           "pp2_tp2_sp_packed", "pp2_dp2_selective", "pp2_cp2_packed"]  # two stages of TP=2 + SP, × DP=2, of CP=2
 
 # Float32 work of each compared value (ditcore.testing): rows of 32 tokens with at most 12 text tokens (the packed
 # batch's); EDMPrecond adds c_skip·x + c_out·F (+2) and the layouts split reductions over 2 ranks, then add the
