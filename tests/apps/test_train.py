@@ -215,6 +215,7 @@ def test_pipeline_of_two_stages_trains_like_one_process(dataset, straight, tmp_p
         assert (a_px - b_px).abs().max() <= 1, (a_png.name, (a_px - b_px).abs().max())
 
 
+@pytest.mark.slow
 def test_pipeline_trains_in_bf16(dataset, tmp_path):
     """Under bf16 autocast the stages hand bf16 hidden states on, and the backward of a stage's output runs outside
     Fabric's wrapper."""

@@ -13,7 +13,8 @@ CASES = ["tp2", "tp2_sp", "cp2", "dp2", "tp2_packed", "tp2_sp_packed", "cp2_pack
          "fsdp_dp2", "fsdp_tp2_sp_packed", "fsdp_cp2_packed_selective",  # + sharded data parallel (FSDP2)
          "pp2", "pp2_packed"]  # + pipeline parallel (1F1B over a micro-batch per row)
 CASES_4 = ["fsdp_tp2_sp_dp2",  # 4 processes: TP=2 × FSDP over DP=2
-           "pp2_tp2_sp_packed", "pp2_dp2_selective", "pp2_cp2_packed"]  # two stages of TP=2 + SP, × DP=2, of CP=2
+           "pp2_tp2_sp_packed"]  # two stages of TP=2 + SP
+CASES_4_SLOW = ["pp2_dp2_selective", "pp2_cp2_packed"]  # two stages × DP=2, two stages of CP=2: make test-slow
 
 # Float32 work of each compared value (ditcore.testing): rows of 32 tokens with at most 12 text tokens (the packed
 # batch's); EDMPrecond adds c_skip·x + c_out·F (+2) and the layouts split reductions over 2 ranks, then add the
@@ -46,9 +47,29 @@ def results_4(tmp_path_factory, run_torchrun):
     return json.loads(out.read_text())
 
 
-@pytest.mark.parametrize("case", CASES + CASES_4)
+@pytest.fixture(scope="module")
+def results_4_slow(tmp_path_factory, run_torchrun):
+    out = tmp_path_factory.mktemp("eq4s") / "results.json"
+    proc = run_torchrun("equivalence_worker.py", str(out), *CASES_4_SLOW, nproc=4)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(out.read_text())
+
+
+def case_results(request, case):
+    fixture = "results_4" if case in CASES_4 else "results_4_slow" if case in CASES_4_SLOW else "results"
+    return request.getfixturevalue(fixture)[case]
+
+
+ALL = CASES + CASES_4 + CASES_4_SLOW
+
+
+def params(cases: list[str]) -> list:
+    return [pytest.param(c, marks=pytest.mark.slow) if c in CASES_4_SLOW else c for c in cases]
+
+
+@pytest.mark.parametrize("case", params(ALL))
 def test_layout_matches_one_process(request, case):
-    r = request.getfixturevalue("results_4" if case in CASES_4 else "results")[case]
+    r = case_results(request, case)
     for what, work in WORK.items():
         abs_diff, rel_diff = r[what]
         bound = fp32_tolerance(work, scale=1.0)  # the differences are relative to the reference's largest magnitude
@@ -64,15 +85,15 @@ def test_finalize_grads_is_what_makes_gradients_right(results, case):
     assert rel_diff > 1e-2, f"{case}: gradients were already right before finalize_grads ({rel_diff:.1e})"
 
 
-@pytest.mark.parametrize("case", [c for c in CASES + CASES_4 if c.startswith("pp")])
+@pytest.mark.parametrize("case", params([c for c in ALL if c.startswith("pp")]))
 def test_reduce_grads_is_what_makes_pipeline_gradients_right(request, case):
     """Each stage's gradients of the conditioning embedders are partial: summed over the stages by reduce_grads."""
-    _, rel_diff = request.getfixturevalue("results_4" if case in CASES_4 else "results")[case]["grad_before_reduce"]
+    _, rel_diff = case_results(request, case)["grad_before_reduce"]
     assert rel_diff > 1e-2, f"{case}: gradients were already right before reduce_grads ({rel_diff:.1e})"
 
 
-@pytest.mark.parametrize("case", [c for c in CASES + CASES_4 if c.startswith(("fsdp", "pp"))])
+@pytest.mark.parametrize("case", params([c for c in ALL if c.startswith(("fsdp", "pp"))]))
 def test_materialised_on_the_meta_device_is_the_one_device_init(request, case):
     """Each rank allocates and fills only its piece of its TP shard (FSDP), or of its stage (PP); gathered, they are
     the one-device weights."""
-    assert request.getfixturevalue("results_4" if case in CASES_4 else "results")[case]["materialized_equals_init"]
+    assert case_results(request, case)["materialized_equals_init"]

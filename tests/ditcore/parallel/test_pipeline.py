@@ -27,6 +27,7 @@ def schedule(tmp_path_factory, run_torchrun):
     return json.loads(out.read_text())
 
 
+@pytest.mark.slow  # the default run has 1F1B over 2 stages with the DiT (test_equivalence.py)
 @pytest.mark.parametrize("micro", ["1", "2", "4", "9"])
 def test_1f1b_over_4_stages_accumulates_the_gradients_of_one_process(schedule, micro):
     """Fewer micro-batches than stages (warm-up cut short), as many, and more (the steady 1F1B phase), each of a
