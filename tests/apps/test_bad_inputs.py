@@ -120,16 +120,16 @@ def damaged_copy(data: Path, tmp: Path, how: str) -> Path:
     ("case", "fragments"),
     [
         ("layout", ["parallel", "expected a divisor of the world size 1"]),
-        ("data_is_a_file", ["is a file; expected the folder dit-prepare wrote"]),
+        pytest.param("data_is_a_file", ["is a file; expected the folder dit-prepare wrote"], marks=SLOW),
         ("missing_data", ["does not exist — run dit-prepare first"]),
         pytest.param("unfinished", ["is not a finished ditcore dataset", "--overwrite"], marks=SLOW),
         pytest.param("corrupt_info", ["unreadable ditcore.json"], marks=SLOW),
         ("truncated_shard", ["every shard of dataset", "is broken", "--overwrite"]),
         pytest.param("deleted_idx", ["every shard of dataset", ".idx is missing"], marks=SLOW),
-        ("seq_too_short", ["fits a packed row of data.seq_length=2 tokens", "at least 8"]),
+        pytest.param("seq_too_short", ["fits a packed row of data.seq_length=2 tokens", "at least 8"], marks=SLOW),
         pytest.param("patch_does_not_divide", ["is divisible by the patch 1x3x3"], marks=SLOW),
         pytest.param("run_dir_is_a_file", ["train.run_dir=", "this is a file"], marks=SLOW),
-        ("run_dir_read_only", ["train.run_dir=", "a folder this user can write"]),
+        pytest.param("run_dir_read_only", ["train.run_dir=", "a folder this user can write"], marks=SLOW),
         ("resume_not_a_checkpoint", ["not a complete checkpoint"]),
     ],
 )
@@ -237,7 +237,7 @@ def test_folder_skips_what_it_cannot_read_and_keeps_unicode_captions(media, tmp_
     assert captions == {"ein Schmetterling über Blüten 🦋", "蝴蝶在花上", "бабочка", "a red butterfly"}
 
 
-@pytest.mark.parametrize("keep", [False, True])
+@pytest.mark.parametrize("keep", [False, pytest.param(True, marks=SLOW)])
 def test_ctrl_c_during_prepare_removes_the_partial_output_unless_kept(tmp_path, keep):
     out = tmp_path / "o"
     env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}

@@ -150,6 +150,7 @@ def test_folder_with_images_videos_and_captions(tmp_path):
     energon_accepts(out)
 
 
+@pytest.mark.slow  # the default run prepares synthetic and folder datasets through the same writer
 def test_mock_dataset_for_throughput(tmp_path):
     out = tmp_path / "mock"
     proc = run("mock", "--out", out, "--num", 30, "--latent-shape", "4,1,8,8", "--video-latent-shape", "4,2,4,4",

@@ -48,6 +48,7 @@ def energon(*args):
     return subprocess.run([str(ENERGON), *map(str, args)], capture_output=True, text=True)
 
 
+@pytest.mark.slow  # test_loader's energon info/lint test stays in the default run
 def test_energon_info_and_lint_need_no_flags(dataset):
     info = energon("info", dataset)
     assert info.returncode == 0, info.stderr[-2000:]

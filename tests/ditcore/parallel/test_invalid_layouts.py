@@ -30,6 +30,7 @@ def test_every_rank_fails_with_the_message(run_torchrun, args, message):
     assert "started" not in proc.stdout
 
 
+@pytest.mark.slow  # every equivalence case starts a valid layout
 def test_valid_layout_starts(run_torchrun):
     proc = run_torchrun("invalid_layout_worker.py", "2", "1", "4", "16", "sp", timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
