@@ -31,28 +31,26 @@ WORK = {
 }
 
 
-@pytest.fixture(scope="module")
-def results(tmp_path_factory, run_torchrun):
+def run_cases(tmp_path_factory, run_torchrun, cases: list[str], nproc: int) -> dict:
     out = tmp_path_factory.mktemp("eq") / "results.json"
-    proc = run_torchrun("equivalence_worker.py", str(out), *CASES)
+    proc = run_torchrun("equivalence_worker.py", str(out), *cases, nproc=nproc)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(out.read_text())
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory, run_torchrun):
+    return run_cases(tmp_path_factory, run_torchrun, CASES, nproc=2)
 
 
 @pytest.fixture(scope="module")
 def results_4(tmp_path_factory, run_torchrun):
-    out = tmp_path_factory.mktemp("eq4") / "results.json"
-    proc = run_torchrun("equivalence_worker.py", str(out), *CASES_4, nproc=4)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(out.read_text())
+    return run_cases(tmp_path_factory, run_torchrun, CASES_4, nproc=4)
 
 
 @pytest.fixture(scope="module")
 def results_4_slow(tmp_path_factory, run_torchrun):
-    out = tmp_path_factory.mktemp("eq4s") / "results.json"
-    proc = run_torchrun("equivalence_worker.py", str(out), *CASES_4_SLOW, nproc=4)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(out.read_text())
+    return run_cases(tmp_path_factory, run_torchrun, CASES_4_SLOW, nproc=4)
 
 
 def case_results(request, case):

@@ -117,9 +117,6 @@ def one_f_one_b(groups: ParallelGroups, micro_batches: int, forward: Callable[[i
     inputs: deque = deque()
     outputs: deque = deque()
 
-    def received(tensor: torch.Tensor) -> torch.Tensor:
-        return tensor.requires_grad_()
-
     def empty(i: int) -> torch.Tensor:
         return torch.empty(shape(i), dtype=dtype, device=device)
 
@@ -142,7 +139,7 @@ def one_f_one_b(groups: ParallelGroups, micro_batches: int, forward: Callable[[i
             return None
         t = empty(i)
         _exchange(groups, {}, {-1: t})
-        return received(t)
+        return t.requires_grad_()
 
     for i in range(warmup):
         out = run_forward(i, recv_forward(i))
@@ -164,7 +161,7 @@ def one_f_one_b(groups: ParallelGroups, micro_batches: int, forward: Callable[[i
             else:
                 hidden = empty(i + 1)
                 _exchange(groups, {-1: grad_in}, {-1: hidden})
-                received(hidden)
+                hidden.requires_grad_()
     for k in range(warmup):  # drain: the backwards of the warm-up forwards
         grad = empty(micro_batches - warmup + k)
         _exchange(groups, {}, {+1: grad})
