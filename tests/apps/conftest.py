@@ -55,12 +55,13 @@ def tiny_export(run: Path, num_classes: int = 0) -> Path:
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    """A run directory: the export of a tiny text-conditioned DiT and one validation sample image."""
+    """A run directory: the export of a tiny text-conditioned DiT, one validation sample image and a contact sheet."""
     run = tiny_export(tmp_path_factory.mktemp("ckpt") / "run")
     (run / "samples" / "step-0000001").mkdir(parents=True)
     import imageio.v3 as iio
 
     iio.imwrite(run / "samples" / "step-0000001" / "00-a-red-butterfly.png", np.zeros((32, 32, 3), np.uint8))
+    iio.imwrite(run / "samples" / "grid.png", np.full((40, 40, 3), 255, np.uint8))  # the contact sheet
     return run
 
 

@@ -168,6 +168,9 @@ def test_mock_dataset_for_throughput(tmp_path):
         (["butterfly", "--from", "/no/such.parquet", "--out", "{tmp}/o"], "no parquet file there"),
         (["synthetic", "--out", "{tmp}/o", "--codec", "jpeg"], "'jpeg' is not one of 'pca', 'pixel', 'vae'"),
         (["mock", "--out", "{tmp}/o", "--latent-shape", "4,1,8"], "expected four positive integers"),
+        (["synthetic", "--out", "{tmp}/o", "--pca-patch", "2", "--pca-channels", "16"],
+         "--pca-channels 16 is more than a 2x2 patch holds (3·2² = 12)"),
+        (["synthetic", "--out", "{tmp}/o", "--size", "36", "--pca-patch", "8"], "must be a multiple of --pca-patch 8"),
     ],
 )
 def test_bad_inputs_give_one_clear_line(tmp_path, args, message):
@@ -175,6 +178,21 @@ def test_bad_inputs_give_one_clear_line(tmp_path, args, message):
     assert proc.returncode == 2
     assert message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-2000:]
     assert len([ln for ln in proc.stderr.splitlines() if ln.strip()]) == 1
+
+
+def test_pca_patch_and_one_latent_scale(tmp_path):
+    """--pca-patch 4 --latent-norm global: 4x4-pixel cells, and one std for every channel in ditcore.json."""
+    out = tmp_path / "pca4"
+    proc = run("synthetic", "--out", out, "--num", 8, "--size", 32, "--frames", 4, "--fit-samples", 8,
+               "--pca-patch", 4, "--pca-channels", 12, "--latent-norm", "global")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    info = read_info(out)
+    assert info.codec["patch"] == 4 and info.spatial_factor == 4 and info.latent_channels == 12
+    assert len(set(info.latent_stats["std"])) == 1 and len(set(info.latent_stats["mean"])) == 12
+    pixels, _, _ = generate(0, 0, 32, 4, 0.5)
+    original = torch.from_numpy(pixels).permute(3, 0, 1, 2)[None].float() / 127.5 - 1
+    assert decoded(out, "00000000").shape[-2:] == (32, 32)
+    assert psnr(decoded(out, "00000000"), original) > 24.0
 
 
 def test_existing_output_is_refused_without_overwrite(synthetic):

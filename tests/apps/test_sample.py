@@ -112,6 +112,16 @@ def test_generate_in_a_real_browser(server, tmp_path):
     assert urllib.request.urlopen(server, timeout=5).status == 200  # the failing request did not take it down
 
 
+def test_the_gallery_shows_the_contact_sheet_first(server):
+    """The page's gallery of validation samples starts with the run's contact sheet (samples/grid.png)."""
+    import json
+
+    config = json.load(urllib.request.urlopen(server.rstrip("/") + "/config", timeout=10))
+    gallery = next(c for c in config["components"] if c.get("props", {}).get("elem_id") == "gallery")
+    names = [Path(item["image"]["path"]).name for item in gallery["props"]["value"]]
+    assert names == ["grid.png", "00-a-red-butterfly.png"]
+
+
 def test_gradio_client(server, tmp_path):
     from gradio_client import Client
 

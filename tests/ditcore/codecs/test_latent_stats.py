@@ -82,3 +82,18 @@ def test_errors_name_the_shape():
         LatentStats.measure([])
     with pytest.raises(ValueError, match="std must be > 0"):
         LatentStats.from_dict({"mean": [0.0], "std": [0.0]})
+
+
+def test_pooled_stats_keep_the_channels_relative_scales():
+    """One std for all channels: the root mean square of theirs, so the whole latent still has std σ_data."""
+    stats = LatentStats(MEANS.clone(), STDS.clone())
+    pooled = stats.pooled()
+    rms = STDS.pow(2).mean().sqrt()
+    torch.testing.assert_close(pooled.mean, MEANS, rtol=0, atol=0)
+    torch.testing.assert_close(pooled.std, rms.expand(4), rtol=1e-6, atol=0)
+    z = latents(batch=64)
+    centred = pooled.normalize(z) - pooled.normalize(MEANS.view(1, 4, 1, 1, 1).expand_as(z))
+    # each channel is scaled by the same factor σ_data / rms: their ratios are the raw ones
+    ratio = centred.transpose(0, 1).reshape(4, -1).std(1) / (z.transpose(0, 1).reshape(4, -1).std(1))
+    torch.testing.assert_close(ratio, torch.full((4,), SIGMA_DATA / rms.item()), rtol=1e-5, atol=0)
+    assert pooled.std.dtype == torch.float32 and stats.std.equal(STDS)  # the original is untouched

@@ -35,6 +35,11 @@ class CodecName(enum.StrEnum):
     vae = "vae"
 
 
+class LatentNorm(enum.StrEnum):
+    channel = "channel"
+    global_ = "global"
+
+
 class VaeClass(enum.StrEnum):
     """The diffusers classes of ditcore.codecs.vae.VAE_CLASSES, spelled out so that --help need not import torch."""
 
@@ -53,9 +58,13 @@ def _text_encoder_name(name: str) -> str:
 
 # Options every source shares. Typer reads these defaults as the option definitions.
 OUT = typer.Option(..., "--out", "-o", help="Output dataset folder (created; must be empty unless --overwrite).")
-CODEC = typer.Option(CodecName.pca, help="Latent codec: pca (fitted on the data, 8x8 patches), pixel (exact "
+CODEC = typer.Option(CodecName.pca, help="Latent codec: pca (fitted on the data, see --pca-patch), pixel (exact "
                                  "pixel_unshuffle) or vae (diffusers, see --vae).")
-PCA_CHANNELS = typer.Option(16, min=1, max=192, help="Latent channels K of the PCA codec.")
+PCA_CHANNELS = typer.Option(16, min=1, max=768, help="Latent channels K of the PCA codec (at most 3·patch²).")
+PCA_PATCH = typer.Option(8, min=1, max=16, help="Pixels per side of a PCA patch (one latent cell).")
+LATENT_NORM = typer.Option(LatentNorm.channel, help="Latent scaling: channel (each channel to the same std) or "
+                                                    "global (one scale for all: keeps a PCA codec's fine-detail "
+                                                    "channels small, as they are in the pixels).")
 PIXEL_FACTOR = typer.Option(2, min=1, help="Spatial factor of the pixel codec.")
 VAE = typer.Option(None, help="With --codec vae: a diffusers VAE hub id or local folder.")
 VAE_CLASS = typer.Option(VaeClass.AutoencoderKL, help="With --codec vae: the diffusers class (AutoencoderKLWan is "
@@ -71,18 +80,27 @@ KEEP_PARTIAL = typer.Option(False, help="On failure or Ctrl-C keep what was writ
 SEED = typer.Option(0, min=0, help="Random seed.")
 
 
-def _run(source_factory, out: Path, codec: CodecName, pca_channels: int, pixel_factor: int, vae: str | None,
-         vae_class: VaeClass, text_encoder: str, fit_samples: int, workers: int, shard_size: int,
-         overwrite: bool, keep_partial: bool) -> None:
-    """Shared by the sources: build codec choice, source and text encoder, run the pipeline, print a summary."""
-    from dit_prepare.pipeline import CodecChoice, prepare
+def _codec(codec: CodecName, pca_channels: int, pca_patch: int, latent_norm: LatentNorm, pixel_factor: int,
+           vae: str | None, vae_class: VaeClass):
+    """The codec options, checked together, as a dit_prepare.pipeline.CodecChoice."""
+    from dit_prepare.pipeline import CodecChoice
 
     if codec == CodecName.vae and not vae:
         _fail("--codec vae needs --vae HUB_ID_OR_FOLDER")
+    if codec == CodecName.pca and pca_channels > 3 * pca_patch**2:
+        _fail(f"--pca-channels {pca_channels} is more than a {pca_patch}x{pca_patch} patch holds "
+              f"(3·{pca_patch}² = {3 * pca_patch**2}): lower it or raise --pca-patch")
+    return CodecChoice(str(codec), pca_channels, pca_patch, str(latent_norm), pixel_factor, vae, str(vae_class))
+
+
+def _run(source_factory, out: Path, choice, text_encoder: str, fit_samples: int, workers: int, shard_size: int,
+         overwrite: bool, keep_partial: bool) -> None:
+    """Shared by the sources: build the source and text encoder, run the pipeline, print a summary."""
+    from dit_prepare.pipeline import prepare
+
     with _one_line_errors():
         from ditcore.codecs.text import load_text_encoder
 
-        choice = CodecChoice(str(codec), pca_channels, pixel_factor, vae, str(vae_class))
         source = source_factory(choice.spatial_factor())
         encoder = load_text_encoder(text_encoder)
         summary = prepare(source, out, codec=choice, text_encoder=encoder, fit_samples=fit_samples,
@@ -127,18 +145,19 @@ def synthetic(
     video_ratio: float = typer.Option(0.5, min=0.0, max=1.0, help="Fraction of samples that are clips."),
     fps: float = typer.Option(8.0, min=0.1, help="Frame rate recorded for clips."),
     seed: int = SEED,
-    codec: CodecName = CODEC, pca_channels: int = PCA_CHANNELS, pixel_factor: int = PIXEL_FACTOR, vae: str = VAE,
+    codec: CodecName = CODEC, pca_channels: int = PCA_CHANNELS, pca_patch: int = PCA_PATCH,
+    latent_norm: LatentNorm = LATENT_NORM, pixel_factor: int = PIXEL_FACTOR, vae: str = VAE,
     vae_class: VaeClass = VAE_CLASS, text_encoder: str = TEXT, fit_samples: int = FIT, workers: int = WORKERS,
     shard_size: int = SHARD, overwrite: bool = OVERWRITE, keep_partial: bool = KEEP_PARTIAL,
 ) -> None:
     """Procedurally drawn butterflies (images and wing-flapping clips) with exact captions; needs nothing."""
     from dit_prepare.sources import SyntheticSource
 
-    if size % 8 and codec == CodecName.pca:
-        _fail(f"--size {size} must be a multiple of 8 for the PCA codec (8x8 patches)")
-    _run(lambda factor: SyntheticSource(num, size, frames, video_ratio, seed, fps), out, codec, pca_channels,
-         pixel_factor, vae, vae_class, text_encoder, fit_samples, workers, shard_size, overwrite,
-         keep_partial)
+    if size % pca_patch and codec == CodecName.pca:
+        _fail(f"--size {size} must be a multiple of --pca-patch {pca_patch} for the PCA codec")
+    choice = _codec(codec, pca_channels, pca_patch, latent_norm, pixel_factor, vae, vae_class)
+    _run(lambda factor: SyntheticSource(num, size, frames, video_ratio, seed, fps), out, choice, text_encoder,
+         fit_samples, workers, shard_size, overwrite, keep_partial)
 
 
 @app.command()
@@ -149,16 +168,17 @@ def butterfly(
     size: int = typer.Option(64, min=8, help="Short side after resizing, in pixels."),
     num: int = typer.Option(None, min=1, help="Use at most this many samples."),
     hub_id: str = typer.Option("huggan/smithsonian_butterflies_subset", help="Hugging Face dataset id."),
-    codec: CodecName = CODEC, pca_channels: int = PCA_CHANNELS, pixel_factor: int = PIXEL_FACTOR, vae: str = VAE,
+    codec: CodecName = CODEC, pca_channels: int = PCA_CHANNELS, pca_patch: int = PCA_PATCH,
+    latent_norm: LatentNorm = LATENT_NORM, pixel_factor: int = PIXEL_FACTOR, vae: str = VAE,
     vae_class: VaeClass = VAE_CLASS, text_encoder: str = TEXT, fit_samples: int = FIT, workers: int = WORKERS,
     shard_size: int = SHARD, overwrite: bool = OVERWRITE, keep_partial: bool = KEEP_PARTIAL,
 ) -> None:
     """The Smithsonian butterflies (huggan/smithsonian_butterflies_subset), captions from `name`."""
     from dit_prepare.sources import ButterflySource
 
-    _run(lambda factor: ButterflySource(size, factor, from_, hub_id, num), out, codec, pca_channels, pixel_factor,
-         vae, vae_class, text_encoder, fit_samples, workers, shard_size, overwrite,
-         keep_partial)
+    choice = _codec(codec, pca_channels, pca_patch, latent_norm, pixel_factor, vae, vae_class)
+    _run(lambda factor: ButterflySource(size, factor, from_, hub_id, num), out, choice, text_encoder, fit_samples,
+         workers, shard_size, overwrite, keep_partial)
 
 
 @app.command()
@@ -169,16 +189,17 @@ def folder(
     frames: int = typer.Option(8, min=1, help="Frames taken from each video."),
     fps: float = typer.Option(0.0, min=0.0, help="Sample video frames at this rate (0: every frame)."),
     num: int = typer.Option(None, min=1, help="Use at most this many files."),
-    codec: CodecName = CODEC, pca_channels: int = PCA_CHANNELS, pixel_factor: int = PIXEL_FACTOR, vae: str = VAE,
+    codec: CodecName = CODEC, pca_channels: int = PCA_CHANNELS, pca_patch: int = PCA_PATCH,
+    latent_norm: LatentNorm = LATENT_NORM, pixel_factor: int = PIXEL_FACTOR, vae: str = VAE,
     vae_class: VaeClass = VAE_CLASS, text_encoder: str = TEXT, fit_samples: int = FIT, workers: int = WORKERS,
     shard_size: int = SHARD, overwrite: bool = OVERWRITE, keep_partial: bool = KEEP_PARTIAL,
 ) -> None:
     """Your own images and videos; captions from sidecar .txt files or a captions.jsonl ({"file", "caption"})."""
     from dit_prepare.sources import FolderSource
 
-    _run(lambda factor: FolderSource(path, size, factor, frames, fps, limit=num), out, codec, pca_channels,
-         pixel_factor, vae, vae_class, text_encoder, fit_samples, workers, shard_size, overwrite,
-         keep_partial)
+    choice = _codec(codec, pca_channels, pca_patch, latent_norm, pixel_factor, vae, vae_class)
+    _run(lambda factor: FolderSource(path, size, factor, frames, fps, limit=num), out, choice, text_encoder,
+         fit_samples, workers, shard_size, overwrite, keep_partial)
 
 
 @app.command()

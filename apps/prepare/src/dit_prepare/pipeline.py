@@ -31,6 +31,8 @@ from ditcore.data.writer import ShardWriter, finish_dataset, removed_on_failure,
 class CodecChoice:
     name: str = "pca"  # pca | pixel | vae
     pca_channels: int = 16
+    pca_patch: int = 8
+    latent_norm: str = "channel"  # channel: each latent channel to std SIGMA_DATA; global: one scale for all
     pixel_factor: int = 2
     vae: str | None = None  # hub id or local folder
     vae_class: str = "AutoencoderKL"
@@ -38,7 +40,7 @@ class CodecChoice:
     def spatial_factor(self) -> int:
         """Pixels per latent cell, known before any fitting (sources crop to multiples of it)."""
         if self.name == "pca":
-            return 8
+            return self.pca_patch
         if self.name == "pixel":
             return self.pixel_factor
         return self.fixed.spatial_factor
@@ -111,7 +113,10 @@ def to_tensor(pixels: np.ndarray) -> torch.Tensor:
 
 def fit_codec(choice: CodecChoice, items: list[Item]) -> tuple[Codec, float | None]:
     pixels = [to_tensor(it.pixels) for it in items]
-    codec = PatchPCACodec.fit(pixels, patch=8, channels=choice.pca_channels) if choice.name == "pca" else choice.fixed
+    if choice.name == "pca":
+        codec = PatchPCACodec.fit(pixels, patch=choice.pca_patch, channels=choice.pca_channels)
+    else:
+        codec = choice.fixed
     quality = float(np.mean([psnr(codec.decode(codec.encode(p)), p) for p in pixels[:64]])) if pixels else None
     return codec, quality
 
@@ -148,6 +153,8 @@ def _prepare(source, out: Path, *, codec: CodecChoice, text_encoder: TextEncoder
                           "files or missing captions): nothing to fit the codec on — check the input")
     the_codec, summary.fit_psnr = fit_codec(codec, fit_items)
     stats = LatentStats.measure(the_codec.encode(to_tensor(it.pixels)) for it in fit_items)
+    if codec.latent_norm == "global":
+        stats = stats.pooled()
 
     # 2. Encode and write this rank's samples.
     mine = range(rank, len(source), world)

@@ -45,6 +45,15 @@ def checkpoint_choices(path: Path) -> dict[str, Path]:
     return choices
 
 
+def validation_gallery(run_dir: Path, newest: int = 24) -> list[Path]:
+    """The run's contact sheet (samples/grid.png) first, then the newest validation images of each step."""
+    folder = run_dir / runs.SAMPLES
+    if not folder.is_dir():
+        return []
+    sheet = [folder / runs.SHEET] if (folder / runs.SHEET).is_file() else []
+    return sheet + [p for p in sorted(folder.glob("*/*.png")) if p.name != runs.SHEET][-newest:]
+
+
 def load_sampler(base: Sampler, folder: Path) -> Sampler:
     """The base (export) sampler with the EMA weights of a training checkpoint folder swapped in."""
     state = runs.load_weights(folder, runs.EMA)
@@ -151,8 +160,7 @@ def build_app(checkpoint: str | Path, concurrency: int = 1, queue_size: int = 64
     # Grad mode is per thread, so it is switched off in each of them.
     sampling = ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="dit-sample",
                                   initializer=torch.set_grad_enabled, initargs=(False,))
-    samples_dir = checkpoint / runs.SAMPLES
-    gallery = sorted(samples_dir.glob("*/*.png"))[-24:] if samples_dir.is_dir() else []
+    gallery = validation_gallery(checkpoint)
 
     def run(choice, prompt, negative, class_label, steps, guidance, seed, frames, size, solver,
             progress=gr.Progress()):
@@ -214,8 +222,8 @@ def build_app(checkpoint: str | Path, concurrency: int = 1, queue_size: int = 64
                 first = gr.Image(label="first frame", elem_id="first-frame", type="numpy")
                 info = gr.Markdown(elem_id="info")
         if gallery:
-            gr.Gallery([str(p) for p in gallery], label="validation samples from training", columns=8,
-                       elem_id="gallery")
+            gr.Gallery([str(p) for p in gallery], label="validation samples from training (first: the contact "
+                       "sheet, prompts × seeds)", columns=8, elem_id="gallery")
         shuffle.click(lambda: random.randint(0, 2**31 - 1), outputs=seed)
         go.click(run, [choice, prompt, negative, class_label, steps, guidance, seed, frames, size, solver],
                  [video, first, info], concurrency_limit=concurrency, api_name="generate", preprocess=False)

@@ -178,6 +178,8 @@ class Validation(Section):
     size: int = Field(64, ge=8, description="pixel height and width")
     fps: Number = Field(8.0, gt=0)
     seed: int = 0
+    seeds: int = Field(1, ge=1, le=64, description="samples of every prompt, with seeds seed, seed + 1, ...: the "
+                                                   "contact sheet samples/grid.png shows prompts x seeds")
 
 
 class Logging(Section):

@@ -10,6 +10,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from lightning_fabric import Fabric
@@ -28,7 +29,7 @@ from ditcore.diffusion import EMA, EDMLoss, EDMPrecond
 from ditcore.errors import ConfigError
 from ditcore.export import export_model
 from ditcore.flops import batch_flops, gpu_peak_flops, measure_cpu_peak_flops
-from ditcore.media import write_sample
+from ditcore.media import contact_sheet, write_sample
 from ditcore.models import DiT, DiTConfig, apply_activation_checkpointing, apply_compile, preset
 from ditcore.models.dit import check_positions
 from ditcore.parallel import (
@@ -504,23 +505,35 @@ class Validator:
             self.labels = list(range(min(model_cfg.num_classes, len(self.cfg.prompts))))
 
     def run(self, model, step: int) -> list[Path]:
+        """Sample every prompt with `seeds` seeds, as an image (and a clip); write seed 0's samples one file each
+        and a contact sheet of the images (prompts × seeds) to the step's folder and to samples/grid.png."""
         if not self.enabled:
             return []
         v = self.cfg
-        written = []
+        written, sheet = [], []
         if self.groups.dims.pp > 1:  # every stage runs the sampler; the hidden states go through the stages
             model = PipelinedModel(model, self.groups)
         for frames in [v.frames] + ([v.clip_frames] if v.clip_frames else []):
-            result = sample(model, self.codec, self.stats, text_states=self.states, class_labels=self.labels,
-                            num=len(v.prompts), frames=frames, height=v.size, width=v.size, steps=v.steps,
-                            guidance=v.guidance, solver=v.solver, seed=v.seed, fps=v.fps)
-            if self.fabric.global_rank != 0:
-                continue
-            for i, (pixels, prompt) in enumerate(zip(result.pixels, v.prompts, strict=False)):
-                slug = "".join(c if c.isalnum() else "-" for c in prompt.lower())[:48].strip("-")
-                name = f"{i:02d}-{slug}" + (f"-{frames}f" if frames > 1 else "")
-                written.append(write_sample(pixels.numpy(), runs.samples_dir(self.run_dir, step) / name,
-                                            fps=v.fps))
+            for k in range(v.seeds):
+                result = sample(model, self.codec, self.stats, text_states=self.states, class_labels=self.labels,
+                                num=len(v.prompts), frames=frames, height=v.size, width=v.size, steps=v.steps,
+                                guidance=v.guidance, solver=v.solver, seed=v.seed + k, fps=v.fps)
+                if self.fabric.global_rank != 0:
+                    continue
+                if frames == v.frames:
+                    sheet.append(result.pixels[:, 0].numpy())  # (prompts, H, W, 3): one column of the sheet
+                if k:
+                    continue
+                for i, (pixels, prompt) in enumerate(zip(result.pixels, v.prompts, strict=False)):
+                    slug = "".join(c if c.isalnum() else "-" for c in prompt.lower())[:48].strip("-")
+                    name = f"{i:02d}-{slug}" + (f"-{frames}f" if frames > 1 else "")
+                    written.append(write_sample(pixels.numpy(), runs.samples_dir(self.run_dir, step) / name,
+                                                fps=v.fps))
+        if sheet:
+            grid = contact_sheet(np.stack(sheet, 1), list(v.prompts)[:len(sheet[0])],
+                                 [f"seed {v.seed + k}" for k in range(v.seeds)])
+            for path in (runs.samples_dir(self.run_dir, step) / runs.SHEET, self.run_dir / runs.SAMPLES / runs.SHEET):
+                written.append(write_sample(grid[None], path))
         return written
 
 

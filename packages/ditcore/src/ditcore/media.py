@@ -38,3 +38,35 @@ def read_video(path: str | Path) -> np.ndarray:
 
     frames = iio.imread(path, index=None) if Path(path).suffix != ".png" else iio.imread(path)[None]
     return np.asarray(frames)[..., :3]
+
+
+def contact_sheet(images, row_labels: list[str], column_labels: list[str], scale: int = 2) -> np.ndarray:
+    """A labelled grid of images (R, C, H, W, 3) uint8 → one (H', W', 3) uint8 image.
+
+    Each image is enlarged `scale` times (nearest neighbour: pixels stay pixels); row labels go on the left,
+    column labels on top, in black on white.
+    """
+    from PIL import Image, ImageDraw, ImageFont
+
+    images = np.asarray(images)
+    if images.ndim != 5 or images.shape[-1] != 3 or images.dtype != np.uint8:
+        raise ValueError(f"contact_sheet takes images (rows, columns, H, W, 3) uint8, got {images.dtype} "
+                         f"{tuple(images.shape)}")
+    R, C, H, W, _ = images.shape
+    if (len(row_labels), len(column_labels)) != (R, C):
+        raise ValueError(f"{len(row_labels)} row and {len(column_labels)} column labels for a {R} x {C} grid")
+    font = ImageFont.load_default(size=14)
+    measure = ImageDraw.Draw(Image.new("RGB", (1, 1)))
+    left = 12 + max((measure.textlength(s, font=font) for s in row_labels), default=0)
+    top, gap, h, w = 24, 4, H * scale, W * scale
+    sheet = Image.new("RGB", (int(left) + C * (w + gap), top + R * (h + gap)), "white")
+    draw = ImageDraw.Draw(sheet)
+    for c, label in enumerate(column_labels):
+        draw.text((left + c * (w + gap) + w / 2, top / 2), label, fill="black", font=font, anchor="mm")
+    for r, label in enumerate(row_labels):
+        y = top + r * (h + gap)
+        draw.text((6, y + h / 2), label, fill="black", font=font, anchor="lm")
+        for c in range(C):
+            tile = Image.fromarray(images[r, c]).resize((w, h), Image.NEAREST)
+            sheet.paste(tile, (int(left) + c * (w + gap), y))
+    return np.asarray(sheet)

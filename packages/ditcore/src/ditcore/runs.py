@@ -32,6 +32,7 @@ from ditcore.parallel import dist_checkpoint
 
 CHECKPOINTS, EXPORT, SAMPLES = "checkpoints", "export", "samples"
 LOSS_PLOT = "loss.png"
+SHEET = "grid.png"  # the contact sheet of validation samples: prompts × seeds
 MARKER = "COMPLETE"
 CONFIG_FILE = "config.yaml"
 TMP_PREFIX = ".tmp-"

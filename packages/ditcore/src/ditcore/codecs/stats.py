@@ -50,6 +50,14 @@ class LatentStats:
         std = (squares / count - mean**2).clamp_min(0).sqrt().clamp_min(MIN_STD)
         return cls(mean.float().cpu(), std.float().cpu())
 
+    def pooled(self) -> LatentStats:
+        """The same means, one std for every channel (the root mean square of theirs): the latents keep their
+        channels' relative scales, as a VAE's single scaling factor does. For codecs whose channels differ in
+        importance (PCA: the first component carries most of the picture), per-channel scaling would give a
+        channel of fine detail as much noise, and as much weight in the loss, as the one of the coarse shape."""
+        rms = self.std.double().pow(2).mean().sqrt().float()
+        return LatentStats(self.mean.clone(), torch.full_like(self.std, rms.item()))
+
     def normalize(self, z: torch.Tensor) -> torch.Tensor:
         """(z − mean) / std · SIGMA_DATA, computed in float32, returned in z's dtype."""
         mean, std = self._shaped(z)

@@ -1,0 +1,107 @@
+"""What a person sees in a trained demo: does "a {colour} butterfly" draw one butterfly of that colour?
+
+Samples the eight colours of the synthetic butterflies with `--seeds` seeds each, as images and as clips,
+and judges every picture with ditcore.data.judge: the prompted colour, and one compact, mirror-symmetric
+butterfly with a dark body on a plain background without a patch grid. A clip passes when all its frames do.
+
+    python bench/demo_quality.py runs/demo                  # 8 colours x 4 seeds, images and 8-frame clips
+    python bench/demo_quality.py runs/demo --sheet judged.png   # also a contact sheet, failures marked
+
+The sampler settings default to the ones the demo's validation uses (configs/demo.yaml).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from ditcore import runs
+from ditcore.codecs.text import load_text_encoder
+from ditcore.data.judge import judge
+from ditcore.data.synthetic import COLOURS
+from ditcore.export import load_export
+from ditcore.sampling import sample
+
+PROMPTS = [f"{'an' if c[0] in 'aeiou' else 'a'} {c} butterfly" for c in COLOURS]
+
+
+@dataclass
+class Rates:
+    images: int = 0
+    image_colour: int = 0
+    image_butterfly: int = 0
+    clips: int = 0
+    clip_colour: int = 0
+    clip_butterfly: int = 0
+    failed: collections.Counter = field(default_factory=collections.Counter)  # test name → images failing it
+    pictures: list = field(default_factory=list)  # (seed, prompt index, image, passed)
+
+    def lines(self) -> list[str]:
+        out = [f"images  colour {self.image_colour}/{self.images} = {self.image_colour / self.images:.0%}   "
+               f"one butterfly {self.image_butterfly}/{self.images} = {self.image_butterfly / self.images:.0%}"]
+        if self.clips:
+            out.append(f"clips   colour {self.clip_colour}/{self.clips} = {self.clip_colour / self.clips:.0%}   "
+                       f"one butterfly {self.clip_butterfly}/{self.clips} = {self.clip_butterfly / self.clips:.0%}"
+                       "   (every frame)")
+        out.append("failed  " + (", ".join(f"{k} {n}" for k, n in self.failed.most_common()) or "nothing"))
+        return out
+
+
+def judge_run(checkpoint: str | Path, seeds: int = 4, clip_frames: int = 8, clip_seeds: int = 2, steps: int = 18,
+              guidance: float = 3.0, size: int = 64) -> Rates:
+    exported = load_export(runs.find_export(checkpoint))
+    model, codec, stats = exported.model, exported.codec, exported.stats
+    states = load_text_encoder(exported.info.text_encoder["name"]).encode(PROMPTS)
+    colours = list(COLOURS)
+    rates = Rates()
+    for frames, n_seeds in ((1, seeds), (clip_frames, clip_seeds if clip_frames > 1 else 0)):
+        for seed in range(n_seeds):
+            result = sample(model, codec, stats, text_states=states, frames=frames, height=size, width=size,
+                            steps=steps, guidance=guidance, seed=seed)
+            for i, clip in enumerate(result.pixels.numpy()):
+                verdicts = [judge(frame, colours[i]) for frame in clip]
+                colour, butterfly = all(v.colour for v in verdicts), all(v.butterfly for v in verdicts)
+                if frames == 1:
+                    rates.images += 1
+                    rates.image_colour += colour
+                    rates.image_butterfly += butterfly
+                    rates.failed.update(verdicts[0].failed + ([] if colour else ["colour"]))
+                    rates.pictures.append((seed, i, clip[0], colour and butterfly))
+                else:
+                    rates.clips += 1
+                    rates.clip_colour += colour
+                    rates.clip_butterfly += butterfly
+    return rates
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("checkpoint", help="a run directory or its export/")
+    ap.add_argument("--seeds", type=int, default=4, help="image seeds per colour (default: 4)")
+    ap.add_argument("--clip-frames", type=int, default=8, help="frames of each clip; 1: no clips (default: 8)")
+    ap.add_argument("--clip-seeds", type=int, default=2, help="clip seeds per colour (default: 2)")
+    ap.add_argument("--steps", type=int, default=18, help="Heun steps (default: 18)")
+    ap.add_argument("--guidance", type=float, default=3.0, help="classifier-free guidance (default: 3.0)")
+    ap.add_argument("--size", type=int, default=64, help="pixels per side (default: 64)")
+    ap.add_argument("--sheet", type=Path, help="write the judged images here (png), failures framed in red")
+    args = ap.parse_args()
+    rates = judge_run(args.checkpoint, args.seeds, args.clip_frames, args.clip_seeds, args.steps, args.guidance,
+                      args.size)
+    print("\n".join(rates.lines()))
+    if args.sheet:
+        from ditcore.media import contact_sheet, write_sample
+
+        grid = np.zeros((len(PROMPTS), args.seeds, args.size + 4, args.size + 4, 3), np.uint8)
+        for seed, i, image, passed in rates.pictures:
+            grid[i, seed] = (0, 160, 0) if passed else (220, 0, 0)
+            grid[i, seed, 2:-2, 2:-2] = image
+        path = write_sample(contact_sheet(grid, PROMPTS, [f"seed {s}" for s in range(args.seeds)])[None], args.sheet)
+        print(f"sheet   {path}")
+
+
+if __name__ == "__main__":
+    main()
