@@ -12,7 +12,7 @@ EDITABLE := -e 'packages/ditcore[test]' -e 'apps/prepare[test]' -e 'apps/train[t
 .PHONY: help install test test-slow lint bench demo clean
 
 help:
-	@echo "make demo       synthetic butterflies -> train a small DiT on the CPU -> sample prompts (~6 min on 2 cores after set-up)"
+	@echo "make demo       synthetic butterflies -> train a small DiT on the CPU -> sample prompts (~7 min on 2 cores after set-up)"
 	@echo "make test       create .venv if needed, install the four packages, run ruff and the fast tests"
 	@echo "make test-slow  also run the tests marked slow"
 	@echo "make bench      benchmarks under bench/ (installs diffusers, the peer implementation)"
@@ -48,13 +48,15 @@ bench: install
 # the finished run (--resume auto finds its last checkpoint) and only samples again.
 DEMO_DATA := data/butterflies
 DEMO_RUN  := runs/demo
+DEMO_PREPARE := --num 2000
 demo: install
-	@test -f $(DEMO_DATA)/ditcore.json || $(BIN)/dit-prepare synthetic --out $(DEMO_DATA) --num 2000 --overwrite
+	@test -f $(DEMO_DATA)/ditcore.json || $(BIN)/dit-prepare synthetic --out $(DEMO_DATA) $(DEMO_PREPARE) --overwrite
 	$(BIN)/dit-train --config demo data.path=$(DEMO_DATA) train.run_dir=$(DEMO_RUN) --resume auto
 	@echo
-	@echo "Samples (one per prompt, image and 8-frame clip): $(DEMO_RUN)/samples/step-*/"
-	@ls -1 $(DEMO_RUN)/samples/*/ | sed 's/^/  /'
-	@echo "Loss curve: $(DEMO_RUN)/loss.png    Metrics: $(DEMO_RUN)/csv/    TensorBoard: $(BIN)/tensorboard --logdir $(DEMO_RUN)/tensorboard"
+	@echo "Contact sheet (prompts x seeds): $(DEMO_RUN)/samples/grid.png"
+	@echo "Loss curve:                      $(DEMO_RUN)/loss.png"
+	@echo "Samples (image and 8-frame clip per prompt): $(DEMO_RUN)/samples/step-*/"
+	@echo "Metrics: $(DEMO_RUN)/csv/    TensorBoard: $(BIN)/tensorboard --logdir $(DEMO_RUN)/tensorboard"
 	@echo "Exported model for sampling on one device: $(DEMO_RUN)/export/"
 	@echo "Open the sampler UI:  $(BIN)/dit-sample serve --checkpoint $(DEMO_RUN)   (then http://127.0.0.1:7860)"
 	@echo "Or from the shell:    $(BIN)/dit-sample generate --checkpoint $(DEMO_RUN) --prompt 'a red butterfly' --frames 8 --out red.mp4"

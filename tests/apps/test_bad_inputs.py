@@ -203,7 +203,7 @@ def media(tmp_path_factory):
         (["synthetic", "--out", "{tmp}/o", "--num", "0"], ["'--num'", "'0'", "dit-prepare synthetic --help"]),
         (["synthetic", "--out", "{tmp}/o", "--num", "many"], ["'--num'", "'many'"]),
         (["synthetic", "--out", "{tmp}/o", "--codec", "jpeg"], ["'jpeg' is not one of 'pca', 'pixel', 'vae'"]),
-        (["synthetic", "--out", "{tmp}/o", "--size", "20"], ["--size 20 must be a multiple of 8"]),
+        (["synthetic", "--out", "{tmp}/o", "--size", "20"], ["--size 20 must be a multiple of --pca-patch 8"]),
         (["synthetic", "--out", "{tmp}/o", "--video-ratio", "2"], ["'--video-ratio'", "'2'"]),
         (["synthetic", "--out", "{tmp}/o", "--text-encoder", "clip"], ["text encoder 'clip' is unknown"]),
         (["synthetic", "--out", "{tmp}/o", "--codec", "vae"], ["--codec vae needs --vae"]),

@@ -220,3 +220,19 @@ def test_errors_say_what_to_do():
         caption(sample_spec(np.random.default_rng(0), False), video=True)
     with pytest.raises(ConfigError, match=r"size=4 is invalid: expected an image side of at least 8"):
         render(sample_spec(np.random.default_rng(0), False), 4)
+
+
+def test_centred_butterflies_sit_in_the_middle_and_differ_in_position_alone():
+    for i in range(12):
+        pixels, caption, meta = generate(i, 0, 64, 8, 0.5, centred=True)
+        _, caption_anywhere, meta_anywhere = generate(i, 0, 64, 8, 0.5)
+        assert caption == caption_anywhere
+        assert {k: v for k, v in meta.items() if k not in ("x", "y")} == \
+            {k: v for k, v in meta_anywhere.items() if k not in ("x", "y")}
+        assert meta["x"] == 0.5
+        middle = pixels[len(pixels) // 2].astype(int)
+        coloured = np.nonzero(middle.max(-1) - middle.min(-1) > 100)  # wing pixels
+        # mirror-symmetric about the middle column, so the wing pixels' mean column is the middle: 31.5
+        assert abs(coloured[1].mean() - 31.5) < 0.5 or meta["video"]  # a clip drifts: mid-clip is between frames
+        rows = coloured[0]
+        assert abs((rows.min() + rows.max()) / 2 - 31.5) < 0.15 * 64  # the drawing's extent is about centred

@@ -59,6 +59,30 @@ def test_precond_applies_the_formula():
     assert F.seen[2] == {"class_labels": "y"}
 
 
+def test_x_prediction_outputs_sigma_data_times_the_network():
+    """prediction x: D = σ_d F, nothing of the noisy input passes through; F sees the same c_in x and c_noise."""
+    x = torch.randn(2, 3, 4)
+    sigma = torch.tensor([0.3, 5.0])
+    F = Constant(0.7)
+    D = EDMPrecond(F, prediction="x")(x, sigma)
+    assert torch.equal(D, torch.full_like(x, SIGMA_DATA * 0.7))
+    _, _, c_in, c_noise = (c.view(2, 1, 1) for c in edm_coefficients(sigma))
+    assert_close_fp32(F.seen[0], c_in * x, work=1)
+    assert_close_fp32(F.seen[1], c_noise.view(2, 1), work=1)
+    with pytest.raises(ValueError, match="prediction='v' is unknown"):
+        EDMPrecond(F, prediction="v")
+
+
+def test_max_weight_caps_the_loss_weight():
+    # one token, one feature, F ≡ 0 under x-prediction: D = 0, so the loss is λ(σ)·1 — or the cap where it is lower
+    y, n = torch.ones(1, 1, 1), torch.zeros(1, 1, 1)
+    for sigma, weight in ((0.05, edm_weight(torch.tensor(0.05)).item()), (2.0, edm_weight(torch.tensor(2.0)).item())):
+        capped = EDMLoss(max_weight=30.0)(EDMPrecond(Constant(0.0), prediction="x"), y, sigma=torch.full((1, 1), sigma),
+                                          noise=n)
+        assert capped.item() == pytest.approx(min(weight, 30.0), rel=8 * EPS32)
+    assert edm_weight(torch.tensor(0.05)).item() > 30 > edm_weight(torch.tensor(2.0)).item()  # one of each
+
+
 def test_loss_equals_hand_computed_value():
     # one token, one feature: y = 1, n = 0.5, σ = 1, F ≡ 0 → c_skip = 0.25/1.25 = 0.2,
     # D = 0.2·(1 + 0.5) = 0.3, λ = 1.25/0.25 = 5, loss = 5·(0.3 − 1)² = 2.45

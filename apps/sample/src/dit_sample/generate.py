@@ -95,7 +95,7 @@ class Sampler:
         result = sample(self.exported.model, self.exported.codec, self.exported.stats, text_states=states,
                         negative_states=negative, class_labels=class_labels, frames=frames, height=height,
                         width=width, steps=steps, guidance=guidance, solver=solver, seed=seed, fps=fps,
-                        callback=callback)
+                        prediction=self.exported.prediction, callback=callback)
         return result, time.perf_counter() - t0
 
 

@@ -138,8 +138,12 @@ class Optim(Section):
 
 
 class EDM(Section):
-    p_mean: Number = -1.2
+    p_mean: Number = Field(-1.2, description="training noise levels: ln σ ~ N(p_mean, p_std²)")
     p_std: Number = Field(1.2, gt=0)
+    prediction: Literal["edm", "x"] = Field("edm", description="what the network outputs: edm (EDM's mix of "
+                                                                "noise and data) or x (the clean latents)")
+    max_weight: Number | None = Field(None, gt=0, description="cap on the loss weight λ(σ) = (σ² + σ_d²)/(σ σ_d)²; "
+                                                              "use with prediction x (e.g. 30)")
     cfg_dropout: Annotated[Number, Expect("a probability in [0, 1)")] = (
         Field(0.1, ge=0, lt=1, description="per sample: drop the text or class so the model also learns the "
                                            "unconditional"))

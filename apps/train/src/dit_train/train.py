@@ -244,8 +244,9 @@ def build(run: Setup) -> Trainee:
     # The denoiser calls what Fabric wrapped (DDP, or the model itself) under fabric.autocast(), not Fabric's wrapper:
     # under bf16-mixed that casts every float input to bf16 (the noise level before its sinusoidal embedding too),
     # and a pipeline stage's backward of its hidden states cannot go through fabric.backward.
-    denoiser = EDMPrecond(model._forward_module)
-    return Trainee(model, ema, optimizer, scheduler, loader, EDMLoss(cfg.edm.p_mean, cfg.edm.p_std), denoiser, state)
+    denoiser = EDMPrecond(model._forward_module, prediction=cfg.edm.prediction)
+    loss = EDMLoss(cfg.edm.p_mean, cfg.edm.p_std, max_weight=cfg.edm.max_weight)
+    return Trainee(model, ema, optimizer, scheduler, loader, loss, denoiser, state)
 
 
 def build_model(run: Setup, training: bool) -> torch.nn.Module:
@@ -479,7 +480,8 @@ def export(run: Setup, t: Trainee, validator: Validator) -> list[Path]:
     written = validator.run(t.ema.module, step)
     full = gather_full(t.model.module, without_extra_state(t.ema.module.state_dict()), run.groups)
     if fabric.global_rank == 0:
-        export_model(runs.export_dir(run.run_dir), full, run.model_cfg, run.cfg.data.path, extra={"step": step})
+        export_model(runs.export_dir(run.run_dir), full, run.model_cfg, run.cfg.data.path,
+                     extra={"step": step, "prediction": run.cfg.edm.prediction})
         plot_losses(t.state["history"], run.run_dir / runs.LOSS_PLOT)
     fabric.barrier()
     for logger in run.loggers:
@@ -492,6 +494,7 @@ class Validator:
 
     def __init__(self, cfg: TrainConfig, info, model_cfg, fabric, groups: ParallelGroups):
         self.cfg, self.fabric, self.run_dir = cfg.validation, fabric, Path(cfg.train.run_dir)
+        self.prediction = cfg.edm.prediction
         self.groups = groups
         self.enabled = info.codec.get("kind") != "none"  # mock data has nothing to decode
         if not self.enabled:
@@ -505,8 +508,9 @@ class Validator:
             self.labels = list(range(min(model_cfg.num_classes, len(self.cfg.prompts))))
 
     def run(self, model, step: int) -> list[Path]:
-        """Sample every prompt with `seeds` seeds, as an image (and a clip); write seed 0's samples one file each
-        and a contact sheet of the images (prompts × seeds) to the step's folder and to samples/grid.png."""
+        """Sample every prompt as an image with `seeds` seeds (and as a clip with the first); write the first seed's
+        samples one file each and a contact sheet of the images (prompts × seeds) to the step's folder and to
+        samples/grid.png."""
         if not self.enabled:
             return []
         v = self.cfg
@@ -514,10 +518,11 @@ class Validator:
         if self.groups.dims.pp > 1:  # every stage runs the sampler; the hidden states go through the stages
             model = PipelinedModel(model, self.groups)
         for frames in [v.frames] + ([v.clip_frames] if v.clip_frames else []):
-            for k in range(v.seeds):
+            for k in range(v.seeds if frames == v.frames else 1):  # the sheet shows images; one seed of clips
                 result = sample(model, self.codec, self.stats, text_states=self.states, class_labels=self.labels,
                                 num=len(v.prompts), frames=frames, height=v.size, width=v.size, steps=v.steps,
-                                guidance=v.guidance, solver=v.solver, seed=v.seed + k, fps=v.fps)
+                                guidance=v.guidance, solver=v.solver, seed=v.seed + k, fps=v.fps,
+                                prediction=self.prediction)
                 if self.fabric.global_rank != 0:
                     continue
                 if frames == v.frames:

@@ -22,6 +22,7 @@ from safetensors.torch import load_file, save_file
 from ditcore import durable
 from ditcore.codecs import Codec, LatentStats, load_codec
 from ditcore.data.schema import INFO_FILE, DatasetInfo, parse_info
+from ditcore.diffusion.edm import PREDICTIONS
 from ditcore.models import DiT, DiTConfig
 
 WEIGHTS, CONFIG = "model.safetensors", "model.json"
@@ -52,6 +53,11 @@ class Exported:
     info: DatasetInfo
     extra: dict
 
+    @property
+    def prediction(self) -> str:
+        """What the network outputs (ditcore.diffusion.edm.PREDICTIONS); exports from before it was recorded: edm."""
+        return self.extra.get("prediction", "edm")
+
 
 def load_export(path: str | Path, device: str | torch.device = "cpu") -> Exported:
     """Load an export folder; errors say what is missing or which architecture does not fit."""
@@ -75,6 +81,9 @@ def load_export(path: str | Path, device: str | torch.device = "cpu") -> Exporte
     if not (path / INFO_FILE).is_file():
         raise FileNotFoundError(f"'{path}' has no {INFO_FILE}: the export is incomplete")
     info = parse_info(path / INFO_FILE, "export", "export the run again (dit-train writes RUN_DIR/export/)")
+    if meta.get("prediction", "edm") not in PREDICTIONS:
+        raise ValueError(f"'{path / CONFIG}' says prediction={meta['prediction']!r}: this ditcore knows "
+                         f"{', '.join(PREDICTIONS)} — sample it with the ditcore version that trained it")
     return Exported(model.to(device).eval(), load_codec(info.codec, path), LatentStats.from_dict(info.latent_stats),
                     info, {k: v for k, v in meta.items() if k != "model"})
 

@@ -40,11 +40,11 @@ def read_video(path: str | Path) -> np.ndarray:
     return np.asarray(frames)[..., :3]
 
 
-def contact_sheet(images, row_labels: list[str], column_labels: list[str], scale: int = 2) -> np.ndarray:
+def contact_sheet(images, row_labels: list[str], column_labels: list[str], scale: int | None = None) -> np.ndarray:
     """A labelled grid of images (R, C, H, W, 3) uint8 → one (H', W', 3) uint8 image.
 
-    Each image is enlarged `scale` times (nearest neighbour: pixels stay pixels); row labels go on the left,
-    column labels on top, in black on white.
+    Each image is enlarged `scale` times (nearest neighbour: pixels stay pixels; default: to about 128 pixels);
+    row labels go on the left, column labels on top, in black on white.
     """
     from PIL import Image, ImageDraw, ImageFont
 
@@ -53,6 +53,7 @@ def contact_sheet(images, row_labels: list[str], column_labels: list[str], scale
         raise ValueError(f"contact_sheet takes images (rows, columns, H, W, 3) uint8, got {images.dtype} "
                          f"{tuple(images.shape)}")
     R, C, H, W, _ = images.shape
+    scale = scale or max(1, 128 // max(H, W))
     if (len(row_labels), len(column_labels)) != (R, C):
         raise ValueError(f"{len(row_labels)} row and {len(column_labels)} column labels for a {R} x {C} grid")
     font = ImageFont.load_default(size=14)

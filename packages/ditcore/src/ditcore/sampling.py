@@ -73,9 +73,12 @@ def sample(
     solver: str = "heun",
     seed: int = 0,
     fps: float = 8.0,
+    prediction: str = "edm",
     callback: Callable[[int, int], None] | None = None,
 ) -> SampleResult:
-    """Sample B = len(text_states) (or len(class_labels), or num) items with the EDM sampler."""
+    """Sample B = len(text_states) (or len(class_labels), or num) items with the EDM sampler.
+
+    prediction: what the network was trained to output (ditcore.diffusion.edm; an export records it)."""
     cfg = model.cfg
     B = len(text_states) if text_states is not None else len(class_labels) if class_labels is not None else num
     if not B:
@@ -99,7 +102,7 @@ def sample(
     if cfg.fps_cond:
         cond["fps"] = torch.full(((2 if use_cfg else 1) * B, 1), float(fps), device=device)
 
-    precond = EDMPrecond(model).eval()
+    precond = EDMPrecond(model, prediction=prediction).eval()
     nfe = 0
 
     def denoise(x: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:

@@ -110,8 +110,12 @@ def _centre_range(reach_lo: float, reach_hi: float, pad: float) -> tuple[float, 
     return (lo, hi) if lo <= hi else ((lo + hi) / 2,) * 2
 
 
-def sample_spec(rng: np.random.Generator, video: bool) -> ButterflySpec:
-    """A random butterfly; with video=True it also flaps and drifts, and it is a little larger."""
+def sample_spec(rng: np.random.Generator, video: bool, centred: bool = False) -> ButterflySpec:
+    """A random butterfly; with video=True it also flaps and drifts, and it is a little larger.
+
+    centred: the butterfly (a clip's at mid-clip) sits in the middle of the frame instead of anywhere it fits. The
+    same numbers are drawn either way, so the two datasets differ in the position alone.
+    """
     colour = str(rng.choice(list(COLOURS)))
     pattern = str(rng.choice(PATTERNS))
     spot_colour = None if pattern == "plain" else str(rng.choice(list(SPOT_COLOURS)))
@@ -133,6 +137,8 @@ def sample_spec(rng: np.random.Generator, video: bool) -> ButterflySpec:
     drift_y = travel / 2 if direction in ("up", "down") else 0.0
     x = rng.uniform(*_centre_range(half + drift_x, half + drift_x, pad=0.02))
     y = rng.uniform(*_centre_range(REACH_UP * half + drift_y, REACH_DOWN * half + drift_y, pad=0.02))
+    if centred:  # the drawing reaches further up than down: centre its extent, not its body
+        x, y = 0.5, 0.5 + (REACH_UP - REACH_DOWN) * half / 2
     return ButterflySpec(
         colour=colour, pattern=pattern, spot_colour=spot_colour, background=background,
         background_kind=background_kind, size=size, x=float(x), y=float(y), direction=direction, travel=travel,
@@ -269,7 +275,8 @@ def render(spec: ButterflySpec, size: int, frames: int = 1) -> np.ndarray:
     return np.clip(np.rint(img), 0, 255).astype(np.uint8)
 
 
-def generate(index: int, seed: int, size: int, frames: int, video_ratio: float) -> tuple[np.ndarray, str, dict]:
+def generate(index: int, seed: int, size: int, frames: int, video_ratio: float,
+             centred: bool = False) -> tuple[np.ndarray, str, dict]:
     """The index-th sample of the dataset `seed`: (pixels (F, size, size, 3) uint8, caption, metadata).
 
     A sample is a clip of `frames` frames with probability video_ratio, else a still image (F = 1); which one
@@ -283,6 +290,6 @@ def generate(index: int, seed: int, size: int, frames: int, video_ratio: float) 
         raise ConfigError("frames", frames, f"at least 2 to make clips (video_ratio={video_ratio}); or video_ratio=0")
     rng = np.random.default_rng([seed, index])
     video = bool(rng.random() < video_ratio)
-    spec = sample_spec(rng, video)
+    spec = sample_spec(rng, video, centred)
     pixels = render(spec, size, frames if video else 1)
     return pixels, caption(spec, video), {**asdict(spec), "video": video}

@@ -1,6 +1,14 @@
 """EDM preconditioning and training loss (Karras et al., "Elucidating the Design Space of
 Diffusion-Based Generative Models", NeurIPS 2022). Equation numbers refer to that paper's Table 1.
 
+Besides EDM's own parametrisation (prediction "edm": D = c_skip x + c_out F) the network can predict the clean
+data directly (prediction "x": D = σ_d F, as in Li & He, "Back to Basics: Let Denoising Generative Models
+Denoise", 2025). Where the data fill only a small part of a token's dimensions (pixels, or a PCA code whose
+later channels are small), EDM's F must cancel the noise that c_skip passes through in every other direction,
+which a small network learns slowly: its samples keep a grain of noise in every token. Predicting x, it only has
+to output the picture. The loss weight λ(σ) is the same; it is capped at `max_weight`, as at low noise x-prediction
+would otherwise weigh the network's own error by 1/σ².
+
 Both work on token rows that may hold several packed samples (see ditcore.layout): noise levels are
 per sample, shaped (B, S), and `seg` (B, N) maps each token to its sample. With seg=None, S = 1.
 """
@@ -12,12 +20,17 @@ from torch import nn
 
 from ditcore.layout import SIGMA_DATA, per_token
 
+PREDICTIONS = ("edm", "x")
 
-def edm_coefficients(sigma: torch.Tensor, sigma_data: float = SIGMA_DATA):
-    """c_skip, c_out, c_in, c_noise of Table 1 ("Preconditioning")."""
+
+def edm_coefficients(sigma: torch.Tensor, sigma_data: float = SIGMA_DATA, prediction: str = "edm"):
+    """c_skip, c_out, c_in, c_noise of Table 1 ("Preconditioning"); with prediction "x", c_skip = 0, c_out = σ_d."""
     s2, d2 = sigma**2, sigma_data**2
-    c_skip = d2 / (s2 + d2)
-    c_out = sigma * sigma_data / (s2 + d2).sqrt()
+    if prediction == "x":
+        c_skip, c_out = torch.zeros_like(sigma), torch.full_like(sigma, sigma_data)
+    else:
+        c_skip = d2 / (s2 + d2)
+        c_out = sigma * sigma_data / (s2 + d2).sqrt()
     c_in = 1 / (s2 + d2).sqrt()
     c_noise = sigma.log() / 4
     return c_skip, c_out, c_in, c_noise
@@ -34,13 +47,15 @@ class EDMPrecond(nn.Module):
     x: (B, N, F) tokens; sigma: (B, S) per sample (or (B,) when seg is None); seg: (B, N) or None.
     """
 
-    def __init__(self, model: nn.Module, sigma_data: float = SIGMA_DATA):
+    def __init__(self, model: nn.Module, sigma_data: float = SIGMA_DATA, prediction: str = "edm"):
         super().__init__()
-        self.model, self.sigma_data = model, sigma_data
+        if prediction not in PREDICTIONS:
+            raise ValueError(f"prediction={prediction!r} is unknown: expected one of {', '.join(PREDICTIONS)}")
+        self.model, self.sigma_data, self.prediction = model, sigma_data, prediction
 
     def forward(self, x: torch.Tensor, sigma: torch.Tensor, seg: torch.Tensor | None = None, **cond):
         sigma = sigma.to(torch.float32).reshape(x.shape[0], -1)  # (B, S)
-        c_skip, c_out, _, _ = edm_coefficients(sigma, self.sigma_data)
+        c_skip, c_out, _, _ = edm_coefficients(sigma, self.sigma_data, self.prediction)
         tok = lambda c: per_token(c, seg)[..., None]  # (B, N or 1, 1): each token uses its sample's σ
         F_x = self.model(*self.model_inputs(x, sigma, seg), **cond, **({} if seg is None else {"seg": seg}))
         return (tok(c_skip) * x + tok(c_out) * F_x.to(torch.float32)).to(x.dtype)
@@ -60,8 +75,9 @@ class EDMLoss:
     padding never change what a sample contributes per token.
     """
 
-    def __init__(self, P_mean: float = -1.2, P_std: float = 1.2, sigma_data: float = SIGMA_DATA):
-        self.P_mean, self.P_std, self.sigma_data = P_mean, P_std, sigma_data
+    def __init__(self, P_mean: float = -1.2, P_std: float = 1.2, sigma_data: float = SIGMA_DATA,
+                 max_weight: float | None = None):
+        self.P_mean, self.P_std, self.sigma_data, self.max_weight = P_mean, P_std, sigma_data, max_weight
 
     def sample_sigma(self, shape, device=None, generator: torch.Generator | None = None) -> torch.Tensor:
         rnd = torch.randn(shape, device=device, generator=generator)
@@ -81,7 +97,10 @@ class EDMLoss:
             noise = torch.randn(x.shape, device=x.device, generator=generator, dtype=x.dtype)
         sigma_tok = per_token(sigma.reshape(B, -1), seg)[..., None]  # (B, N or 1, 1)
         D = denoiser(self.noisy(x, sigma, noise, seg), sigma, seg=seg, **cond)
-        per_elem = edm_weight(sigma_tok, self.sigma_data) * (D.float() - x.float()) ** 2  # (B, N, F)
+        weight = edm_weight(sigma_tok, self.sigma_data)
+        if self.max_weight is not None:
+            weight = weight.clamp(max=self.max_weight)
+        per_elem = weight * (D.float() - x.float()) ** 2  # (B, N, F)
         if mask is None:
             return per_elem.mean()
         mask = mask[..., None].to(per_elem.dtype)
