@@ -12,7 +12,7 @@ EDITABLE := -e 'packages/ditcore[test]' -e 'apps/prepare[test]' -e 'apps/train[t
 .PHONY: help install test test-slow lint bench demo clean
 
 help:
-	@echo "make demo       synthetic butterflies -> train a small DiT on the CPU -> sample prompts (~7 min on 2 cores after set-up)"
+	@echo "make demo       synthetic butterflies -> train a small DiT on the CPU -> sample prompts (~12 min on 2 cores after set-up)"
 	@echo "make test       create .venv if needed, install the four packages, run ruff and the fast tests"
 	@echo "make test-slow  also run the tests marked slow"
 	@echo "make bench      benchmarks under bench/ (installs diffusers, the peer implementation)"
@@ -48,7 +48,7 @@ bench: install
 # the finished run (--resume auto finds its last checkpoint) and only samples again.
 DEMO_DATA := data/butterflies
 DEMO_RUN  := runs/demo
-DEMO_PREPARE := --num 2000
+DEMO_PREPARE := --num 2000 --simple --video-ratio 0.25 --pca-patch 4 --pca-channels 16 --latent-norm global
 demo: install
 	@test -f $(DEMO_DATA)/ditcore.json || $(BIN)/dit-prepare synthetic --out $(DEMO_DATA) $(DEMO_PREPARE) --overwrite
 	$(BIN)/dit-train --config demo data.path=$(DEMO_DATA) train.run_dir=$(DEMO_RUN) --resume auto

@@ -77,7 +77,7 @@ def configs(tmp_path_factory):
         (["--config", "demo", "parallel.tp=0"], ["parallel.tp=0 is invalid: expected an integer >= 1"]),
         (["--config", "demo", "parallel.pp=2", "parallel.fsdp=true"], ["parallel.fsdp=True is invalid",
                                                                          "FSDP over pipeline stages"]),
-        (["--config", "demo", "train.micro_batch=3"], ["train.global_batch=4 is invalid: expected a multiple of"]),
+        (["--config", "demo", "train.micro_batch=3"], ["train.global_batch=8 is invalid: expected a multiple of"]),
         (["--config", "demo", "train.stop_at=0"], ["train.stop_at=0 is invalid"]),
         (["--config", "demo", "validation.prompts=[]"], ["validation.prompts=[] is invalid: expected a non-empty"]),
         (["--config", "demo", "validation.prompts=a red butterfly"], ["expected a list of str"]),
@@ -95,9 +95,9 @@ def test_bad_config_is_one_line(configs, args, fragments):
 
 
 def train_args(data, run, *extra):
-    return ["--config", "demo", "model.preset=DiT-Tiny", "data.seq_length=32", "data.num_workers=0",
-            "train.micro_batch=2", "train.global_batch=2", "train.steps=2", "logging.tensorboard=false",
-            f"data.path={data}", f"train.run_dir={run}", *extra]
+    return ["--config", "demo", "model.preset=DiT-Tiny", "model.patch_size=2", "data.seq_length=32",
+            "data.num_workers=0", "train.micro_batch=2", "train.global_batch=2", "train.steps=2",
+            "logging.tensorboard=false", f"data.path={data}", f"train.run_dir={run}", *extra]
 
 
 def damaged_copy(data: Path, tmp: Path, how: str) -> Path:

@@ -25,9 +25,10 @@ from ditcore.media import read_video
 from ditcore.parallel import dist_checkpoint as dcp
 
 BIN = Path(sys.executable).parent
-TINY = ["model.preset=DiT-Tiny", "data.seq_length=32", "data.num_workers=0", "train.micro_batch=2",
-        "train.global_batch=4", "optim.lr=3e-3", "optim.warmup_steps=0", "checkpoint.every=3", "logging.every=1",
-        "validation.steps=2", "validation.size=32", "validation.prompts=[a red butterfly]", "logging.tensorboard=false"]
+TINY = ["model.preset=DiT-Tiny", "model.patch_size=2", "data.seq_length=32", "data.num_workers=0",
+        "train.micro_batch=2", "train.global_batch=4", "optim.lr=3e-3", "optim.warmup_steps=0", "checkpoint.every=3",
+        "logging.every=1", "validation.steps=2", "validation.size=32", "validation.prompts=[a red butterfly]",
+        "logging.tensorboard=false"]
 
 
 def env():

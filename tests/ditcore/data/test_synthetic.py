@@ -9,6 +9,7 @@ from ditcore.data.synthetic import (
     COLOURS,
     DIRECTIONS,
     PATTERNS,
+    SIMPLE_SIZE,
     SPOT_COLOURS,
     ButterflySpec,
     caption,
@@ -222,14 +223,17 @@ def test_errors_say_what_to_do():
         render(sample_spec(np.random.default_rng(0), False), 4)
 
 
-def test_centred_butterflies_sit_in_the_middle_and_differ_in_position_alone():
+def test_simple_butterflies_are_plain_of_one_size_in_the_middle_and_differ_in_nothing_else():
     for i in range(12):
-        pixels, caption, meta = generate(i, 0, 64, 8, 0.5, centred=True)
-        _, caption_anywhere, meta_anywhere = generate(i, 0, 64, 8, 0.5)
-        assert caption == caption_anywhere
-        assert {k: v for k, v in meta.items() if k not in ("x", "y")} == \
-            {k: v for k, v in meta_anywhere.items() if k not in ("x", "y")}
-        assert meta["x"] == 0.5
+        pixels, caption, meta = generate(i, 0, 64, 8, 0.5, simple=True)
+        _, caption_full, meta_full = generate(i, 0, 64, 8, 0.5)
+        plain = caption_full.split(" with ")[0].split(" flying ")[0]
+        assert caption == plain + (" flying " + meta["direction"] if meta["video"] else "")
+        assert " with " not in caption
+        differ = ("x", "y", "size", "pattern", "spot_colour")
+        assert {k: v for k, v in meta.items() if k not in differ} == \
+            {k: v for k, v in meta_full.items() if k not in differ}
+        assert (meta["x"], meta["size"], meta["pattern"], meta["spot_colour"]) == (0.5, SIMPLE_SIZE, "plain", None)
         middle = pixels[len(pixels) // 2].astype(int)
         coloured = np.nonzero(middle.max(-1) - middle.min(-1) > 100)  # wing pixels
         # mirror-symmetric about the middle column, so the wing pixels' mean column is the middle: 31.5

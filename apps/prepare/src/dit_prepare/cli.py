@@ -144,8 +144,9 @@ def synthetic(
     frames: int = typer.Option(8, min=2, help="Frames per clip."),
     video_ratio: float = typer.Option(0.5, min=0.0, max=1.0, help="Fraction of samples that are clips."),
     fps: float = typer.Option(8.0, min=0.1, help="Frame rate recorded for clips."),
-    centred: bool = typer.Option(False, help="Draw every butterfly in the middle of the frame (a clip's at "
-                                             "mid-clip): an easier dataset for short runs, such as make demo."),
+    simple: bool = typer.Option(False, help="The variety a small model learns in minutes (make demo's data): "
+                                            "plain wings of one wingspan, in the middle of the frame (a clip's at "
+                                            "mid-clip); colours, backgrounds, flapping and drift still vary."),
     seed: int = SEED,
     codec: CodecName = CODEC, pca_channels: int = PCA_CHANNELS, pca_patch: int = PCA_PATCH,
     latent_norm: LatentNorm = LATENT_NORM, pixel_factor: int = PIXEL_FACTOR, vae: str = VAE,
@@ -158,7 +159,7 @@ def synthetic(
     if size % pca_patch and codec == CodecName.pca:
         _fail(f"--size {size} must be a multiple of --pca-patch {pca_patch} for the PCA codec")
     choice = _codec(codec, pca_channels, pca_patch, latent_norm, pixel_factor, vae, vae_class)
-    _run(lambda factor: SyntheticSource(num, size, frames, video_ratio, seed, fps, centred=centred), out, choice,
+    _run(lambda factor: SyntheticSource(num, size, frames, video_ratio, seed, fps, simple=simple), out, choice,
          text_encoder, fit_samples, workers, shard_size, overwrite, keep_partial)
 
 

@@ -59,9 +59,9 @@ class SyntheticSource:
     """Procedurally drawn butterflies (ditcore.data.synthetic): deterministic per (index, seed)."""
 
     def __init__(self, num: int, size: int, frames: int, video_ratio: float, seed: int, fps: float,
-                 temporal_factor: int = 1, centred: bool = False):
+                 temporal_factor: int = 1, simple: bool = False):
         self.num, self.size, self.video_ratio, self.seed, self.fps = num, size, video_ratio, seed, fps
-        self.centred = centred
+        self.simple = simple
         self.frames = frame_count_for(frames, temporal_factor)
 
     def __len__(self) -> int:
@@ -70,7 +70,7 @@ class SyntheticSource:
     def load(self, i: int) -> Item:
         from ditcore.data.synthetic import generate
 
-        pixels, caption, meta = generate(i, self.seed, self.size, self.frames, self.video_ratio, self.centred)
+        pixels, caption, meta = generate(i, self.seed, self.size, self.frames, self.video_ratio, self.simple)
         info = {"source": f"synthetic:{self.seed}:{i}", "colour": meta["colour"], "video": meta["video"]}
         return Item(f"{i:08d}", pixels, caption, self.fps if meta["video"] else 0.0, info)
 

@@ -41,6 +41,7 @@ BACKGROUNDS = ("solid", "gradient", "noise")
 BODY_RGB = (35, 28, 24)  # body, head and antennae: near black, unsaturated
 SIZE_RANGE = (0.35, 0.65)  # wingspan (fully open) as a fraction of the frame width
 CLIP_SIZE_RANGE = (0.4, 0.65)  # flapping wings are narrower on average, so clips draw larger butterflies
+SIMPLE_SIZE = 0.6  # the one wingspan of sample_spec(simple=True), stills and clips
 TRAVEL_RANGE = (0.15, 0.3)  # distance a clip's butterfly drifts from first to last frame, fraction of the frame
 # How far the drawing reaches above and below its centre, in half-wingspans (antenna tips, lower wing tips).
 REACH_UP, REACH_DOWN = 0.95, 0.72
@@ -110,11 +111,13 @@ def _centre_range(reach_lo: float, reach_hi: float, pad: float) -> tuple[float, 
     return (lo, hi) if lo <= hi else ((lo + hi) / 2,) * 2
 
 
-def sample_spec(rng: np.random.Generator, video: bool, centred: bool = False) -> ButterflySpec:
+def sample_spec(rng: np.random.Generator, video: bool, simple: bool = False) -> ButterflySpec:
     """A random butterfly; with video=True it also flaps and drifts, and it is a little larger.
 
-    centred: the butterfly (a clip's at mid-clip) sits in the middle of the frame instead of anywhere it fits. The
-    same numbers are drawn either way, so the two datasets differ in the position alone.
+    simple: the variety a small model learns in minutes (the CPU demo's data): plain wings of one wingspan
+    (SIMPLE_SIZE), the butterfly (a clip's at mid-clip) in the middle of the frame; colours, backgrounds, wing
+    shapes, flapping and drift vary as before. The same numbers are drawn either way, so the two datasets
+    differ in pattern, size and position alone.
     """
     colour = str(rng.choice(list(COLOURS)))
     pattern = str(rng.choice(PATTERNS))
@@ -137,8 +140,9 @@ def sample_spec(rng: np.random.Generator, video: bool, centred: bool = False) ->
     drift_y = travel / 2 if direction in ("up", "down") else 0.0
     x = rng.uniform(*_centre_range(half + drift_x, half + drift_x, pad=0.02))
     y = rng.uniform(*_centre_range(REACH_UP * half + drift_y, REACH_DOWN * half + drift_y, pad=0.02))
-    if centred:  # the drawing reaches further up than down: centre its extent, not its body
-        x, y = 0.5, 0.5 + (REACH_UP - REACH_DOWN) * half / 2
+    if simple:  # the drawing reaches further up than down: centre its extent, not its body
+        pattern, spot_colour, size = "plain", None, SIMPLE_SIZE
+        x, y = 0.5, 0.5 + (REACH_UP - REACH_DOWN) * SIMPLE_SIZE / 4
     return ButterflySpec(
         colour=colour, pattern=pattern, spot_colour=spot_colour, background=background,
         background_kind=background_kind, size=size, x=float(x), y=float(y), direction=direction, travel=travel,
@@ -276,11 +280,12 @@ def render(spec: ButterflySpec, size: int, frames: int = 1) -> np.ndarray:
 
 
 def generate(index: int, seed: int, size: int, frames: int, video_ratio: float,
-             centred: bool = False) -> tuple[np.ndarray, str, dict]:
+             simple: bool = False) -> tuple[np.ndarray, str, dict]:
     """The index-th sample of the dataset `seed`: (pixels (F, size, size, 3) uint8, caption, metadata).
 
     A sample is a clip of `frames` frames with probability video_ratio, else a still image (F = 1); which one
     is decided by the same per-sample generator, so the answer depends on (index, seed, video_ratio) only.
+    simple: the demo's variety, see `sample_spec`.
     """
     if index < 0 or seed < 0:
         raise ConfigError("index" if index < 0 else "seed", min(index, seed), "an integer >= 0")
@@ -290,6 +295,6 @@ def generate(index: int, seed: int, size: int, frames: int, video_ratio: float,
         raise ConfigError("frames", frames, f"at least 2 to make clips (video_ratio={video_ratio}); or video_ratio=0")
     rng = np.random.default_rng([seed, index])
     video = bool(rng.random() < video_ratio)
-    spec = sample_spec(rng, video, centred)
+    spec = sample_spec(rng, video, simple)
     pixels = render(spec, size, frames if video else 1)
     return pixels, caption(spec, video), {**asdict(spec), "video": video}
