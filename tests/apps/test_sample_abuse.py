@@ -127,11 +127,14 @@ BAD = [
     ({"prompt": "   "}, "the prompt is empty"),
     ({"prompt": "x" * 100_000}, "the prompt is 100000 characters long; the limit is 2000"),
     ({"negative": "x" * 100_000}, "the negative prompt is 100000 characters long; the limit is 2000"),
+    ({"frames": 32, "size": 128, "steps": 500},  # 32 frames of 16x16 tokens: allowed alone, too much at 500 steps
+     "32 frames of 128x128 pixels at 500 steps is 8192 tokens x 500 steps = 4096000 token-steps, more than this "
+     "server's 262144 (dit-sample serve --max-token-steps)"),
 ]
 
 
 @pytest.mark.parametrize(("changes", "message"), BAD,
-                         ids=[f"{k}={str(v)[:10]}" for changes, _ in BAD for k, v in changes.items()])
+                         ids=[",".join(f"{k}={str(v)[:10]}" for k, v in changes.items()) for changes, _ in BAD])
 def test_bad_values_from_the_api_are_refused_by_name_before_anything_is_allocated(app, client, changes, message):
     peak = peak_rss(app.proc.pid)
     assert message in refusal(client, **changes)
@@ -227,6 +230,38 @@ def test_a_burst_of_requests_all_complete_one_at_a_time_in_memory(app, client, c
           f"burst of {len(seeds)} {mib(after_burst)} (+{mib(after_burst - after_one)}; "
           f"bound {mib(model + one_sample)})")
     assert after_burst - after_one < model + one_sample
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process and its threads so far (/proc/PID/stat, clock ticks)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def test_a_cancelled_request_stops_sampling_and_the_next_one_is_served_at_once(app, client):
+    """A caller who cancels (or closes the page) frees the queue slot; the sampling must stop too, not run on beside
+    the next request: that is how 3 cancelled requests once grew the server from 1.2 to 2.6 GB."""
+    import time
+
+    long = dict(GOOD, steps=64, frames=16, size=128)  # 4096 tokens x 64 steps: the most this server allows
+    job = client.submit(*args(**long), api_name="/generate")
+    seen, deadline = {}, time.monotonic() + TIMEOUT
+    while len(seen) < 3 and time.monotonic() < deadline:  # the times at which it reported its steps
+        progress = job.status().progress_data or []
+        if progress and progress[0].progress:
+            seen.setdefault(progress[0].progress, time.monotonic())
+        time.sleep(0.01)
+    assert len(seen) == 3, f"the long request did not report 3 steps in {TIMEOUT} s: {seen}"
+    per_step = (max(seen.values()) - min(seen.values())) / 2
+    job.cancel()
+    t0 = time.monotonic()
+    assert "NFE 1" in ask(client, **QUICK)[2]  # one sampling thread: it runs once the long request has stopped
+    waited = time.monotonic() - t0
+    # Uncancelled, the long request would hold the sampling thread for its other ~60 steps.
+    assert waited < 5 + 8 * per_step, (waited, per_step)
+    cpu = cpu_seconds(app.proc.pid)
+    time.sleep(2)
+    assert cpu_seconds(app.proc.pid) - cpu < 0.5  # idle: nothing is still sampling
 
 
 def test_request_outputs_on_disk_are_bounded(client, app_tmp):

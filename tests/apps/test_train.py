@@ -262,6 +262,25 @@ def test_loss_decreases_and_outputs_are_written(dataset, tmp_path):
         assert (run / "export" / name).is_file()
 
 
+def test_skipped_samples_are_reported_per_window_and_in_total_across_a_resume(dataset, tmp_path):
+    """Clips (16 tokens) do not fit rows of 8 tokens, images (4) do: the loader passes over every clip it meets. The
+    metrics' skipped column counts them per window, and the run's total (kept in checkpoints) is printed at the end."""
+    run, extra = tmp_path / "run", ("data.seq_length=8", "checkpoint.every=2", "validation.frames=1")
+    first = dit_train(*run_args(dataset, run, 2, *extra))
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert "will be skipped" in first.stdout + first.stderr  # the warning at the start, from the recorded shapes
+    again = dit_train(*run_args(dataset, run, 4, *extra), "--resume", "auto")
+    assert again.returncode == 0, again.stderr[-3000:]
+    totals = []
+    for proc in (first, again):
+        line = next(ln for ln in (proc.stdout + proc.stderr).splitlines() if ln.startswith("skipped "))
+        assert "longer than seq length" in line, line
+        totals.append(int(line.split()[1]))
+    column = [int(r["skipped"]) for f in sorted((run / "csv").glob("*/metrics.csv"))
+              for r in csv.DictReader(f.open()) if r.get("skipped")]
+    assert len(column) == 4 and totals[0] == sum(column[:2]) > 0 and totals[1] == sum(column) > totals[0]
+
+
 @pytest.mark.slow
 def test_sigterm_saves_a_complete_checkpoint_and_exits_0(dataset, tmp_path):
     run = tmp_path / "run"
@@ -351,9 +370,12 @@ def assert_every_checkpoint_is_whole(run: Path):
 
 
 def kill_during_save(dataset, run: Path, save_step: int, delay: float) -> None:
-    """Start a 6-step run that checkpoints every step; kill -9 it `delay` s after save `save_step` began."""
+    """Start a 6-step run that checkpoints every step; kill -9 it `delay` s after save `save_step` began. Its
+    temporary files must all be inside the run directory: nothing is left in its TMPDIR."""
+    tmp = run.with_name(f"{run.name}-tmpdir")
+    tmp.mkdir(parents=True)
     proc = subprocess.Popen([str(BIN / "dit-train"), *run_args(dataset, run, 6, "checkpoint.every=1")],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env())
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env() | {"TMPDIR": str(tmp)})
     started = run / "checkpoints" / f"{runs.TMP_PREFIX}step-{save_step:07d}"
     deadline = time.monotonic() + 240
     while not started.exists() and proc.poll() is None and time.monotonic() < deadline:
@@ -361,6 +383,7 @@ def kill_during_save(dataset, run: Path, save_step: int, delay: float) -> None:
     time.sleep(delay)
     proc.kill()
     proc.wait(timeout=60)
+    assert not [p for p in tmp.rglob("*") if p.is_file()], "kill -9 left files in TMPDIR"
 
 
 def resume_after_kill(dataset, straight: Path, run: Path) -> str:

@@ -230,10 +230,14 @@ def test_simple_butterflies_are_plain_of_one_size_in_the_middle_and_differ_in_no
         plain = caption_full.split(" with ")[0].split(" flying ")[0]
         assert caption == plain + (" flying " + meta["direction"] if meta["video"] else "")
         assert " with " not in caption
-        differ = ("x", "y", "size", "pattern", "spot_colour")
+        differ = ("x", "y", "size", "pattern", "spot_colour", "background", "background_kind", "background_bottom")
         assert {k: v for k, v in meta.items() if k not in differ} == \
             {k: v for k, v in meta_full.items() if k not in differ}
         assert (meta["x"], meta["size"], meta["pattern"], meta["spot_colour"]) == (0.5, SIMPLE_SIZE, "plain", None)
+        assert meta["background_kind"] == "solid" and meta["background_bottom"] == meta["background"]
+        assert min(meta["background"]) >= 0.7 * 255 * (1 - 0.15)  # light: value >= 0.72, saturation <= 0.15
+        if min(meta_full["background"]) > 100:  # drawn light already: kept
+            assert meta["background"] == meta_full["background"]
         middle = pixels[len(pixels) // 2].astype(int)
         coloured = np.nonzero(middle.max(-1) - middle.min(-1) > 100)  # wing pixels
         # mirror-symmetric about the middle column, so the wing pixels' mean column is the middle: 31.5

@@ -146,7 +146,8 @@ def synthetic(
     fps: float = typer.Option(8.0, min=0.1, help="Frame rate recorded for clips."),
     simple: bool = typer.Option(False, help="The variety a small model learns in minutes (make demo's data): "
                                             "plain wings of one wingspan, in the middle of the frame (a clip's at "
-                                            "mid-clip); colours, backgrounds, flapping and drift still vary."),
+                                            "mid-clip), on a plain light background; wing colours, background "
+                                            "tints, flapping and drift still vary."),
     seed: int = SEED,
     codec: CodecName = CODEC, pca_channels: int = PCA_CHANNELS, pca_patch: int = PCA_PATCH,
     latent_norm: LatentNorm = LATENT_NORM, pixel_factor: int = PIXEL_FACTOR, vae: str = VAE,

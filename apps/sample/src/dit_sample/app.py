@@ -3,16 +3,19 @@
 Given a run directory, a picker offers its export and every complete training checkpoint (whose EMA
 shards are consolidated on load, so a TP>1 run samples on one device). Every request, from the page or the
 API, is checked before anything large is allocated; a bad one gets a message naming the value and what is
-allowed, and the server keeps serving. Memory and disk stay bounded: a few checkpoints loaded, a bounded
-queue, the newest few outputs kept.
+allowed, and the server keeps serving. Memory, time and disk stay bounded: a few checkpoints loaded, a bounded
+queue, requests of at most `max_token_steps` (tokens × steps), a cancelled request stopped at its next step, the
+newest few outputs kept.
 """
 
 from __future__ import annotations
 
+import asyncio
 import atexit
 import contextvars
 import errno
 import itertools
+import math
 import random
 import shutil
 import socket
@@ -29,12 +32,20 @@ from dit_sample.generate import LIMITS, SOLVERS, RequestError, Sampler
 from ditcore import runs
 from ditcore.export import load_export
 from ditcore.media import write_sample
+from ditcore.sampling import token_grid
 
 EXPORT = "export (final EMA weights)"
 KEEP_CHECKPOINTS = 2  # training checkpoints kept loaded besides the export: each one is a full copy of the model
 KEEP_OUTPUTS = 8  # newest request outputs kept on disk (Gradio serves its own copies, see CACHE_CLEANUP)
 CACHE_CLEANUP = (600, 3600)  # Gradio's delete_cache: every 10 min, delete its copies of outputs older than 1 h
 MAX_FRAMES = 32  # the frames slider; longer clips are for `dit-sample generate`
+# Work per request, in latent tokens × sampler steps (time grows with both, memory with the tokens): 2^18 is e.g.
+# 32 frames of 16×16 tokens at 32 steps, or 512 tokens at 500 steps. `dit-sample serve --max-token-steps`.
+MAX_TOKEN_STEPS = 2**18
+
+
+class Cancelled(Exception):
+    """Raised in the sampling thread at its next step once the request's caller has cancelled it (or left)."""
 
 
 def checkpoint_choices(path: Path) -> dict[str, Path]:
@@ -146,7 +157,8 @@ def _whole(value):
     return int(value) if isinstance(value, float) and value.is_integer() else value
 
 
-def build_app(checkpoint: str | Path, concurrency: int = 1, queue_size: int = 64) -> gr.Blocks:
+def build_app(checkpoint: str | Path, concurrency: int = 1, queue_size: int = 64,
+              max_token_steps: int = MAX_TOKEN_STEPS) -> gr.Blocks:
     checkpoint = Path(checkpoint)
     models = Checkpoints(checkpoint)
     base = models.base
@@ -162,38 +174,62 @@ def build_app(checkpoint: str | Path, concurrency: int = 1, queue_size: int = 64
                                   initializer=torch.set_grad_enabled, initargs=(False,))
     gallery = validation_gallery(checkpoint)
 
-    def run(choice, prompt, negative, class_label, steps, guidance, seed, frames, size, solver,
-            progress=gr.Progress()):
+    def check(choice, prompt, negative, class_label, steps, guidance, seed, frames, size, solver) -> dict:
+        """The request's sampler arguments; RequestError naming the first bad value. Nothing is allocated."""
+        models.check(choice)
+        steps, seed, frames, size, class_label = map(_whole, (steps, seed, frames, size, class_label))
+        if size not in sizes:
+            raise RequestError(f"size={size!r} is not offered: choose one of {', '.join(map(str, sizes))} "
+                               "(pixels, square)")
+        kwargs = dict(steps=steps, guidance=guidance, seed=seed, frames=frames, height=size, width=size, solver=solver)
+        if base.class_conditional:
+            kwargs["class_labels"] = [class_label]
+        else:
+            kwargs |= {"prompts": [prompt], "negative_prompt": negative or None}
+        base.check(**kwargs)  # every checkpoint of a run has the export's architecture
+        if frames > MAX_FRAMES:
+            raise RequestError(f"frames={frames} is more than this app offers: expected 1..{MAX_FRAMES} "
+                               "(longer clips: dit-sample generate --frames)")
+        tokens = math.prod(token_grid(base.exported.model, base.exported.codec, frames, size, size))
+        if tokens * steps > max_token_steps:
+            raise RequestError(f"{frames} frames of {size}x{size} pixels at {steps} steps is {tokens} tokens x {steps}"
+                               f" steps = {tokens * steps} token-steps, more than this server's {max_token_steps} "
+                               "(dit-sample serve --max-token-steps) — ask for fewer frames, a smaller size or "
+                               "fewer steps")
+        return kwargs
+
+    async def run(choice, prompt, negative, class_label, steps, guidance, seed, frames, size, solver,
+                  progress=gr.Progress()):
         # The event has preprocess=False: values arrive as the caller sent them (API callers can send anything), and
         # are all checked here, with messages that name the field, before a checkpoint loads or sampling starts.
-        try:
-            models.check(choice)
-            steps, seed, frames, size, class_label = map(_whole, (steps, seed, frames, size, class_label))
-            if size not in sizes:
-                raise RequestError(f"size={size!r} is not offered: choose one of {', '.join(map(str, sizes))} "
-                                   "(pixels, square)")
-            kwargs = dict(steps=steps, guidance=guidance, seed=seed, frames=frames, height=size, width=size,
-                          solver=solver)
-            if base.class_conditional:
-                kwargs["class_labels"] = [class_label]
-            else:
-                kwargs |= {"prompts": [prompt], "negative_prompt": negative or None}
-            base.check(**kwargs)  # every checkpoint of a run has the export's architecture
-            if frames > MAX_FRAMES:
-                raise RequestError(f"frames={frames} is more than this app offers: expected 1..{MAX_FRAMES} "
-                                   "(longer clips: dit-sample generate --frames)")
-            sampler = models.get(choice)
+        # The handler is a coroutine so that a caller's cancel (or a closed page) reaches it: Gradio cancels its
+        # task, which stops the sampling thread at its next step instead of letting it run on beside the next request.
+        cancelled = threading.Event()
+
+        def step(i: int, n: int) -> None:
+            if cancelled.is_set():
+                raise Cancelled()
+            progress((i + 1) / n, desc=f"step {i + 1}/{n}")
+
+        def work(kwargs: dict):
+            sampler = models.get(choice)  # may load a checkpoint: in the sampling thread, not the server's loop
             progress(0, desc="sampling")
+            result, seconds = sampler.run(**kwargs, callback=step)
+            pixels = result.pixels[0].numpy()
+            # always an mp4 for the player (a single frame plays as a still), and the first frame as an image
+            video = write_sample(pixels if pixels.shape[0] > 1 else pixels.repeat(2, 0), outputs.new() / "sample.mp4")
+            info = f"NFE {result.nfe} · {seconds:.2f} s · seed {kwargs['seed']} · {kwargs['frames']}×{size}×{size}"
+            return str(video), pixels[0], info
+
+        try:
+            kwargs = check(choice, prompt, negative, class_label, steps, guidance, seed, frames, size, solver)
             in_context = contextvars.copy_context().run  # progress() finds its request through context variables
-            result, seconds = sampling.submit(in_context, sampler.run, **kwargs, callback=lambda i, n: progress(
-                (i + 1) / n, desc=f"step {i + 1}/{n}")).result()
+            return await asyncio.wrap_future(sampling.submit(in_context, work, kwargs))
+        except asyncio.CancelledError:
+            cancelled.set()  # a queued job is dropped; a running one stops at its next step
+            raise
         except RequestError as e:
             raise gr.Error(str(e), print_exception=False) from None  # the caller's mistake, not a server fault
-        pixels = result.pixels[0].numpy()
-        # always an mp4 for the player (a single frame plays as a still), and the first frame as an image
-        video = write_sample(pixels if pixels.shape[0] > 1 else pixels.repeat(2, 0), outputs.new() / "sample.mp4")
-        info = f"NFE {result.nfe} · {seconds:.2f} s · seed {seed} · {frames}×{size}×{size}"
-        return str(video), pixels[0], info
 
     with gr.Blocks(title="ditcore sampler", delete_cache=CACHE_CLEANUP) as demo:
         conditioning = "class-conditional" if base.class_conditional else \

@@ -77,7 +77,10 @@ def generate(
     n = result.pixels.shape[0]
     for i, pixels in enumerate(result.pixels):
         target = out if n == 1 else out.with_name(f"{out.stem}-{i}{out.suffix}")
-        written = write_sample(pixels.numpy(), target, fps=fps)
+        try:
+            written = write_sample(pixels.numpy(), target, fps=fps)
+        except (OSError, RuntimeError) as e:  # e.g. the disk filled up, or ffmpeg could not write there
+            _fail(f"could not write {target}: {e}")
         typer.echo(f"wrote {written}")
     typer.echo(f"{n} sample(s) of {frames}x{height}x{width}: {result.nfe} denoiser evaluations "
                f"({'2x' if guidance != 1 else '1x'} batch for guidance), {seconds:.2f} s, seed {seed}")
@@ -91,6 +94,8 @@ def serve(
     concurrency: int = typer.Option(1, min=1, help="Requests sampled at the same time; the rest wait in a queue."),
     queue_size: int = typer.Option(64, min=1, help="Requests that may wait in the queue; more are refused with "
                                                    "'queue is full' until one finishes."),
+    max_token_steps: int = typer.Option(2**18, min=1, help="Largest request: latent tokens (frames x pixels) x "
+                                                          "sampler steps; larger ones are refused with a message."),
 ) -> None:
     """Run the Gradio app: prompt → video/image in the browser. Never opens a public share link."""
     from dit_sample.app import build_app, port_problem
@@ -99,7 +104,8 @@ def serve(
     if problem:
         _fail(problem)
     try:
-        demo = build_app(checkpoint, concurrency=concurrency, queue_size=queue_size)
+        demo = build_app(checkpoint, concurrency=concurrency, queue_size=queue_size,
+                         max_token_steps=max_token_steps)
     except (FileNotFoundError, ValueError, KeyError) as e:
         _fail(str(e))
     typer.echo(f"serving {checkpoint} on http://{host}:{port}")

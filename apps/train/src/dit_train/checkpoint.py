@@ -58,12 +58,13 @@ def save(fabric, run_dir: Path, step: int, state: dict, loader, config_yaml: str
         durable.remove_leftovers(final.parent, (runs.TMP_PREFIX, durable.TRASH_PREFIX))  # from an interrupted save
         tmp.mkdir(parents=True)
     fabric.barrier()
-    dist_checkpoint.save(tmp, _tensors(fabric, state), _values(state))  # each rank its pieces, fsynced
+    values = _values(state) | {"skipped": skipped_total(fabric, state["skipped"])}
+    dist_checkpoint.save(tmp, _tensors(fabric, state), values)  # each rank its pieces, fsynced
     try:
         mine = _write_rank_files(tmp, fabric, loader)
     except OSError as e:  # e.g. the disk filled up: every rank must hear of it, or the others would wait forever
         mine = f"rank {rank} could not write its part of checkpoint {final}: {e}"
-    parts = _all_ranks(fabric, mine)
+    parts = all_ranks(fabric, mine)
     problem = next((p for p in parts if isinstance(p, str)), None)
     if problem:
         raise CheckpointError(f"{problem} — nothing was published; the newest complete checkpoint is kept")
@@ -147,6 +148,8 @@ def _load(fabric, ckpt: Path, state: dict, loader) -> str | None:
     try:
         values = dist_checkpoint.load(ckpt, _tensors(fabric, state))
         state["step"], state["history"] = values["step"], values["history"]
+        # the run's total goes to one rank, so that adding every data-parallel rank's counts keeps it
+        state["skipped"] = values.get("skipped", {}) if fabric.global_rank == 0 else {}
         state["scheduler"].load_state_dict(values["scheduler"])
         dist_checkpoint.load_optimizer_hyperparameters(state["optimizer"], values["optim_groups"])
     except Exception as e:  # verified, yet unreadable (e.g. written for another model)
@@ -187,7 +190,19 @@ def _first_line(e: Exception) -> str:
     return f"{type(e).__name__}: {text.splitlines()[0]}" if text else type(e).__name__
 
 
-def _all_ranks(fabric, value) -> list:
+def skipped_total(fabric, mine: dict) -> dict:
+    """Collective: the samples skipped by the data loaders of all data-parallel ranks, by reason. Each counts once:
+    its TP/CP/PP peers load the same samples and their counts are left out."""
+    groups = fabric.strategy.groups
+    reader = groups.tp_rank == groups.cp_rank == groups.pp_rank == 0
+    total: dict = {}
+    for part in all_ranks(fabric, mine if reader else {}):
+        for reason, n in part.items():
+            total[reason] = total.get(reason, 0) + n
+    return total
+
+
+def all_ranks(fabric, value) -> list:
     """Every rank's `value`, in rank order, on every rank."""
     if fabric.world_size == 1:
         return [value]
@@ -198,4 +213,4 @@ def _all_ranks(fabric, value) -> list:
 
 def _agree(fabric, problem: str | None) -> str | None:
     """Every rank's verdict on the same checkpoint: the first problem found, or None."""
-    return next((p for p in _all_ranks(fabric, problem) if p is not None), None)
+    return next((p for p in all_ranks(fabric, problem) if p is not None), None)

@@ -240,7 +240,9 @@ def build(run: Setup) -> Trainee:
                           packing_buffer_size=cfg.data.packing_buffer, seed=cfg.train.seed,
                           text_multiple=128 if run.on_gpu else 1)  # 128: FlexAttention's key block
     state = {runs.MODEL: model, "optimizer": optimizer, runs.EMA: ema.module, "scheduler": scheduler, "step": 0,
-             "history": []}  # history: [step, loss] of every step
+             "history": [],  # [step, loss] of every step
+             # samples this rank's loader passed over, by reason; the shards left out at the start, counted once
+             "skipped": dict(loader.skipped_at_start) if groups.dp_rank == 0 else {}}
     # The denoiser calls what Fabric wrapped (DDP, or the model itself) under fabric.autocast(), not Fabric's wrapper:
     # under bf16-mixed that casts every float input to bf16 (the noise level before its sinusoidal embedding too),
     # and a pipeline stage's backward of its hidden states cannot go through fabric.backward.
@@ -284,10 +286,12 @@ def fit(run: Setup, t: Trainee, validator: Validator, config_yaml: str) -> dict:
     window, pending = Window(), []
     while step < cfg.train.steps:
         t0 = time.perf_counter()
-        loss, grad_norm, tokens, flops = train_step(run, t, it, step)
+        loss, grad_norm, micro = train_step(run, t, it, step)
         step += 1
         t.state["step"] = step
-        pending.append(Pending(step, loss, grad_norm, time.perf_counter() - t0, tokens, flops))
+        pending.append(Pending(step, loss, grad_norm, time.perf_counter() - t0, micro.tokens, micro.flops))
+        add_skipped(t.state["skipped"], micro.skipped)
+        window.skipped += sum(micro.skipped.values())
         bar.update()
 
         signalled = preempted.signalled()
@@ -312,11 +316,29 @@ def fit(run: Setup, t: Trainee, validator: Validator, config_yaml: str) -> dict:
             validator.run(t.ema.module, step)
         if stop:
             bar.close()
+            report_skipped(run, t)
             why = "by signal" if step != cfg.train.stop_at else "at train.stop_at"
             fabric.print(f"stopped {why} at step {step}; checkpoint saved — continue with --resume auto")
             return {"step": step, "stopped": True, "history": t.state["history"]}
     bar.close()
-    return {"step": step, "stopped": False, "history": t.state["history"]}
+    skipped = report_skipped(run, t)
+    return {"step": step, "stopped": False, "history": t.state["history"], "skipped": skipped}
+
+
+def add_skipped(total: dict, more: dict) -> None:
+    for reason, n in more.items():
+        total[reason] = total.get(reason, 0) + n
+
+
+def report_skipped(run: Setup, t: Trainee) -> dict:
+    """Collective: the samples every data-parallel rank's loader skipped since the run began (by reason, over all
+    resumes), printed in one line; each data-parallel rank counts once (its TP/CP/PP peers saw the same samples)."""
+    total = checkpoint.skipped_total(run.fabric, t.state["skipped"])
+    if total:
+        reasons = ", ".join(f"{n} {reason.replace('_', ' ')}" for reason, n in sorted(total.items()))
+        run.fabric.print(f"skipped {sum(total.values())} samples of {run.cfg.data.path} while training ({reasons}); "
+                         "the counts per logging window are in the metrics' skipped column")
+    return total
 
 
 @dataclass
@@ -351,9 +373,10 @@ def read_back(pending: list[Pending], window: Window, history: list, preempted: 
         window.add(p.seconds + (waited if i == len(pending) - 1 else 0.0), loss, p.tokens, p.flops)
 
 
-def train_step(run: Setup, t: Trainee, it, step: int) -> tuple[torch.Tensor, torch.Tensor, int, float]:
-    """One optimizer step over `accum` micro-batches: (mean loss, gradient norm) as device tensors, and the real
-    tokens and FLOPs of this rank. Nothing here waits for the device."""
+def train_step(run: Setup, t: Trainee, it, step: int) -> tuple[torch.Tensor, torch.Tensor, MicroBatches]:
+    """One optimizer step over `accum` micro-batches: (mean loss, gradient norm) as device tensors, and the
+    micro-batches taken (their real tokens, FLOPs and skipped samples on this rank). Nothing here waits for the
+    device."""
     cfg, fabric, groups = run.cfg, run.fabric, run.groups
     micro = MicroBatches(run, t, it, step)
     if groups.dims.pp == 1:
@@ -374,7 +397,7 @@ def train_step(run: Setup, t: Trainee, it, step: int) -> tuple[torch.Tensor, tor
     t.optimizer.zero_grad(set_to_none=True)
     t.scheduler.step()
     t.ema.update(t.model.module)
-    return loss_sum / run.accum, grad_norm, micro.tokens, micro.flops
+    return loss_sum / run.accum, grad_norm, micro
 
 
 def pipeline_step(run: Setup, t: Trainee, micro: MicroBatches) -> torch.Tensor:
@@ -408,13 +431,14 @@ def pipeline_step(run: Setup, t: Trainee, micro: MicroBatches) -> torch.Tensor:
 class MicroBatches:
     """One step's micro-batches, loaded in order when first needed (on the device, with their random draws) and
     handed over once (`take`), so that none stays on the device after its forward; their row shapes, and the real
-    tokens and FLOPs of those loaded so far."""
+    tokens, FLOPs and skipped samples (by reason) of those loaded so far."""
 
     def __init__(self, run: Setup, t: Trainee, it, step: int):
         self.run, self.t, self.it, self.step = run, t, it, step
         self.waiting: dict[int, MicroBatch] = {}  # loaded, not taken yet
         self.shapes: list[tuple[int, int]] = []  # (rows, tokens per row) of every one loaded
         self.tokens, self.flops = 0, 0.0
+        self.skipped: dict[str, int] = {}
 
     def take(self, i: int) -> MicroBatch:
         self._load_until(i)
@@ -433,6 +457,7 @@ class MicroBatches:
     def _load(self, i: int) -> MicroBatch:
         run, model_cfg, device = self.run, self.run.model_cfg, self.run.fabric.device
         batch = next(self.it)
+        add_skipped(self.skipped, batch.skipped)  # what the loader passed over to fill this batch
         self.tokens += int(batch.mask.sum())  # still on the host
         check_positions(batch.pos, model_cfg.max_grid)  # here, not in the model's forward, where it would sync
         self.flops += batch_flops(model_cfg, batch)
@@ -458,6 +483,7 @@ class Window:
     steps: int = 0
     tokens: int = 0
     flops: float = 0.0
+    skipped: int = 0  # samples the loader passed over
 
     def add(self, seconds: float, loss: float, tokens: int, flops: float) -> None:
         self.time, self.loss, self.steps = self.time + seconds, self.loss + loss, self.steps + 1
@@ -468,7 +494,8 @@ class Window:
         # the same work
         # step_s weights the window's rates when windows of packed rows differ in tokens and FLOPs
         out = {"loss": self.loss / self.steps, "tokens_per_s": self.tokens / self.time,
-               "mfu": self.flops / self.time / (peak * dims.tp * dims.cp * dims.pp), "step_s": self.time / self.steps}
+               "mfu": self.flops / self.time / (peak * dims.tp * dims.cp * dims.pp), "step_s": self.time / self.steps,
+               "skipped": self.skipped}
         if torch.cuda.is_initialized():  # on CPU the column is left out rather than written empty
             out["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30  # this rank's GPU, since the start
         return out

@@ -105,6 +105,12 @@ def _pale_colour(rng: np.random.Generator, light: bool) -> tuple[int, int, int]:
     return tuple(round(255 * c) for c in rgb)
 
 
+def _lightened(rgb: tuple[int, int, int]) -> tuple[int, int, int]:
+    """A dark pale colour mirrored to the light range (value v -> 1 - v, same hue and saturation); light ones stay."""
+    h, s, v = colorsys.rgb_to_hsv(*(c / 255 for c in rgb))
+    return tuple(round(255 * c) for c in colorsys.hsv_to_rgb(h, s, max(v, 1 - v)))
+
+
 def _centre_range(reach_lo: float, reach_hi: float, pad: float) -> tuple[float, float]:
     """Allowed centres along one axis so that [centre - reach_lo, centre + reach_hi] stays inside [0, 1]."""
     lo, hi = reach_lo + pad, 1 - reach_hi - pad
@@ -115,9 +121,10 @@ def sample_spec(rng: np.random.Generator, video: bool, simple: bool = False) -> 
     """A random butterfly; with video=True it also flaps and drifts, and it is a little larger.
 
     simple: the variety a small model learns in minutes (the CPU demo's data): plain wings of one wingspan
-    (SIMPLE_SIZE), the butterfly (a clip's at mid-clip) in the middle of the frame; colours, backgrounds, wing
-    shapes, flapping and drift vary as before. The same numbers are drawn either way, so the two datasets
-    differ in pattern, size and position alone.
+    (SIMPLE_SIZE), the butterfly (a clip's at mid-clip) in the middle of the frame, on a plain light background
+    (a dark one drawn is lightened); wing colours, background tints, wing shapes, flapping and drift vary as
+    before. The same numbers are drawn either way, so the two datasets differ in pattern, size, position and
+    background alone.
     """
     colour = str(rng.choice(list(COLOURS)))
     pattern = str(rng.choice(PATTERNS))
@@ -142,6 +149,8 @@ def sample_spec(rng: np.random.Generator, video: bool, simple: bool = False) -> 
     y = rng.uniform(*_centre_range(REACH_UP * half + drift_y, REACH_DOWN * half + drift_y, pad=0.02))
     if simple:  # the drawing reaches further up than down: centre its extent, not its body
         pattern, spot_colour, size = "plain", None, SIMPLE_SIZE
+        background_kind, background = "solid", _lightened(background)
+        bottom = background
         x, y = 0.5, 0.5 + (REACH_UP - REACH_DOWN) * SIMPLE_SIZE / 4
     return ButterflySpec(
         colour=colour, pattern=pattern, spot_colour=spot_colour, background=background,
