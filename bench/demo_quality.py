@@ -2,7 +2,8 @@
 
 Samples the eight colours of the synthetic butterflies with `--seeds` seeds each, as images and as clips,
 and judges every picture with ditcore.data.judge: the prompted colour, and one compact, mirror-symmetric
-butterfly with a dark body on a plain background without a patch grid. A clip passes when all its frames do.
+butterfly with a dark body on a plain background without a patch grid. A clip shows the butterfly when every
+frame has one blob of the prompted colour, and passes the shape tests when all its frames do.
 
     python bench/demo_quality.py runs/demo                  # 8 colours x 4 seeds, images and 8-frame clips
     python bench/demo_quality.py runs/demo --sheet judged.png   # also a contact sheet, failures marked
@@ -39,7 +40,10 @@ class Rates:
     image_all_but_grid: int = 0  # pass every shape test except the patch grid one
     clips: int = 0
     clip_colour: int = 0
-    clip_butterfly: int = 0
+    clip_butterfly: int = 0  # every frame passes every shape test
+    clip_shown: int = 0  # every frame shows one butterfly of the prompted colour (colour, wing area, one blob)
+    frames: int = 0
+    frame_butterfly: int = 0  # clip frames that pass every shape test
     failed: collections.Counter = field(default_factory=collections.Counter)  # test name → images failing it
     pictures: list = field(default_factory=list)  # (seed, prompt index, image, passed)
 
@@ -49,8 +53,9 @@ class Rates:
                f"(all but the grid test {self.image_all_but_grid}/{self.images})"]
         if self.clips:
             out.append(f"clips   colour {self.clip_colour}/{self.clips} = {self.clip_colour / self.clips:.0%}   "
+                       f"butterfly shown {self.clip_shown}/{self.clips} = {self.clip_shown / self.clips:.0%}   "
                        f"one butterfly {self.clip_butterfly}/{self.clips} = {self.clip_butterfly / self.clips:.0%}"
-                       "   (every frame)")
+                       f"   (every frame; frames passing every shape test {self.frame_butterfly}/{self.frames})")
         out.append("failed  " + (", ".join(f"{k} {n}" for k, n in self.failed.most_common()) or "nothing"))
         return out
 
@@ -81,6 +86,9 @@ def judge_run(checkpoint: str | Path, seeds: int = DEMO["seeds"], clip_frames: i
                     rates.clips += 1
                     rates.clip_colour += colour
                     rates.clip_butterfly += butterfly
+                    rates.clip_shown += colour and not any({"wing_area", "main_blob"} & set(v.failed) for v in verdicts)
+                    rates.frames += len(verdicts)
+                    rates.frame_butterfly += sum(v.butterfly for v in verdicts)
     return rates
 
 

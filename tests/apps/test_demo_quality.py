@@ -1,11 +1,12 @@
 """`make demo` as a user runs it, its samples judged as a person would judge them (bench/demo_quality.py:
 8 colours x 4 seeds of images and 8 colours x 2 seeds of 8-frame clips, judged by ditcore.data.judge).
 
-Measured on 2 cores with the current recipe (apps/train/configs/demo.yaml, the Makefile's DEMO_PREPARE): images
-have the prompted colour 32/32, clips 16/16; 18/32 images pass every shape test but the patch grid one (one
-compact, symmetric butterfly with a dark body on a plain background), none passes that one too: the 16-pixel
-token seams still show. The rates are asserted with a margin; the full shape rate the demo must reach (80%) is
-not asserted yet, because no recipe found so far removes the seams within the demo's time budget.
+Measured on 2 cores with the current recipe (apps/train/configs/demo.yaml, the Makefile's DEMO_PREPARE), `make
+demo` in 11 min 43 s: images have the prompted colour 32/32 and show one compact, symmetric butterfly with a dark
+body on a plain background without a patch grid 31/32 (29/32 in a second training of the same recipe); clips have
+the prompted colour in every frame 16/16 and show one butterfly in every frame 14/16 (a frame now and then has a
+misplaced 16-pixel tile: 82/128 frames pass every shape test). Asserted with a margin: the issue's 90% colour and
+80% butterflies for images.
 """
 
 import importlib.util
@@ -24,9 +25,10 @@ spec = importlib.util.spec_from_file_location("demo_quality", SCRIPT)
 demo_quality = sys.modules["demo_quality"] = importlib.util.module_from_spec(spec)  # bench/ is not a package
 spec.loader.exec_module(demo_quality)
 
-IMAGE_COLOUR = 0.85  # measured 1.0 (32/32)
-CLIP_COLOUR = 0.75  # measured 1.0 (16/16)
-ALL_BUT_GRID = 0.4  # measured 0.56 (18/32)
+IMAGE_COLOUR = 0.9  # measured 1.0 (32/32, twice)
+IMAGE_BUTTERFLY = 0.8  # measured 0.97 (31/32) and 0.91 (29/32)
+CLIP_COLOUR = 0.9  # measured 1.0 (16/16)
+CLIP_SHOWN = 0.7  # measured 0.88 (14/16)
 
 
 @pytest.mark.slow  # the whole demo: about 12 minutes on 2 cores
@@ -45,4 +47,5 @@ def test_make_demo_draws_butterflies_of_the_prompted_colour(tmp_path):
     assert rates.images == 32 and rates.clips == 16
     assert rates.image_colour / rates.images >= IMAGE_COLOUR, rates.lines()
     assert rates.clip_colour / rates.clips >= CLIP_COLOUR, rates.lines()
-    assert rates.image_all_but_grid / rates.images >= ALL_BUT_GRID, rates.lines()
+    assert rates.image_butterfly / rates.images >= IMAGE_BUTTERFLY, rates.lines()
+    assert rates.clip_shown / rates.clips >= CLIP_SHOWN, rates.lines()

@@ -38,6 +38,20 @@ def test_same_seed_same_output_and_the_requested_frames(checkpoint, tmp_path):
     assert np.array_equal(fa, fb) and not np.array_equal(fa, fc)
 
 
+def test_guidance_defaults_to_the_one_the_run_validated_with(checkpoint, tmp_path):
+    import json
+    import shutil
+
+    own = shutil.copytree(checkpoint / "export", tmp_path / "export")
+    meta = json.loads((own / "model.json").read_text())
+    (own / "model.json").write_text(json.dumps(meta | {"guidance": 1.0}))  # what dit-train records
+    common = ["--prompt", "a red butterfly", "--steps", 2, "--height", 32, "--width", 32, "--out", tmp_path / "s.png"]
+    recorded, older = generate("--checkpoint", own, *common), generate("--checkpoint", checkpoint, *common)
+    assert recorded.returncode == older.returncode == 0, recorded.stderr[-3000:] + older.stderr[-3000:]
+    assert "(1x batch for guidance)" in recorded.stdout  # 1.0: no guidance, as the run validated
+    assert "(2x batch for guidance)" in older.stdout  # an export without it: the default weight 4.0
+
+
 def test_several_prompts_sample_as_one_batch_and_images_are_png(checkpoint, tmp_path):
     proc = generate("--checkpoint", checkpoint / "export", "--prompt", "a red butterfly", "--prompt",
                     "a blue butterfly", "--steps", 2, "--height", 32, "--width", 32, "--out", tmp_path / "s.png")

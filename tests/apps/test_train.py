@@ -260,6 +260,8 @@ def test_loss_decreases_and_outputs_are_written(dataset, tmp_path):
     assert [p.name for p in runs.complete_checkpoints(run)] == ["step-0000020", "step-0000040"]
     for name in ("model.safetensors", "model.json", "ditcore.json", "codec_pca.safetensors"):
         assert (run / "export" / name).is_file()
+    exported = json.loads((run / "export" / "model.json").read_text())
+    assert exported["guidance"] == load_config(find_config("demo")).validation.guidance  # dit-sample's default
 
 
 def test_skipped_samples_are_reported_per_window_and_in_total_across_a_resume(dataset, tmp_path):

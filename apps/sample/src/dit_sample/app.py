@@ -245,7 +245,8 @@ def build_app(checkpoint: str | Path, concurrency: int = 1, queue_size: int = 64
                 class_label = gr.Dropdown(list(range(max(1, cfg.num_classes))), value=0, label="class", elem_id="class",
                                           visible=base.class_conditional)
                 steps = gr.Slider(*LIMITS["steps"], value=18, step=1, label="steps", elem_id="steps")
-                guidance = gr.Slider(*LIMITS["guidance"], value=4.0, step=0.1, label="guidance", elem_id="guidance")
+                guidance = gr.Slider(*LIMITS["guidance"], value=base.exported.guidance, step=0.1, label="guidance",
+                                     elem_id="guidance")
                 with gr.Row():
                     seed = gr.Number(value=0, precision=0, label="seed", elem_id="seed")
                     shuffle = gr.Button("random seed", elem_id="random-seed")

@@ -48,7 +48,9 @@ def generate(
     negative_prompt: str = typer.Option(None, help="Steer away from this (the unconditional side of CFG)."),
     class_label: list[int] = typer.Option(None, "--class", help="Class-conditional models: class index; repeat."),
     steps: int = typer.Option(18, help="Sampler steps (Heun: 2·steps − 1 denoiser evaluations)."),
-    guidance: float = typer.Option(4.0, help="Classifier-free guidance weight w (1: no guidance)."),
+    guidance: float = typer.Option(None, help="Classifier-free guidance weight w (1: no guidance). Default: the "
+                                              "weight the run validated with (4.0 for older exports).",
+                                   show_default=False),
     seed: int = typer.Option(0, help="Random seed: the same seed gives the same output."),
     frames: int = typer.Option(1, help="Frames (1: an image → png; more: a clip → mp4)."),
     height: int = typer.Option(64, help="Height in pixels."),
@@ -69,6 +71,7 @@ def generate(
         sampler = Sampler.load(checkpoint)
         if not sampler.class_conditional and not prompt:
             raise RequestError("--prompt is required: describe what to draw, e.g. --prompt 'a red butterfly'")
+        guidance = sampler.exported.guidance if guidance is None else guidance
         result, seconds = sampler.run(prompts=prompt, negative_prompt=negative_prompt, class_labels=class_label,
                                       steps=steps, guidance=guidance, seed=seed, frames=frames, height=height,
                                       width=width, solver=str(solver), fps=fps)

@@ -508,7 +508,8 @@ def export(run: Setup, t: Trainee, validator: Validator) -> list[Path]:
     full = gather_full(t.model.module, without_extra_state(t.ema.module.state_dict()), run.groups)
     if fabric.global_rank == 0:
         export_model(runs.export_dir(run.run_dir), full, run.model_cfg, run.cfg.data.path,
-                     extra={"step": step, "prediction": run.cfg.edm.prediction})
+                     extra={"step": step, "prediction": run.cfg.edm.prediction,
+                            "guidance": run.cfg.validation.guidance})  # dit-sample's default for this model
         plot_losses(t.state["history"], run.run_dir / runs.LOSS_PLOT)
     fabric.barrier()
     for logger in run.loggers:

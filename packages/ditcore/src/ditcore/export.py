@@ -28,6 +28,9 @@ from ditcore.models import DiT, DiTConfig
 WEIGHTS, CONFIG = "model.safetensors", "model.json"
 
 
+DEFAULT_GUIDANCE = 4.0  # for exports that do not record the guidance their run validated with
+
+
 def export_model(out: str | Path, state_dict: dict[str, torch.Tensor], cfg: DiTConfig, dataset: str | Path,
                  extra: dict | None = None) -> Path:
     out, dataset = Path(out), Path(dataset)
@@ -57,6 +60,11 @@ class Exported:
     def prediction(self) -> str:
         """What the network outputs (ditcore.diffusion.edm.PREDICTIONS); exports from before it was recorded: edm."""
         return self.extra.get("prediction", "edm")
+
+    @property
+    def guidance(self) -> float:
+        """The guidance weight the run validated with, dit-sample's default for it; older exports: 4.0."""
+        return float(self.extra.get("guidance", DEFAULT_GUIDANCE))
 
 
 def load_export(path: str | Path, device: str | torch.device = "cpu") -> Exported:
@@ -88,4 +96,4 @@ def load_export(path: str | Path, device: str | torch.device = "cpu") -> Exporte
                     info, {k: v for k, v in meta.items() if k != "model"})
 
 
-__all__ = ["CONFIG", "WEIGHTS", "Exported", "export_model", "load_export"]
+__all__ = ["CONFIG", "DEFAULT_GUIDANCE", "WEIGHTS", "Exported", "export_model", "load_export"]
