@@ -82,6 +82,8 @@ def configs(tmp_path_factory):
         (["--config", "demo", "validation.prompts=[]"], ["validation.prompts=[] is invalid: expected a non-empty"]),
         (["--config", "demo", "validation.prompts=a red butterfly"], ["expected a list of str"]),
         (["--config", "demo", "model.pos_embed=learned"], ["model.pos_embed='learned' is invalid: expected one of"]),
+        (["--config", "demo", "model.arch=moviegen"], ["model.preset='DiT-Demo' is invalid: expected a size of "
+                                                       "model.arch=moviegen: one of MovieGen-1B"]),
         (["--config", "demo", "train"], ["override='train' is invalid: expected key.sub=value"]),
         (["--config", "demo", "=3"], ["override='=3' is invalid"]),
         (["--config", "demo", "train.steps.x=3"], ["'steps' is not a section"]),

@@ -283,6 +283,23 @@ def test_skipped_samples_are_reported_per_window_and_in_total_across_a_resume(da
     assert len(column) == 4 and totals[0] == sum(column[:2]) > 0 and totals[1] == sum(column) > totals[0]
 
 
+def test_moviegen_trains_and_its_export_samples(dataset, tmp_path):
+    """model.arch=moviegen: MovieGen's Llama-style blocks through the same loop, export and sampler."""
+    run = tmp_path / "run"
+    proc = dit_train(*run_args(dataset, run, 30, "model.arch=moviegen", "model.preset=MovieGen-Tiny",
+                               "checkpoint.every=30", "train.micro_batch=4", "train.global_batch=8"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    losses = [float(r["loss"]) for r in csv.DictReader(next((run / "csv").glob("*/metrics.csv")).open())
+              if r.get("loss")]
+    assert sum(losses[-8:]) / 8 < 0.95 * sum(losses[:8]) / 8, losses
+    assert json.loads((run / "export" / "model.json").read_text())["arch"] == "moviegen"
+    out = tmp_path / "red.png"
+    sample = subprocess.run([str(BIN / "dit-sample"), "generate", "--checkpoint", str(run), "--prompt",
+                             "a red butterfly", "--steps", "2", "--height", "32", "--width", "32", "--out", str(out)],
+                            capture_output=True, text=True, env=env(), timeout=300)
+    assert sample.returncode == 0 and out.is_file(), sample.stderr[-3000:]
+
+
 @pytest.mark.slow
 def test_sigterm_saves_a_complete_checkpoint_and_exits_0(dataset, tmp_path):
     run = tmp_path / "run"

@@ -59,3 +59,26 @@ def test_batch_flops_counts_every_sample_at_its_own_length():
     b = collate([PackedRow([tok((1, 2, 2), 3), tok((2, 2, 3), 0)]), PackedRow([tok((1, 4, 4), 5)])], seq_length=20)
     want = sum(training_flops_per_token(cfg, n, L) * n for n, L in ((4, 3), (12, 0), (16, 5)))
     assert batch_flops(cfg, b) == pytest.approx(want)
+
+
+@pytest.mark.parametrize("name", ["DiT-Tiny", "MovieGen-Tiny"])
+@pytest.mark.parametrize("text_dim", [0, 16])
+def test_weight_counts_match_the_matmuls_of_a_forward(name, text_dim):
+    """torch's FLOP counter over one forward of one sample (N tokens, L text tokens): its matmuls with weights are
+    per_token·N + per_text_token·L + per_sample multiply-accumulates (attention's own products run in SDPA, which
+    the counter leaves out on the CPU, and are the separate 2·L·d·N² term)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from ditcore.layout import grid_positions
+    from ditcore.models import build
+
+    cfg = preset(name, in_channels=4, text_dim=text_dim)
+    model = build(cfg)
+    N, L = 32, 5
+    cond = {"text": torch.randn(1, L, text_dim)} if text_dim else {}
+    with FlopCounterMode(display=False) as counter, torch.no_grad():
+        model(torch.randn(1, N, cfg.patch_dim), torch.zeros(1, 1), grid_positions((2, 4, 4)), **cond)
+    ops = counter.get_flop_counts()["Global"]
+    macs = sum(int(v) for op, v in ops.items() if str(op) in ("aten.mm", "aten.addmm", "aten.bmm")) // 2
+    c = count_params(cfg)
+    assert macs == c.per_token_params * N + c.per_text_token_params * (L if text_dim else 0) + c.per_sample_params

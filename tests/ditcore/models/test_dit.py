@@ -6,14 +6,18 @@ from torch import nn
 
 from ditcore.errors import ConfigError
 from ditcore.layout import grid_positions
-from ditcore.models import PRESETS, DiT, DiTConfig, preset
+from ditcore.models import PRESETS, DiT, DiTConfig, build, preset
 from ditcore.models.attention import Mask, segments
 from ditcore.models.dit import AttentionInputs, DiTBlock, RowSplit, apply_rope, rope_angles
+from ditcore.models.moviegen import MovieGenBlock
 from ditcore.testing import assert_close_fp32, dit_forward_work, dit_grad_work
 
+TINY = {"dit": "DiT-Tiny", "moviegen": "MovieGen-Tiny"}  # every architecture: the tests below take `arch`
+BLOCKS = {"dit": DiTBlock, "moviegen": MovieGenBlock}
 
-def tiny(**changes) -> DiTConfig:
-    return preset("DiT-Tiny", **changes)
+
+def tiny(arch: str = "dit", **changes) -> DiTConfig:
+    return preset(TINY[arch], **changes)
 
 
 def randomize(model: nn.Module, std: float = 0.2) -> nn.Module:
@@ -28,10 +32,11 @@ def randomize(model: nn.Module, std: float = 0.2) -> nn.Module:
 # ---------------------------------------------------------------- adaLN-Zero
 
 
+@pytest.mark.parametrize("arch", TINY)
 @pytest.mark.parametrize("text_dim", [0, 24])
-def test_each_block_is_identity_at_init(text_dim):
-    cfg = tiny(text_dim=text_dim)
-    model = DiT(cfg)
+def test_each_block_is_identity_at_init(arch, text_dim):
+    cfg = tiny(arch, text_dim=text_dim)
+    model = build(cfg)
     N, B, D = 10, 2, cfg.hidden_size
     x, c = torch.randn(N, B, D), torch.randn(B, 1, D)  # blocks work sequence-first
     a = AttentionInputs(batch=B, seq=N, rope=None, mask=Mask(None), rows=RowSplit())
@@ -39,13 +44,14 @@ def test_each_block_is_identity_at_init(text_dim):
         a.text = torch.randn(B, 5, D)
         a.text_mask = segments("sdpa", torch.zeros(B, N, dtype=torch.long), torch.zeros(B, 5, dtype=torch.long))
     for block in model.blocks:
-        assert isinstance(block, DiTBlock)
+        assert isinstance(block, BLOCKS[arch])
         assert torch.equal(block(x, c, None, a), x)
 
 
-def test_model_output_is_zero_at_init_and_gradients_flow():
-    cfg = tiny(num_classes=10)
-    model = DiT(cfg)
+@pytest.mark.parametrize("arch", TINY)
+def test_model_output_is_zero_at_init_and_gradients_flow(arch):
+    cfg = tiny(arch, num_classes=10)
+    model = build(cfg)
     x = torch.randn(2, cfg.in_channels, 1, 8, 8)
     out = model.forward_latents(x, torch.randn(2), class_labels=torch.tensor([3, 10]))
     assert torch.equal(out, torch.zeros_like(out))
@@ -69,12 +75,14 @@ def _sample(cfg, grid, text_len, g):
     )
 
 
-@pytest.mark.parametrize(("pos_embed", "attention"), [("rope", "sdpa"), ("sincos", "sdpa"), ("rope", "flex")])
-def test_packed_rows_equal_samples_run_alone(pos_embed, attention):
+@pytest.mark.parametrize(("arch", "pos_embed", "attention"),
+                         [("dit", "rope", "sdpa"), ("dit", "sincos", "sdpa"), ("dit", "rope", "flex"),
+                          ("moviegen", "rope", "sdpa")])
+def test_packed_rows_equal_samples_run_alone(arch, pos_embed, attention):
     """flex on a CPU runs forward only (FlexAttention's reference path): the BlockMask says the same as the dense
     mask. tests/ditcore/models/test_attention.py checks it on a GPU with gradients."""
-    cfg = tiny(text_dim=24, num_classes=5, fps_cond=True, pos_embed=pos_embed, patch_size_t=1, in_channels=4)
-    model = randomize(DiT(cfg, attention=attention)).eval()
+    cfg = tiny(arch, text_dim=24, num_classes=5, fps_cond=True, pos_embed=pos_embed, patch_size_t=1, in_channels=4)
+    model = randomize(build(cfg, attention=attention)).eval()
     g = torch.Generator().manual_seed(2)
     # Row 0: an image, a 2-frame clip and an image with no text; row 1: one clip. Padding to N = 40 tokens.
     rows = [[((1, 4, 4), 3), ((2, 3, 2), 5), ((1, 2, 2), 0)], [((3, 2, 3), 4)]]

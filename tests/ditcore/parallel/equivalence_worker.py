@@ -16,7 +16,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ditcore.diffusion import EDMLoss, EDMPrecond
 from ditcore.layout import grid_positions
-from ditcore.models import DiT, apply_activation_checkpointing, preset
+from ditcore.models import apply_activation_checkpointing, build, preset
 from ditcore.parallel import (
     ParallelDims,
     consolidated_state_dict,
@@ -33,6 +33,8 @@ from ditcore.training import stage_forward
 
 CFG = preset("DiT-Tiny", hidden_size=64, depth=2, num_heads=4, in_channels=4, num_classes=5, text_dim=16,
              fps_cond=True)
+# "moviegen:CASE" runs CASE on MovieGen's blocks (grouped-query attention: 4 query heads in 2 groups, SwiGLU)
+CONFIGS = {"dit": CFG, "moviegen": preset("MovieGen-Tiny", in_channels=4, num_classes=5, text_dim=16, fps_cond=True)}
 B, GRID = 4, (2, 4, 4)  # 4 rows of 32 tokens
 
 
@@ -147,14 +149,14 @@ def diff(a: torch.Tensor, b: torch.Tensor) -> tuple[float, float]:
     return d, d / max(b.double().abs().max().item(), 1e-30)
 
 
-def run_case(name: str, dims: ParallelDims, packed: bool, checkpointing: str = "none", fsdp: bool = False,
+def run_case(cfg, dims: ParallelDims, packed: bool, checkpointing: str = "none", fsdp: bool = False,
              per_row: bool = False) -> dict:
     """per_row: a micro-batch per row, whose gradients accumulate (the reference does the same)."""
     g = torch.Generator().manual_seed(7)
     batch = packed_batch(g) if packed else unpacked_batch(g)
 
     torch.manual_seed(0)
-    ref = DiT(CFG)
+    ref = build(cfg)
     with torch.no_grad():  # move every weight off its (partly zero) initialisation
         for p in ref.parameters():
             p.add_(torch.randn(p.shape, generator=g) * 0.1)
@@ -165,7 +167,7 @@ def run_case(name: str, dims: ParallelDims, packed: bool, checkpointing: str = "
     ref_after = ref.state_dict()
 
     groups = dims.initialize()
-    model = DiT(CFG)
+    model = build(cfg)
     parallelize(model, groups)
     load_consolidated(model, init, groups)
     apply_activation_checkpointing(model, checkpointing)  # recomputes the sharded linears and their collectives
@@ -210,14 +212,14 @@ def run_case(name: str, dims: ParallelDims, packed: bool, checkpointing: str = "
         result["params"] = len(grads)
     if fsdp or dims.pp > 1:  # built on the meta device and materialised piece by piece: the one-device init
         with torch.device("meta"):
-            meta = DiT(CFG)
+            meta = build(cfg)
         parallelize(meta, groups)
         if fsdp:
             apply_fsdp(meta, groups, "cpu")
         materialize(meta, 3, "cpu", groups)
         built = consolidated_state_dict(meta, groups)
         if built is not None:
-            one = DiT(CFG)
+            one = build(cfg)
             one.init_weights(3)
             expected = one.state_dict()
             result["materialized_equals_init"] = built.keys() == expected.keys() and all(
@@ -254,7 +256,8 @@ def main() -> None:
     dist.init_process_group("gloo")
     results = {}
     for name in sys.argv[2:] or CASES:
-        results[name] = run_case(name, *CASES[name])
+        arch, _, case = name.rpartition(":")
+        results[name] = run_case(CONFIGS[arch or "dit"], *CASES[case])
     if dist.get_rank() == 0:
         with open(sys.argv[1], "w") as f:
             json.dump(results, f, indent=1)

@@ -6,12 +6,14 @@ import pytest
 
 from ditcore.testing import dit_forward_work, dit_grad_work, fp32_tolerance
 
-from .equivalence_worker import CFG, GRID, B
+from .equivalence_worker import CFG, CONFIGS, GRID, B
 
 CASES = ["tp2", "tp2_sp", "cp2", "dp2", "tp2_packed", "tp2_sp_packed", "cp2_packed",
          "tp2_packed_selective", "tp2_sp_packed_block", "cp2_packed_selective",  # + activation checkpointing
          "fsdp_dp2", "fsdp_tp2_sp_packed", "fsdp_cp2_packed_selective",  # + sharded data parallel (FSDP2)
-         "pp2", "pp2_packed"]  # + pipeline parallel (1F1B over a micro-batch per row)
+         "pp2", "pp2_packed",  # + pipeline parallel (1F1B over a micro-batch per row)
+         # MovieGen's blocks (ditcore.models.moviegen): TP, TP + SP, CP and FSDP over DP, packed rows
+         "moviegen:tp2_packed", "moviegen:tp2_sp_packed", "moviegen:cp2_packed", "moviegen:fsdp_dp2"]
 CASES_4 = ["fsdp_tp2_sp_dp2",  # 4 processes: TP=2 × FSDP over DP=2
            "pp2_tp2_sp_packed"]  # two stages of TP=2 + SP
 CASES_4_SLOW = ["pp2_dp2_selective", "pp2_cp2_packed"]  # two stages × DP=2, two stages of CP=2: make test-slow
@@ -20,15 +22,18 @@ CASES_4_SLOW = ["pp2_dp2_selective", "pp2_cp2_packed"]  # two stages × DP=2, tw
 # batch's); EDMPrecond adds c_skip·x + c_out·F (+2) and the layouts split reductions over 2 ranks, then add the
 # partial results (+2).
 ROW = GRID[0] * GRID[1] * GRID[2]
-FORWARD = dit_forward_work(CFG, seq_len=ROW, text_len=12) + 2 + 2
-GRAD = dit_grad_work(CFG, seq_len=ROW, text_len=12, tokens=B * ROW) + 2 + 2
-WORK = {
-    "output": FORWARD,
-    "loss": FORWARD + B * ROW * CFG.patch_dim,  # a mean over every element
-    "grad": GRAD,
-    "grad_norm": GRAD,  # summed in float64: only the gradients' own error
-    "weights_after_step": GRAD + 2,  # SGD: w − lr·(momentum buffer = g)
-}
+
+
+def work(cfg) -> dict[str, int]:
+    forward = dit_forward_work(cfg, seq_len=ROW, text_len=12) + 2 + 2
+    grad = dit_grad_work(cfg, seq_len=ROW, text_len=12, tokens=B * ROW) + 2 + 2
+    return {
+        "output": forward,
+        "loss": forward + B * ROW * CFG.patch_dim,  # a mean over every element
+        "grad": grad,
+        "grad_norm": grad,  # summed in float64: only the gradients' own error
+        "weights_after_step": grad + 2,  # SGD: w − lr·(momentum buffer = g)
+    }
 
 
 def run_cases(tmp_path_factory, run_torchrun, cases: list[str], nproc: int) -> dict:
@@ -68,12 +73,12 @@ def params(cases: list[str]) -> list:
 @pytest.mark.parametrize("case", params(ALL))
 def test_layout_matches_one_process(request, case):
     r = case_results(request, case)
-    for what, work in WORK.items():
+    for what, n in work(CONFIGS[case.rpartition(":")[0] or "dit"]).items():
         abs_diff, rel_diff = r[what]
-        bound = fp32_tolerance(work, scale=1.0)  # the differences are relative to the reference's largest magnitude
+        bound = fp32_tolerance(n, scale=1.0)  # the differences are relative to the reference's largest magnitude
         assert rel_diff < bound, f"{case}: {what} differs by {abs_diff:.2e} (relative {rel_diff:.2e} > {bound:.1e})"
     # not vacuous: every parameter got a gradient, so every one was compared
-    assert r["grads_nonzero"] == r["params"] > 50
+    assert r["grads_nonzero"] == r["params"] > 40
 
 
 @pytest.mark.parametrize("case", ["tp2_sp", "tp2_sp_packed", "cp2", "cp2_packed", "tp2"])
@@ -90,7 +95,7 @@ def test_reduce_grads_is_what_makes_pipeline_gradients_right(request, case):
     assert rel_diff > 1e-2, f"{case}: gradients were already right before reduce_grads ({rel_diff:.1e})"
 
 
-@pytest.mark.parametrize("case", params([c for c in ALL if c.startswith(("fsdp", "pp"))]))
+@pytest.mark.parametrize("case", params([c for c in ALL if c.rpartition(":")[2].startswith(("fsdp", "pp"))]))
 def test_materialised_on_the_meta_device_is_the_one_device_init(request, case):
     """Each rank allocates and fills only its piece of its TP shard (FSDP), or of its stage (PP); gathered, they are
     the one-device weights."""

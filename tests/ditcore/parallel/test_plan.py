@@ -3,8 +3,8 @@
 import pytest
 from torch import nn
 
-from ditcore.models import DiT, preset
-from ditcore.parallel.plan import DIT_PLAN, ColumnParallel, plan_for
+from ditcore.models import DiT, MovieGen, preset
+from ditcore.parallel.plan import DIT_PLAN, MOVIEGEN_PLAN, ColumnParallel, plan_for
 
 FULL = dict(text_dim=24, num_classes=5, fps_cond=True)  # every optional layer of the DiT
 
@@ -60,5 +60,10 @@ def test_which_replicated_gradients_are_partial(name, tp_only, with_sp):
 
 def test_every_architecture_has_a_plan():
     assert plan_for(DiT(preset("DiT-Tiny"))) is DIT_PLAN
+    moviegen = MovieGen(preset("MovieGen-Tiny", **FULL))
+    assert plan_for(moviegen) is MOVIEGEN_PLAN
+    MOVIEGEN_PLAN.check(moviegen)  # every parameter covered once, every entry names layers that exist
+    assert MOVIEGEN_PLAN.partition_dim("blocks.0.mlp.gate.weight") == 0
+    assert MOVIEGEN_PLAN.partition_dim("blocks.0.mlp.down.weight") == 1
     with pytest.raises(TypeError, match="no tensor-parallel plan for Linear"):
         plan_for(nn.Linear(2, 2))

@@ -67,6 +67,9 @@ class Section(BaseModel):
 
 
 class Model(Section):
+    arch: Literal["dit", "moviegen"] = Field("dit", description="dit: the DiT (adaLN-Zero); moviegen: MovieGen's "
+                                                               "Llama-style DiT (RMSNorm, SwiGLU, grouped-query "
+                                                               "attention). The preset is one of its sizes")
     preset: str = Field("DiT-Demo", description="a name from ditcore.models.PRESETS; data-dependent fields come "
                                                 "from the dataset")
     patch_size: int | None = Field(None, ge=1, description="overrides the preset's spatial patch")
@@ -93,6 +96,16 @@ class Model(Section):
         if name not in PRESETS:
             raise ConfigError("model.preset", name, "one of " + ", ".join(PRESETS))
         return name
+
+    @model_validator(mode="after")
+    def _preset_of_arch(self) -> Model:
+        from ditcore.models import PRESETS, arch_of
+
+        if arch_of(PRESETS[self.preset]) != self.arch:
+            sizes = [name for name, cfg in PRESETS.items() if arch_of(cfg) == self.arch]
+            raise ConfigError("model.preset", self.preset,
+                              f"a size of model.arch={self.arch}: one of {', '.join(sizes)}")
+        return self
 
 
 class Data(Section):

@@ -19,7 +19,7 @@ from tqdm import tqdm
 
 from dit_train import checkpoint
 from dit_train.config import TrainConfig, memory_layout
-from ditcore import durable, runs
+from ditcore import durable, models, runs
 from ditcore.codecs import LatentStats, load_codec
 from ditcore.codecs.text import load_text_encoder
 from ditcore.data.loader import build_loader, check_samples_fit
@@ -30,7 +30,7 @@ from ditcore.errors import ConfigError
 from ditcore.export import export_model
 from ditcore.flops import batch_flops, gpu_peak_flops, measure_cpu_peak_flops
 from ditcore.media import contact_sheet, write_sample
-from ditcore.models import DiT, DiTConfig, apply_activation_checkpointing, apply_compile, preset
+from ditcore.models import DiTConfig, apply_activation_checkpointing, apply_compile, preset
 from ditcore.models.dit import check_positions
 from ditcore.parallel import (
     ParallelDims,
@@ -188,7 +188,7 @@ def setup(cfg: TrainConfig) -> Setup:
     fabric.launch()
     groups = strategy.groups
     model_cfg = model_config(cfg, info)
-    dims.check_model(model_cfg.num_heads, cfg.data.seq_length, model_cfg.depth)
+    dims.check_model(model_cfg.num_heads, cfg.data.seq_length, model_cfg.depth, getattr(model_cfg, "kv_heads", None))
     if on_gpu:
         check_memory_plan(cfg, model_cfg, fabric.world_size)
     too_long = check_samples_fit(info, cfg.data.path, patch_size=model_cfg.patch_size,
@@ -256,7 +256,7 @@ def build_model(run: Setup, training: bool) -> torch.nn.Module:
     the whole model, on the host or the device, and every layout starts from the same weights."""
     cfg, groups = run.cfg, run.groups
     with torch.device("meta"):
-        model = DiT(run.model_cfg, attention=cfg.model.attention)
+        model = models.build(run.model_cfg, attention=cfg.model.attention)  # of its architecture
     parallelize(model, groups)
     if training:  # after parallelize: checkpointing recomputes the parallel linears it put in the blocks
         apply_activation_checkpointing(model, cfg.model.activation_checkpointing)

@@ -23,7 +23,7 @@ from ditcore import durable
 from ditcore.codecs import Codec, LatentStats, load_codec
 from ditcore.data.schema import INFO_FILE, DatasetInfo, parse_info
 from ditcore.diffusion.edm import PREDICTIONS
-from ditcore.models import DiT, DiTConfig
+from ditcore.models import ARCHS, DiT, DiTConfig, arch_of
 
 WEIGHTS, CONFIG = "model.safetensors", "model.json"
 
@@ -38,7 +38,8 @@ def export_model(out: str | Path, state_dict: dict[str, torch.Tensor], cfg: DiTC
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     save_file({k: v.contiguous() for k, v in state_dict.items()}, str(tmp / WEIGHTS))
-    (tmp / CONFIG).write_text(json.dumps({"model": dataclasses.asdict(cfg), **(extra or {})}, indent=1))
+    meta = {"model": dataclasses.asdict(cfg), "arch": arch_of(cfg), **(extra or {})}
+    (tmp / CONFIG).write_text(json.dumps(meta, indent=1))
     shutil.copy2(dataset / INFO_FILE, tmp / INFO_FILE)
     for codec_file in dataset.glob("codec_*"):
         shutil.copy2(codec_file, tmp / codec_file.name)
@@ -74,12 +75,17 @@ def load_export(path: str | Path, device: str | torch.device = "cpu") -> Exporte
         raise FileNotFoundError(f"'{path}' is not a ditcore export: it needs {WEIGHTS} and {CONFIG} "
                                 "(dit-train writes them to RUN_DIR/export/)")
     meta = json.loads((path / CONFIG).read_text())
-    fields = {f.name for f in dataclasses.fields(DiTConfig)}
+    arch = meta.get("arch", "dit")  # exports from before other architectures: the DiT
+    if arch not in ARCHS:
+        raise ValueError(f"'{path / CONFIG}' says arch={arch!r}: this ditcore knows {', '.join(ARCHS)} — sample it "
+                         "with the ditcore version that trained it")
+    config_class, model_class = ARCHS[arch]
+    fields = {f.name for f in dataclasses.fields(config_class)}
     model_cfg = meta.get("model", {})
     if not isinstance(model_cfg, dict) or not {"hidden_size", "depth", "num_heads"} <= model_cfg.keys():
         raise ValueError(f"'{path / CONFIG}' does not describe a DiT (no hidden_size/depth/num_heads)")
     model_cfg = {k: (tuple(v) if k == "max_grid" else v) for k, v in model_cfg.items() if k in fields}
-    model = DiT(DiTConfig(**model_cfg))
+    model = model_class(config_class(**model_cfg))
     state = load_file(str(path / WEIGHTS))
     missing, unexpected = model.state_dict().keys() - state.keys(), state.keys() - model.state_dict().keys()
     if missing or unexpected:

@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ditcore.models.dit import DiTConfig
+from ditcore.models.moviegen import MovieGenConfig
 
 
 @dataclass(frozen=True)
@@ -26,12 +27,17 @@ class FlopCount:
 
 def count_params(cfg: DiTConfig) -> FlopCount:
     D, L = cfg.hidden_size, cfg.depth
-    mlp = int(D * cfg.mlp_ratio)
-    block_tok = 3 * D * D + D * D + 2 * D * mlp  # qkv, out projection, MLP
+    if isinstance(cfg, MovieGenConfig):  # grouped-query attention: fewer key/value features; SwiGLU: 3 matrices
+        kv = 2 * cfg.kv_heads * cfg.head_dim
+        block_tok = D * (D + kv) + D * D + 3 * D * cfg.ffn  # qkv, out projection, gate/up/down
+        text_kv = D * kv
+    else:
+        block_tok = 3 * D * D + D * D + 2 * D * int(D * cfg.mlp_ratio)  # qkv, out projection, MLP
+        text_kv = 2 * D * D
     block_text = 0
     if cfg.text_dim:
         block_tok += 2 * D * D  # cross-attention q and out projection
-        block_text = 2 * D * D  # cross-attention k, v (on text tokens)
+        block_text = text_kv  # cross-attention k, v (on text tokens)
     per_token = L * block_tok + cfg.patch_dim * D + D * cfg.patch_dim  # + patch embedding, output projection
     per_text = L * block_text + (cfg.text_dim * D + D * D if cfg.text_dim else 0)
     freq_dim = 256

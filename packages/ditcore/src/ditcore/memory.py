@@ -49,11 +49,12 @@ import torch
 from torch import nn
 
 from ditcore.errors import ConfigError
-from ditcore.models.dit import DiT, DiTConfig, ScalarEmbedder
+from ditcore.models import build
+from ditcore.models.dit import DiTConfig, ScalarEmbedder
 from ditcore.models.techniques import ACTIVATION_CHECKPOINTING
 from ditcore.parallel.dims import ParallelDims
 from ditcore.parallel.pipeline import stage_blocks
-from ditcore.parallel.plan import DIT_PLAN
+from ditcore.parallel.plan import DIT_PLAN, plan_for
 
 GiB = 2**30
 DTYPE_BYTES = {"fp32": 4, "bf16": 2}
@@ -214,11 +215,11 @@ class Param:
 def parameters(cfg: DiTConfig, tp: int = 1) -> list[Param]:
     """Every parameter of the DiT, counted on a meta-device model, with its shape on one tensor-parallel rank."""
     with torch.random.fork_rng(devices=[]), torch.device("meta"):  # DiT() draws a seed: leave the caller's RNG be
-        model = DiT(cfg)
-    params = []
+        model = build(cfg)
+    params, plan = [], plan_for(model)
     for name, p in model.named_parameters():
         shape = list(p.shape)
-        dim = DIT_PLAN.partition_dim(name)
+        dim = plan.partition_dim(name)
         if dim is not None:
             if shape[dim] % tp:
                 raise ConfigError("parallel.tp", tp, f"a divisor of {shape[dim]}, the size of {name} it splits")

@@ -48,7 +48,8 @@ def dit_forward_work(cfg: DiTConfig, seq_len: int, text_len: int = 0) -> int:
     text_len: text tokens each query may attend over. The conditioning vector and the text join the path
     from the side; their own reductions are counted once.
     """
-    D, hd, mlp = cfg.hidden_size, cfg.head_dim, int(cfg.hidden_size * cfg.mlp_ratio)
+    D, hd = cfg.hidden_size, cfg.head_dim
+    mlp = getattr(cfg, "ffn", int(D * cfg.mlp_ratio))  # MovieGen's SwiGLU width, or the DiT's MLP
     freq = inspect.signature(ScalarEmbedder).parameters["freq_dim"].default  # its sinusoidal features
 
     def attention(keys: int) -> int:

@@ -306,10 +306,10 @@ class DiTBlock(nn.Module):
 
 
 class FinalLayer(nn.Module):
-    def __init__(self, cfg: DiTConfig):
+    def __init__(self, cfg: DiTConfig, norm: type[nn.Module] = LayerNorm):
         super().__init__()
         D = cfg.hidden_size
-        self.norm = LayerNorm(D, elementwise_affine=False, eps=1e-6)
+        self.norm = norm(D, elementwise_affine=False, eps=1e-6)
         self.adaLN = nn.Sequential(nn.SiLU(), nn.Linear(D, 2 * D))
         self.linear = nn.Linear(D, cfg.patch_dim)
 
@@ -323,6 +323,9 @@ class FinalLayer(nn.Module):
 
 
 class DiT(nn.Module):
+    block_class: type[nn.Module] = DiTBlock  # an architecture that differs only in its blocks subclasses DiT
+    norm_class: type[nn.Module] = LayerNorm  # the final layer's norm
+
     def __init__(self, cfg: DiTConfig, attention: str = "auto"):
         super().__init__()
         self.cfg = cfg
@@ -337,8 +340,8 @@ class DiT(nn.Module):
         if cfg.text_dim:
             self.text_embedder = nn.Sequential(
                 nn.Linear(cfg.text_dim, D), nn.GELU(approximate="tanh"), nn.Linear(D, D))
-        self.blocks = nn.ModuleList([DiTBlock(cfg) for _ in range(cfg.depth)])
-        self.final = FinalLayer(cfg)
+        self.blocks = nn.ModuleList([self.block_class(cfg) for _ in range(cfg.depth)])
+        self.final = FinalLayer(cfg, self.norm_class)
         self.rows = RowSplit()
         self.init_weights()
 

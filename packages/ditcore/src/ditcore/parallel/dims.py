@@ -45,13 +45,17 @@ class ParallelDims:
                 f"{dp}: tp*cp*pp*dp must equal the world size {world_size}, and tp*cp*pp = {model_parallel}")
         return ParallelDims(self.tp, self.cp, self.pp, dp, self.sequence_parallel)
 
-    def check_model(self, num_heads: int, seq_len: int | None = None, depth: int | None = None) -> None:
+    def check_model(self, num_heads: int, seq_len: int | None = None, depth: int | None = None,
+                    num_kv_heads: int | None = None) -> None:
         """Errors for a model/sequence that this layout cannot split. Call on every rank before any collective."""
         if depth is not None and depth < self.pp:
             raise ConfigError("parallel.pp", self.pp, f"at most the model's depth={depth}: every pipeline stage "
                                                        "holds at least one block")
         if num_heads % self.tp:
             raise ConfigError("parallel.tp", self.tp, f"a divisor of the model's num_heads={num_heads}")
+        if num_kv_heads and num_kv_heads % self.tp:
+            raise ConfigError("parallel.tp", self.tp, f"a divisor of the model's num_kv_heads={num_kv_heads} (grouped-"
+                                                      "query attention: each rank holds whole groups)")
         parts = self.cp * (self.tp if self.sequence_parallel else 1)
         if seq_len is not None and seq_len % parts:
             what = "cp*tp (sequence parallel)" if self.sequence_parallel and self.tp > 1 else "cp"

@@ -25,6 +25,7 @@ from typing import Literal
 from torch import nn
 
 from ditcore.models.dit import DiT
+from ditcore.models.moviegen import MovieGen
 
 
 @dataclass(frozen=True)
@@ -138,7 +139,23 @@ DIT_PLAN = Plan(
 )
 
 
-PLANS: dict[type[nn.Module], Plan] = {DiT: DIT_PLAN}
+# --------------------------------------------------------------------------------------------------
+# MovieGen (ditcore.models.moviegen): the DiT's plan with grouped-query attention and a SwiGLU MLP
+
+MOVIEGEN_PLAN = Plan(
+    modules={k: v for k, v in DIT_PLAN.modules.items() if not k.startswith("blocks.*.mlp.")} | {
+        # attn.qkv's output features are laid out (kv group, [queries, key, value], head_dim): a split by groups;
+        # cross.kv's (kv group, 2, head_dim), likewise
+        "blocks.*.mlp.gate": ColumnParallel(),
+        "blocks.*.mlp.up": ColumnParallel(),
+        "blocks.*.mlp.down": RowParallel(),
+    },
+    heads=DIT_PLAN.heads,
+    pipeline=DIT_PLAN.pipeline,
+)
+
+
+PLANS: dict[type[nn.Module], Plan] = {DiT: DIT_PLAN, MovieGen: MOVIEGEN_PLAN}
 
 
 def plan_for(model: nn.Module) -> Plan:

@@ -101,6 +101,8 @@ def apply_tensor_parallel(model: nn.Module, plan: Plan, groups: ParallelGroups, 
     for name, module in list(model.named_modules()):
         if any(fnmatch.fnmatchcase(name, pattern) for pattern in plan.heads):
             module.num_heads //= tp
+            if hasattr(module, "num_kv_heads"):  # grouped-query attention: whole groups per rank
+                module.num_kv_heads //= tp
         style = plan.module_style(name)
         if isinstance(style, ColumnParallel | RowParallel):
             if not isinstance(module, nn.Linear):

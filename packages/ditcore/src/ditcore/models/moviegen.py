@@ -1,0 +1,166 @@
+"""MovieGen's Llama-style DiT (Polyak et al., "Movie Gen: A Cast of Media Foundation Models", 2024), at the sizes
+of NVIDIA NeMo's DiT-Llama configs (nemo/collections/diffusion/models/model.py: DiTLlama1B/5B/30BConfig).
+
+A Llama-3 transformer block made a diffusion block: RMSNorm pre-norms, a SwiGLU MLP, grouped-query attention
+(`num_kv_heads` key/value heads shared by groups of query heads) with per-head QK-norm and 3D RoPE, adaLN
+modulation (shift, scale, gate) of the self-attention and MLP by the noise level, and cross-attention to the text
+tokens (MovieGen's UL2 + ByT5 + MetaCLIP states are one text input of configurable width here). No linear in a
+block has a bias, as in Llama.
+
+Everything around the blocks — patch embedding, positions, packing, conditioning, the final layer, the row split
+for context parallelism — is the DiT's (ditcore.models.dit): this file only defines the block, so a MovieGen
+model goes wherever a DiT goes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ditcore.errors import ConfigError
+from ditcore.layout import per_token
+from ditcore.models.attention import attend
+from ditcore.models.dit import AttentionInputs, DiT, DiTConfig, RMSNorm, apply_rope, modulate
+
+
+@dataclass(frozen=True)
+class MovieGenConfig(DiTConfig):
+    num_kv_heads: int = 0  # key/value heads (grouped-query attention); 0: as many as query heads
+    ffn_hidden_size: int = 0  # SwiGLU width; 0: Llama's 8/3 · hidden_size, rounded up to a multiple of 256
+    norm_eps: float = 1e-5
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not isinstance(self.num_kv_heads, int) or self.num_kv_heads < 0 or (
+                self.num_kv_heads and self.num_heads % self.num_kv_heads):
+            raise ConfigError("num_kv_heads", self.num_kv_heads, f"a divisor of num_heads={self.num_heads} (or 0)")
+        if not isinstance(self.ffn_hidden_size, int) or self.ffn_hidden_size < 0:
+            raise ConfigError("ffn_hidden_size", self.ffn_hidden_size, "an integer >= 1 (or 0: 8/3 of hidden_size)")
+
+    @property
+    def kv_heads(self) -> int:
+        return self.num_kv_heads or self.num_heads
+
+    @property
+    def ffn(self) -> int:
+        return self.ffn_hidden_size or -(-8 * self.hidden_size // 3 // 256) * 256
+
+
+def grouped_heads(x: torch.Tensor, seq: int, batch: int, kv_heads: int, per_group: int, head_dim: int):
+    """(seq, B, kv·(per_group + 2)·hd) projections laid out (kv group, [its queries, key, value], hd) → q (B, H, seq,
+    hd) and k, v (B, kv, seq, hd). Grouping by key/value head makes a contiguous split of the output features a
+    split by groups, which tensor parallelism needs."""
+    x = x.view(seq, batch, kv_heads, per_group + 2, head_dim).permute(1, 2, 3, 0, 4)  # (B, kv, g + 2, seq, hd)
+    q = x[:, :, :per_group].reshape(batch, kv_heads * per_group, seq, head_dim)
+    return q, x[:, :, per_group], x[:, :, per_group + 1]
+
+
+def share_kv(k: torch.Tensor, v: torch.Tensor, per_group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, kv, n, hd) keys and values → (B, kv·per_group, n, hd): each query head sees its group's."""
+    if per_group == 1:
+        return k, v
+    return k.repeat_interleave(per_group, dim=1), v.repeat_interleave(per_group, dim=1)
+
+
+class GroupedSelfAttention(nn.Module):
+    def __init__(self, cfg: MovieGenConfig):
+        super().__init__()
+        # num_heads / num_kv_heads: this rank's under TP (both divided by the TP size)
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.kv_heads, cfg.head_dim
+        self.qkv = nn.Linear(cfg.hidden_size, (cfg.num_heads + 2 * cfg.kv_heads) * cfg.head_dim, bias=False)
+        self.q_norm = RMSNorm(cfg.head_dim, eps=1e-6) if cfg.qk_norm else nn.Identity()
+        self.k_norm = RMSNorm(cfg.head_dim, eps=1e-6) if cfg.qk_norm else nn.Identity()
+        self.proj = nn.Linear(cfg.hidden_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor, a: AttentionInputs) -> torch.Tensor:
+        g = self.num_heads // self.num_kv_heads
+        q, k, v = grouped_heads(self.qkv(x), a.seq, a.batch, self.num_kv_heads, g, self.head_dim)
+        q, k = self.q_norm(q), self.k_norm(k)
+        if a.rope is not None:
+            q, k = apply_rope(q, a.rope), apply_rope(k, a.rope)
+        k, v = a.rows.keys_values(k, v)  # the whole row's keys and values (context parallelism), before sharing
+        out = attend(q, *share_kv(k, v, g), a.mask)  # (B, H, seq, hd)
+        return self.proj(out.permute(2, 0, 1, 3).reshape(a.seq, a.batch, -1))  # (seq, B, D)
+
+
+class GroupedCrossAttention(nn.Module):
+    """Image tokens attend to the (already projected) text tokens with grouped key/value heads; no positions."""
+
+    def __init__(self, cfg: MovieGenConfig):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.kv_heads, cfg.head_dim
+        self.q = nn.Linear(cfg.hidden_size, cfg.hidden_size, bias=False)
+        self.kv = nn.Linear(cfg.hidden_size, 2 * cfg.kv_heads * cfg.head_dim, bias=False)  # (kv, 2, hd)
+        self.q_norm = RMSNorm(cfg.head_dim, eps=1e-6) if cfg.qk_norm else nn.Identity()
+        self.k_norm = RMSNorm(cfg.head_dim, eps=1e-6) if cfg.qk_norm else nn.Identity()
+        self.proj = nn.Linear(cfg.hidden_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor, a: AttentionInputs) -> torch.Tensor:
+        L = a.text.shape[1]
+        if L == 0:  # no text at all: the attention output is empty, as for a sample whose text is empty
+            return self.proj(x.new_zeros(a.seq, a.batch, self.num_heads * self.head_dim))
+        q = self.q(x).view(a.seq, a.batch, self.num_heads, self.head_dim).permute(1, 2, 0, 3)  # (B, H, seq, hd)
+        kv = self.kv(a.text.transpose(0, 1)).view(L, a.batch, self.num_kv_heads, 2, self.head_dim)
+        k, v = kv.permute(3, 1, 2, 0, 4).unbind(0)  # (B, kv, L, hd)
+        k, v = share_kv(self.k_norm(k), v, self.num_heads // self.num_kv_heads)
+        out = attend(self.q_norm(q), k, v, a.text_mask)  # a sample without text gets zeros
+        return self.proj(out.permute(2, 0, 1, 3).reshape(a.seq, a.batch, -1))  # (seq, B, D)
+
+
+class SwiGLU(nn.Module):
+    """down(silu(gate(x)) · up(x)), Llama's MLP; gate and up are separate so each splits by columns over TP."""
+
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.gate = nn.Linear(dim, hidden, bias=False)
+        self.up = nn.Linear(dim, hidden, bias=False)
+        self.down = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(F.silu(self.gate(x)) * self.up(x))
+
+
+class MovieGenBlock(nn.Module):
+    def __init__(self, cfg: MovieGenConfig):
+        super().__init__()
+        D = cfg.hidden_size
+        self.norm1 = RMSNorm(D, eps=cfg.norm_eps, elementwise_affine=False)  # adaLN scales it
+        self.attn = GroupedSelfAttention(cfg)
+        if cfg.text_dim:
+            self.norm_cross = RMSNorm(D, eps=cfg.norm_eps)
+            self.cross = GroupedCrossAttention(cfg)
+        self.norm2 = RMSNorm(D, eps=cfg.norm_eps, elementwise_affine=False)
+        self.mlp = SwiGLU(D, cfg.ffn)
+        self.adaLN = nn.Sequential(nn.SiLU(), nn.Linear(D, 6 * D))
+
+    def forward(self, x: torch.Tensor, c: torch.Tensor, seg: torch.Tensor | None, a: AttentionInputs):
+        # as DiTBlock: x (n, B, D) this rank's tokens; c (B, S, D) per-sample conditioning → six modulations
+        mods = per_token(self.adaLN(c), seg).transpose(0, 1)
+        shift_a, scale_a, gate_a, shift_m, scale_m, gate_m = mods.chunk(6, dim=-1)
+        x = torch.addcmul(x, gate_a, self.attn(modulate(self.norm1(x), shift_a, scale_a), a))
+        if a.text is not None:
+            x = x + self.cross(self.norm_cross(x), a)
+        return torch.addcmul(x, gate_m, self.mlp(modulate(self.norm2(x), shift_m, scale_m)))
+
+
+class MovieGen(DiT):
+    """The DiT with MovieGen's blocks (see the module's docstring); same inputs, outputs and initialisation rules."""
+
+    block_class = MovieGenBlock
+    norm_class = RMSNorm
+
+
+# Sizes of NeMo's DiTLlama{1B,5B,30B}Config (DiTLlama30BConfig: 48 layers, 6144 wide, 48 heads, FFN 16384 and 8
+# query groups, which the 5B and 1B inherit; the MovieGen paper's 30B has the same width, depth and heads), patch
+# 2 x 2 x 1 as there. A tiny one for tests.
+PRESETS: dict[str, MovieGenConfig] = {
+    "MovieGen-1B": MovieGenConfig(hidden_size=2048, depth=16, num_heads=32, num_kv_heads=8, ffn_hidden_size=8192),
+    "MovieGen-5B": MovieGenConfig(hidden_size=3072, depth=32, num_heads=24, num_kv_heads=8, ffn_hidden_size=8192),
+    "MovieGen-30B": MovieGenConfig(hidden_size=6144, depth=48, num_heads=48, num_kv_heads=8, ffn_hidden_size=16384),
+    "MovieGen-Tiny": MovieGenConfig(hidden_size=64, depth=2, num_heads=4, num_kv_heads=2, ffn_hidden_size=128),
+}
+
+__all__ = ["PRESETS", "MovieGen", "MovieGenBlock", "MovieGenConfig"]
