@@ -21,9 +21,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ditcore.errors import ConfigError
-from ditcore.layout import per_token
 from ditcore.models.attention import attend
-from ditcore.models.dit import AttentionInputs, DiT, DiTConfig, RMSNorm, apply_rope, modulate
+from ditcore.models.dit import AttentionInputs, DiT, DiTBlock, DiTConfig, RMSNorm, apply_rope
 
 
 @dataclass(frozen=True)
@@ -123,9 +122,11 @@ class SwiGLU(nn.Module):
         return self.down(F.silu(self.gate(x)) * self.up(x))
 
 
-class MovieGenBlock(nn.Module):
+class MovieGenBlock(DiTBlock):
+    """DiTBlock's forward (adaLN-modulated attention and MLP, cross-attention between them) over Llama's layers."""
+
     def __init__(self, cfg: MovieGenConfig):
-        super().__init__()
+        nn.Module.__init__(self)  # the layers are these, not the DiT block's
         D = cfg.hidden_size
         self.norm1 = RMSNorm(D, eps=cfg.norm_eps, elementwise_affine=False)  # adaLN scales it
         self.attn = GroupedSelfAttention(cfg)
@@ -135,15 +136,6 @@ class MovieGenBlock(nn.Module):
         self.norm2 = RMSNorm(D, eps=cfg.norm_eps, elementwise_affine=False)
         self.mlp = SwiGLU(D, cfg.ffn)
         self.adaLN = nn.Sequential(nn.SiLU(), nn.Linear(D, 6 * D))
-
-    def forward(self, x: torch.Tensor, c: torch.Tensor, seg: torch.Tensor | None, a: AttentionInputs):
-        # as DiTBlock: x (n, B, D) this rank's tokens; c (B, S, D) per-sample conditioning → six modulations
-        mods = per_token(self.adaLN(c), seg).transpose(0, 1)
-        shift_a, scale_a, gate_a, shift_m, scale_m, gate_m = mods.chunk(6, dim=-1)
-        x = torch.addcmul(x, gate_a, self.attn(modulate(self.norm1(x), shift_a, scale_a), a))
-        if a.text is not None:
-            x = x + self.cross(self.norm_cross(x), a)
-        return torch.addcmul(x, gate_m, self.mlp(modulate(self.norm2(x), shift_m, scale_m)))
 
 
 class MovieGen(DiT):
