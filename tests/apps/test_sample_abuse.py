@@ -268,6 +268,9 @@ def test_a_cancelled_request_stops_sampling_and_the_next_one_is_served_at_once(s
         cpu = cpu_seconds(app.proc.pid)
         time.sleep(2)
         assert cpu_seconds(app.proc.pid) - cpu < 0.5  # idle: nothing is still sampling
+        assert list(tmp_path.glob("dit-sample-*/*/sample.mp4"))  # the outputs of its requests
+    # stopped with SIGTERM (as `docker stop` does): it exits 0 and leaves no temporary folder of its own behind
+    assert app.proc.returncode == 0 and not list(tmp_path.glob("dit-sample-*"))
 
 
 def test_request_outputs_on_disk_are_bounded(client, app_tmp):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import os
+import signal
 from pathlib import Path
 
 import typer
@@ -112,10 +113,17 @@ def serve(
     except (FileNotFoundError, ValueError, KeyError) as e:
         _fail(str(e))
     typer.echo(f"serving {checkpoint} on http://{host}:{port}")
+    # `docker stop`, systemd and `kill` send SIGTERM: stop as on Ctrl-C, so that the server closes and the app's
+    # temporary folder of request outputs is removed (by default SIGTERM ends Python without its exit handlers)
+    signal.signal(signal.SIGTERM, _interrupt)
     try:
         demo.launch(server_name=host, server_port=port, share=False, quiet=True)
     except OSError as e:  # the port was taken between the check and the launch
         _fail(f"cannot serve on {host}:{port}: {e} — pass a free port with --port")
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt
 
 
 def _fail(message: str):
