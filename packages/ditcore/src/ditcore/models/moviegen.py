@@ -48,20 +48,20 @@ class MovieGenConfig(DiTConfig):
         return self.ffn_hidden_size or -(-8 * self.hidden_size // 3 // 256) * 256
 
 
-def grouped_heads(x: torch.Tensor, seq: int, batch: int, kv_heads: int, per_group: int, head_dim: int):
-    """(seq, B, kv·(per_group + 2)·hd) projections laid out (kv group, [its queries, key, value], hd) → q (B, H, seq,
+def heads_by_kv(x: torch.Tensor, seq: int, batch: int, kv_heads: int, per_kv: int, head_dim: int):
+    """(seq, B, kv·(per_kv + 2)·hd) projections laid out (kv group, [its queries, key, value], hd) → q (B, H, seq,
     hd) and k, v (B, kv, seq, hd). Grouping by key/value head makes a contiguous split of the output features a
     split by groups, which tensor parallelism needs."""
-    x = x.view(seq, batch, kv_heads, per_group + 2, head_dim).permute(1, 2, 3, 0, 4)  # (B, kv, g + 2, seq, hd)
-    q = x[:, :, :per_group].reshape(batch, kv_heads * per_group, seq, head_dim)
-    return q, x[:, :, per_group], x[:, :, per_group + 1]
+    x = x.view(seq, batch, kv_heads, per_kv + 2, head_dim).permute(1, 2, 3, 0, 4)  # (B, kv, g + 2, seq, hd)
+    q = x[:, :, :per_kv].reshape(batch, kv_heads * per_kv, seq, head_dim)
+    return q, x[:, :, per_kv], x[:, :, per_kv + 1]
 
 
-def share_kv(k: torch.Tensor, v: torch.Tensor, per_group: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(B, kv, n, hd) keys and values → (B, kv·per_group, n, hd): each query head sees its group's."""
-    if per_group == 1:
+def share_kv(k: torch.Tensor, v: torch.Tensor, per_kv: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, kv, n, hd) keys and values → (B, kv·per_kv, n, hd): each query head sees its group's."""
+    if per_kv == 1:
         return k, v
-    return k.repeat_interleave(per_group, dim=1), v.repeat_interleave(per_group, dim=1)
+    return k.repeat_interleave(per_kv, dim=1), v.repeat_interleave(per_kv, dim=1)
 
 
 class GroupedSelfAttention(nn.Module):
@@ -76,7 +76,7 @@ class GroupedSelfAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, a: AttentionInputs) -> torch.Tensor:
         g = self.num_heads // self.num_kv_heads
-        q, k, v = grouped_heads(self.qkv(x), a.seq, a.batch, self.num_kv_heads, g, self.head_dim)
+        q, k, v = heads_by_kv(self.qkv(x), a.seq, a.batch, self.num_kv_heads, g, self.head_dim)
         q, k = self.q_norm(q), self.k_norm(k)
         if a.rope is not None:
             q, k = apply_rope(q, a.rope), apply_rope(k, a.rope)
