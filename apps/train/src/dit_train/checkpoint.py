@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import pickle
 import sys
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -58,7 +59,7 @@ def save(fabric, run_dir: Path, step: int, state: dict, loader, config_yaml: str
         durable.remove_leftovers(final.parent, (runs.TMP_PREFIX, durable.TRASH_PREFIX))  # from an interrupted save
         tmp.mkdir(parents=True)
     fabric.barrier()
-    values = _values(state) | {"skipped": skipped_total(fabric, state["skipped"])}
+    values = _values(state) | {"skipped": dict(skipped_total(fabric, state["skipped"]))}
     dist_checkpoint.save(tmp, _tensors(fabric, state), values)  # each rank its pieces, fsynced
     try:
         mine = _write_rank_files(tmp, fabric, loader)
@@ -149,7 +150,7 @@ def _load(fabric, ckpt: Path, state: dict, loader) -> str | None:
         values = dist_checkpoint.load(ckpt, _tensors(fabric, state))
         state["step"], state["history"] = values["step"], values["history"]
         # the run's total goes to one rank, so that adding every data-parallel rank's counts keeps it
-        state["skipped"] = values.get("skipped", {}) if fabric.global_rank == 0 else {}
+        state["skipped"] = Counter(values.get("skipped", {}) if fabric.global_rank == 0 else {})
         state["scheduler"].load_state_dict(values["scheduler"])
         dist_checkpoint.load_optimizer_hyperparameters(state["optimizer"], values["optim_groups"])
     except Exception as e:  # verified, yet unreadable (e.g. written for another model)
@@ -190,16 +191,12 @@ def _first_line(e: Exception) -> str:
     return f"{type(e).__name__}: {text.splitlines()[0]}" if text else type(e).__name__
 
 
-def skipped_total(fabric, mine: dict) -> dict:
+def skipped_total(fabric, mine: Counter) -> Counter:
     """Collective: the samples skipped by the data loaders of all data-parallel ranks, by reason. Each counts once:
     its TP/CP/PP peers load the same samples and their counts are left out."""
     groups = fabric.strategy.groups
     reader = groups.tp_rank == groups.cp_rank == groups.pp_rank == 0
-    total: dict = {}
-    for part in all_ranks(fabric, mine if reader else {}):
-        for reason, n in part.items():
-            total[reason] = total.get(reason, 0) + n
-    return total
+    return sum((Counter(part) for part in all_ranks(fabric, mine if reader else {})), Counter())
 
 
 def all_ranks(fabric, value) -> list:

@@ -7,6 +7,7 @@ import math
 import os
 import signal
 import time
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -188,7 +189,7 @@ def setup(cfg: TrainConfig) -> Setup:
     fabric.launch()
     groups = strategy.groups
     model_cfg = model_config(cfg, info)
-    dims.check_model(model_cfg.num_heads, cfg.data.seq_length, model_cfg.depth, getattr(model_cfg, "kv_heads", None))
+    dims.check_model(model_cfg.num_heads, cfg.data.seq_length, model_cfg.depth, model_cfg.kv_heads)
     if on_gpu:
         check_memory_plan(cfg, model_cfg, fabric.world_size)
     too_long = check_samples_fit(info, cfg.data.path, patch_size=model_cfg.patch_size,
@@ -242,7 +243,7 @@ def build(run: Setup) -> Trainee:
     state = {runs.MODEL: model, "optimizer": optimizer, runs.EMA: ema.module, "scheduler": scheduler, "step": 0,
              "history": [],  # [step, loss] of every step
              # samples this rank's loader passed over, by reason; the shards left out at the start, counted once
-             "skipped": dict(loader.skipped_at_start) if groups.dp_rank == 0 else {}}
+             "skipped": Counter(loader.skipped_at_start if groups.dp_rank == 0 else {})}
     # The denoiser calls what Fabric wrapped (DDP, or the model itself) under fabric.autocast(), not Fabric's wrapper:
     # under bf16-mixed that casts every float input to bf16 (the noise level before its sinusoidal embedding too),
     # and a pipeline stage's backward of its hidden states cannot go through fabric.backward.
@@ -290,8 +291,8 @@ def fit(run: Setup, t: Trainee, validator: Validator, config_yaml: str) -> dict:
         step += 1
         t.state["step"] = step
         pending.append(Pending(step, loss, grad_norm, time.perf_counter() - t0, micro.tokens, micro.flops))
-        add_skipped(t.state["skipped"], micro.skipped)
-        window.skipped += sum(micro.skipped.values())
+        t.state["skipped"].update(micro.skipped)
+        window.skipped += micro.skipped.total()
         bar.update()
 
         signalled = preempted.signalled()
@@ -325,18 +326,13 @@ def fit(run: Setup, t: Trainee, validator: Validator, config_yaml: str) -> dict:
     return {"step": step, "stopped": False, "history": t.state["history"], "skipped": skipped}
 
 
-def add_skipped(total: dict, more: dict) -> None:
-    for reason, n in more.items():
-        total[reason] = total.get(reason, 0) + n
-
-
 def report_skipped(run: Setup, t: Trainee) -> dict:
     """Collective: the samples every data-parallel rank's loader skipped since the run began (by reason, over all
     resumes), printed in one line; each data-parallel rank counts once (its TP/CP/PP peers saw the same samples)."""
     total = checkpoint.skipped_total(run.fabric, t.state["skipped"])
     if total:
         reasons = ", ".join(f"{n} {reason.replace('_', ' ')}" for reason, n in sorted(total.items()))
-        run.fabric.print(f"skipped {sum(total.values())} samples of {run.cfg.data.path} while training ({reasons}); "
+        run.fabric.print(f"skipped {total.total()} samples of {run.cfg.data.path} while training ({reasons}); "
                          "the counts per logging window are in the metrics' skipped column")
     return total
 
@@ -438,7 +434,7 @@ class MicroBatches:
         self.waiting: dict[int, MicroBatch] = {}  # loaded, not taken yet
         self.shapes: list[tuple[int, int]] = []  # (rows, tokens per row) of every one loaded
         self.tokens, self.flops = 0, 0.0
-        self.skipped: dict[str, int] = {}
+        self.skipped: Counter = Counter()
 
     def take(self, i: int) -> MicroBatch:
         self._load_until(i)
@@ -457,7 +453,7 @@ class MicroBatches:
     def _load(self, i: int) -> MicroBatch:
         run, model_cfg, device = self.run, self.run.model_cfg, self.run.fabric.device
         batch = next(self.it)
-        add_skipped(self.skipped, batch.skipped)  # what the loader passed over to fill this batch
+        self.skipped.update(batch.skipped)  # what the loader passed over to fill this batch
         self.tokens += int(batch.mask.sum())  # still on the host
         check_positions(batch.pos, model_cfg.max_grid)  # here, not in the model's forward, where it would sync
         self.flops += batch_flops(model_cfg, batch)

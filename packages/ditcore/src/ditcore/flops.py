@@ -15,7 +15,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ditcore.models.dit import DiTConfig
-from ditcore.models.moviegen import MovieGenConfig
 
 
 @dataclass(frozen=True)
@@ -27,13 +26,10 @@ class FlopCount:
 
 def count_params(cfg: DiTConfig) -> FlopCount:
     D, L = cfg.hidden_size, cfg.depth
-    if isinstance(cfg, MovieGenConfig):  # grouped-query attention: fewer key/value features; SwiGLU: 3 matrices
-        kv = 2 * cfg.kv_heads * cfg.head_dim
-        block_tok = D * (D + kv) + D * D + 3 * D * cfg.ffn  # qkv, out projection, gate/up/down
-        text_kv = D * kv
-    else:
-        block_tok = 3 * D * D + D * D + 2 * D * int(D * cfg.mlp_ratio)  # qkv, out projection, MLP
-        text_kv = 2 * D * D
+    kv = 2 * cfg.kv_heads * cfg.head_dim  # key/value features: fewer than 2·D under grouped-query attention
+    mlp = (3 if cfg.gated_mlp else 2) * D * cfg.ffn  # in and out matrices (gated: gate, up and down)
+    block_tok = D * (D + kv) + D * D + mlp  # qkv, out projection, MLP
+    text_kv = D * kv
     block_text = 0
     if cfg.text_dim:
         block_tok += 2 * D * D  # cross-attention q and out projection

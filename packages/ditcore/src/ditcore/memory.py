@@ -329,7 +329,7 @@ def _activations(cfg: DiTConfig, lay: Layout) -> Activations:
     sp = lay.sequence_parallel and tp > 1
     Ta = B * N // lay.cp  # tokens a rank's attention queries: its context-parallel slice of every row
     T = Ta // (tp if sp else 1)  # tokens a rank holds outside attention: sequence parallelism splits them again
-    Dl, Hl, M = D // tp, H // tp, int(D * cfg.mlp_ratio) // tp  # a rank's share of features, heads, MLP columns
+    Dl, Hl, M = D // tp, H // tp, cfg.ffn // tp  # a rank's share of features, heads, MLP columns
     tok = T if lay.packed else B  # modulations: per token in packed rows, else one per row (broadcast)
     cpu, qk, nn_linear = lay.device == "cpu", cfg.qk_norm, tp == 1
     sdpa_mask = lay.attention == "sdpa" and lay.packed  # a dense (B, 1, Nq, Nk) float mask for every call

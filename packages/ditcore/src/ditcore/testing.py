@@ -48,8 +48,7 @@ def dit_forward_work(cfg: DiTConfig, seq_len: int, text_len: int = 0) -> int:
     text_len: text tokens each query may attend over. The conditioning vector and the text join the path
     from the side; their own reductions are counted once.
     """
-    D, hd = cfg.hidden_size, cfg.head_dim
-    mlp = getattr(cfg, "ffn", int(D * cfg.mlp_ratio))  # MovieGen's SwiGLU width, or the DiT's MLP
+    D, hd, mlp = cfg.hidden_size, cfg.head_dim, cfg.ffn
     freq = inspect.signature(ScalarEmbedder).parameters["freq_dim"].default  # its sinusoidal features
 
     def attention(keys: int) -> int:

@@ -75,6 +75,16 @@ class DiTConfig:
         return self.hidden_size // self.num_heads
 
     @property
+    def kv_heads(self) -> int:  # key/value heads: all of them (grouped-query architectures have fewer)
+        return self.num_heads
+
+    @property
+    def ffn(self) -> int:  # the MLP's hidden width
+        return int(self.hidden_size * self.mlp_ratio)
+
+    gated_mlp = False  # a SwiGLU-style MLP: two input matrices (gate, up) instead of one; not a config field
+
+    @property
     def patch_dim(self) -> int:  # features of one patch token
         return self.in_channels * self.patch_size_t * self.patch_size**2
 
@@ -290,8 +300,7 @@ class DiTBlock(nn.Module):
             self.norm_cross = LayerNorm(D, eps=1e-6)
             self.cross = CrossAttention(cfg)
         self.norm2 = LayerNorm(D, elementwise_affine=False, eps=1e-6)
-        hidden = int(D * cfg.mlp_ratio)
-        self.mlp = nn.Sequential(nn.Linear(D, hidden), nn.GELU(approximate="tanh"), nn.Linear(hidden, D))
+        self.mlp = nn.Sequential(nn.Linear(D, cfg.ffn), nn.GELU(approximate="tanh"), nn.Linear(cfg.ffn, D))
         self.adaLN = nn.Sequential(nn.SiLU(), nn.Linear(D, 6 * D))
 
     def forward(self, x: torch.Tensor, c: torch.Tensor, seg: torch.Tensor | None, a: AttentionInputs):
@@ -519,8 +528,3 @@ PRESETS |= {
 }
 
 
-def preset(name: str, **changes) -> DiTConfig:
-    """A preset's config with data-dependent fields filled in, e.g. preset("DiT-XL/2", num_classes=1000)."""
-    if name not in PRESETS:
-        raise ConfigError("model.preset", name, "one of " + ", ".join(PRESETS))
-    return PRESETS[name].replace(**changes)
