@@ -61,7 +61,7 @@ def test_batch_flops_counts_every_sample_at_its_own_length():
     assert batch_flops(cfg, b) == pytest.approx(want)
 
 
-@pytest.mark.parametrize("name", ["DiT-Tiny", "MovieGen-Tiny"])
+@pytest.mark.parametrize("name", ["DiT-Tiny", "ST-DiT-Tiny", "MovieGen-Tiny"])
 @pytest.mark.parametrize("text_dim", [0, 16])
 def test_weight_counts_match_the_matmuls_of_a_forward(name, text_dim):
     """torch's FLOP counter over one forward of one sample (N tokens, L text tokens): its matmuls with weights are
@@ -82,3 +82,40 @@ def test_weight_counts_match_the_matmuls_of_a_forward(name, text_dim):
     macs = sum(int(v) for op, v in ops.items() if str(op) in ("aten.mm", "aten.addmm", "aten.bmm")) // 2
     c = count_params(cfg)
     assert macs == c.per_token_params * N + c.per_text_token_params * (L if text_dim else 0) + c.per_sample_params
+
+
+@pytest.mark.parametrize("name", ["DiT-Tiny", "ST-DiT-Tiny"])
+def test_attention_term_counts_the_query_key_pairs_the_masks_allow(name):
+    """12·L·d·attended(n, f) per token is 3 (forward and backward) x 2 (QKᵀ and AV) x 2 (multiply-add) x d x the
+    (query, key) pairs a sample's blocks attend over, per token: count those pairs in the model's own masks, for a
+    clip of 3 frames of 4 x 5 tokens (ST-DiT: a frame's 20 tokens in half the blocks, a line's 3 in the other)."""
+    from ditcore.layout import grid_positions
+    from ditcore.models import build
+
+    cfg = preset(name)
+    model = build(cfg)
+    grid = (3, 4, 5)
+    n = grid[0] * grid[1] * grid[2]
+    seg = torch.zeros(1, n, dtype=torch.long)  # a mask even for the one sample
+    a = model.attention_inputs("sdpa", 1, grid_positions(grid), seg, None, None, slice(0, n), torch.float32)
+    views = [a, a.lines] if name.startswith("ST") else [a]
+    pairs = sum(int(v.mask.attn.sum()) for v in views) * cfg.depth // len(views)
+    c = count_params(cfg)
+    attention = training_flops_per_token(cfg, n, frames=grid[0]) - 6 * c.per_token_params
+    assert attention == 12 * cfg.hidden_size * pairs / n
+    assert pairs == (cfg.depth * n * n if name.startswith("DiT") else cfg.depth // 2 * (n * 20 + n * 3))
+
+
+def test_batch_flops_counts_each_clip_at_its_own_frames():
+    from ditcore.data.packing import PackedRow, TokenSample, collate
+    from ditcore.layout import grid_positions
+
+    def tok(grid):
+        n = grid[0] * grid[1] * grid[2]
+        return TokenSample("k", torch.zeros(n, 4), grid_positions(grid), grid, torch.zeros(0, 8), -1, 0.0, "")
+
+    cfg = preset("ST-DiT-Tiny")
+    b = collate([PackedRow([tok((1, 2, 2)), tok((3, 2, 2))]), PackedRow([tok((4, 2, 3))])], seq_length=24)
+    want = sum(training_flops_per_token(cfg, n, frames=f) * n for n, f in ((4, 1), (12, 3), (24, 4)))
+    assert batch_flops(cfg, b) == pytest.approx(want)
+    assert batch_flops(cfg, b) < batch_flops(preset("DiT-Tiny", depth=4), b)  # the same blocks attending to all

@@ -7,13 +7,12 @@ from torch import nn
 from ditcore.errors import ConfigError
 from ditcore.layout import grid_positions
 from ditcore.models import PRESETS, DiT, DiTConfig, build, preset
-from ditcore.models.attention import Mask, segments
-from ditcore.models.dit import AttentionInputs, DiTBlock, RowSplit, apply_rope, rope_angles
+from ditcore.models.dit import DiTBlock, apply_rope, rope_angles
 from ditcore.models.moviegen import MovieGenBlock
 from ditcore.testing import assert_close_fp32, dit_forward_work, dit_grad_work
 
-TINY = {"dit": "DiT-Tiny", "moviegen": "MovieGen-Tiny"}  # every architecture: the tests below take `arch`
-BLOCKS = {"dit": DiTBlock, "moviegen": MovieGenBlock}
+TINY = {"dit": "DiT-Tiny", "stdit": "ST-DiT-Tiny", "moviegen": "MovieGen-Tiny"}  # the tests below take `arch`
+BLOCKS = {"dit": DiTBlock, "stdit": DiTBlock, "moviegen": MovieGenBlock}
 
 
 def tiny(arch: str = "dit", **changes) -> DiTConfig:
@@ -39,10 +38,8 @@ def test_each_block_is_identity_at_init(arch, text_dim):
     model = build(cfg)
     N, B, D = 10, 2, cfg.hidden_size
     x, c = torch.randn(N, B, D), torch.randn(B, 1, D)  # blocks work sequence-first
-    a = AttentionInputs(batch=B, seq=N, rope=None, mask=Mask(None), rows=RowSplit())
-    if text_dim:
-        a.text = torch.randn(B, 5, D)
-        a.text_mask = segments("sdpa", torch.zeros(B, N, dtype=torch.long), torch.zeros(B, 5, dtype=torch.long))
+    text = torch.randn(B, 5, text_dim) if text_dim else None  # the model's own inputs of 2 frames of 5 tokens:
+    a = model.attention_inputs("sdpa", B, grid_positions((2, 1, 5)), None, text, None, slice(0, N), x.dtype)
     for block in model.blocks:
         assert isinstance(block, BLOCKS[arch])
         assert torch.equal(block(x, c, None, a), x)
@@ -77,7 +74,8 @@ def _sample(cfg, grid, text_len, g):
 
 @pytest.mark.parametrize(("arch", "pos_embed", "attention"),
                          [("dit", "rope", "sdpa"), ("dit", "sincos", "sdpa"), ("dit", "rope", "flex"),
-                          ("moviegen", "rope", "sdpa")])
+                          ("moviegen", "rope", "sdpa"), ("stdit", "rope", "sdpa"), ("stdit", "sincos", "sdpa"),
+                          ("stdit", "rope", "flex")])
 def test_packed_rows_equal_samples_run_alone(arch, pos_embed, attention):
     """flex on a CPU runs forward only (FlexAttention's reference path): the BlockMask says the same as the dense
     mask. tests/ditcore/models/test_attention.py checks it on a GPU with gradients."""

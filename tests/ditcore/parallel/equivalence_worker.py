@@ -20,6 +20,7 @@ from ditcore.models import apply_activation_checkpointing, build, preset
 from ditcore.parallel import (
     ParallelDims,
     consolidated_state_dict,
+    context_parallel,
     finalize_grads,
     grad_norm,
     load_consolidated,
@@ -33,8 +34,10 @@ from ditcore.training import stage_forward
 
 CFG = preset("DiT-Tiny", hidden_size=64, depth=2, num_heads=4, in_channels=4, num_classes=5, text_dim=16,
              fps_cond=True)
-# "moviegen:CASE" runs CASE on MovieGen's blocks (grouped-query attention: 4 query heads in 2 groups, SwiGLU)
-CONFIGS = {"dit": CFG, "moviegen": preset("MovieGen-Tiny", in_channels=4, num_classes=5, text_dim=16, fps_cond=True)}
+# "moviegen:CASE" runs CASE on MovieGen's blocks (grouped-query attention: 4 query heads in 2 groups, SwiGLU),
+# "stdit:CASE" on ST-DiT's (spatial and temporal blocks; its CP moves frames to time-lines by all-to-all)
+DATA = dict(in_channels=4, num_classes=5, text_dim=16, fps_cond=True)
+CONFIGS = {"dit": CFG, "moviegen": preset("MovieGen-Tiny", **DATA), "stdit": preset("ST-DiT-Tiny", **DATA)}
 B, GRID = 4, (2, 4, 4)  # 4 rows of 32 tokens
 
 
@@ -52,9 +55,14 @@ def unpacked_batch(g):
     )
 
 
-def packed_batch(g):
+# (T, H, W) grids of the samples packed in each of 2 rows of 32 tokens. ST-DiT's: a clip across the middle of each
+# row, whose frames (and time-lines) CP=2 splits between the ranks, with images and another clip beside it.
+PACKED = {"dit": [[(1, 4, 4), (1, 2, 4), (1, 2, 2)], [(2, 2, 3), (1, 3, 3)]],
+          "stdit": [[(1, 2, 4), (2, 2, 4), (1, 2, 2)], [(2, 2, 2), (2, 2, 4)]]}
+
+
+def packed_batch(g, rows=PACKED["dit"]):
     """2 rows of 32 tokens, each packing samples of different grids and text lengths, with padding."""
-    rows = [[(1, 4, 4), (1, 2, 4), (1, 2, 2)], [(2, 2, 3), (1, 3, 3)]]
     N, Lmax, S = 32, 12, 3
     x, noise = torch.randn(2, N, CFG.patch_dim, generator=g) * 0.5, torch.randn(2, N, CFG.patch_dim, generator=g)
     pos, seg = torch.zeros(2, N, 3, dtype=torch.long), torch.full((2, N), -1)
@@ -70,6 +78,17 @@ def packed_batch(g):
         cond=dict(pos=pos, class_labels=torch.randint(0, 6, (2, S), generator=g),
                   fps=torch.rand(2, S, generator=g) * 24, text=text, text_seg=text_seg),
     )
+
+
+SENT = [0]  # tokens this rank's all-to-alls (ST-DiT's CP) sent to other ranks in forward passes
+
+
+def counting_all_to_all(x, send, recv, group):
+    SENT[0] += sum(send) - send[dist.get_rank(group)]
+    return all_to_all(x, send, recv, group)
+
+
+all_to_all, context_parallel.all_to_all = context_parallel.all_to_all, counting_all_to_all
 
 
 class Recording(EDMPrecond):
@@ -149,11 +168,11 @@ def diff(a: torch.Tensor, b: torch.Tensor) -> tuple[float, float]:
     return d, d / max(b.double().abs().max().item(), 1e-30)
 
 
-def run_case(cfg, dims: ParallelDims, packed: bool, checkpointing: str = "none", fsdp: bool = False,
+def run_case(arch: str, dims: ParallelDims, packed: bool, checkpointing: str = "none", fsdp: bool = False,
              per_row: bool = False) -> dict:
     """per_row: a micro-batch per row, whose gradients accumulate (the reference does the same)."""
-    g = torch.Generator().manual_seed(7)
-    batch = packed_batch(g) if packed else unpacked_batch(g)
+    cfg, g = CONFIGS[arch], torch.Generator().manual_seed(7)
+    batch = packed_batch(g, PACKED.get(arch, PACKED["dit"])) if packed else unpacked_batch(g)
 
     torch.manual_seed(0)
     ref = build(cfg)
@@ -180,6 +199,7 @@ def run_case(cfg, dims: ParallelDims, packed: bool, checkpointing: str = "none",
     per_rank = batch["x"].shape[0] // dp_size
     mine = slice(dp_rank * per_rank, (dp_rank + 1) * per_rank)
     micro = per_rank if per_row else 1
+    SENT[0] = 0
     if dims.pp == 1:
         out, loss = step(model, rows(batch, mine), wrapper, micro)
     else:  # no DDP: its hooks assume one backward per forward; the schedule's gradients are reduced after it
@@ -197,7 +217,7 @@ def run_case(cfg, dims: ParallelDims, packed: bool, checkpointing: str = "none",
     loss_avg = loss.clone()
     dist.all_reduce(loss_avg, group=groups.dp_cp_group)
     loss_avg /= dist.get_world_size(groups.dp_cp_group)
-    result = {"output": diff(out, ref_out[mine]), "loss": diff(loss_avg, ref_loss)}
+    result = {"output": diff(out, ref_out[mine]), "loss": diff(loss_avg, ref_loss), "all_to_all_tokens": SENT[0]}
     if grads is not None:
         result["grad"] = max((diff(grads[k], ref_grads[k]) for k in ref_grads), key=lambda d: d[1])
         result["grad_max_param"] = max(ref_grads, key=lambda k: diff(grads[k], ref_grads[k])[1])
@@ -242,6 +262,7 @@ CASES = {
     "fsdp_tp2_sp_packed": (ParallelDims(tp=2, sequence_parallel=True), True, "none", True),  # FSDP over one rank
     "fsdp_cp2_packed_selective": (ParallelDims(cp=2), True, "selective", True),
     "fsdp_tp2_sp_dp2": (ParallelDims(tp=2, sequence_parallel=True), False, "block", True),  # 4 processes
+    "cp2_tp2_sp_packed": (ParallelDims(cp=2, tp=2, sequence_parallel=True), True),  # 4 processes
     # pipeline: 1F1B over a micro-batch per row (the first stage runs one ahead, then one forward, one backward)
     "pp2": (ParallelDims(pp=2), False, "none", False, True),
     "pp2_packed": (ParallelDims(pp=2), True, "none", False, True),
@@ -257,7 +278,7 @@ def main() -> None:
     results = {}
     for name in sys.argv[2:] or CASES:
         arch, _, case = name.rpartition(":")
-        results[name] = run_case(CONFIGS[arch or "dit"], *CASES[case])
+        results[name] = run_case(arch or "dit", *CASES[case])
     if dist.get_rank() == 0:
         with open(sys.argv[1], "w") as f:
             json.dump(results, f, indent=1)

@@ -67,9 +67,10 @@ class Section(BaseModel):
 
 
 class Model(Section):
-    arch: Literal["dit", "moviegen"] = Field("dit", description="dit: the DiT (adaLN-Zero); moviegen: MovieGen's "
-                                                               "Llama-style DiT (RMSNorm, SwiGLU, grouped-query "
-                                                               "attention). The preset is one of its sizes")
+    arch: Literal["dit", "stdit", "moviegen"] = Field(
+        "dit", description="dit: the DiT (adaLN-Zero); stdit: the spatio-temporal DiT (blocks alternate attention "
+                           "within frames and within time-lines); moviegen: MovieGen's Llama-style DiT (RMSNorm, "
+                           "SwiGLU, grouped-query attention). The preset is one of its sizes")
     preset: str = Field("DiT-Demo", description="a name from ditcore.models.PRESETS; data-dependent fields come "
                                                 "from the dataset")
     patch_size: int | None = Field(None, ge=1, description="overrides the preset's spatial patch")

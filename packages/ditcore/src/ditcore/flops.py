@@ -4,6 +4,9 @@ Training FLOPs per latent token (the usual 6N + attention rule, as in the refere
 
     6 · N_tok  +  12 · L · d · S  [ + 12 · L · d · S_text  with cross-attention ]
 
+where S is the number of keys a query attends over: the sample's tokens, or for ST-DiT's factorised attention the
+mean of a frame's tokens and a time-line's (`DiTConfig.attended`).
+
 N_tok counts only weights applied to every token (patch embedding, attention and MLP projections,
 cross-attention queries/outputs, output projection). Weights applied once per sample (adaLN
 modulation, timestep/class/fps embedders) are excluded; text-side weights (the caption projection and
@@ -43,27 +46,29 @@ def count_params(cfg: DiTConfig) -> FlopCount:
     return FlopCount(per_token, per_text, per_sample)
 
 
-def training_flops_per_token(cfg: DiTConfig, seq_len: int, text_len: int = 0) -> float:
-    """Training FLOPs (forward + backward) per latent token, for samples of seq_len latent tokens."""
+def training_flops_per_token(cfg: DiTConfig, seq_len: int, text_len: int = 0, frames: int = 1) -> float:
+    """Training FLOPs (forward + backward) per latent token, for samples of seq_len latent tokens in `frames`
+    frames (of tokens: after the temporal patch)."""
     c = count_params(cfg)
     d, L = cfg.hidden_size, cfg.depth
-    flops = 6 * c.per_token_params + 12 * L * d * seq_len
+    flops = 6 * c.per_token_params + 12 * L * d * cfg.attended(seq_len, frames)
     if cfg.text_dim and text_len:
         flops += 12 * L * d * text_len  # cross-attention scores and weighted values
         flops += 6 * c.per_text_token_params * text_len / seq_len  # text-side weights, spread over tokens
     return flops
 
 
-def training_flops_per_sample(cfg: DiTConfig, seq_len: int, text_len: int = 0) -> float:
-    return training_flops_per_token(cfg, seq_len, text_len) * seq_len
+def training_flops_per_sample(cfg: DiTConfig, seq_len: int, text_len: int = 0, frames: int = 1) -> float:
+    return training_flops_per_token(cfg, seq_len, text_len, frames) * seq_len
 
 
 def batch_flops(cfg: DiTConfig, batch) -> float:
     """Training FLOPs of a packed batch (ditcore.data.packing.PackedBatch): every sample at its own token and
     text length, as if it had been run alone; padding costs nothing.
 
-    training_flops_per_sample is a polynomial in a sample's token count n and text length t, so the batch's
-    total needs only Σn, Σn², Σn·t and Σt over its samples: a few tensor reductions on the host, no loop.
+    training_flops_per_sample is a polynomial in a sample's token count n, frame count f and text length t, so the
+    batch's total needs only Σn, Σn·attended(n, f), Σn·t and Σt over its samples: a few tensor reductions on the
+    host, no loop.
     """
     import torch
 
@@ -75,22 +80,27 @@ def batch_flops(cfg: DiTConfig, batch) -> float:
         return torch.bincount(flat, minlength=B * S).double()
 
     n, t = per_sample(batch.seg), per_sample(batch.text_seg)
+    real = batch.seg >= 0
+    last = torch.zeros(B * S, dtype=torch.long).scatter_reduce(  # each sample's last frame
+        0, (torch.arange(B)[:, None] * S + batch.seg)[real], batch.pos[..., 0][real], "amax")
+    f = (last + 1).double()
     c = count_params(cfg)
     d, L = cfg.hidden_size, cfg.depth
-    total = 6 * c.per_token_params * n.sum() + 12 * L * d * n.square().sum()
+    total = 6 * c.per_token_params * n.sum() + 12 * L * d * (n * cfg.attended(n, f)).sum()
     if cfg.text_dim:
         total = total + 12 * L * d * (n * t).sum() + 6 * c.per_text_token_params * t.sum()
     return float(total)
 
 
-def forward_macs(cfg: DiTConfig, seq_len: int, text_len: int = 0, per_sample_weights: bool = True) -> float:
+def forward_macs(cfg: DiTConfig, seq_len: int, text_len: int = 0, per_sample_weights: bool = True,
+                 frames: int = 1) -> float:
     """Multiply-accumulates of one forward pass of one sample: what the DiT paper's table calls Gflops.
 
     With per_sample_weights (as the paper's counter does) the adaLN and embedder matmuls are included.
     """
     c = count_params(cfg)
     d, L = cfg.hidden_size, cfg.depth
-    macs = c.per_token_params * seq_len + 2 * L * d * seq_len**2  # projections + QKᵀ and AV
+    macs = c.per_token_params * seq_len + 2 * L * d * seq_len * cfg.attended(seq_len, frames)  # + QKᵀ and AV
     if cfg.text_dim and text_len:
         macs += c.per_text_token_params * text_len + 2 * L * d * seq_len * text_len
     if per_sample_weights:

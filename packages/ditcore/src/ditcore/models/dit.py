@@ -84,6 +84,11 @@ class DiTConfig:
 
     gated_mlp = False  # a SwiGLU-style MLP: two input matrices (gate, up) instead of one; not a config field
 
+    def attended(self, tokens: float, frames: float) -> float:
+        """Keys each query attends over, on average over the blocks, in a sample of `tokens` tokens in `frames`
+        frames: all of them (factorised architectures attend over fewer)."""
+        return tokens
+
     @property
     def patch_dim(self) -> int:  # features of one patch token
         return self.in_channels * self.patch_size_t * self.patch_size**2
@@ -334,6 +339,7 @@ class FinalLayer(nn.Module):
 class DiT(nn.Module):
     block_class: type[nn.Module] = DiTBlock  # an architecture that differs only in its blocks subclasses DiT
     norm_class: type[nn.Module] = LayerNorm  # the final layer's norm
+    context_parallel = "all_gather"  # how ditcore.parallel splits rows: attention gathers the whole row's keys
 
     def __init__(self, cfg: DiTConfig, attention: str = "auto"):
         super().__init__()
@@ -349,10 +355,14 @@ class DiT(nn.Module):
         if cfg.text_dim:
             self.text_embedder = nn.Sequential(
                 nn.Linear(cfg.text_dim, D), nn.GELU(approximate="tanh"), nn.Linear(D, D))
-        self.blocks = nn.ModuleList([self.block_class(cfg) for _ in range(cfg.depth)])
+        self.blocks = nn.ModuleList([self.new_block(i) for i in range(cfg.depth)])
         self.final = FinalLayer(cfg, self.norm_class)
         self.rows = RowSplit()
         self.init_weights()
+
+    def new_block(self, i: int) -> nn.Module:
+        """The i-th block (of `cfg.depth`): a `block_class`; an architecture whose blocks differ overrides it."""
+        return self.block_class(self.cfg)
 
     @property
     def null_class(self) -> int:
@@ -415,6 +425,45 @@ class DiT(nn.Module):
             c = c + self.fps_embedder(fps)
         return c
 
+    def attention_inputs(self, backend: str, B: int, pos, seg, text, text_seg, span: slice, dtype) -> AttentionInputs:
+        """What every block's attention needs for B rows with positions `pos` and samples `seg`, this rank's queries
+        being the tokens `span` of each row: positions, masks and the projected text, built once per forward."""
+        seq = span.stop - span.start
+        q_seg = None if seg is None else seg[:, span]
+        mask = segments(backend, q_seg, seg)  # block-diagonal over samples; built once, shared by all blocks
+        mask.has_keys = None  # every query is a key of its own sample: no output to zero on this hot path
+        a = AttentionInputs(batch=B, seq=seq, rope=self.rope(pos[..., span, :], dtype), mask=mask, rows=self.rows)
+        if self.cfg.text_dim:
+            a.text = self.embed_text(text)
+            a.text_mask = self.text_mask(backend, q_seg, text_seg, seq, text)
+        return a
+
+    def embed_text(self, text: torch.Tensor | None) -> torch.Tensor:
+        """Text states (B, L, text_dim) → (B, L, D) for cross-attention; never split across ranks."""
+        if text is None:
+            raise ValueError(f"this model cross-attends to text: pass text (B, L, {self.cfg.text_dim}) "
+                             "and text_seg (use L=0 for no text)")
+        return self.text_embedder(text)
+
+    def rope(self, pos: torch.Tensor, dtype) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """RoPE's (cos, sin), each (B or 1, 1, n, hd/2), of the queries at positions `pos` (B or -, n, 3)."""
+        if self.cfg.pos_embed != "rope":
+            return None
+        angles = rope_angles(pos, self.cfg.head_dim, self.cfg.rope_theta)  # (B or -, n, hd/2)
+        angles = angles.reshape(-1, 1, pos.shape[-2], angles.shape[-1])
+        return angles.cos().to(dtype), angles.sin().to(dtype)  # shared by all blocks
+
+    @staticmethod
+    def text_mask(backend: str, q_seg, text_seg, seq: int, text: torch.Tensor) -> Mask:
+        """Cross-attention: each query (samples q_seg, (B, seq) or None) over its own sample's text tokens."""
+        if not text.shape[1] or (q_seg is None and text_seg is None):  # every query sees every text token
+            return Mask(None)
+        if q_seg is None:
+            q_seg = torch.zeros(text.shape[0], seq, dtype=torch.long, device=text.device)
+        if text_seg is None:
+            text_seg = torch.zeros(text.shape[:2], dtype=torch.long, device=text.device)
+        return segments(backend, q_seg, text_seg)
+
     def forward(
         self,
         x: torch.Tensor,
@@ -441,7 +490,6 @@ class DiT(nn.Module):
         if pos.device.type == "cpu":  # free on the host; on a GPU it would stall every forward (callers check)
             check_positions(pos, cfg.max_grid)
         attn_span, local = self.rows.spans(N)  # tokens this rank's attention sees; tokens it holds
-        seq = attn_span.stop - attn_span.start
         seg_local = None if seg is None else seg[:, local]
         c = self.condition(c_noise.reshape(B, -1), class_labels, fps)  # (B, S, D)
 
@@ -454,30 +502,8 @@ class DiT(nn.Module):
             raise ValueError("this pipeline stage starts from the previous stage's output: pass hidden (n, B, D)")
         else:
             h = hidden
-        rope = None
-        if cfg.pos_embed == "rope":
-            angles = rope_angles(pos[..., attn_span, :], cfg.head_dim, cfg.rope_theta)  # (B or -, seq, hd/2)
-            angles = angles.reshape(-1, 1, seq, angles.shape[-1])
-            rope = angles.cos().to(h.dtype), angles.sin().to(h.dtype)  # shared by all blocks
         backend = resolve(self.attention, x.device, training=torch.is_grad_enabled())
-        q_seg = None if seg is None else seg[:, attn_span]
-        mask = segments(backend, q_seg, seg)  # block-diagonal over samples; built once, shared by all blocks
-        mask.has_keys = None  # every query is a key of its own sample: no output to zero on this hot path
-        a = AttentionInputs(batch=B, seq=seq, rope=rope, mask=mask, rows=self.rows)
-
-        if cfg.text_dim:
-            if text is None:
-                raise ValueError(f"this model cross-attends to text: pass text (B, L, {cfg.text_dim}) "
-                                 "and text_seg (use L=0 for no text)")
-            a.text = self.text_embedder(text)  # (B, L, D); never split across ranks
-            if text.shape[1] and (seg is not None or text_seg is not None):  # else every query sees every text token
-                if q_seg is None:
-                    q_seg = x.new_zeros(B, seq, dtype=torch.long)
-                if text_seg is None:
-                    text_seg = x.new_zeros(B, text.shape[1], dtype=torch.long)
-                a.text_mask = segments(backend, q_seg, text_seg)
-            else:
-                a.text_mask = Mask(None)
+        a = self.attention_inputs(backend, B, pos, seg, text, text_seg, attn_span, h.dtype)
 
         for block in self.blocks:
             h = block(h, c, seg_local, a)

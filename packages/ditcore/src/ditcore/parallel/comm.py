@@ -37,3 +37,25 @@ def gather_seq(x: torch.Tensor, group, grad: Literal["split", "reduce_scatter"])
     if dist.get_world_size(group) == 1:
         return x
     return _GatherSeq.apply(x, group, grad)
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, send: list[int], recv: list[int], group) -> torch.Tensor:
+        ctx.send, ctx.recv, ctx.group = send, recv, group
+        out = x.new_empty((sum(recv), *x.shape[1:]))
+        dist.all_to_all_single(out, x.contiguous(), output_split_sizes=recv, input_split_sizes=send, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        grad = grad_out.new_empty((sum(ctx.send), *grad_out.shape[1:]))
+        dist.all_to_all_single(grad, grad_out.contiguous(), output_split_sizes=ctx.send,
+                               input_split_sizes=ctx.recv, group=ctx.group)
+        return grad, None, None, None
+
+
+def all_to_all(x: torch.Tensor, send: list[int], recv: list[int], group) -> torch.Tensor:
+    """Send x's first `send[r]` rows (dim 0) to rank r, the next ones onward; receive `recv[r]` rows from rank r, in
+    rank order. Its backward sends the gradients back the same way."""
+    return _AllToAll.apply(x, send, recv, group)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from ditcore.parallel.context_parallel import SplitRows
+from ditcore.parallel.context_parallel import SplitRows, SwapRows
 from ditcore.parallel.dims import ParallelGroups
 from ditcore.parallel.pipeline import split_stages
 from ditcore.parallel.plan import plan_for
@@ -28,7 +28,7 @@ def parallelize(model: nn.Module, groups: ParallelGroups) -> nn.Module:
     if dims.tp > 1:
         apply_tensor_parallel(model, plan, groups, sp)
     if dims.cp > 1 or sp:
-        model.rows = SplitRows(groups, sp)
+        model.rows = (SwapRows if model.context_parallel == "all_to_all" else SplitRows)(groups, sp)
     params = dict(model.named_parameters())
     for name in names:
         p = params[name]

@@ -26,6 +26,7 @@ from torch import nn
 
 from ditcore.models.dit import DiT
 from ditcore.models.moviegen import MovieGen
+from ditcore.models.stdit import STDiT
 
 
 @dataclass(frozen=True)
@@ -155,7 +156,8 @@ MOVIEGEN_PLAN = Plan(
 )
 
 
-PLANS: dict[type[nn.Module], Plan] = {DiT: DIT_PLAN, MovieGen: MOVIEGEN_PLAN}
+# ST-DiT (ditcore.models.stdit): DiT blocks throughout, so the DiT's plan; its context parallelism differs (SwapRows)
+PLANS: dict[type[nn.Module], Plan] = {DiT: DIT_PLAN, STDiT: DIT_PLAN, MovieGen: MOVIEGEN_PLAN}
 
 
 def plan_for(model: nn.Module) -> Plan:

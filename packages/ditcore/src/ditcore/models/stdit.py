@@ -1,0 +1,179 @@
+"""ST-DiT: a spatio-temporal DiT (Open-Sora's STDiT; Zheng et al., "Open-Sora: Democratizing Efficient Video
+Production for All", 2024), whose attention is factorised: blocks alternate between spatial self-attention over
+the H'×W' tokens of each frame and temporal self-attention over the T' tokens at each spatial position.
+
+Every block is a DiT block (adaLN-Zero, self-attention, cross-attention to the text, MLP): the even ones attend
+within frames, the odd ones within time-lines, as in Open-Sora 1.2's STDiT3 (a spatial and a temporal block per
+depth step). Tokens are stored in frames order, (t, h, w) row-major per sample (ditcore.layout), where each
+frame is a contiguous run. A temporal block really regroups them: it moves every sample's tokens into lines order,
+(h, w, t), where each time-line is a contiguous run, attends, and moves them back. Attention masks then only
+separate runs: a token sees its own frame (or its own line) of its own sample, so packed rows of mixed images and
+clips work as for the DiT; an image is a one-frame clip, whose time-lines are single tokens.
+
+On one process the regrouping is a gather. Under context parallelism each rank holds whole frames and, after one
+all-to-all, whole time-lines (ditcore.parallel.context_parallel.SwapRows): no attention needs another rank's keys.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ditcore.errors import ConfigError
+from ditcore.models.attention import segments
+from ditcore.models.dit import AttentionInputs, DiT, DiTBlock, DiTConfig, RowSplit
+
+
+@dataclass(frozen=True)
+class STDiTConfig(DiTConfig):
+    """`depth` counts blocks, spatial and temporal alike: depth 56 is 28 (spatial, temporal) pairs."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.depth % 2:
+            raise ConfigError("depth", self.depth, "an even number of blocks: spatial and temporal ones alternate")
+
+    def attended(self, tokens: float, frames: float) -> float:
+        # half the blocks attend over a frame's tokens, the other half over a time-line's
+        return (tokens / frames + frames) / 2
+
+
+# --------------------------------------------------------------------------------------------------
+# Frames and lines of packed rows
+
+
+@dataclass
+class Factorised:
+    """A row's frames and time-lines. Ids are -1 on padding; `to_lines[b, j]` is the frames-order index of the token
+    at lines-order index j, `to_frames` the inverse. Shapes (B or 1, N); `pos` (B or 1, N, 3) in lines order."""
+
+    frames: torch.Tensor  # frame id of each token, frames order
+    lines: torch.Tensor  # line id of each token, lines order
+    to_lines: torch.Tensor
+    to_frames: torch.Tensor
+    pos: torch.Tensor
+    seg: torch.Tensor | None  # sample of each token, lines order
+
+
+def factorise(seg: torch.Tensor | None, pos: torch.Tensor, max_grid: tuple[int, int, int]) -> Factorised:
+    """Frames and lines of rows whose samples `seg` (B, N) (None: one per row) are contiguous runs, each in frames
+    order, at positions `pos` (B or -, N, 3). A sample keeps its place in the row; only its tokens are reordered."""
+    if pos.ndim == 2:
+        pos = pos[None]
+    if seg is not None and pos.shape[0] != seg.shape[0]:
+        pos = pos.expand(seg.shape[0], -1, -1)
+    Tm, Hm, Wm = max_grid
+    t, h, w = pos.unbind(-1)
+    if seg is None:
+        sample = start = torch.zeros_like(t)
+    else:
+        sample = seg
+        index = torch.arange(seg.shape[1], device=seg.device).expand_as(seg)
+        first = torch.ones_like(seg, dtype=torch.bool)
+        first[:, 1:] = seg[:, 1:] != seg[:, :-1]
+        start = torch.where(first, index, 0).cummax(-1).values  # where each token's sample begins in the row
+    real = sample >= 0
+    frames = torch.where(real, sample * Tm + t, -1)
+    line = torch.where(real, sample * (Hm * Wm) + h * Wm + w, -1)
+    to_lines = (start * (Tm * Hm * Wm) + (h * Wm + w) * Tm + t).argsort(dim=-1, stable=True)
+    seg_lines = None if seg is None else seg.gather(-1, to_lines)
+    return Factorised(frames=frames, lines=line.gather(-1, to_lines), to_lines=to_lines,
+                      to_frames=to_lines.argsort(-1), pos=pos.gather(-2, to_lines[..., None].expand(-1, -1, 3)),
+                      seg=seg_lines)
+
+
+def reorder(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """Sequence-first x (N, B, D) → (N, B, D) whose token j of row b is x[index[b, j], b]; index (B or 1, N)."""
+    if index.shape[0] == 1:
+        return x.index_select(0, index[0])
+    return x.gather(0, index.T[:, :, None].expand(-1, -1, x.shape[-1]))
+
+
+class Regroup:
+    """Moves one process's whole rows between frames and lines order (a gather each way)."""
+
+    def __init__(self, f: Factorised):
+        self.f = f
+
+    def to_lines(self, x: torch.Tensor) -> torch.Tensor:
+        return reorder(x, self.f.to_lines)
+
+    def to_frames(self, x: torch.Tensor) -> torch.Tensor:
+        return reorder(x, self.f.to_frames)
+
+
+class LineRows(RowSplit):
+    """ST-DiT's rows on one process: all tokens here; ditcore.parallel replaces it with an all-to-all split."""
+
+    def regroup(self, f: Factorised) -> Regroup:
+        return Regroup(f)
+
+
+# --------------------------------------------------------------------------------------------------
+# Blocks and model
+
+
+@dataclass
+class STInputs(AttentionInputs):
+    """The spatial blocks' attention inputs (frames order), with what the temporal blocks need."""
+
+    lines: AttentionInputs | None = None  # the same for the temporal blocks: lines order
+    lines_seg: torch.Tensor | None = None  # sample of each token this rank holds, lines order
+    regroup: Regroup | None = None
+
+
+class TemporalBlock(DiTBlock):
+    """A DiT block over time-lines: its input and output are in frames order, its layers work in lines order."""
+
+    def forward(self, x: torch.Tensor, c: torch.Tensor, seg: torch.Tensor | None, a: STInputs):
+        x = a.regroup.to_lines(x)
+        x = super().forward(x, c, a.lines_seg, a.lines)
+        return a.regroup.to_frames(x)
+
+
+class STDiT(DiT):
+    """The DiT with factorised attention (see the module's docstring); same inputs, outputs and initialisation."""
+
+    context_parallel = "all_to_all"  # ditcore.parallel gives it SwapRows: whole frames, then whole lines, per rank
+
+    def __init__(self, cfg: STDiTConfig, attention: str = "auto"):
+        super().__init__(cfg, attention)
+        self.rows = LineRows()
+
+    def new_block(self, i: int) -> nn.Module:
+        return (TemporalBlock if i % 2 else DiTBlock)(self.cfg)
+
+    def attention_inputs(self, backend: str, B: int, pos, seg, text, text_seg, span: slice, dtype) -> STInputs:
+        f = factorise(seg, pos, self.cfg.max_grid)
+        regroup = self.rows.regroup(f)  # under context parallelism: checks every rank holds whole frames and lines
+        local = self.rows.spans(pos.shape[-2])[1]
+        seq = span.stop - span.start
+
+        def view(ids: torch.Tensor, positions: torch.Tensor, cls=AttentionInputs, **more):
+            # this rank's queries see keys of this rank only: whole frames (lines) are here
+            mask = segments(backend, ids[:, span], ids[:, span])
+            mask.has_keys = None  # every query is a key of its own frame or line
+            return cls(batch=B, seq=seq, rope=self.rope(positions[..., span, :], dtype), mask=mask, rows=self.rows,
+                       **more)
+
+        lines = view(f.lines, f.pos)
+        frames = view(f.frames, pos, STInputs, lines=lines, regroup=regroup,
+                      lines_seg=None if f.seg is None else f.seg[:, local])
+        if self.cfg.text_dim:
+            frames.text = lines.text = self.embed_text(text)
+            frames.text_mask = self.text_mask(backend, None if seg is None else seg[:, span], text_seg, seq, text)
+            lines.text_mask = self.text_mask(backend, None if f.seg is None else f.seg[:, span], text_seg, seq, text)
+        return frames
+
+
+# Open-Sora's STDiT-XL/2 width and depth: 1152 wide, 16 heads, 28 depth steps of a spatial and a temporal block (as
+# STDiT3-XL/2), patch 1 x 2 x 2. Its blocks share one adaLN projection of the timestep; here each block has its own,
+# as the DiT's do (0.46 B parameters more). A tiny one for tests.
+PRESETS: dict[str, STDiTConfig] = {
+    "ST-DiT-XL/2": STDiTConfig(hidden_size=1152, depth=56, num_heads=16, patch_size=2),
+    "ST-DiT-Tiny": STDiTConfig(hidden_size=64, depth=4, num_heads=4),
+}
+
+__all__ = ["PRESETS", "STDiT", "STDiTConfig", "TemporalBlock", "factorise"]
