@@ -3,7 +3,7 @@
 import pytest
 from torch import nn
 
-from ditcore.models import DiT, MovieGen, preset
+from ditcore.models import DiT, MovieGen, build, preset
 from ditcore.parallel.plan import DIT_PLAN, MOVIEGEN_PLAN, ColumnParallel, plan_for
 
 FULL = dict(text_dim=24, num_classes=5, fps_cond=True)  # every optional layer of the DiT
@@ -60,6 +60,9 @@ def test_which_replicated_gradients_are_partial(name, tp_only, with_sp):
 
 def test_every_architecture_has_a_plan():
     assert plan_for(DiT(preset("DiT-Tiny"))) is DIT_PLAN
+    stdit = build(preset("ST-DiT-Tiny", **FULL))
+    assert plan_for(stdit) is DIT_PLAN  # its blocks are DiT blocks
+    DIT_PLAN.check(stdit)
     moviegen = MovieGen(preset("MovieGen-Tiny", **FULL))
     assert plan_for(moviegen) is MOVIEGEN_PLAN
     MOVIEGEN_PLAN.check(moviegen)  # every parameter covered once, every entry names layers that exist
