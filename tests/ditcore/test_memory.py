@@ -39,7 +39,7 @@ from ditcore.diffusion import EMA, EDMLoss, EDMPrecond
 from ditcore.errors import ConfigError
 from ditcore.layout import grid_positions
 from ditcore.memory import GiB, Layout, advise, measured_state_bytes, parameters, plan_from
-from ditcore.models import DiT, apply_activation_checkpointing, preset
+from ditcore.models import DiT, apply_activation_checkpointing, build, preset
 from ditcore.parallel.dims import ParallelDims
 from ditcore.parallel.pipeline import split_stages, stage_blocks
 from ditcore.training import stage_forward
@@ -250,7 +250,7 @@ class ActivationMeter(TorchDispatchMode):
 def measure(cfg, mode: str, batch: dict, precision: str) -> tuple[int, int]:
     """(bytes alive after the forward, peak bytes over forward and backward) of a training step's activations."""
     torch.manual_seed(0)
-    model = apply_activation_checkpointing(DiT(cfg, attention="sdpa"), mode)
+    model = apply_activation_checkpointing(build(cfg, attention="sdpa"), mode)
     meter = ActivationMeter(model)
     autocast = torch.autocast("cpu", torch.bfloat16) if precision == "bf16" else contextlib.nullcontext()
     with meter:
@@ -292,9 +292,25 @@ CASES = [(shape, mode, "fp32") for shape in SHAPES for mode in ("none", "block",
 CASES += [("text-2x48", mode, "bf16") for mode in ("none", "block", "selective")]  # CPU autocast
 
 
+# The other architectures on the same batches: MovieGen (RMSNorm, grouped-query attention, SwiGLU) and ST-DiT (masks
+# and positions of frames and of time-lines, tokens regrouped in its temporal blocks)
+ARCHS = ["MovieGen-Tiny", "ST-DiT-Tiny"]
+CASES += [(f"{shape}:{name}", mode, precision) for name in ARCHS for shape, mode, precision in CASES]
+
+
+def shape_of(case: str):
+    """A SHAPES entry, its model turned into another architecture's tiny preset by `SHAPE:PRESET`."""
+    shape, _, name = case.partition(":")
+    cfg, rows, N, L = SHAPES[shape]
+    if name:
+        cfg = preset(name, text_dim=cfg.text_dim, num_classes=cfg.num_classes, fps_cond=cfg.fps_cond,
+                     depth=2 * cfg.depth)
+    return cfg, rows, N, L
+
+
 @pytest.mark.parametrize(("shape", "mode", "precision"), CASES)
 def test_activations_kept_and_peak(shape, mode, precision):
-    cfg, rows, N, L = SHAPES[shape]
+    cfg, rows, N, L = shape_of(shape)
     batch, S = packed_batch(cfg, rows, N, L, torch.Generator().manual_seed(1))
     kept, peak = measure(cfg, mode, batch, precision)
     plan = plan_from(cfg, cpu_layout(micro_batch=len(rows), seq_length=N, text_len=L, samples_per_row=S,

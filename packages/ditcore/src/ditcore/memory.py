@@ -332,11 +332,19 @@ def _activations(cfg: DiTConfig, lay: Layout) -> Activations:
     Dl, Hl, M = D // tp, H // tp, cfg.ffn // tp  # a rank's share of features, heads, MLP columns
     tok = T if lay.packed else B  # modulations: per token in packed rows, else one per row (broadcast)
     cpu, qk, nn_linear = lay.device == "cpu", cfg.qk_norm, tp == 1
-    sdpa_mask = lay.attention == "sdpa" and lay.packed  # a dense (B, 1, Nq, Nk) float mask for every call
+    views = 2 if cfg.factorised else 1  # ST-DiT's blocks attend within frames or within time-lines: two sets of masks
+    keys = Ta if cfg.factorised else N  # ... over keys of this rank only (whole frames and lines are local)
+    # a dense (B, 1, Nq, Nk) float mask for every call; ST-DiT's separate frames even in rows of one sample
+    sdpa_mask = lay.attention == "sdpa" and (lay.packed or cfg.factorised)
     kernel_cached = lay.attention == "sdpa" or lay.compile  # eager flex calls a kernel compiled apart: unseen
 
-    def norm(tokens: int) -> int:  # a LayerNorm's output (the next op keeps it), its mean and rstd
-        return tokens * D * a + 2 * tokens * (a if cpu else FP32)  # CUDA keeps the statistics in fp32
+    def norm(tokens: int) -> int:
+        """A LayerNorm's output (the next op keeps it), its mean and rstd (CUDA keeps the statistics in fp32); an
+        RMSNorm's output and its rstd (fp32), and on the CPU, whose decomposition computes in fp32, an fp32 copy of
+        a bf16 input instead of the input (the residual, which is kept anyway: only the difference counts)."""
+        if not cfg.rms_norm:
+            return tokens * D * a + 2 * tokens * (a if cpu else FP32)
+        return tokens * D * a + tokens * FP32 + (tokens * D * (FP32 - a) if cpu else 0)
 
     def rms(tokens: int) -> int:
         """QK-RMSNorm: CUDA's fused kernel keeps its input (a projection's output) and rstd (fp32); the CPU's
@@ -345,8 +353,12 @@ def _activations(cfg: DiTConfig, lay: Layout) -> Activations:
             return 0
         return tokens * Hl * FP32 + (tokens * Dl * (FP32 if a == FP32 else 2 * FP32) if cpu else 0)
 
+    KVl = cfg.kv_heads * hd // tp  # a rank's key (or value) features: fewer than Dl under grouped-query attention
+    grouped = cfg.kv_heads < cfg.num_heads
     q = Ta * Dl * a if cfg.pos_embed == "rope" or qk else 0  # attention's q: made by RoPE or the norm (else a view)
     k = B * N * 2 * Dl * a if lay.cp > 1 else q  # under CP attention keeps the k and v gathered from the whole row
+    if grouped:  # it keeps the keys and values shared out to every query head: copies of both
+        k = (B * N if lay.cp > 1 else Ta) * 2 * Dl * a
     saved = {
         "adaLN_in": B * S * D * a,  # SiLU(c)
         "adaLN": B * S * 6 * D * a,  # per_token's input
@@ -355,23 +367,24 @@ def _activations(cfg: DiTConfig, lay: Layout) -> Activations:
         "norm1": norm(T),
         "scale_attn": tok * D * a,  # 1 + scale
         "qkv_in": T * D * a,  # modulated (sequence parallel: this rank's tokens, gathered again in backward)
-        "qkv": Ta * 3 * Dl * a,  # the norms' input, and v
+        "qkv": Ta * (Dl + 2 * KVl) * a,  # the norms' input, and v
         "qk_norm": 2 * rms(Ta),
         "q_k": q + k,
         "attn_kernel": Ta * Dl * a + Ta * Hl * FP32,
-        "attn_mask": Ta * N * a if sdpa_mask else 0,
+        "attn_mask": Ta * keys * a if sdpa_mask else 0,
         "proj_in": Ta * Dl * a,  # heads back to features: a copy
         "proj": T * D * a,  # for the gate's gradient
         "x1": T * D * a,  # the residual after attention: the next norm's input
     }
     if L:
         saved |= {
-            "norm_cross": norm(T),
+            # an RMSNorm with a scale keeps its normalised input for the scale's gradient (fp32 on the CPU)
+            "norm_cross": norm(T) + (T * D * (FP32 if cpu else a) if cfg.rms_norm else 0),
             "text_in": B * L * D * a if nn_linear else 0,  # kv's input: a contiguous copy of the text in each block
             "cross_q": Ta * Dl * a,
-            "cross_kv": B * L * 2 * Dl * a,
-            "cross_qk_norm": rms(Ta) + rms(B * L),
-            "cross_q_k": (Ta + B * L) * Dl * a if qk else 0,
+            "cross_kv": B * L * 2 * KVl * a,
+            "cross_qk_norm": rms(Ta) + rms(B * L) * KVl // Dl,
+            "cross_q_k": (Ta * Dl * a if qk else 0) + (B * L * 2 * Dl * a if grouped else B * L * Dl * a if qk else 0),
             "cross_kernel": Ta * Dl * a + Ta * Hl * FP32,
             "cross_mask": Ta * (L * a + 1) if sdpa_mask else 0,  # and which queries have keys (bool)
             "cross_proj_in": Ta * Dl * a,
@@ -381,10 +394,12 @@ def _activations(cfg: DiTConfig, lay: Layout) -> Activations:
         "norm2": norm(T),
         "scale_mlp": tok * D * a,
         "mlp_in": T * D * a,
-        "mlp0": Ta * M * a,  # GELU's input
-        "gelu": Ta * M * a,  # mlp.2's input
+        "mlp0": Ta * M * a,  # GELU's input (SwiGLU: SiLU's, the gate's output)
+        "gelu": Ta * M * a,  # mlp.2's input (SwiGLU: SiLU's output)
         "mlp2": T * D * a,  # for the gate's gradient
     }
+    if cfg.gated_mlp:
+        saved |= {"up": Ta * M * a, "glu": Ta * M * a}  # the up projection's output, their product: down's input
 
     if lay.activation_checkpointing == "none":
         cached = saved
@@ -394,14 +409,16 @@ def _activations(cfg: DiTConfig, lay: Layout) -> Activations:
         cached = {
             "x": saved["x"],
             "adaLN": saved["adaLN"],  # a replicated nn.Linear on SiLU's output: the same tensor
-            "qkv_mm": Ta * 3 * Dl * a,
+            "qkv_mm": Ta * (Dl + 2 * KVl) * a,
             "proj" if nn_linear else "proj_mm": Ta * D * a,
             "mlp0_mm": Ta * M * a,
             "mlp2" if nn_linear else "mlp2_mm": Ta * D * a,
         }
         if L:
-            cached |= {"cross_q" if nn_linear else "cross_q_mm": Ta * Dl * a, "cross_kv_mm": B * L * 2 * Dl * a,
+            cached |= {"cross_q" if nn_linear else "cross_q_mm": Ta * Dl * a, "cross_kv_mm": B * L * 2 * KVl * a,
                        "cross_proj_mm": Ta * D * a}
+        if cfg.gated_mlp:
+            cached["up_mm"] = Ta * M * a
         if kernel_cached:
             cached |= {k: saved[k] for k in ("attn_kernel", "cross_kernel") if k in saved}
     # A checkpointed block runs again in its backward: what its backward reads and the cache lacks comes back, and
@@ -413,12 +430,14 @@ def _activations(cfg: DiTConfig, lay: Layout) -> Activations:
     # c (fp32 when it adds a class embedding: autocast leaves embeddings in fp32), RoPE's cos and sin (B, 1, seq,
     # hd/2), and the text embedder's input (a bf16 copy under autocast) and hidden values: on every pipeline stage.
     shared = (1 + cfg.fps_cond) * B * S * (FREQ_DIM + 2 * D) * a + B * S * D * (FP32 if cfg.num_classes else a)
-    shared += Ta * hd * a if cfg.pos_embed == "rope" else 0
+    shared += views * Ta * hd * a if cfg.pos_embed == "rope" else 0
+    if cfg.factorised:  # the two orders (B, N) and the frame and line ids, the positions and samples in lines order
+        shared += 4 * B * N * INT64 + B * N * (3 + lay.packed) * INT64
     if L:
         shared += B * L * ((cfg.text_dim if a != FP32 else 0) + 2 * D) * a
         shared += 0 if nn_linear else B * L * D * a  # under TP every block's kv keeps the projected text itself
     if cached is not saved:  # checkpoints keep their arguments: the projected text, the boolean masks
-        shared += (B * L * D * a if nn_linear else 0) + (Ta * (N + (L + 1 if L else 0)) if sdpa_mask else 0)
+        shared += (B * L * D * a if nn_linear else 0) + (views * Ta * (keys + (L + 1 if L else 0)) if sdpa_mask else 0)
     # The final layer and the loss, whose backward runs (and frees them) first. Final layer: SiLU(c), adaLN's output
     # and the gather's index, its input, norm, 1 + scale and linear's input. The loss (fp32, on whole rows): D - x
     # and, per token, c_out, the loss weight and the mask.

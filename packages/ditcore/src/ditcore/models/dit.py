@@ -83,10 +83,12 @@ class DiTConfig:
         return int(self.hidden_size * self.mlp_ratio)
 
     gated_mlp = False  # a SwiGLU-style MLP: two input matrices (gate, up) instead of one; not a config field
+    rms_norm = False  # the blocks' norms are RMSNorms (else LayerNorms); not a config field
+    factorised = False  # blocks attend within frames or within time-lines (ST-DiT), not over whole samples
 
     def attended(self, tokens: float, frames: float) -> float:
         """Keys each query attends over, on average over the blocks, in a sample of `tokens` tokens in `frames`
-        frames: all of them (factorised architectures attend over fewer)."""
+        frames: all of them (a factorised architecture's over fewer)."""
         return tokens
 
     @property

@@ -31,6 +31,7 @@ class MovieGenConfig(DiTConfig):
     ffn_hidden_size: int = 0  # SwiGLU width; 0: Llama's 8/3 · hidden_size, rounded up to a multiple of 256
     norm_eps: float = 1e-5
     gated_mlp = True  # SwiGLU
+    rms_norm = True
 
     def __post_init__(self) -> None:
         super().__post_init__()
