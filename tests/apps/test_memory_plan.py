@@ -60,13 +60,16 @@ def test_the_7b_reference_layout_needs_fsdp_on_80_gib(tmp_path):
 
 
 def test_the_shipped_large_configs_fit_their_target_hardware(tmp_path):
-    for name, world in (("dit-7b-8k", 8), ("dit-28b-8k", 32)):  # 8 and 32 GPUs of 80 GiB, as the configs say
+    # 8, 32 and 64 GPUs of 80 GiB, as the configs say
+    for name, world in (("dit-7b-8k", 8), ("dit-28b-8k", 32), ("moviegen-30b", 64)):
         code, out, err = invoke("--config", name, f"data.path={tmp_path / 'absent'}", "--plan", "--world-size", world)
         print(out)
         assert code == 0 and "fits in 80 GiB" in out, err
         assert gib(out)["total"] < 72
     code, out, _ = invoke("--config", "dit-28b-8k", f"data.path={tmp_path / 'absent'}", "--plan", "--world-size", 16)
     assert code == 2  # on half the GPUs it does not
+    code, out, _ = invoke("--config", "moviegen-30b", f"data.path={tmp_path / 'absent'}", "--plan", "--world-size", 32)
+    assert code == 2 and "MovieGen-30B: 34 B parameters" in out  # nor does MovieGen-30B on half
 
 
 def invoke(*args) -> tuple[int, str, str]:
