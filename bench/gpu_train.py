@@ -22,6 +22,11 @@ times tokens/s, over the peak.
 slower; the target is <= 1.10). Packed samples are shorter, so their attention does fewer FLOPs per token: the
 cost is what training sees at one row length, and the MFU column shows how well each layout uses the GPU.
 
+The other reference architectures run on the 7B cases' clips and text (not by default: `--cases stdit-...` and
+`mg30b-...`): ST-DiT-XL/2 (its blocks attend within 1024-token frames or 8- and 4-token time-lines) and a stack of
+MovieGen-30B width (6144, 48 heads in 8 key/value groups, SwiGLU 16384) with `--depth` blocks. Their MFU counts
+the attention they do: ST-DiT's per frame and per line (ditcore.flops, `DiTConfig.attended`).
+
 After the cases, diffusers' DiTTransformer2DModel XL/2 (built as in bench/model_step.py) trains in this process
 on the whole-row latents (4x128x128: 4096 tokens per image) and batch, with bf16 autocast like dit-train: "vs
 diffusers" is our tokens/s over its tokens/s (> 1: ours is faster), for the whole and the packed XL/2 cases,
@@ -31,6 +36,8 @@ mock data is not, a per-sample cost too small to matter.
 
     python bench/gpu_train.py                                      # the eight cases, then the peer
     python bench/gpu_train.py --cases xl-packed-compiled 7b-packed-compiled --depth 8
+    python bench/gpu_train.py --cases stdit-whole-compiled stdit-packed-compiled mg30b-whole-compiled \
+        mg30b-packed-compiled
     python bench/gpu_train.py --smoke --out /tmp/gpu-train-smoke   # the same on the CPU with DiT-Tiny
 
 Writes OUT/results.json, OUT/results.md (the table), OUT/logs/CASE.log and OUT/metrics/CASE.csv. Run
@@ -55,15 +62,15 @@ from pathlib import Path
 
 import torch
 
-from ditcore import runs
-from ditcore.export import CONFIG
+from ditcore import export, runs
 from ditcore.flops import gpu_peak_flops, measure_cpu_peak_flops, training_flops_per_token
 from ditcore.models import PRESETS, DiTConfig, preset
 
 TRAIN = "from dit_train.cli import app; app()"  # console scripts may not be installed (the device machine)
 PREPARE = "from dit_prepare.cli import app; app()"
-FAMILIES, LAYOUTS, MODES = ("xl", "7b"), ("whole", "packed"), ("eager", "compiled")
+FAMILIES, LAYOUTS, MODES = ("xl", "7b", "stdit", "mg30b"), ("whole", "packed"), ("eager", "compiled")
 NAMES = [f"{f}-{layout}-{mode}" for f in FAMILIES for layout in LAYOUTS for mode in MODES]
+DEFAULT = [name for name in NAMES if name.split("-")[0] in ("xl", "7b")]  # the eight DiT cases
 
 
 @dataclass(frozen=True)
@@ -96,6 +103,7 @@ class Case:
     layout: str  # "whole": every sample fills one row; "packed": several shorter samples per row
     mode: str  # "eager" or "compiled" (its blocks)
     model: str  # the model's words in the table
+    arch: str  # model.arch
     preset: str
     depth: int | None  # None: the preset's
     data: Data
@@ -120,30 +128,38 @@ class Case:
 
 
 def make_cases(args) -> list[Case]:
-    """All eight, in NAMES's order."""
-    if args.smoke:  # DiT-Tiny stand-ins with the same structure, small enough for the CPU
-        models = {"xl": ("DiT-Tiny", "DiT-Tiny", None, 64, (0, 0)),
-                  "7b": ("DiT-Tiny, 1 block", "DiT-Tiny", 1, 64, (8, 32))}
+    """All of them, in NAMES's order."""
+    if args.smoke:  # tiny stand-ins with the same structure, small enough for the CPU
+        models = {"xl": ("DiT-Tiny", "dit", "DiT-Tiny", None, 64, (0, 0)),
+                  "7b": ("DiT-Tiny, 1 block", "dit", "DiT-Tiny", 1, 64, (8, 32)),
+                  "stdit": ("ST-DiT-Tiny", "stdit", "ST-DiT-Tiny", None, 64, (8, 32)),
+                  "mg30b": ("MovieGen-Tiny, 1 block", "moviegen", "MovieGen-Tiny", 1, 64, (8, 32))}
+        video = {"whole": ((4, 4, 8, 8), (4, 4, 8, 8), 1.0, "one 4-frame 8x8 clip"),
+                 "packed": ((4, 2, 8, 8), (4, 2, 8, 8), 1.0, "two 2-frame 8x8 clips")}
         layouts = {("xl", "whole"): ((4, 1, 16, 16), (4, 1, 16, 16), 0.0, "one 16x16 image"),
-                   ("xl", "packed"): ((4, 1, 8, 8), (4, 2, 8, 8), 0.5, "16-token images and 32-token 2-frame clips"),
-                   ("7b", "whole"): ((4, 4, 8, 8), (4, 4, 8, 8), 1.0, "one 4-frame 8x8 clip"),
-                   ("7b", "packed"): ((4, 2, 8, 8), (4, 2, 8, 8), 1.0, "two 2-frame 8x8 clips")}
+                   ("xl", "packed"): ((4, 1, 8, 8), (4, 2, 8, 8), 0.5, "16-token images and 32-token 2-frame clips")}
     else:
-        models = {"xl": ("DiT-XL/2", "DiT-XL/2", None, 4096, (0, 0)),
-                  "7b": (f"DiT-7B width, {args.depth} blocks", "DiT-7B", args.depth, 8192, (256, 4096))}
+        models = {"xl": ("DiT-XL/2", "dit", "DiT-XL/2", None, 4096, (0, 0)),
+                  "7b": (f"DiT-7B width, {args.depth} blocks", "dit", "DiT-7B", args.depth, 8192, (256, 4096)),
+                  "stdit": ("ST-DiT-XL/2", "stdit", "ST-DiT-XL/2", None, 8192, (256, 4096)),
+                  "mg30b": (f"MovieGen-30B width, {args.depth} blocks", "moviegen", "MovieGen-30B", args.depth, 8192,
+                            (256, 4096))}
+        video = {"whole": ((16, 8, 64, 64), (16, 8, 64, 64), 1.0, "one 8-frame 64x64 clip"),
+                 "packed": ((16, 4, 64, 64), (16, 4, 64, 64), 1.0, "two 4-frame 64x64 clips")}
         layouts = {("xl", "whole"): ((4, 1, 128, 128), (4, 1, 128, 128), 0.0, "one 128x128 image"),
                    ("xl", "packed"): ((4, 1, 32, 32), (4, 8, 32, 32), 0.5,
-                                      "256-token images and 2048-token 8-frame clips"),
-                   ("7b", "whole"): ((16, 8, 64, 64), (16, 8, 64, 64), 1.0, "one 8-frame 64x64 clip"),
-                   ("7b", "packed"): ((16, 4, 64, 64), (16, 4, 64, 64), 1.0, "two 4-frame 64x64 clips")}
-    batch = {"xl": args.xl_micro_batch, "7b": args.micro_batch_7b}
+                                      "256-token images and 2048-token 8-frame clips")}
+    layouts |= {(family, layout): shapes for family in ("7b", "stdit", "mg30b") for layout, shapes in video.items()}
+    batch = {"xl": args.xl_micro_batch, "7b": args.micro_batch_7b, "stdit": args.micro_batch_7b,
+             "mg30b": args.micro_batch_7b}
     cases = []
     for name in NAMES:
         family, layout, mode = name.split("-")
-        model, preset_name, depth, seq_length, text = models[family]
+        model, arch, preset_name, depth, seq_length, text = models[family]
         image, clip, video_ratio, what = layouts[family, layout]
         data = Data(image, clip, video_ratio, *text)
-        cases.append(Case(family, layout, mode, model, preset_name, depth, data, seq_length, batch[family], what))
+        cases.append(Case(family, layout, mode, model, arch, preset_name, depth, data, seq_length, batch[family],
+                          what))
     return cases
 
 
@@ -163,7 +179,8 @@ def prepare(data: Data, out: Path, num: int, log) -> None:
 
 def train_args(case: Case, data: Path, run_dir: Path, steps: int, log_every: int, smoke: bool) -> list[str]:
     return ["--config", "mock", "--resume", "none",
-            f"model.preset={case.preset}", f"model.compile={str(case.mode == 'compiled').lower()}",
+            f"model.arch={case.arch}", f"model.preset={case.preset}",
+            f"model.compile={str(case.mode == 'compiled').lower()}",
             *([f"model.depth={case.depth}"] if case.depth else []),
             f"data.path={data}", f"data.seq_length={case.seq_length}", f"data.num_workers={0 if smoke else 4}",
             f"train.run_dir={run_dir}", f"train.steps={steps}",
@@ -210,8 +227,7 @@ def measured(metrics_csv: Path, warmup_steps: int) -> dict:
 
 def exported_config(run_dir: Path) -> DiTConfig:
     """The model config dit-train trained (RUN_DIR/export/model.json): the one its FLOPs are counted for."""
-    fields = json.loads((runs.export_dir(run_dir) / CONFIG).read_text())["model"]
-    return DiTConfig(**{k: tuple(v) if k == "max_grid" else v for k, v in fields.items()})
+    return export.exported_config(runs.export_dir(run_dir))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -353,7 +369,8 @@ def main() -> int:
             result |= measured(metrics_csv, args.warmup_steps)
             cfg = exported_config(run_dir)
             result["depth"] = cfg.depth
-            result["flops_per_token"] = (training_flops_per_token(cfg, case.seq_length, case.data.text_len)
+            frames = case.data.image[1] // cfg.patch_size_t  # of the whole row's one sample
+            result["flops_per_token"] = (training_flops_per_token(cfg, case.seq_length, case.data.text_len, frames)
                                          if case.layout == "whole" else None)  # packed: per sample, not known here
         if not args.keep_runs:
             shutil.rmtree(run_dir, ignore_errors=True)
@@ -407,13 +424,16 @@ def main() -> int:
 
 def parse_args(argv: list[str] | None = None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--cases", nargs="+", choices=NAMES, default=NAMES, metavar="CASE",
-                    help=f"which to run, in this order (default: all eight: {' '.join(NAMES)})")
-    ap.add_argument("--depth", type=int, default=4, metavar="N", help="blocks of the DiT-7B-width stack (default: 4)")
+    ap.add_argument("--cases", nargs="+", choices=NAMES, default=DEFAULT, metavar="CASE",
+                    help=f"which to run, in this order (default: the eight DiT cases: {' '.join(DEFAULT)}; also "
+                         f"{' '.join(n for n in NAMES if n not in DEFAULT)})")
+    ap.add_argument("--depth", type=int, default=4, metavar="N",
+                    help="blocks of the DiT-7B-width and the MovieGen-30B-width stacks (default: 4)")
     ap.add_argument("--xl-micro-batch", type=int, metavar="N",
                     help="4096-token rows per DiT-XL/2 step, whole or packed (default: 8; --smoke: 2)")
     ap.add_argument("--7b-micro-batch", dest="micro_batch_7b", type=int, metavar="N",
-                    help="8192-token rows per 7B-width step, whole or packed (default: 2)")
+                    help="8192-token rows per step of the 7B-width, ST-DiT-XL/2 and 30B-width models, whole or packed "
+                         "(default: 2)")
     ap.add_argument("--warmup-steps", type=int, metavar="N",
                     help="steps not measured, compilation included (default: 10; --smoke: 1)")
     ap.add_argument("--steps", type=int, metavar="N", help="measured steps (default: 20; --smoke: 2)")

@@ -44,18 +44,26 @@ def test_throughput_after_warm_up_is_total_tokens_over_total_time(tmp_path):
 @pytest.mark.parametrize("smoke", [False, True])
 def test_whole_rows_hold_one_sample_and_packed_rows_several(smoke):
     cases = {c.name: c for c in gpu_train.make_cases(gpu_train.parse_args(["--smoke"] if smoke else []))}
-    assert list(cases) == ["xl-whole-eager", "xl-whole-compiled", "xl-packed-eager", "xl-packed-compiled",
-                           "7b-whole-eager", "7b-whole-compiled", "7b-packed-eager", "7b-packed-compiled"]
-    assert [(c.seq_length, c.micro_batch, c.mode) for c in cases.values()] == (
+    assert gpu_train.parse_args([]).cases == gpu_train.DEFAULT == [
+        "xl-whole-eager", "xl-whole-compiled", "xl-packed-eager", "xl-packed-compiled",
+        "7b-whole-eager", "7b-whole-compiled", "7b-packed-eager", "7b-packed-compiled"]
+    assert list(cases) == gpu_train.NAMES
+    assert [(c.seq_length, c.micro_batch, c.mode) for c in cases.values() if c.name in gpu_train.DEFAULT] == (
         [(64, 2, "eager"), (64, 2, "compiled")] * 4 if smoke else
         [(4096, 8, "eager"), (4096, 8, "compiled")] * 2 + [(8192, 2, "eager"), (8192, 2, "compiled")] * 2)
-    row = {"xl": 64 if smoke else 4096, "7b": 64 if smoke else 8192}
-    packed = {"xl": [16, 32] if smoke else [256, 2048], "7b": [32] if smoke else [4096]}  # 7b: two clips a row
+    row = {"xl": 64 if smoke else 4096} | dict.fromkeys(("7b", "stdit", "mg30b"), 64 if smoke else 8192)
+    packed = {"xl": [16, 32] if smoke else [256, 2048]} | dict.fromkeys(  # the others: two clips a row
+        ("7b", "stdit", "mg30b"), [32] if smoke else [4096])
     for c in cases.values():
         assert c.sample_tokens == ([row[c.family]] if c.layout == "whole" else packed[c.family]), c.name
     wide = cases["7b-packed-eager"]
     assert (wide.preset, wide.depth, wide.data.text_len, wide.data.text_dim) == (
         ("DiT-Tiny", 1, 8, 32) if smoke else ("DiT-7B", 4, 256, 4096))
+    assert (cases["stdit-whole-eager"].arch, cases["stdit-whole-eager"].preset) == (
+        ("stdit", "ST-DiT-Tiny") if smoke else ("stdit", "ST-DiT-XL/2"))
+    big = cases["mg30b-packed-compiled"]
+    assert (big.arch, big.preset, big.depth) == (("moviegen", "MovieGen-Tiny", 1) if smoke else
+                                                 ("moviegen", "MovieGen-30B", 4))
     assert cases["xl-packed-eager"].data.video_ratio == 0.5
     assert cases["xl-whole-eager"].data.image == ((4, 1, 16, 16) if smoke else (4, 1, 128, 128))  # the peer's
 

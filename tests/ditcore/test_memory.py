@@ -320,8 +320,9 @@ def test_activations_kept_and_peak(shape, mode, precision):
 
 
 @pytest.mark.parametrize("mode", ["none", "block", "selective"])
-def test_activations_of_whole_rows(mode):
-    cfg = preset("DiT-Tiny", text_dim=16)
+@pytest.mark.parametrize("name", ["DiT-Tiny", *ARCHS])
+def test_activations_of_whole_rows(mode, name):
+    cfg = preset(name, text_dim=16)
     batch = whole_rows_batch(cfg, 2, (2, 4, 6), 8, torch.Generator().manual_seed(1))
     kept, peak = measure(cfg, mode, batch, "fp32")
     plan = plan_from(cfg, cpu_layout(micro_batch=2, seq_length=48, text_len=8, packed=False, precision="fp32",

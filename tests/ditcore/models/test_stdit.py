@@ -80,8 +80,9 @@ def test_context_parallelism_refuses_a_frame_split_between_ranks():
     """A rank must hold whole frames (and after the all-to-all whole time-lines): one line says which row and token."""
     rows = SwapRows.__new__(SwapRows)  # the split of rank 0 of CP=2, no process group needed to plan it
     rows.cp_size, rows.cp_rank, rows.sp_size = 2, 0, 1
-    pos, seg = packed_row([(1, 2, 4), (2, 2, 4)], padding=0)  # 24 tokens: rank 0 holds 0..11, inside frame 0 of the clip
-    with pytest.raises(ValueError, match=r"row 0: a frame is split between context-parallel ranks 0 and 1 \(at token 12"):
+    pos, seg = packed_row([(1, 2, 4), (2, 2, 4)], padding=0)  # 24 tokens: rank 0 holds 0..11, half the clip's frame 0
+    with pytest.raises(ValueError, match=r"row 0: a frame is split between context-parallel ranks 0 and 1 \(at token 12"
+                                         r" of 24\)"):
         rows.regroup(factorise(seg, pos, (64, 256, 256)))
     pos, seg = packed_row([(2, 2, 4), (1, 2, 4)], padding=8)  # the clip's 2 frames, one per rank: whole
     rows.regroup(factorise(seg, pos, (64, 256, 256)))

@@ -23,7 +23,7 @@ from ditcore import durable
 from ditcore.codecs import Codec, LatentStats, load_codec
 from ditcore.data.schema import INFO_FILE, DatasetInfo, parse_info
 from ditcore.diffusion.edm import PREDICTIONS
-from ditcore.models import ARCHS, DiT, DiTConfig, arch_of
+from ditcore.models import ARCHS, DiT, DiTConfig, arch_of, build
 
 WEIGHTS, CONFIG = "model.safetensors", "model.json"
 
@@ -68,6 +68,21 @@ class Exported:
         return float(self.extra.get("guidance", DEFAULT_GUIDANCE))
 
 
+def exported_config(path: str | Path) -> DiTConfig:
+    """The model config (of its architecture) that an export folder's CONFIG file records."""
+    meta = json.loads((Path(path) / CONFIG).read_text())
+    arch = meta.get("arch", "dit")  # exports from before other architectures: the DiT
+    if arch not in ARCHS:
+        raise ValueError(f"'{Path(path) / CONFIG}' says arch={arch!r}: this ditcore knows {', '.join(ARCHS)} — sample "
+                         "it with the ditcore version that trained it")
+    config_class = ARCHS[arch][0]
+    fields = {f.name for f in dataclasses.fields(config_class)}
+    model_cfg = meta.get("model", {})
+    if not isinstance(model_cfg, dict) or not {"hidden_size", "depth", "num_heads"} <= model_cfg.keys():
+        raise ValueError(f"'{Path(path) / CONFIG}' does not describe a DiT (no hidden_size/depth/num_heads)")
+    return config_class(**{k: (tuple(v) if k == "max_grid" else v) for k, v in model_cfg.items() if k in fields})
+
+
 def load_export(path: str | Path, device: str | torch.device = "cpu") -> Exported:
     """Load an export folder; errors say what is missing or which architecture does not fit."""
     path = Path(path)
@@ -75,17 +90,7 @@ def load_export(path: str | Path, device: str | torch.device = "cpu") -> Exporte
         raise FileNotFoundError(f"'{path}' is not a ditcore export: it needs {WEIGHTS} and {CONFIG} "
                                 "(dit-train writes them to RUN_DIR/export/)")
     meta = json.loads((path / CONFIG).read_text())
-    arch = meta.get("arch", "dit")  # exports from before other architectures: the DiT
-    if arch not in ARCHS:
-        raise ValueError(f"'{path / CONFIG}' says arch={arch!r}: this ditcore knows {', '.join(ARCHS)} — sample it "
-                         "with the ditcore version that trained it")
-    config_class, model_class = ARCHS[arch]
-    fields = {f.name for f in dataclasses.fields(config_class)}
-    model_cfg = meta.get("model", {})
-    if not isinstance(model_cfg, dict) or not {"hidden_size", "depth", "num_heads"} <= model_cfg.keys():
-        raise ValueError(f"'{path / CONFIG}' does not describe a DiT (no hidden_size/depth/num_heads)")
-    model_cfg = {k: (tuple(v) if k == "max_grid" else v) for k, v in model_cfg.items() if k in fields}
-    model = model_class(config_class(**model_cfg))
+    model = build(exported_config(path))
     state = load_file(str(path / WEIGHTS))
     missing, unexpected = model.state_dict().keys() - state.keys(), state.keys() - model.state_dict().keys()
     if missing or unexpected:

@@ -334,8 +334,9 @@ def _activations(cfg: DiTConfig, lay: Layout) -> Activations:
     cpu, qk, nn_linear = lay.device == "cpu", cfg.qk_norm, tp == 1
     views = 2 if cfg.factorised else 1  # ST-DiT's blocks attend within frames or within time-lines: two sets of masks
     keys = Ta if cfg.factorised else N  # ... over keys of this rank only (whole frames and lines are local)
-    # a dense (B, 1, Nq, Nk) float mask for every call; ST-DiT's separate frames even in rows of one sample
-    sdpa_mask = lay.attention == "sdpa" and (lay.packed or cfg.factorised)
+    sdpa_mask = lay.attention == "sdpa" and lay.packed  # a dense (B, 1, Nq, Nk) float mask for every call
+    # ST-DiT on rows of one sample: frames (lines) become rows of their own, so attention keeps copies of q, k and v
+    batched_runs = cfg.factorised and not lay.packed
     kernel_cached = lay.attention == "sdpa" or lay.compile  # eager flex calls a kernel compiled apart: unseen
 
     def norm(tokens: int) -> int:
@@ -359,6 +360,8 @@ def _activations(cfg: DiTConfig, lay: Layout) -> Activations:
     k = B * N * 2 * Dl * a if lay.cp > 1 else q  # under CP attention keeps the k and v gathered from the whole row
     if grouped:  # it keeps the keys and values shared out to every query head: copies of both
         k = (B * N if lay.cp > 1 else Ta) * 2 * Dl * a
+    elif batched_runs:
+        k = Ta * 2 * Dl * a  # k and v (else a view of the projection)
     saved = {
         "adaLN_in": B * S * D * a,  # SiLU(c)
         "adaLN": B * S * 6 * D * a,  # per_token's input

@@ -50,6 +50,7 @@ class Mask:
 
     attn: torch.Tensor | object | None  # dense bool (B, 1, Nq, Nk), a flex BlockMask, or None: every key
     has_keys: torch.Tensor | None = None  # (B, Nq, 1) for sdpa: queries whose sample has keys; None: all do
+    run: int = 0  # > 0 (with attn None): every `run` consecutive tokens attend among themselves, as a batch of their own
 
 
 def segments(backend: str, seg_q: torch.Tensor | None, seg_k: torch.Tensor | None) -> Mask:
@@ -98,6 +99,12 @@ def _kernels(device_type: str) -> _Kernels:
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask) -> torch.Tensor:
     """Attention of q (B, H, Nq, hd) over k, v (B, H, Nk, hd) → (B, H, Nq, hd), as `mask` allows."""
+    if mask.run:  # runs made rows of their own: no mask, so the flash kernel on a GPU
+        B, H, N, hd = q.shape
+        rows = [t.view(B, H, N // mask.run, mask.run, hd).transpose(1, 2).reshape(-1, H, mask.run, hd)
+                for t in (q, k, v)]
+        out = F.scaled_dot_product_attention(*rows)
+        return out.view(B, N // mask.run, H, mask.run, hd).transpose(1, 2).reshape(B, H, N, hd)
     if mask.attn is None or isinstance(mask.attn, torch.Tensor):
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.attn)
         return out if mask.has_keys is None else out * mask.has_keys[:, None]

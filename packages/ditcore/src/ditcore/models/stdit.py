@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from ditcore.errors import ConfigError
-from ditcore.models.attention import segments
+from ditcore.models.attention import Mask, segments
 from ditcore.models.dit import AttentionInputs, DiT, DiTBlock, DiTConfig, RowSplit
 
 
@@ -93,6 +93,16 @@ def reorder(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return x.gather(0, index.T[:, :, None].expand(-1, -1, x.shape[-1]))
 
 
+def uniform_runs(pos: torch.Tensor, N: int) -> tuple[int, int] | None:
+    """(tokens per frame, frames) of rows of one sample each, when every row has the same; else None. Reading the
+    counts waits for the device: once per forward, which saves a mask and, on a GPU, keeps the flash kernel."""
+    counts = set((pos[..., 0] == 0).sum(-1).reshape(-1).tolist())  # tokens of each row's first frame
+    if len(counts) != 1:
+        return None
+    frame = counts.pop()
+    return frame, N // frame
+
+
 class Regroup:
     """Moves one process's whole rows between frames and lines order (a gather each way)."""
 
@@ -150,18 +160,23 @@ class STDiT(DiT):
     def attention_inputs(self, backend: str, B: int, pos, seg, text, text_seg, span: slice, dtype) -> STInputs:
         f = factorise(seg, pos, self.cfg.max_grid)
         regroup = self.rows.regroup(f)  # under context parallelism: checks every rank holds whole frames and lines
-        local = self.rows.spans(pos.shape[-2])[1]
+        N = pos.shape[-2]
+        local = self.rows.spans(N)[1]
         seq = span.stop - span.start
+        runs = uniform_runs(pos, N) if seg is None else None  # (frame size, frames) when every row has the same
 
-        def view(ids: torch.Tensor, positions: torch.Tensor, cls=AttentionInputs, **more):
+        def view(ids: torch.Tensor, positions: torch.Tensor, run: int, cls=AttentionInputs, **more):
             # this rank's queries see keys of this rank only: whole frames (lines) are here
-            mask = segments(backend, ids[:, span], ids[:, span])
-            mask.has_keys = None  # every query is a key of its own frame or line
+            if run:
+                mask = Mask(None, run=run)  # frames (lines) of every row are equal runs: batched, no mask at all
+            else:
+                mask = segments(backend, ids[:, span], ids[:, span])
+                mask.has_keys = None  # every query is a key of its own frame or line
             return cls(batch=B, seq=seq, rope=self.rope(positions[..., span, :], dtype), mask=mask, rows=self.rows,
                        **more)
 
-        lines = view(f.lines, f.pos)
-        frames = view(f.frames, pos, STInputs, lines=lines, regroup=regroup,
+        lines = view(f.lines, f.pos, runs[1] if runs else 0)
+        frames = view(f.frames, pos, runs[0] if runs else 0, STInputs, lines=lines, regroup=regroup,
                       lines_seg=None if f.seg is None else f.seg[:, local])
         if self.cfg.text_dim:
             frames.text = lines.text = self.embed_text(text)
