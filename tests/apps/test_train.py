@@ -302,6 +302,19 @@ def test_other_architectures_train_and_their_exports_sample(dataset, tmp_path, a
     assert sample.returncode == 0 and out.stat().st_size > 0, sample.stderr[-3000:]
 
 
+def test_st_dit_trains_with_context_parallelism_on_two_processes(dataset, tmp_path):
+    """model.arch=stdit parallel.cp=2: training rows (images and 4-frame clips, split by the all-to-all where every
+    rank's half holds whole frames and lines) and the validation samples (a 2x2-token image, whose half would cut
+    its frame: gathered instead) go through the split model, the export through rank 0."""
+    run = tmp_path / "cp2"
+    proc = torchrun_train(*run_args(dataset, run, 4, "model.arch=stdit", "model.preset=ST-DiT-Tiny", "parallel.cp=2"))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    manifest = json.loads((runs.step_dir(run, 4) / runs.MARKER).read_text())
+    assert manifest["layout"]["cp"] == 2
+    assert json.loads((run / "export" / "model.json").read_text())["arch"] == "stdit"
+    assert list((run / "samples").glob("step-*/*.png"))
+
+
 @pytest.mark.slow
 def test_sigterm_saves_a_complete_checkpoint_and_exits_0(dataset, tmp_path):
     run = tmp_path / "run"

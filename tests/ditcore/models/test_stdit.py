@@ -76,13 +76,15 @@ def test_depth_counts_spatial_and_temporal_blocks():
         preset("ST-DiT-Tiny", depth=3)
 
 
-def test_context_parallelism_refuses_a_frame_split_between_ranks():
-    """A rank must hold whole frames (and after the all-to-all whole time-lines): one line says which row and token."""
+def test_context_parallelism_keeps_whole_frames_and_lines_local_or_gathers():
+    """A rank's slice holding whole frames (and, in lines order, whole time-lines) attends locally after the
+    all-to-all; one that would cut a frame gathers the row's keys instead (tests/ditcore/parallel: both equal one
+    process)."""
     rows = SwapRows.__new__(SwapRows)  # the split of rank 0 of CP=2, no process group needed to plan it
     rows.cp_size, rows.cp_rank, rows.sp_size = 2, 0, 1
-    pos, seg = packed_row([(1, 2, 4), (2, 2, 4)], padding=0)  # 24 tokens: rank 0 holds 0..11, half the clip's frame 0
-    with pytest.raises(ValueError, match=r"row 0: a frame is split between context-parallel ranks 0 and 1 \(at token 12"
-                                         r" of 24\)"):
-        rows.regroup(factorise(seg, pos, (64, 256, 256)))
     pos, seg = packed_row([(2, 2, 4), (1, 2, 4)], padding=8)  # the clip's 2 frames, one per rank: whole
-    rows.regroup(factorise(seg, pos, (64, 256, 256)))
+    assert rows.regroup(factorise(seg, pos, (64, 256, 256))).local
+    pos, seg = packed_row([(1, 2, 4), (2, 2, 4)], padding=0)  # 24 tokens: rank 0 holds 0..11, half the clip's frame 0
+    assert not rows.regroup(factorise(seg, pos, (64, 256, 256))).local
+    pos, seg = packed_row([(4, 1, 3)], padding=0)  # 4 frames of 3 tokens: whole frames, but lines of 4 cut in half
+    assert not rows.regroup(factorise(seg, pos, (64, 256, 256))).local

@@ -37,7 +37,9 @@ CFG = preset("DiT-Tiny", hidden_size=64, depth=2, num_heads=4, in_channels=4, nu
 # "moviegen:CASE" runs CASE on MovieGen's blocks (grouped-query attention: 4 query heads in 2 groups, SwiGLU),
 # "stdit:CASE" on ST-DiT's (spatial and temporal blocks; its CP moves frames to time-lines by all-to-all)
 DATA = dict(in_channels=4, num_classes=5, text_dim=16, fps_cond=True)
+# ("stdit_cut": ST-DiT on the DiT's packed rows, whose halves cut a 3x3-token image: its CP gathers instead)
 CONFIGS = {"dit": CFG, "moviegen": preset("MovieGen-Tiny", **DATA), "stdit": preset("ST-DiT-Tiny", **DATA)}
+CONFIGS["stdit_cut"] = CONFIGS["stdit"]
 B, GRID = 4, (2, 4, 4)  # 4 rows of 32 tokens
 
 

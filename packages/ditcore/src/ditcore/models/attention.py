@@ -50,7 +50,7 @@ class Mask:
 
     attn: torch.Tensor | object | None  # dense bool (B, 1, Nq, Nk), a flex BlockMask, or None: every key
     has_keys: torch.Tensor | None = None  # (B, Nq, 1) for sdpa: queries whose sample has keys; None: all do
-    run: int = 0  # > 0 (with attn None): every `run` consecutive tokens attend among themselves, as a batch of their own
+    run: int = 0  # > 0 (attn None): every `run` consecutive tokens attend among themselves, as rows of their own
 
 
 def segments(backend: str, seg_q: torch.Tensor | None, seg_k: torch.Tensor | None) -> Mask:

@@ -104,10 +104,20 @@ def uniform_runs(pos: torch.Tensor, N: int) -> tuple[int, int] | None:
 
 
 class Regroup:
-    """Moves one process's whole rows between frames and lines order (a gather each way)."""
+    """Moves one process's whole rows between frames and lines order (a gather each way).
+
+    `local`: every frame and every time-line of this rank's queries is on this rank, so attention needs no other
+    rank's keys (`keys_values` passes its own through). Always so on one process; ditcore.parallel's version says
+    whether the rank's slice of the rows cut one.
+    """
+
+    local = True
 
     def __init__(self, f: Factorised):
         self.f = f
+
+    def keys_values(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return k, v
 
     def to_lines(self, x: torch.Tensor) -> torch.Tensor:
         return reorder(x, self.f.to_lines)
@@ -159,20 +169,19 @@ class STDiT(DiT):
 
     def attention_inputs(self, backend: str, B: int, pos, seg, text, text_seg, span: slice, dtype) -> STInputs:
         f = factorise(seg, pos, self.cfg.max_grid)
-        regroup = self.rows.regroup(f)  # under context parallelism: checks every rank holds whole frames and lines
+        regroup = self.rows.regroup(f)  # under context parallelism: are this rank's frames and lines whole here?
         N = pos.shape[-2]
         local = self.rows.spans(N)[1]
         seq = span.stop - span.start
-        runs = uniform_runs(pos, N) if seg is None else None  # (frame size, frames) when every row has the same
+        runs = uniform_runs(pos, N) if seg is None and regroup.local else None  # (frame size, frames) in every row
 
         def view(ids: torch.Tensor, positions: torch.Tensor, run: int, cls=AttentionInputs, **more):
-            # this rank's queries see keys of this rank only: whole frames (lines) are here
             if run:
                 mask = Mask(None, run=run)  # frames (lines) of every row are equal runs: batched, no mask at all
-            else:
-                mask = segments(backend, ids[:, span], ids[:, span])
+            else:  # this rank's queries over the keys of its own frame (line): here, or gathered from the whole row
+                mask = segments(backend, ids[:, span], ids[:, span] if regroup.local else ids)
                 mask.has_keys = None  # every query is a key of its own frame or line
-            return cls(batch=B, seq=seq, rope=self.rope(positions[..., span, :], dtype), mask=mask, rows=self.rows,
+            return cls(batch=B, seq=seq, rope=self.rope(positions[..., span, :], dtype), mask=mask, rows=regroup,
                        **more)
 
         lines = view(f.lines, f.pos, runs[1] if runs else 0)

@@ -65,7 +65,7 @@ class SwapRows(SplitRows):
     Each CP rank holds a contiguous 1/cp of every row in frames order (whole frames), on which spatial attention
     runs locally; a temporal block's input is moved by one all-to-all to the rank's 1/cp of the row in lines order
     (whole time-lines), and back after it. Under SP the TP ranks' pieces are gathered first and each keeps its own
-    piece of the result.
+    piece of the result. (Rows whose slices would cut a frame or a line are gathered instead: `Swap`.)
 
     Communication per block and rank, forward (the backward sends as much again), for B rows of N tokens of width D
     over cp ranks: all-gather CP receives the keys and values of the rest of the row in every block,
@@ -83,25 +83,27 @@ class SwapRows(SplitRows):
 
 
 class Swap(Regroup):
-    """The all-to-all between frames and lines order for one forward: who sends what to whom is computed once."""
+    """The all-to-all between frames and lines order for one forward: who sends what to whom is computed once.
+
+    Rows whose 1/cp slices would cut a frame or a time-line (a 2x2-token image over 2 ranks, a packed row whose
+    sample straddles a slice boundary oddly) take the way of the other architectures instead: each move gathers the
+    whole rows and keeps this rank's slice, and attention gathers the keys of the whole row (`local` False). Slower,
+    never wrong.
+    """
 
     def __init__(self, rows: SwapRows, f: Factorised):
         super().__init__(f)
         self.rows = rows
         N = f.to_lines.shape[1]
         self.n = n = N // rows.cp_size
-        for order, ids in (("frames", f.frames), ("lines", f.lines)):
-            cut = ids[:, n::n] if n else ids[:, :0]
-            before = ids[:, n - 1:N - 1:n]
-            split = (cut == before) & (cut >= 0)
-            if split.any():  # reading the answer waits for the device: once per forward
-                b, k = (int(i) for i in split.nonzero()[0])
-                raise ValueError(
-                    f"row {b}: a {order[:-1]} is split between context-parallel ranks {k} and {k + 1} (at token "
-                    f"{(k + 1) * n} of {N}): ST-DiT's context parallelism needs whole frames and whole time-lines on "
-                    f"each rank. Use clips whose frame count and frame size (in tokens) are multiples of "
-                    f"{rows.cp_size}, and pack rows so that every {n}-token slice starts a sample")
+        cut = 0
+        for ids in (f.frames, f.lines):  # a frame (line) continues across a slice boundary
+            cut = cut + ((ids[:, n::n] == ids[:, n - 1:N - 1:n]) & (ids[:, n::n] >= 0)).sum()
+        self.local = rows.cp_size == 1 or not int(cut)  # reading the answer waits for the device: once per forward
         self.plans = {}  # by direction, made at its first move (when the number of rows is known)
+
+    def keys_values(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return (k, v) if self.local else SplitRows.keys_values(self.rows, k, v)
 
     def _plan(self, dest: torch.Tensor, src: torch.Tensor, B: int):
         """Send order and counts for moving this rank's tokens to the target order: token i of row b goes to
@@ -124,7 +126,10 @@ class Swap(Regroup):
         rows = self.rows
         if rows.sp_size > 1:  # every TP rank's piece of the CP slice; each keeps its own piece of the result below
             x = gather_seq(x, rows.sp_group, grad="reduce_scatter")
-        if rows.cp_size > 1:
+        if rows.cp_size > 1 and not self.local:  # the whole rows, reordered; this rank keeps its slice
+            ours = slice(rows.cp_rank * self.n, (rows.cp_rank + 1) * self.n)
+            x = reorder(gather_seq(x, rows.cp_group, grad="reduce_scatter"), src)[ours]
+        elif rows.cp_size > 1:
             n, B, D = x.shape
             key = (src is self.f.to_lines, B)  # the direction
             if key not in self.plans:
