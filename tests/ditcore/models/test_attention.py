@@ -6,7 +6,7 @@ import torch
 
 from ditcore.errors import ConfigError
 from ditcore.layout import grid_positions
-from ditcore.models import DiT, preset
+from ditcore.models import DiT, build, preset
 from ditcore.models.attention import attend, resolve, segments
 from ditcore.testing import assert_close_fp32, dit_forward_work, dit_grad_work
 
@@ -77,9 +77,9 @@ def packed_and_alone(cfg, device):
     return {key: val.to(device) for key, val in packed.items()}, alone
 
 
-def check_packed_equals_alone_with_gradients(attention: str, device: str) -> None:
-    cfg = preset("DiT-Tiny", text_dim=24)
-    model = DiT(cfg, attention=attention).to(device)
+def check_packed_equals_alone_with_gradients(attention: str, device: str, name: str = "DiT-Tiny") -> None:
+    cfg = preset(name, text_dim=24)
+    model = build(cfg, attention=attention).to(device)
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.2)  # off the zero initialisation, so every path matters
@@ -100,16 +100,21 @@ def check_packed_equals_alone_with_gradients(attention: str, device: str) -> Non
         assert_close_fp32(packed_grads[name], p.grad, work=work, msg=name)
 
 
-def test_packed_rows_equal_samples_alone_with_gradients_on_cpu():
-    check_packed_equals_alone_with_gradients("sdpa", "cpu")
+ARCHS = ["DiT-Tiny", "ST-DiT-Tiny", "MovieGen-Tiny"]  # ST-DiT: frames and time-lines as masks (packed) or rows (alone)
+
+
+@pytest.mark.parametrize("name", ARCHS)
+def test_packed_rows_equal_samples_alone_with_gradients_on_cpu(name):
+    check_packed_equals_alone_with_gradients("sdpa", "cpu", name)
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("name", ARCHS)
 @pytest.mark.parametrize("attention", ["flex", "sdpa"])
-def test_packed_rows_equal_samples_alone_with_gradients_on_gpu(attention):
+def test_packed_rows_equal_samples_alone_with_gradients_on_gpu(attention, name):
     torch.backends.cuda.matmul.allow_tf32 = False  # float32 all through, so the float32 bounds apply
     torch.backends.cudnn.allow_tf32 = False
-    check_packed_equals_alone_with_gradients(attention, "cuda")
+    check_packed_equals_alone_with_gradients(attention, "cuda", name)
 
 
 @pytest.mark.slow
