@@ -83,8 +83,8 @@ def test_context_parallelism_keeps_whole_frames_and_lines_local_or_gathers():
     rows = SwapRows.__new__(SwapRows)  # the split of rank 0 of CP=2, no process group needed to plan it
     rows.cp_size, rows.cp_rank, rows.sp_size = 2, 0, 1
     pos, seg = packed_row([(2, 2, 4), (1, 2, 4)], padding=8)  # the clip's 2 frames, one per rank: whole
-    assert rows.regroup(factorise(seg, pos, (64, 256, 256))).local
+    assert rows.orders(factorise(seg, pos, (64, 256, 256))).local
     pos, seg = packed_row([(1, 2, 4), (2, 2, 4)], padding=0)  # 24 tokens: rank 0 holds 0..11, half the clip's frame 0
-    assert not rows.regroup(factorise(seg, pos, (64, 256, 256))).local
+    assert not rows.orders(factorise(seg, pos, (64, 256, 256))).local
     pos, seg = packed_row([(4, 1, 3)], padding=0)  # 4 frames of 3 tokens: whole frames, but lines of 4 cut in half
-    assert not rows.regroup(factorise(seg, pos, (64, 256, 256))).local
+    assert not rows.orders(factorise(seg, pos, (64, 256, 256))).local

@@ -213,7 +213,7 @@ class AttentionInputs:
     seq: int  # query tokens per row that attention sees (all of them, or this rank's context-parallel slice)
     rope: tuple[torch.Tensor, torch.Tensor] | None  # (cos, sin), each (B or 1, 1, seq, hd/2) in the compute dtype
     mask: Mask  # self-attention: this rank's queries over the full rows
-    rows: RowSplit  # whole-row keys/values for this rank's queries
+    rows: RowSplit  # whole-row keys/values for this rank's queries (its `keys_values`; ST-DiT: its Orders)
     text: torch.Tensor | None = None  # (B, L, D) projected text tokens
     text_mask: Mask | None = None  # cross-attention: queries over text tokens
 

@@ -103,7 +103,7 @@ def uniform_runs(pos: torch.Tensor, N: int) -> tuple[int, int] | None:
     return frame, N // frame
 
 
-class Regroup:
+class Orders:
     """Moves one process's whole rows between frames and lines order (a gather each way).
 
     `local`: every frame and every time-line of this rank's queries is on this rank, so attention needs no other
@@ -129,8 +129,8 @@ class Regroup:
 class LineRows(RowSplit):
     """ST-DiT's rows on one process: all tokens here; ditcore.parallel replaces it with an all-to-all split."""
 
-    def regroup(self, f: Factorised) -> Regroup:
-        return Regroup(f)
+    def orders(self, f: Factorised) -> Orders:
+        return Orders(f)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -143,16 +143,16 @@ class STInputs(AttentionInputs):
 
     lines: AttentionInputs | None = None  # the same for the temporal blocks: lines order
     lines_seg: torch.Tensor | None = None  # sample of each token this rank holds, lines order
-    regroup: Regroup | None = None
+    orders: Orders | None = None
 
 
 class TemporalBlock(DiTBlock):
     """A DiT block over time-lines: its input and output are in frames order, its layers work in lines order."""
 
     def forward(self, x: torch.Tensor, c: torch.Tensor, seg: torch.Tensor | None, a: STInputs):
-        x = a.regroup.to_lines(x)
+        x = a.orders.to_lines(x)
         x = super().forward(x, c, a.lines_seg, a.lines)
-        return a.regroup.to_frames(x)
+        return a.orders.to_frames(x)
 
 
 class STDiT(DiT):
@@ -169,23 +169,23 @@ class STDiT(DiT):
 
     def attention_inputs(self, backend: str, B: int, pos, seg, text, text_seg, span: slice, dtype) -> STInputs:
         f = factorise(seg, pos, self.cfg.max_grid)
-        regroup = self.rows.regroup(f)  # under context parallelism: are this rank's frames and lines whole here?
+        orders = self.rows.orders(f)  # under context parallelism: are this rank's frames and lines whole here?
         N = pos.shape[-2]
         local = self.rows.spans(N)[1]
         seq = span.stop - span.start
-        runs = uniform_runs(pos, N) if seg is None and regroup.local else None  # (frame size, frames) in every row
+        runs = uniform_runs(pos, N) if seg is None and orders.local else None  # (frame size, frames) in every row
 
         def view(ids: torch.Tensor, positions: torch.Tensor, run: int, cls=AttentionInputs, **more):
             if run:
                 mask = Mask(None, run=run)  # frames (lines) of every row are equal runs: batched, no mask at all
             else:  # this rank's queries over the keys of its own frame (line): here, or gathered from the whole row
-                mask = segments(backend, ids[:, span], ids[:, span] if regroup.local else ids)
+                mask = segments(backend, ids[:, span], ids[:, span] if orders.local else ids)
                 mask.has_keys = None  # every query is a key of its own frame or line
-            return cls(batch=B, seq=seq, rope=self.rope(positions[..., span, :], dtype), mask=mask, rows=regroup,
+            return cls(batch=B, seq=seq, rope=self.rope(positions[..., span, :], dtype), mask=mask, rows=orders,
                        **more)
 
         lines = view(f.lines, f.pos, runs[1] if runs else 0)
-        frames = view(f.frames, pos, runs[0] if runs else 0, STInputs, lines=lines, regroup=regroup,
+        frames = view(f.frames, pos, runs[0] if runs else 0, STInputs, lines=lines, orders=orders,
                       lines_seg=None if f.seg is None else f.seg[:, local])
         if self.cfg.text_dim:
             frames.text = lines.text = self.embed_text(text)
@@ -196,7 +196,7 @@ class STDiT(DiT):
 
 # Open-Sora's STDiT-XL/2 width and depth: 1152 wide, 16 heads, 28 depth steps of a spatial and a temporal block (as
 # STDiT3-XL/2), patch 1 x 2 x 2. Its blocks share one adaLN projection of the timestep; here each block has its own,
-# as the DiT's do (0.46 B parameters more). A tiny one for tests.
+# as the DiT's do (0.45 B parameters more). A tiny one for tests.
 PRESETS: dict[str, STDiTConfig] = {
     "ST-DiT-XL/2": STDiTConfig(hidden_size=1152, depth=56, num_heads=16, patch_size=2),
     "ST-DiT-Tiny": STDiTConfig(hidden_size=64, depth=4, num_heads=4),

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from ditcore.models.dit import RowSplit
-from ditcore.models.stdit import Factorised, Regroup, reorder
+from ditcore.models.stdit import Factorised, Orders, reorder
 from ditcore.parallel.comm import all_to_all, gather_seq
 from ditcore.parallel.dims import ParallelGroups
 
@@ -78,11 +78,11 @@ class SwapRows(SplitRows):
     def keys_values(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return k, v  # whole frames and whole lines are local: every key a query needs is here
 
-    def regroup(self, f: Factorised) -> Regroup:
+    def orders(self, f: Factorised) -> Orders:
         return Swap(self, f)
 
 
-class Swap(Regroup):
+class Swap(Orders):
     """The all-to-all between frames and lines order for one forward: who sends what to whom is computed once.
 
     Rows whose 1/cp slices would cut a frame or a time-line (a 2x2-token image over 2 ranks, a packed row whose
