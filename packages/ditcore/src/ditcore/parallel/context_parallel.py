@@ -96,10 +96,11 @@ class Swap(Orders):
         self.rows = rows
         N = f.to_lines.shape[1]
         self.n = n = N // rows.cp_size
-        cut = 0
-        for ids in (f.frames, f.lines):  # a frame (line) continues across a slice boundary
-            cut = cut + ((ids[:, n::n] == ids[:, n - 1:N - 1:n]) & (ids[:, n::n] >= 0)).sum()
-        self.local = rows.cp_size == 1 or not int(cut)  # reading the answer waits for the device: once per forward
+        self.local = True
+        if rows.cp_size > 1:
+            cut = sum(((ids[:, n::n] == ids[:, n - 1:N - 1:n]) & (ids[:, n::n] >= 0)).sum()  # a frame (line) that
+                      for ids in (f.frames, f.lines))  # continues across a slice boundary
+            self.local = not int(cut)  # reading the answer waits for the device: once per forward
         self.plans = {}  # by direction, made at its first move (when the number of rows is known)
 
     def keys_values(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
