@@ -321,6 +321,12 @@ def _activations(cfg: DiTConfig, lay: Layout) -> Activations:
     matmul's output is the layer's output only for nn.Linear (tp = 1, or a replicated layer) on a contiguous input:
     one addmm. On a strided input (the modulated activations, the transposed text), or in Megatron's linear whose
     bias ditcore adds after it, it is a tensor of its own; a row-parallel one is whole before its reduction.
+
+    The other architectures differ where their config says so: RMSNorms (`rms_norm`), fewer key/value heads
+    (`kv_heads`: attention then keeps the copies shared out to every query head), a SwiGLU MLP (`gated_mlp`: the
+    gate's and up projection's outputs, SiLU's, their product), and factorised attention (`factorised`: two sets of
+    masks, positions and token orders; rows of one sample attend as batches of frames or lines, with copies of q, k
+    and v).
     """
     a = DTYPE_BYTES[lay.precision]  # under autocast every activation is bf16, but statistics and logsumexp
     D, H, F, hd = cfg.hidden_size, cfg.num_heads, cfg.patch_dim, cfg.head_dim
