@@ -4,7 +4,6 @@ import copy
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -140,75 +139,6 @@ def test_unknown_mode_is_a_config_error():
     with pytest.raises(ConfigError, match=r"model\.activation_checkpointing='full' is invalid: expected one of "
                                           r"'none', 'block', 'selective'"):
         apply_activation_checkpointing(model("none"), "full")
-
-
-# ---------------------------------------------------------------- collectives under tensor parallelism
-
-
-class SumOverRanks(torch.autograd.Function):
-    """Megatron's reduce_from_tensor_model_parallel_region: sum over the ranks in place; the gradient passes as is.
-    (Megatron's own returns early on one rank.)"""
-
-    @staticmethod
-    def forward(ctx, x):
-        dist.all_reduce(x)
-        return x
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad
-
-
-class RowParallelLike(nn.Module):
-    """A linear whose output is summed over ranks in place, as Megatron's row-parallel linear does without
-    sequence parallelism, then a second in-place sum of a tensor that selective checkpointing recomputes."""
-
-    def __init__(self):
-        super().__init__()
-        self.linear = nn.Linear(8, 8)
-
-    def forward(self, x):
-        y = SumOverRanks.apply(self.linear(x))  # the linear is an addmm: selective keeps it
-        z = SumOverRanks.apply(torch.tanh(y))  # tanh is recomputed
-        return z.sin()  # sin's backward reads z: recomputation must redo the second sum
-
-
-class CountOps(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.calls: dict[str, int] = {}
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.calls[str(func)] = self.calls.get(str(func), 0) + 1
-        return func(*args, **(kwargs or {}))
-
-
-@pytest.fixture
-def one_rank():
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
-
-
-@pytest.mark.parametrize(("mode", "sums_in_backward"), [("block", 2), ("selective", 1)])
-def test_an_in_place_sum_of_a_kept_matmul_is_not_repeated(one_rank, mode, sums_in_backward):
-    # With 2 TP ranks, running the first all-reduce again on the kept (already summed) output would double it.
-    # One rank sums one term, so the numbers cannot show that here: the test counts which sums run in backward
-    # (the checkpoint replays cached ops without running them). The equivalence of parallel layouts is tested
-    # under torchrun in tests/ditcore/parallel.
-    torch.manual_seed(0)
-    ref = nn.Module()
-    ref.blocks = nn.ModuleList([RowParallelLike()])
-    m = apply_activation_checkpointing(copy.deepcopy(ref), mode)
-    x = torch.randn(4, 8)
-    ref.blocks[0](x).sum().backward()
-    out = m.blocks[0](x)
-    with CountOps() as count:
-        out.sum().backward()
-    assert count.calls["c10d.allreduce_.default"] == sums_in_backward
-    assert count.calls["aten.tanh.default"] == 1  # recomputed in both modes
-    for p, q in zip(m.parameters(), ref.parameters(), strict=True):
-        assert torch.equal(p.grad, q.grad)
 
 
 # ---------------------------------------------------------------- with torch.compile

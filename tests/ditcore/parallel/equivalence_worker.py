@@ -257,7 +257,7 @@ CASES = {
     "tp2_packed": (ParallelDims(tp=2), True),
     "tp2_sp_packed": (ParallelDims(tp=2, sequence_parallel=True), True),
     "cp2_packed": (ParallelDims(cp=2), True),
-    "tp2_packed_selective": (ParallelDims(tp=2), True, "selective"),  # replays the row-parallel in-place all-reduce
+    "tp2_packed_selective": (ParallelDims(tp=2), True, "selective"),  # replays the row-parallel all-reduce
     "tp2_sp_packed_block": (ParallelDims(tp=2, sequence_parallel=True), True, "block"),
     "cp2_packed_selective": (ParallelDims(cp=2), True, "selective"),
     "fsdp_dp2": (ParallelDims(), False, "none", True),

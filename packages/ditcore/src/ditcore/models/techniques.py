@@ -10,7 +10,6 @@ import types
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from ditcore.errors import ConfigError
@@ -34,33 +33,18 @@ SAVED_OPS = frozenset({
 })
 
 
-class _SaveMatmulsAndAttention:
-    """The selective policy for one checkpointed call of a block: keep SAVED_OPS' outputs, recompute the rest."""
+def _save_matmuls_and_attention(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    """The selective policy: keep SAVED_OPS' outputs, recompute the rest.
 
-    def __init__(self):
-        self.saved: list[torch.Tensor] = []  # outputs kept so far in this call (the cache holds them anyway)
-
-    def __call__(self, ctx, op, *args, **kwargs) -> CheckpointPolicy:
-        if op in SAVED_OPS:
-            self.saved += [t for t in tree_leaves(ctx.op_output) if isinstance(t, torch.Tensor)]
-            return CheckpointPolicy.MUST_SAVE
-        if op is torch.ops.c10d.allreduce_.default and self._all_saved(args[0]):
-            # Megatron's row-parallel linear without sequence parallelism sums its matmul output over the TP ranks
-            # in place. That output is kept, so it already holds the sum: on recompute the collective is replayed
-            # from the cache, as running it again would add the ranks' sums once more. c10d ops do not bump the
-            # version counter, so the checkpoint's own check for mutated cache entries would not catch this.
-            return CheckpointPolicy.MUST_SAVE
-        # Everything else, other collectives included (the all-gathers and reduce-scatters of sequence and
-        # context parallelism write into fresh or shared buffers): run again, on every rank in the same order.
-        return CheckpointPolicy.PREFER_RECOMPUTE
-
-    def _all_saved(self, tensors: list[torch.Tensor]) -> bool:
-        kept = {t.untyped_storage().data_ptr() for t in self.saved}
-        return all(t.untyped_storage().data_ptr() in kept for t in tensors)
+    Everything else runs again in backward, collectives included: the functional collectives of tensor, sequence and
+    context parallelism (ditcore.parallel) return fresh tensors, so replaying one from the kept matmul output it
+    reduces gives the same sum again, on every rank in the same order.
+    """
+    return CheckpointPolicy.MUST_SAVE if op in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
 
 def _selective_contexts():
-    return create_selective_checkpoint_contexts(_SaveMatmulsAndAttention())  # a fresh policy for every call
+    return create_selective_checkpoint_contexts(_save_matmuls_and_attention)
 
 
 def apply_activation_checkpointing(model: nn.Module, mode: str) -> nn.Module:

@@ -1,4 +1,6 @@
-"""Sequence-dimension collectives with the backward each use needs (plain torch.distributed, CPU and GPU)."""
+"""Sequence-dimension collectives with the backward each use needs, as functional collectives
+(torch.distributed._functional_collectives): torch.compile records them in a block's graph instead of breaking it
+there, and they run on gloo (CPU) and NCCL alike."""
 
 from __future__ import annotations
 
@@ -6,56 +8,44 @@ from typing import Literal
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 
 
-class _GatherSeq(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group, grad: str) -> torch.Tensor:
-        ctx.group, ctx.grad = group, grad
-        world = dist.get_world_size(group)
-        out = x.new_empty((world * x.shape[0], *x.shape[1:]))
-        dist.all_gather_into_tensor(out, x.contiguous(), group=group)
-        return out
+class _GatherSplitBack(torch.autograd.Function):
+    """All-gather along dim 0; backward keeps this rank's slice of the gradient (what follows ran alike on every
+    rank, so each rank's gradient of the whole is already the whole gradient)."""
 
     @staticmethod
-    def backward(ctx, grad_out: torch.Tensor):
-        world, rank = dist.get_world_size(ctx.group), dist.get_rank(ctx.group)
-        if ctx.grad == "split":
-            return grad_out.chunk(world)[rank].contiguous(), None, None
-        out = grad_out.new_empty((grad_out.shape[0] // world, *grad_out.shape[1:]))
-        dist.reduce_scatter_tensor(out, grad_out.contiguous(), group=ctx.group)
-        return out, None, None
+    def forward(ctx, x: torch.Tensor, group, rank: int, size: int) -> torch.Tensor:
+        ctx.rank, ctx.size = rank, size
+        return funcol.wait_tensor(funcol.all_gather_single(x.contiguous(), 0, group))
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad.chunk(ctx.size)[ctx.rank].contiguous(), None, None, None
 
 
-def gather_seq(x: torch.Tensor, group, grad: Literal["split", "reduce_scatter"]) -> torch.Tensor:
+def gather_seq(x: torch.Tensor, group, grad: Literal["split", "reduce_scatter"], rank: int | None = None,
+               size: int | None = None) -> torch.Tensor:
     """Concatenate every rank's x along dim 0 (the sequence), in rank order.
 
     grad="split": what follows runs identically on every rank, so each rank keeps its own slice of the
     gradient. grad="reduce_scatter": what follows differs per rank (each rank's queries attend to all keys),
     so the slices' gradients are summed over ranks.
+
+    rank, size: this rank's place in `group` and the group's size; pass them (known when the model is parallelized)
+    so that a compiled forward asks nothing of torch.distributed.
     """
-    if dist.get_world_size(group) == 1:
+    size = dist.get_world_size(group) if size is None else size
+    if size == 1:
         return x
-    return _GatherSeq.apply(x, group, grad)
-
-
-class _AllToAll(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, send: list[int], recv: list[int], group) -> torch.Tensor:
-        ctx.send, ctx.recv, ctx.group = send, recv, group
-        out = x.new_empty((sum(recv), *x.shape[1:]))
-        dist.all_to_all_single(out, x.contiguous(), output_split_sizes=recv, input_split_sizes=send, group=group)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad_out: torch.Tensor):
-        grad = grad_out.new_empty((sum(ctx.send), *grad_out.shape[1:]))
-        dist.all_to_all_single(grad, grad_out.contiguous(), output_split_sizes=ctx.send,
-                               input_split_sizes=ctx.recv, group=ctx.group)
-        return grad, None, None, None
+    if grad == "reduce_scatter":
+        return funcol.all_gather_single_autograd(x.contiguous(), 0, group)  # its backward: the reduce-scatter
+    rank = dist.get_rank(group) if rank is None else rank
+    return _GatherSplitBack.apply(x, group, rank, size)
 
 
 def all_to_all(x: torch.Tensor, send: list[int], recv: list[int], group) -> torch.Tensor:
     """Send x's first `send[r]` rows (dim 0) to rank r, the next ones onward; receive `recv[r]` rows from rank r, in
     rank order. Its backward sends the gradients back the same way."""
-    return _AllToAll.apply(x, send, recv, group)
+    return funcol.all_to_all_single_autograd(x.contiguous(), recv, send, group)

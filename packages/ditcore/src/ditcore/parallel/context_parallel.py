@@ -46,16 +46,16 @@ class SplitRows(RowSplit):
         if self.cp_size == 1:
             return k, v
         kv = torch.stack([k, v]).permute(3, 0, 1, 2, 4)  # (n, 2, B, H, hd): sequence first
-        kv = gather_seq(kv, self.cp_group, grad="reduce_scatter")  # (N, 2, B, H, hd)
+        kv = gather_seq(kv, self.cp_group, "reduce_scatter", self.cp_rank, self.cp_size)  # (N, 2, B, H, hd)
         k, v = kv.permute(1, 2, 3, 0, 4).unbind(0)
         return k, v
 
     def gather(self, out: torch.Tensor) -> torch.Tensor:
         # What follows (the loss) runs on every rank alike, so backward hands each rank its own tokens' gradient.
         if self.sp_size > 1:
-            out = gather_seq(out, self.sp_group, grad="split")
+            out = gather_seq(out, self.sp_group, "split", self.sp_rank, self.sp_size)
         if self.cp_size > 1:
-            out = gather_seq(out, self.cp_group, grad="split")
+            out = gather_seq(out, self.cp_group, "split", self.cp_rank, self.cp_size)
         return out
 
 
