@@ -20,7 +20,7 @@ from tqdm import tqdm
 
 from dit_train import checkpoint
 from dit_train.config import TrainConfig, memory_layout
-from ditcore import durable, models, runs
+from ditcore import durable, runs
 from ditcore.codecs import LatentStats, load_codec
 from ditcore.codecs.text import load_text_encoder
 from ditcore.data.loader import build_loader, check_samples_fit
@@ -31,17 +31,16 @@ from ditcore.errors import ConfigError
 from ditcore.export import export_model
 from ditcore.flops import batch_flops, gpu_peak_flops, measure_cpu_peak_flops
 from ditcore.media import contact_sheet, write_sample
-from ditcore.models import DiTConfig, apply_activation_checkpointing, apply_compile, preset
+from ditcore.models import DiTConfig, preset
 from ditcore.models.dit import check_positions
 from ditcore.parallel import (
     ParallelDims,
     ParallelGroups,
+    build_parallel_model,
     clip_grad_norm_,
     finalize_grads,
     fsdp,
     gather_full,
-    materialize,
-    parallelize,
 )
 from ditcore.parallel.consolidate import without_extra_state
 from ditcore.parallel.fabric import MegatronStrategy
@@ -253,21 +252,14 @@ def build(run: Setup) -> Trainee:
 
 
 def build_model(run: Setup, training: bool) -> torch.nn.Module:
-    """This rank's part of the DiT, built on the meta device and materialised shard by shard: no rank ever holds
-    the whole model, on the host or the device, and every layout starts from the same weights."""
-    cfg, groups = run.cfg, run.groups
-    with torch.device("meta"):
-        model = models.build(run.model_cfg, attention=cfg.model.attention)  # of its architecture
-    parallelize(model, groups)
-    if training:  # after parallelize: checkpointing recomputes the parallel linears it put in the blocks
-        apply_activation_checkpointing(model, cfg.model.activation_checkpointing)
-    if cfg.parallel.fsdp:  # each TP shard split again over DP×CP; gathered in bf16 under bf16 precision
-        fsdp.apply_fsdp(model, groups, run.fabric.device.type, param_dtype=torch.bfloat16 if run.bf16 else None,
-                        reduce_dtype=fsdp.DTYPES[cfg.parallel.reduce_dtype])
-    materialize(model, cfg.train.seed, run.fabric.device, groups)  # each rank computes its pieces of the init
-    if training and cfg.model.compile:  # last: compile traces the checkpointed (and sharded) forward
-        apply_compile(model)
-    return model
+    """This rank's part of the model (ditcore.parallel.build_parallel_model); for the EMA copy (training False):
+    neither checkpointed nor compiled."""
+    cfg = run.cfg
+    return build_parallel_model(
+        run.model_cfg, run.groups, run.fabric.device, seed=cfg.train.seed, attention=cfg.model.attention,
+        checkpointing=cfg.model.activation_checkpointing if training else "none", fsdp=cfg.parallel.fsdp,
+        param_dtype=torch.bfloat16 if run.bf16 else None, reduce_dtype=fsdp.DTYPES[cfg.parallel.reduce_dtype],
+        compile=training and cfg.model.compile)
 
 
 def fit(run: Setup, t: Trainee, validator: Validator, config_yaml: str) -> dict:

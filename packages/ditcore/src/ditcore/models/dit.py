@@ -338,6 +338,18 @@ class FinalLayer(nn.Module):
 # Model
 
 
+def symbolic_sizes(c: torch.Tensor, a: AttentionInputs) -> None:
+    """Samples per row and text tokens change from batch to batch: compiled blocks take them as symbolic sizes from
+    the first batch on, rather than compiling once for the first sizes, again for each new one until dynamo marks
+    them dynamic, and again when the recompile limit is near (tests/ditcore/parallel/test_compile.py counts). A size
+    of 1 (one sample per row) still gets a graph of its own: dynamo specialises 0 and 1."""
+    torch._dynamo.maybe_mark_dynamic(c, 1)
+    if a.text is not None and a.text.shape[1] > 1:
+        torch._dynamo.maybe_mark_dynamic(a.text, 1)
+        if isinstance(a.text_mask.attn, torch.Tensor):  # sdpa's dense (B, 1, seq, L) mask
+            torch._dynamo.maybe_mark_dynamic(a.text_mask.attn, 3)
+
+
 class DiT(nn.Module):
     block_class: type[nn.Module] = DiTBlock  # an architecture that differs only in its blocks subclasses DiT
     norm_class: type[nn.Module] = LayerNorm  # the final layer's norm
@@ -506,6 +518,7 @@ class DiT(nn.Module):
             h = hidden
         backend = resolve(self.attention, x.device, training=torch.is_grad_enabled())
         a = self.attention_inputs(backend, B, pos, seg, text, text_seg, attn_span, h.dtype)
+        symbolic_sizes(c, a)
 
         for block in self.blocks:
             h = block(h, c, seg_local, a)

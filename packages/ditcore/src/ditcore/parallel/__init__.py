@@ -2,7 +2,8 @@
 
 - dims: topology (`ParallelDims`) and Megatron-Core process groups (`ParallelGroups`)
 - plan: per architecture, how each parameter is laid out over TP ranks — the only place naming layers
-- tensor_parallel / context_parallel: the sharding itself; parallelize: both, in order
+- tensor_parallel / context_parallel: the sharding itself; parallelize: both, in order; build_parallel_model:
+  this rank's part of a model, built (meta → sharded → techniques → materialised) as dit-train builds it
 - materialize: initial weights for a model built on the meta device, each rank computing only its shards
 - grads: completing, measuring and clipping gradients; consolidate: one-device weights and back
 - fabric: the Lightning Fabric strategy for these layouts
@@ -15,9 +16,9 @@ from ditcore.parallel.consolidate import consolidated_state_dict, gather_full, l
 from ditcore.parallel.dims import ParallelDims, ParallelGroups
 from ditcore.parallel.grads import clip_grad_norm_, finalize_grads, grad_norm
 from ditcore.parallel.materialize import materialize
-from ditcore.parallel.parallelize import parallelize
+from ditcore.parallel.parallelize import build_parallel_model, parallelize
 
 __all__ = [
-    "ParallelDims", "ParallelGroups", "clip_grad_norm_", "consolidated_state_dict", "finalize_grads", "gather_full",
-    "grad_norm", "load_consolidated", "materialize", "parallelize",
+    "ParallelDims", "ParallelGroups", "build_parallel_model", "clip_grad_norm_", "consolidated_state_dict",
+    "finalize_grads", "gather_full", "grad_norm", "load_consolidated", "materialize", "parallelize",
 ]

@@ -1,4 +1,5 @@
-"""`parallelize(model, groups)`: shard a one-device model for this rank, from the outside.
+"""`parallelize(model, groups)`: shard a one-device model for this rank, from the outside; `build_parallel_model`:
+this rank's part of a model built the way dit-train builds it (meta device, sharded, techniques, materialised).
 
 The model file knows nothing of ranks. This applies, in order: the pipeline split (this rank's stage only),
 tensor (and sequence) parallelism as the
@@ -8,10 +9,14 @@ that gradient finalisation reads (which replicated parameters' gradients are par
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
+from ditcore.models import DiTConfig, apply_activation_checkpointing, apply_compile, build
 from ditcore.parallel.context_parallel import SplitRows, SwapRows
 from ditcore.parallel.dims import ParallelGroups
+from ditcore.parallel.fsdp import apply_fsdp
+from ditcore.parallel.materialize import materialize
 from ditcore.parallel.pipeline import split_stages
 from ditcore.parallel.plan import plan_for
 from ditcore.parallel.tensor_parallel import apply_tensor_parallel, is_tp_sharded
@@ -33,4 +38,27 @@ def parallelize(model: nn.Module, groups: ParallelGroups) -> nn.Module:
     for name in names:
         p = params[name]
         p.tp_partial_grad = dims.tp > 1 and not is_tp_sharded(p) and plan.partial_over_tp(name, sp)
+    return model
+
+
+def build_parallel_model(cfg: DiTConfig, groups: ParallelGroups, device: torch.device | str, *, seed: int,
+                         attention: str = "auto", checkpointing: str = "none", fsdp: bool = False,
+                         param_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype = torch.float32,
+                         compile: bool = False, compile_options: dict | None = None) -> nn.Module:
+    """This rank's part of the model of `cfg`, built on the meta device and materialised shard by shard: no rank
+    ever holds the whole model, on the host or the device, and every layout starts from the same weights.
+
+    The order matters: activation checkpointing after parallelize (it recomputes the parallel linears and their
+    collectives), FSDP after it (each TP shard split again over DP×CP; gathered in `param_dtype`), compile last (it
+    traces the checkpointed, sharded forward). dit-train builds its models here, and the compile tests too.
+    """
+    with torch.device("meta"):
+        model = build(cfg, attention=attention)
+    parallelize(model, groups)
+    apply_activation_checkpointing(model, checkpointing)
+    if fsdp:
+        apply_fsdp(model, groups, torch.device(device).type, param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    materialize(model, seed, device, groups)  # each rank computes its pieces of the init
+    if compile:
+        apply_compile(model, **(compile_options or {}))
     return model
