@@ -56,7 +56,8 @@ def packed_batch(g: torch.Generator, cfg) -> dict:
     for r in range(ROWS):
         n, s = 0, 0
         while True:
-            grid = (int(torch.randint(1, 3, (), generator=g)), *(int(v) for v in torch.randint(1, 5, (2,), generator=g)))
+            t, h, w = (int(v) for v in torch.randint(1, 5, (3,), generator=g))
+            grid = (1 + t % 2, h, w)
             k = grid[0] * grid[1] * grid[2]
             if n + k > N or s == 4:
                 break
@@ -72,7 +73,8 @@ def packed_batch(g: torch.Generator, cfg) -> dict:
             if row == r:
                 text_seg[r, t:t + length], t = s, t + length
     return dict(
-        x=torch.randn(ROWS, N, cfg.patch_dim, generator=g) * 0.5, noise=torch.randn(ROWS, N, cfg.patch_dim, generator=g),
+        x=torch.randn(ROWS, N, cfg.patch_dim, generator=g) * 0.5,
+        noise=torch.randn(ROWS, N, cfg.patch_dim, generator=g),
         sigma=torch.exp(torch.randn(ROWS, S, generator=g) * 1.2 - 1.2), seg=seg, mask=seg >= 0,
         cond=dict(pos=pos, class_labels=torch.randint(0, 6, (ROWS, S), generator=g),
                   fps=torch.rand(ROWS, S, generator=g) * 24, text=torch.randn(ROWS, L, 16, generator=g),
