@@ -564,3 +564,15 @@ def test_an_infinite_gradient_norm_diverges_like_a_nan_loss():
     history, window = [], Window()
     read_back(pending[:1], window, history, OneRank(), tqdm(disable=True), 1e-3)
     assert history == [[1, 0.5]] and (window.steps, window.tokens) == (1, 10)
+
+
+@pytest.mark.slow
+def test_a_compiled_tp2_sp_checkpointed_run_trains_compiled(dataset, tmp_path):
+    """The layout that Megatron-Core's linears made dynamo skip entirely (TP + SP + selective checkpointing) trains
+    with compiled blocks: dit-train's own check after the first step (check_compiled) would stop it otherwise."""
+    run = tmp_path / "run"
+    proc = torchrun_train(*run_args(dataset, run, 3, "parallel.tp=2", "parallel.sequence_parallel=true",
+                                    "model.activation_checkpointing=selective", "model.compile=true"), timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "torch.compile made no graph" not in proc.stderr and "graph break" not in proc.stdout + proc.stderr
+    assert [s for s, _ in final_state(run, 3)["history"]] == [1, 2, 3]

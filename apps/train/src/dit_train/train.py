@@ -31,7 +31,7 @@ from ditcore.errors import ConfigError
 from ditcore.export import export_model
 from ditcore.flops import batch_flops, gpu_peak_flops, measure_cpu_peak_flops
 from ditcore.media import contact_sheet, write_sample
-from ditcore.models import DiTConfig, preset
+from ditcore.models import DiTConfig, check_compiled, preset
 from ditcore.models.dit import check_positions
 from ditcore.parallel import (
     ParallelDims,
@@ -272,7 +272,7 @@ def fit(run: Setup, t: Trainee, validator: Validator, config_yaml: str) -> dict:
     cfg, fabric = run.cfg, run.fabric
     peak = (gpu_peak_flops(torch.cuda.get_device_name()) if run.on_gpu else measure_cpu_peak_flops()) or float("nan")
     preempted = Preempted(fabric.world_size, run.on_gpu)
-    step = t.state["step"]
+    step = first = t.state["step"]
     bar = tqdm(total=cfg.train.steps, initial=step, desc="train", unit="step", disable=fabric.global_rank != 0,
                dynamic_ncols=True)
     it = iter(t.loader)
@@ -286,6 +286,9 @@ def fit(run: Setup, t: Trainee, validator: Validator, config_yaml: str) -> dict:
         t.state["skipped"].update(micro.skipped)
         window.skipped += micro.skipped.total()
         bar.update()
+        if cfg.model.compile and step == first + 1:  # the blocks were compiled in this process's first step
+            for reason in check_compiled(t.model.module):
+                fabric.print(f"warning: a compiled block has a graph break (slower, still right): {reason}")
 
         signalled = preempted.signalled()
         stop = signalled or step == cfg.train.stop_at

@@ -18,10 +18,11 @@ One rank of a layout holds, in bytes:
   of the running block and of the next one (prefetched), the gradients of the root (they accumulate until the end of
   backward) and of the running block; and that block's reduce-scatter input in the reduce dtype. Without fsdp, DDP's
   buckets are the gradients themselves (gradient_as_bucket_view=True); with pp > 1 there is no DDP, and the
-  gradients are the plain fp32 ones counted above. With sequence parallelism, Megatron's buffer for all-gathering a
-  column-parallel linear's input: a rank's whole slice of the rows. With pp > 1, on every stage but the last, the
-  buffer that the gradient of its output arrives in: the hidden states (tokens it holds, micro_batch, hidden_size) in
-  the compute dtype. (The hidden states a stage receives are its first block's input, counted in its activations.)
+  gradients are the plain fp32 ones counted above. With sequence parallelism, the all-gathered input of the running
+  column-parallel linear (ditcore.parallel.tensor_parallel): a rank's whole slice of the rows. With pp > 1, on every
+  stage but the last, the buffer that the gradient of its output arrives in: the hidden states (tokens it holds,
+  micro_batch, hidden_size) in the compute dtype. (The hidden states a stage receives are its first block's input,
+  counted in its activations.)
 - activations: the peak, over forward and backward, of what the forward keeps for backward (`_activations`). With
   pp > 1 the non-interleaved 1F1B schedule keeps, at its peak, min(pp - s, micro_batches) micro-batches in flight on
   stage s, each holding what its forward kept there: its blocks', the conditioning's (every stage), the patch
@@ -277,7 +278,7 @@ def _stage_plan(cfg: DiTConfig, lay: Layout, params: list[Param], act: Activatio
         comm = compute * (gathered + unsharded_grads) + DTYPE_BYTES[lay.reduce_dtype] * block  # + its scatter input
     elif lay.precision == "bf16":
         autocast_cache = compute * sum(p.numel for p in mine if p.cast)
-    if lay.sequence_parallel and lay.tp > 1:  # Megatron's all-gather buffer, reused by every layer and step
+    if lay.sequence_parallel and lay.tp > 1:  # the all-gathered input of the running column-parallel matmul
         comm += lay.micro_batch * lay.seq_length // lay.cp * cfg.hidden_size * compute
     if stage < lay.pp - 1:  # the gradient of the hidden states it sent on, received from the next stage
         comm += act.hidden
@@ -319,8 +320,9 @@ def _activations(cfg: DiTConfig, lay: Layout) -> Activations:
     `cached` is what selective checkpointing keeps: the block's input and the outputs of its matmuls and attention
     kernels (models.techniques.SAVED_OPS). A name in both is one tensor, which backward reads from the cache. A
     matmul's output is the layer's output only for nn.Linear (tp = 1, or a replicated layer) on a contiguous input:
-    one addmm. On a strided input (the modulated activations, the transposed text), or in Megatron's linear whose
-    bias ditcore adds after it, it is a tensor of its own; a row-parallel one is whole before its reduction.
+    one addmm. On a strided input (the modulated activations, the transposed text), or in a tensor-parallel linear,
+    which adds its bias after the matmul (ditcore.parallel.tensor_parallel), it is a tensor of its own; a
+    row-parallel one is whole before its reduction.
 
     The other architectures differ where their config says so: RMSNorms (`rms_norm`), fewer key/value heads
     (`kv_heads`: attention then keeps the copies shared out to every query head), a SwiGLU MLP (`gated_mlp`: the

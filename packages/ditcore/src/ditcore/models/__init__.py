@@ -10,7 +10,7 @@ from ditcore.models import dit, moviegen, stdit
 from ditcore.models.dit import DiT, DiTConfig
 from ditcore.models.moviegen import MovieGen, MovieGenConfig
 from ditcore.models.stdit import STDiT, STDiTConfig
-from ditcore.models.techniques import apply_activation_checkpointing, apply_compile
+from ditcore.models.techniques import NotCompiled, apply_activation_checkpointing, apply_compile, check_compiled
 
 ARCHS: dict[str, tuple[type[DiTConfig], type[DiT]]] = {
     "dit": (DiTConfig, DiT),
@@ -37,5 +37,5 @@ def build(cfg: DiTConfig, attention: str = "auto") -> DiT:
     return ARCHS[arch_of(cfg)][1](cfg, attention=attention)
 
 
-__all__ = ["ARCHS", "PRESETS", "DiT", "DiTConfig", "MovieGen", "MovieGenConfig", "STDiT", "STDiTConfig",
-           "apply_activation_checkpointing", "apply_compile", "arch_of", "build", "preset"]
+__all__ = ["ARCHS", "PRESETS", "DiT", "DiTConfig", "MovieGen", "MovieGenConfig", "NotCompiled", "STDiT", "STDiTConfig",
+           "apply_activation_checkpointing", "apply_compile", "arch_of", "build", "check_compiled", "preset"]

@@ -6,6 +6,7 @@ compile must see the checkpointed blocks and the wrapper must see the compiled o
 
 from __future__ import annotations
 
+import os
 import types
 
 import torch
@@ -99,3 +100,31 @@ def apply_compile(model: nn.Module, **compile_kwargs) -> nn.Module:
     for block in held_blocks(model):
         block.compile(**compile_kwargs)  # in place: parameter names (and so checkpoints) are unchanged
     return model
+
+
+class NotCompiled(RuntimeError):
+    """model.compile is on, but dynamo compiled no graph of the blocks."""
+
+
+def check_compiled(model: nn.Module) -> list[str]:
+    """After a compiled model's first training step: raise NotCompiled unless dynamo made graphs of the blocks' code;
+    return the graph breaks it met (the first line of each reason), which cost speed but not correctness. Dynamo can
+    give up on a frame without an error (it once skipped every block of a tensor-parallel, checkpointed model, which
+    then trained eagerly at a fraction of the speed): this says so.
+
+    Reads dynamo's compilation records (one per compiled frame, with its source file) and its graph-break counter;
+    frames of torch's own code do not count, so FlexAttention's compiled kernels cannot hide a failure.
+    """
+    from torch._dynamo.utils import counters, get_compilation_metrics
+
+    torch_code = os.path.dirname(torch.__file__)
+    graphs = sum(1 for m in get_compilation_metrics()
+                 if not (m.co_filename or torch_code).startswith(torch_code) and not m.fail_type
+                 and (m.graph_op_count or 0) > 0)
+    breaks = [reason.strip().splitlines()[0] for reason in counters["graph_break"]]
+    if not graphs:
+        raise NotCompiled(f"model.compile=true, but torch.compile made no graph of the {len(held_blocks(model))} "
+                          "blocks in the first step: they ran uncompiled"
+                          + (f" (first graph break: {breaks[0]})" if breaks else "") +
+                          " — set model.compile=false, or run with TORCH_LOGS=graph_breaks,recompiles to see why")
+    return breaks

@@ -106,21 +106,19 @@ class _GatheredLinear(torch.autograd.Function):
     reduce-scattered back to the ranks' tokens."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, group) -> torch.Tensor:
-        ctx.group, ctx.has_bias = group, bias is not None
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, group) -> torch.Tensor:
+        ctx.group = group
         ctx.save_for_backward(x, weight)
         # autocast applies in here as in F.linear outside: the matmul runs in the autocast dtype
-        return F.linear(_all_gather(x, group), weight, bias)
+        return F.linear(_all_gather(x, group), weight)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         x, weight = ctx.saved_tensors
         total = _all_gather(x, ctx.group).to(grad.dtype)  # (N, B, in): every rank's tokens
         grad_x = _reduce_scatter(grad.matmul(weight.to(grad.dtype)), ctx.group).to(x.dtype)
-        flat = grad.reshape(-1, grad.shape[-1])
-        grad_w = flat.t().matmul(total.reshape(-1, total.shape[-1])).to(weight.dtype)
-        grad_b = flat.sum(0).to(weight.dtype) if ctx.has_bias else None
-        return grad_x, grad_w, grad_b, None
+        grad_w = grad.reshape(-1, grad.shape[-1]).t().matmul(total.reshape(-1, total.shape[-1])).to(weight.dtype)
+        return grad_x, grad_w, None
 
 
 class ColumnParallelLinear(nn.Module):
@@ -143,8 +141,12 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.sequence_parallel:
-            return _GatheredLinear.apply(x, self.weight, self.bias, self.group)
-        return F.linear(_CopyToRanks.apply(x, self.group), self.weight, self.bias)
+            y = _GatheredLinear.apply(x, self.weight, self.group)
+        else:
+            y = F.linear(_CopyToRanks.apply(x, self.group), self.weight)
+        # the bias after the matmul, in its dtype (as Megatron-Core's layers with ditcore's bias add did: the matmul's
+        # output is a tensor of its own, which the memory plan counts, ditcore.memory)
+        return y if self.bias is None else y + self.bias.to(y.dtype)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features} (this rank's), " \
