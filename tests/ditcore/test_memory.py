@@ -378,7 +378,7 @@ def parallel_worker(out: str) -> None:
             torch.manual_seed(0)
             model = apply_activation_checkpointing(parallelize(DiT(cfg, attention="sdpa"), groups), mode)
             batch, S = packed_batch(cfg, rows, N, L, torch.Generator().manual_seed(1))  # the same rows on both ranks
-            training_loss(model, batch).backward()  # once first: Megatron allocates its all-gather buffer for good
+            training_loss(model, batch).backward()  # once first: lazily allocated state is not counted as activations
             model.zero_grad(set_to_none=False)
             meter = ActivationMeter(model)
             with meter:

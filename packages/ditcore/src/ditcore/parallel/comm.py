@@ -11,6 +11,19 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
 
+class _GatherSumBack(torch.autograd.Function):
+    """All-gather along dim 0; backward sums every rank's gradient of this rank's slice (reduce-scatter)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
+        ctx.group = group
+        return funcol.wait_tensor(funcol.all_gather_single(x.contiguous(), 0, group))
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return funcol.wait_tensor(funcol.reduce_scatter_single(grad.contiguous(), "sum", 0, ctx.group)), None
+
+
 class _GatherSplitBack(torch.autograd.Function):
     """All-gather along dim 0; backward keeps this rank's slice of the gradient (what follows ran alike on every
     rank, so each rank's gradient of the whole is already the whole gradient)."""
@@ -39,13 +52,25 @@ def gather_seq(x: torch.Tensor, group, grad: Literal["split", "reduce_scatter"],
     size = dist.get_world_size(group) if size is None else size
     if size == 1:
         return x
-    if grad == "reduce_scatter":
-        return funcol.all_gather_single_autograd(x.contiguous(), 0, group)  # its backward: the reduce-scatter
+    if grad == "reduce_scatter":  # (funcol's own autograd variants keep tensors alive longer: written out here)
+        return _GatherSumBack.apply(x, group)
     rank = dist.get_rank(group) if rank is None else rank
     return _GatherSplitBack.apply(x, group, rank, size)
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, send: list[int], recv: list[int], group) -> torch.Tensor:
+        ctx.send, ctx.recv, ctx.group = send, recv, group
+        return funcol.wait_tensor(funcol.all_to_all_single(x.contiguous(), recv, send, group))
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        grad = funcol.all_to_all_single(grad.contiguous(), ctx.send, ctx.recv, ctx.group)
+        return funcol.wait_tensor(grad), None, None, None
 
 
 def all_to_all(x: torch.Tensor, send: list[int], recv: list[int], group) -> torch.Tensor:
     """Send x's first `send[r]` rows (dim 0) to rank r, the next ones onward; receive `recv[r]` rows from rank r, in
     rank order. Its backward sends the gradients back the same way."""
-    return funcol.all_to_all_single_autograd(x.contiguous(), recv, send, group)
+    return _AllToAll.apply(x, send, recv, group)

@@ -99,6 +99,21 @@ class _SumOverRanks(torch.autograd.Function):
         return grad, None
 
 
+class _ScatterSum(torch.autograd.Function):
+    """Forward: sum the ranks' partial outputs and keep this rank's tokens (dim 0). Backward: all-gather the
+    gradients of every rank's tokens. (Written out rather than funcol's autograd variant, whose asynchronous wrapper
+    kept tensors alive longer: the memory plan's measurements, tests/ditcore/test_memory.py.)"""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
+        ctx.group = group
+        return _reduce_scatter(x, group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _all_gather(grad, ctx.group), None
+
+
 class _GatheredLinear(torch.autograd.Function):
     """Sequence parallel, column-parallel: all-gather the tokens (dim 0), then the matmul. Only this rank's tokens
     are kept for backward, which gathers them again for the weight's gradient (as Megatron-Core does): keeping the
@@ -175,9 +190,7 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = F.linear(x, self.weight)
-        # reduce_scatter_single_autograd's backward is the all-gather of the gradient: what this split needs
-        y = funcol.reduce_scatter_single_autograd(y.contiguous(), "sum", 0, self.group) if self.sequence_parallel \
-            else _SumOverRanks.apply(y, self.group)
+        y = (_ScatterSum if self.sequence_parallel else _SumOverRanks).apply(y, self.group)
         return y if self.bias is None else y + self.bias.to(y.dtype)  # in the output's dtype, as nn.Linear's
 
     def extra_repr(self) -> str:
