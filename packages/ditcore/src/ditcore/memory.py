@@ -324,10 +324,10 @@ def _activations(cfg: DiTConfig, lay: Layout) -> Activations:
     bias ditcore adds after it, it is a tensor of its own; a row-parallel one is whole before its reduction.
 
     The other architectures differ where their config says so: RMSNorms (`rms_norm`), fewer key/value heads
-    (`kv_heads`: attention then keeps the copies shared out to every query head), a SwiGLU MLP (`gated_mlp`: the
-    gate's and up projection's outputs, SiLU's, their product), and factorised attention (`factorised`: two sets of
-    masks, positions and token orders; rows of one sample attend as batches of frames or lines, with copies of q, k
-    and v).
+    (`kv_heads`: smaller keys and values, which attention reads for each query head of their group, without
+    copies), a SwiGLU MLP (`gated_mlp`: gate_up's output, twice as wide, SiLU's, their product), and factorised
+    attention (`factorised`: two sets of masks, positions and token orders; rows of one sample attend as batches of
+    frames or lines, with copies of q, k and v).
     """
     a = DTYPE_BYTES[lay.precision]  # under autocast every activation is bf16, but statistics and logsumexp
     D, H, F, hd = cfg.hidden_size, cfg.num_heads, cfg.patch_dim, cfg.head_dim
@@ -362,13 +362,12 @@ def _activations(cfg: DiTConfig, lay: Layout) -> Activations:
         return tokens * Hl * FP32 + (tokens * Dl * (FP32 if a == FP32 else 2 * FP32) if cpu else 0)
 
     KVl = cfg.kv_heads * hd // tp  # a rank's key (or value) features: fewer than Dl under grouped-query attention
-    grouped = cfg.kv_heads < cfg.num_heads
-    q = Ta * Dl * a if cfg.pos_embed == "rope" or qk else 0  # attention's q: made by RoPE or the norm (else a view)
-    k = B * N * 2 * Dl * a if lay.cp > 1 else q  # under CP attention keeps the k and v gathered from the whole row
-    if grouped:  # it keeps the keys and values shared out to every query head: copies of both
-        k = (B * N if lay.cp > 1 else Ta) * 2 * Dl * a
-    elif batched_runs:
-        k = Ta * 2 * Dl * a  # k and v (else a view of the projection)
+    gated = 2 if cfg.gated_mlp else 1  # the MLP's input matrix: gate and up in one, or one
+    made = cfg.pos_embed == "rope" or qk  # attention's q and k are made by RoPE or the norm (else views)
+    q = Ta * Dl * a if made else 0
+    k = B * N * 2 * KVl * a if lay.cp > 1 else Ta * KVl * a if made else 0  # under CP: k and v of the whole row
+    if batched_runs:
+        k = Ta * 2 * KVl * a  # k and v (else a view of the projection)
     saved = {
         "adaLN_in": B * S * D * a,  # SiLU(c)
         "adaLN": B * S * 6 * D * a,  # per_token's input
@@ -394,7 +393,7 @@ def _activations(cfg: DiTConfig, lay: Layout) -> Activations:
             "cross_q": Ta * Dl * a,
             "cross_kv": B * L * 2 * KVl * a,
             "cross_qk_norm": rms(Ta) + rms(B * L) * KVl // Dl,
-            "cross_q_k": (Ta * Dl * a if qk else 0) + (B * L * 2 * Dl * a if grouped else B * L * Dl * a if qk else 0),
+            "cross_q_k": (Ta * Dl * a + B * L * KVl * a) if qk else 0,
             "cross_kernel": Ta * Dl * a + Ta * Hl * FP32,
             "cross_mask": Ta * (L * a + 1) if sdpa_mask else 0,  # and which queries have keys (bool)
             "cross_proj_in": Ta * Dl * a,
@@ -404,12 +403,12 @@ def _activations(cfg: DiTConfig, lay: Layout) -> Activations:
         "norm2": norm(T),
         "scale_mlp": tok * D * a,
         "mlp_in": T * D * a,
-        "mlp0": Ta * M * a,  # GELU's input (SwiGLU: SiLU's, the gate's output)
+        "mlp0": Ta * M * gated * a,  # GELU's input (SwiGLU: gate_up's output, whose views are SiLU's input and up)
         "gelu": Ta * M * a,  # mlp.2's input (SwiGLU: SiLU's output)
         "mlp2": T * D * a,  # for the gate's gradient
     }
     if cfg.gated_mlp:
-        saved |= {"up": Ta * M * a, "glu": Ta * M * a}  # the up projection's output, their product: down's input
+        saved["glu"] = Ta * M * a  # SiLU's output times up: down's input
 
     if lay.activation_checkpointing == "none":
         cached = saved
@@ -421,14 +420,12 @@ def _activations(cfg: DiTConfig, lay: Layout) -> Activations:
             "adaLN": saved["adaLN"],  # a replicated nn.Linear on SiLU's output: the same tensor
             "qkv_mm": Ta * (Dl + 2 * KVl) * a,
             "proj" if nn_linear else "proj_mm": Ta * D * a,
-            "mlp0_mm": Ta * M * a,
+            "mlp0_mm": Ta * M * gated * a,
             "mlp2" if nn_linear else "mlp2_mm": Ta * D * a,
         }
         if L:
             cached |= {"cross_q" if nn_linear else "cross_q_mm": Ta * Dl * a, "cross_kv_mm": B * L * 2 * KVl * a,
                        "cross_proj_mm": Ta * D * a}
-        if cfg.gated_mlp:
-            cached["up_mm"] = Ta * M * a
         if kernel_cached:
             cached |= {k: saved[k] for k in ("attn_kernel", "cross_kernel") if k in saved}
     # A checkpointed block runs again in its backward: what its backward reads and the cache lacks comes back, and
