@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 from ditcore.layout import grid_positions, patchify, per_token, segment_mask, unpatchify
-from ditcore.testing import assert_close_fp32
+from ditcore.testing import NoLowPrecisionScatter, assert_close_fp32, fp32_tolerance
 
 # ---------------------------------------------------------------- patches
 
@@ -46,6 +46,29 @@ def test_per_token_gathers_each_tokens_sample_and_broadcasts_without_seg():
     seg = torch.tensor([[0, 0, 2, 1, -1]])
     assert per_token(values, seg)[0, :, 0].tolist() == [1.0, 1.0, 3.0, 2.0, 1.0]  # padding takes sample 0
     assert per_token(values, None).shape == (1, 1, 1)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_per_token_with_gradients_gathers_exactly_and_sums_each_samples_tokens_in_fp32(dtype):
+    """Values that need a gradient go through a one-hot matmul: the same values as the gather, and a gradient that is
+    each sample's sum of its tokens' gradients, accumulated in fp32 and rounded once (as the exact sum, rounded)."""
+    g = torch.Generator().manual_seed(0)
+    B, S, N, F = 2, 3, 600, 5
+    seg = torch.randint(-1, S, (B, N), generator=g)
+    values = torch.randn(B, S, F, generator=g).to(dtype).requires_grad_()
+    grad_out = torch.randn(B, N, F, generator=g).to(dtype)
+    with NoLowPrecisionScatter():
+        out = per_token(values, seg)
+        out.backward(grad_out)
+    assert out.dtype == dtype
+    assert torch.equal(out, torch.gather(values.detach(), 1, seg.clamp(min=0)[..., None].expand(-1, -1, F)))
+    one_hot = torch.nn.functional.one_hot(seg.clamp(min=0), S).double()  # padding counts for sample 0, as it reads it
+    exact = one_hot.transpose(1, 2) @ grad_out.double()  # (B, S, F)
+    # fp32 accumulation of N terms (Higham), then one rounding to the values' dtype
+    bound = fp32_tolerance(N, 1.0) * (one_hot.transpose(1, 2) @ grad_out.double().abs()) + exact.abs() * (
+        torch.finfo(dtype).eps / 2)
+    assert ((values.grad.double() - exact).abs() <= bound).all()
+    assert torch.equal(per_token(values.detach(), seg), out.detach())  # without a gradient: the gather
 
 
 def test_segment_mask_is_block_diagonal_and_keeps_keyless_queries_finite():

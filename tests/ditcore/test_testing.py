@@ -3,7 +3,7 @@ import torch
 
 from ditcore.layout import grid_positions
 from ditcore.models import DiT, preset
-from ditcore.testing import EPS32, assert_close_fp32, dit_forward_work, fp32_tolerance
+from ditcore.testing import EPS32, NoLowPrecisionScatter, assert_close_fp32, dit_forward_work, fp32_tolerance
 
 
 @pytest.mark.parametrize("n", [1, 16, 384, 4096])
@@ -42,3 +42,33 @@ def test_assert_close_fp32_catches_a_relative_error_of_1e_3():
     assert_close_fp32(expected * (1 + 4 * EPS32), expected, work=8)
     with pytest.raises(AssertionError, match=r"float32 bound: work 1000"):
         assert_close_fp32(expected * (1 + 1e-3), expected, work=1000)
+
+
+# The backwards of a gather, an index_select and an advanced index scatter-add; an index_put adds only when told to
+SCATTERING = {
+    "gather": (lambda v, i: torch.gather(v, 0, i[:, None].expand(-1, v.shape[1])), r"scatter_add.* GatherBackward0"),
+    "index_select": (lambda v, i: v.index_select(0, i), r"index_add.* IndexSelectBackward0"),
+    "advanced_index": (lambda v, i: v[i], r"index_put.* IndexBackward0"),
+    "index_put_accumulate": (lambda v, i: torch.zeros_like(v).index_put((i[:3],), v[:3], accumulate=True), "forward"),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("op", SCATTERING)
+def test_no_low_precision_scatter_finds_sums_into_bf16_and_fp16(op, dtype):
+    take, where = SCATTERING[op]
+    values = torch.randn(4, 3, dtype=dtype, requires_grad=True)
+    index = torch.tensor([0, 2, 2, 1, 0])
+    with pytest.raises(AssertionError, match=rf"{where}.*: into {dtype} \(4, 3\)"), NoLowPrecisionScatter():
+        take(values, index).sum().backward()
+
+
+@pytest.mark.parametrize("op", SCATTERING)
+def test_no_low_precision_scatter_lets_fp32_sums_and_plain_writes_pass(op):
+    take, _ = SCATTERING[op]
+    index = torch.tensor([0, 2, 2, 1, 0])
+    with NoLowPrecisionScatter():
+        take(torch.randn(4, 3, requires_grad=True), index).sum().backward()  # fp32: CUDA accumulates in fp32
+        x = torch.zeros(4, 3, dtype=torch.bfloat16)
+        x[index[:2]] = 1.0  # an index_put without accumulate writes, it does not sum
+        x.index_put_((index[:2],), torch.ones(2, 3, dtype=torch.bfloat16))

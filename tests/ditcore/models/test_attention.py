@@ -7,7 +7,7 @@ import torch
 from ditcore.errors import ConfigError
 from ditcore.layout import grid_positions
 from ditcore.models import DiT, build, preset
-from ditcore.models.attention import attend, resolve, segments
+from ditcore.models.attention import Mask, attend, resolve, segments
 from ditcore.testing import assert_close_fp32, dit_forward_work, dit_grad_work
 
 
@@ -52,6 +52,25 @@ def test_block_mask_and_dense_mask_agree(seed):
             assert_close_fp32(flex * real, dense * real, work=hd + 2 * keys.shape[2])
     assert flex[0, :, seg[0] == 1].abs().max() == 0  # no text: nothing, under both
     assert dense[0, :, seg[0] == 1].abs().max() == 0
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "flex", "run"])
+def test_grouped_query_attention_reads_shared_heads_as_their_copies(backend):
+    """enable_gqa: 6 query heads over 2 key/value heads, each shared by 3 consecutive query heads, is attention over
+    the copies of each key/value head for its query heads (what MovieGen made before), under every kind of mask."""
+    g = torch.Generator().manual_seed(0)
+    B, H, kv, N, hd = 2, 6, 2, 150, 16
+    q = torch.randn(B, H, N, hd, generator=g)
+    k, v = (torch.randn(B, kv, N, hd, generator=g) for _ in range(2))
+    if backend == "run":  # runs of 30 tokens as rows of their own (ST-DiT's frames of rows of one sample)
+        mask = Mask(None, run=30)
+    else:
+        mask = segments(backend, *(2 * [random_segments(B, N, 4, g)]))
+        mask.has_keys = None
+    with torch.no_grad():  # flex: forward only on a CPU
+        shared = attend(q, k, v, mask, enable_gqa=True)
+        copies = attend(q, k.repeat_interleave(3, 1), v.repeat_interleave(3, 1), mask)
+    assert_close_fp32(shared, copies, work=hd + 2 * N)
 
 
 def packed_and_alone(cfg, device):

@@ -2,11 +2,13 @@
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ditcore.errors import ConfigError
 from ditcore.models import MovieGen, preset
 from ditcore.models.moviegen import GroupedSelfAttention, MovieGenConfig, SwiGLU
+from ditcore.testing import assert_close_fp32
 
 # NeMo's DiTLlama30BConfig / DiTLlama5BConfig / DiTLlama1BConfig (nemo/collections/diffusion/models/model.py; the 5B
 # and 1B subclass the 30B and inherit its num_query_groups=8): layers, hidden, FFN, heads, query groups.
@@ -45,8 +47,8 @@ def test_llama_layers_without_biases_and_grouped_heads():
     model = MovieGen(preset("MovieGen-Tiny", in_channels=4, text_dim=8))
     block = model.blocks[0]
     assert isinstance(block.mlp, SwiGLU) and isinstance(block.attn, GroupedSelfAttention)
-    for layer in (block.attn.qkv, block.attn.proj, block.cross.q, block.cross.kv, block.cross.proj, block.mlp.gate,
-                  block.mlp.up, block.mlp.down):
+    for layer in (block.attn.qkv, block.attn.proj, block.cross.q, block.cross.kv, block.cross.proj, block.mlp.gate_up,
+                  block.mlp.down):
         assert isinstance(layer, nn.Linear) and layer.bias is None
     cfg = model.cfg
     assert block.attn.qkv.out_features == (cfg.num_heads + 2 * cfg.kv_heads) * cfg.head_dim  # 4 queries, 2 k/v heads
@@ -79,6 +81,24 @@ def test_grouped_heads_equal_full_heads_with_shared_keys():
     with torch.no_grad():
         torch.testing.assert_close(grouped(x, torch.zeros(2, 1), pos, text=text),
                                    full(x, torch.zeros(2, 1), pos, text=text), rtol=1e-5, atol=1e-5)
+
+
+def test_swiglu_is_llamas_and_splits_over_tensor_parallel_ranks_by_whole_units():
+    """gate_up's rows are (hidden, [gate, up]): the MLP is down(silu(x Wgᵀ) · x Wuᵀ) with Wg its even rows and Wu its
+    odd ones, and a contiguous split of the rows over tp ranks (a column-parallel linear) gives each rank the gate and
+    up rows of the same hidden units: rank r computes hidden units r·M/tp .. (r+1)·M/tp exactly."""
+    torch.manual_seed(0)
+    D, M = 16, 24
+    mlp, x = SwiGLU(D, M), torch.randn(5, D)
+    W = mlp.gate_up.weight
+    with torch.no_grad():
+        hidden = F.silu(x @ W[0::2].T) * (x @ W[1::2].T)  # (5, M): Llama's, from two matrices
+        # the matmuls group their sums differently: two dot products of length D, SiLU and the product, then down
+        assert_close_fp32(mlp(x), mlp.down(hidden), work=2 * D + 4 + M)
+        for tp in (2, 4):
+            for r, rows in enumerate(W.chunk(tp)):  # rank r's shard of the column-parallel weight
+                gate, up = (x @ rows.T).unflatten(-1, (-1, 2)).unbind(-1)  # what SwiGLU.forward does on a rank
+                assert_close_fp32(F.silu(gate) * up, hidden.chunk(tp, -1)[r], work=2 * D + 4)
 
 
 @pytest.mark.parametrize(("changes", "match"), [({"num_kv_heads": 3}, "num_kv_heads=3 is invalid: expected a divisor"),

@@ -11,8 +11,9 @@ from ditcore.errors import ConfigError
 from ditcore.layout import grid_positions
 from ditcore.models import build, preset
 from ditcore.models.dit import DiTBlock
-from ditcore.models.stdit import TemporalBlock, factorise
+from ditcore.models.stdit import TemporalBlock, factorise, reorder
 from ditcore.parallel.context_parallel import SwapRows
+from ditcore.testing import NoLowPrecisionScatter
 
 from .test_dit import randomize
 
@@ -39,6 +40,27 @@ def test_lines_order_keeps_each_sample_in_place_and_makes_every_time_line_contig
     lines = f.lines[0, clip].tolist()
     assert lines == sorted(lines) and len(set(lines)) == 4  # contiguous runs of one id per line
     assert (f.lines[0, -4:] == -1).all() and (f.frames[0, -4:] == -1).all()  # padding is no frame or line
+
+
+@pytest.mark.parametrize("rows", [1, 2])  # one order for every row (an index_select), or one per row (a gather)
+def test_reordering_moves_gradients_back_by_the_inverse_order_without_scattering(rows):
+    """Frames → lines order is a permutation: its backward is the gather of the gradient by the inverse order,
+    exactly what a gather's own backward (a scatter_add) computes, but with no scatter into bf16."""
+    pos, seg = packed_row()
+    if rows == 2:  # the second row: the same samples, the clip first
+        pos2, seg2 = packed_row([GRIDS[1], GRIDS[0], GRIDS[2]])
+        pos, seg = torch.cat([pos, pos2]), torch.cat([seg, seg2])
+    f = factorise(seg, pos, (64, 256, 256))
+    x = torch.randn(pos.shape[1], rows, 8, dtype=torch.bfloat16, requires_grad=True)
+    grad = torch.randn(pos.shape[1], rows, 8, dtype=torch.bfloat16)
+    with NoLowPrecisionScatter():
+        lines = reorder(x, f.to_lines, f.to_frames)
+        lines.backward(grad)
+    index = f.to_lines.T[:, :, None].expand(-1, -1, 8)
+    assert torch.equal(lines, x.detach().gather(0, index))
+    x_ref = x.detach().float().requires_grad_()
+    x_ref.gather(0, index).backward(grad.float())  # the scatter_add, in fp32: each sum has one term
+    assert torch.equal(x.grad, x_ref.grad.to(torch.bfloat16))
 
 
 def test_each_block_lets_a_token_see_only_its_own_frame_or_its_own_time_line():

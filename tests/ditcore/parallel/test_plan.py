@@ -66,7 +66,7 @@ def test_every_architecture_has_a_plan():
     moviegen = MovieGen(preset("MovieGen-Tiny", **FULL))
     assert plan_for(moviegen) is MOVIEGEN_PLAN
     MOVIEGEN_PLAN.check(moviegen)  # every parameter covered once, every entry names layers that exist
-    assert MOVIEGEN_PLAN.partition_dim("blocks.0.mlp.gate.weight") == 0
+    assert MOVIEGEN_PLAN.partition_dim("blocks.0.mlp.gate_up.weight") == 0
     assert MOVIEGEN_PLAN.partition_dim("blocks.0.mlp.down.weight") == 1
     with pytest.raises(TypeError, match="no tensor-parallel plan for Linear"):
         plan_for(nn.Linear(2, 2))

@@ -30,7 +30,7 @@ class FlopCount:
 def count_params(cfg: DiTConfig) -> FlopCount:
     D, L = cfg.hidden_size, cfg.depth
     kv = 2 * cfg.kv_heads * cfg.head_dim  # key/value features: fewer than 2·D under grouped-query attention
-    mlp = (3 if cfg.gated_mlp else 2) * D * cfg.ffn  # in and out matrices (gated: gate, up and down)
+    mlp = (3 if cfg.gated_mlp else 2) * D * cfg.ffn  # in and out matrices (gated: gate and up in one, and down)
     block_tok = D * (D + kv) + D * D + mlp  # qkv, out projection, MLP
     text_kv = D * kv
     block_text = 0

@@ -52,12 +52,29 @@ def per_token(values: torch.Tensor, seg: torch.Tensor | None) -> torch.Tensor:
 
     seg=None means one sample per row: (B, 1, ...) is returned and broadcasts over tokens. Padding
     tokens (seg = -1) take sample 0's values; their outputs are masked out of every loss.
+
+    Values with a gradient (the adaLN modulations) are spread by a one-hot matmul, (B, N, S) @ (B, S, F): its
+    forward is exact (one nonzero term per output), and its backward, (B, S, N) @ (B, N, F), sums each sample's
+    token gradients with fp32 accumulation and rounds once. A gather's backward instead scatter-adds into a tensor
+    of the values' dtype, which CUDA does with one rounding per token: a 4096-token sample's bf16 gradient is then
+    off by 1e-1 to 2e-1, ten times a whole row's (tests/ditcore/models/test_numerics.py).
+    Why not gather fp32 values instead: that makes an fp32 copy of the (B, N, F) modulations each way (600 MB a block
+    at DiT-7B's width and 8k tokens) and still scatters with atomics, N/S tokens contending for each address. The
+    one-hot is N·S values (512 kB at 8192 tokens and 32 samples); both products move what the gather moves, and at S
+    FLOPs per byte they are memory-bound like it. Values without a gradient (noise levels) take the gather, exact
+    in every dtype (an fp32 matmul under TF32 would round them).
     """
     if seg is None:
         return values[:, :1]
     idx = seg.clamp(min=0)
-    return torch.gather(values, 1, idx.view(*idx.shape, *[1] * (values.ndim - 2)).expand(
-        -1, -1, *values.shape[2:]))
+    if not values.requires_grad:
+        return torch.gather(values, 1, idx.view(*idx.shape, *[1] * (values.ndim - 2)).expand(
+            -1, -1, *values.shape[2:]))
+    B, S = values.shape[:2]
+    one_hot = (idx[..., None] == torch.arange(S, device=idx.device)).to(values.dtype)  # (B, N, S)
+    with torch.autocast(values.device.type, enabled=False):  # in the values' dtype, as the gather
+        out = torch.bmm(one_hot, values.reshape(B, S, -1))  # (B, N, F)
+    return out.view(*idx.shape, *values.shape[2:])
 
 
 def segment_mask(seg_q: torch.Tensor, seg_k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

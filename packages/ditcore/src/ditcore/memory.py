@@ -315,8 +315,9 @@ def _activations(cfg: DiTConfig, lay: Layout) -> Activations:
 
     `saved` lists, op by op in DiTBlock.forward's order, what each op keeps for its backward without checkpointing:
     a linear keeps its input, LayerNorm its input, mean and rstd, RMSNorm its input and rstd, addcmul the factor the
-    other's gradient needs (so a gate keeps the per-token modulations it is a view of), GELU its input, attention q,
-    k, v, its output and logsumexp (fp32), SDPA its float mask; RoPE keeps only cos/sin, shared by all blocks.
+    other's gradient needs (so a gate keeps the per-token modulations it is a view of; per_token's one-hot matmul
+    keeps its one-hot, which its backward multiplies by), GELU its input, attention q, k, v, its output and
+    logsumexp (fp32), SDPA its float mask; RoPE keeps only cos/sin, shared by all blocks.
     `cached` is what selective checkpointing keeps: the block's input and the outputs of its matmuls and attention
     kernels (models.techniques.SAVED_OPS). A name in both is one tensor, which backward reads from the cache. A
     matmul's output is the layer's output only for nn.Linear (tp = 1, or a replicated layer) on a contiguous input:
@@ -325,10 +326,10 @@ def _activations(cfg: DiTConfig, lay: Layout) -> Activations:
     row-parallel one is whole before its reduction.
 
     The other architectures differ where their config says so: RMSNorms (`rms_norm`), fewer key/value heads
-    (`kv_heads`: attention then keeps the copies shared out to every query head), a SwiGLU MLP (`gated_mlp`: the
-    gate's and up projection's outputs, SiLU's, their product), and factorised attention (`factorised`: two sets of
-    masks, positions and token orders; rows of one sample attend as batches of frames or lines, with copies of q, k
-    and v).
+    (`kv_heads`: smaller keys and values, which attention reads for each query head of their group, without
+    copies), a SwiGLU MLP (`gated_mlp`: gate_up's output, twice as wide, SiLU's, their product), and factorised
+    attention (`factorised`: two sets of masks, positions and token orders; rows of one sample attend as batches of
+    frames or lines, with copies of q, k and v).
     """
     a = DTYPE_BYTES[lay.precision]  # under autocast every activation is bf16, but statistics and logsumexp
     D, H, F, hd = cfg.hidden_size, cfg.num_heads, cfg.patch_dim, cfg.head_dim
@@ -363,17 +364,16 @@ def _activations(cfg: DiTConfig, lay: Layout) -> Activations:
         return tokens * Hl * FP32 + (tokens * Dl * (FP32 if a == FP32 else 2 * FP32) if cpu else 0)
 
     KVl = cfg.kv_heads * hd // tp  # a rank's key (or value) features: fewer than Dl under grouped-query attention
-    grouped = cfg.kv_heads < cfg.num_heads
-    q = Ta * Dl * a if cfg.pos_embed == "rope" or qk else 0  # attention's q: made by RoPE or the norm (else a view)
-    k = B * N * 2 * Dl * a if lay.cp > 1 else q  # under CP attention keeps the k and v gathered from the whole row
-    if grouped:  # it keeps the keys and values shared out to every query head: copies of both
-        k = (B * N if lay.cp > 1 else Ta) * 2 * Dl * a
-    elif batched_runs:
-        k = Ta * 2 * Dl * a  # k and v (else a view of the projection)
+    gated = 2 if cfg.gated_mlp else 1  # the MLP's input matrix: gate and up in one, or one
+    made = cfg.pos_embed == "rope" or qk  # attention's q and k are made by RoPE or the norm (else views)
+    q = Ta * Dl * a if made else 0
+    k = B * N * 2 * KVl * a if lay.cp > 1 else Ta * KVl * a if made else 0  # under CP: k and v of the whole row
+    if batched_runs:
+        k = Ta * 2 * KVl * a  # k and v (else a view of the projection)
     saved = {
         "adaLN_in": B * S * D * a,  # SiLU(c)
         "adaLN": B * S * 6 * D * a,  # per_token's input
-        "modulations": T * (6 * D * a + INT64) if lay.packed else 0,  # gathered per token, and the gather's index
+        "modulations": T * (6 * D + S) * a if lay.packed else 0,  # per token, and per_token's one-hot (T, S)
         "x": T * D * a,  # the block's input
         "norm1": norm(T),
         "scale_attn": tok * D * a,  # 1 + scale
@@ -395,7 +395,7 @@ def _activations(cfg: DiTConfig, lay: Layout) -> Activations:
             "cross_q": Ta * Dl * a,
             "cross_kv": B * L * 2 * KVl * a,
             "cross_qk_norm": rms(Ta) + rms(B * L) * KVl // Dl,
-            "cross_q_k": (Ta * Dl * a if qk else 0) + (B * L * 2 * Dl * a if grouped else B * L * Dl * a if qk else 0),
+            "cross_q_k": (Ta * Dl * a + B * L * KVl * a) if qk else 0,
             "cross_kernel": Ta * Dl * a + Ta * Hl * FP32,
             "cross_mask": Ta * (L * a + 1) if sdpa_mask else 0,  # and which queries have keys (bool)
             "cross_proj_in": Ta * Dl * a,
@@ -405,12 +405,12 @@ def _activations(cfg: DiTConfig, lay: Layout) -> Activations:
         "norm2": norm(T),
         "scale_mlp": tok * D * a,
         "mlp_in": T * D * a,
-        "mlp0": Ta * M * a,  # GELU's input (SwiGLU: SiLU's, the gate's output)
+        "mlp0": Ta * M * gated * a,  # GELU's input (SwiGLU: gate_up's output, whose views are SiLU's input and up)
         "gelu": Ta * M * a,  # mlp.2's input (SwiGLU: SiLU's output)
         "mlp2": T * D * a,  # for the gate's gradient
     }
     if cfg.gated_mlp:
-        saved |= {"up": Ta * M * a, "glu": Ta * M * a}  # the up projection's output, their product: down's input
+        saved["glu"] = Ta * M * a  # SiLU's output times up: down's input
 
     if lay.activation_checkpointing == "none":
         cached = saved
@@ -422,14 +422,12 @@ def _activations(cfg: DiTConfig, lay: Layout) -> Activations:
             "adaLN": saved["adaLN"],  # a replicated nn.Linear on SiLU's output: the same tensor
             "qkv_mm": Ta * (Dl + 2 * KVl) * a,
             "proj" if nn_linear else "proj_mm": Ta * D * a,
-            "mlp0_mm": Ta * M * a,
+            "mlp0_mm": Ta * M * gated * a,
             "mlp2" if nn_linear else "mlp2_mm": Ta * D * a,
         }
         if L:
             cached |= {"cross_q" if nn_linear else "cross_q_mm": Ta * Dl * a, "cross_kv_mm": B * L * 2 * KVl * a,
                        "cross_proj_mm": Ta * D * a}
-        if cfg.gated_mlp:
-            cached["up_mm"] = Ta * M * a
         if kernel_cached:
             cached |= {k: saved[k] for k in ("attn_kernel", "cross_kernel") if k in saved}
     # A checkpointed block runs again in its backward: what its backward reads and the cache lacks comes back, and
@@ -450,9 +448,9 @@ def _activations(cfg: DiTConfig, lay: Layout) -> Activations:
     if cached is not saved:  # checkpoints keep their arguments: the projected text, the boolean masks
         shared += (B * L * D * a if nn_linear else 0) + (views * Ta * (keys + (L + 1 if L else 0)) if sdpa_mask else 0)
     # The final layer and the loss, whose backward runs (and frees them) first. Final layer: SiLU(c), adaLN's output
-    # and the gather's index, its input, norm, 1 + scale and linear's input. The loss (fp32, on whole rows): D - x
+    # and per_token's one-hot, its input, norm, 1 + scale and linear's input. The loss (fp32, on whole rows): D - x
     # and, per token, c_out, the loss weight and the mask.
-    head = B * S * D * a + (B * S * 2 * D * a + T * INT64 if lay.packed else 0) + T * D * a + norm(T)
+    head = B * S * D * a + (B * S * 2 * D * a + T * S * a if lay.packed else 0) + T * D * a + norm(T)
     head += tok * D * a + T * D * a
     head += B * N * (F + (3 if lay.packed else 1)) * FP32
 

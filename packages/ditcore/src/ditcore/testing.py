@@ -1,4 +1,4 @@
-"""Float32 tolerances derived from the computation, for comparing two ways of computing the same thing.
+"""Test helpers: float32 tolerances derived from the computation, and a check that no op sums in low precision.
 
 A comparison (packed rows vs samples run alone, a parallel layout vs one process, compiled vs eager) passes
 when the two results differ by no more than float32 rounding can explain: `fp32_tolerance(work, scale)`,
@@ -12,6 +12,7 @@ from __future__ import annotations
 import inspect
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from ditcore.models.dit import DiTConfig, ScalarEmbedder
 
@@ -72,3 +73,50 @@ def dit_grad_work(cfg: DiTConfig, seq_len: int, text_len: int, tokens: int) -> i
     over every token of the batch, and a per-head RMS norm's weight over every head too.
     """
     return 2 * dit_forward_work(cfg, seq_len, text_len) + tokens * cfg.num_heads
+
+
+# --------------------------------------------------------------------------------------------------
+# Sums into low-precision tensors
+
+
+class NoLowPrecisionScatter(TorchDispatchMode):
+    """Fails, on leaving its `with` block, if an op inside summed values into a bf16 or fp16 tensor by scattering:
+    scatter_add, index_add, index_put with accumulate=True, scatter_reduce, ..., forward or backward (the backward
+    of a gather, an index_select or an advanced index is one).
+
+    CUDA performs such a sum with atomic adds in the tensor's own dtype, one rounding per added term, so a sample's
+    sum over thousands of tokens keeps few of bf16's 8 bits (ditcore.layout.per_token). A CPU performs the same ops
+    in fp32, so comparing results on a CPU cannot see it; looking at which ops run can, on any device.
+    """
+
+    LOW = (torch.bfloat16, torch.float16)
+    SUMS = frozenset({"scatter_add", "scatter_add_", "index_add", "index_add_", "scatter_reduce", "scatter_reduce_",
+                      "index_reduce", "index_reduce_"})
+    SUMS_IF_ACCUMULATE = frozenset({"index_put", "index_put_", "_index_put_impl_", "_unsafe_index_put", "put", "put_"})
+    SUMS_IF_REDUCE = frozenset({"scatter", "scatter_"})  # their overloads with a `reduce` argument ("add", "multiply")
+
+    def __init__(self):
+        super().__init__()
+        self.found: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = func.overloadpacket.__name__
+        named = {a.name: v for a, v in zip(func._schema.arguments, args, strict=False)} | kwargs
+        sums = (name in self.SUMS or (name in self.SUMS_IF_ACCUMULATE and named.get("accumulate", False))
+                or (name in self.SUMS_IF_REDUCE and named.get("reduce") is not None))
+        target = args[0] if args else None
+        if sums and isinstance(target, torch.Tensor) and target.dtype in self.LOW:
+            node = torch._C._current_autograd_node()  # in backward: whose gradient it computes
+            where = f" in {node.name()}" if node is not None else " in forward"
+            self.found.append(f"{func}{where}: into {target.dtype} {tuple(target.shape)}")
+        return func(*args, **kwargs)
+
+    def __exit__(self, exc_type, exc_value, traceback):
+        super().__exit__(exc_type, exc_value, traceback)
+        if self.found and exc_type is None:
+            raise AssertionError(
+                f"{len(self.found)} op(s) summed into a low-precision tensor, which CUDA rounds after every add: "
+                + "; ".join(dict.fromkeys(self.found))
+                + ". Sum with fp32 accumulation instead (a matmul, fp32 values), or move a permutation's gradient "
+                "back by the inverse permutation (ditcore.models.stdit.reorder)")

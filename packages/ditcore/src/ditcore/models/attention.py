@@ -97,17 +97,32 @@ def _kernels(device_type: str) -> _Kernels:
     return _KERNELS[device_type]
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask) -> torch.Tensor:
-    """Attention of q (B, H, Nq, hd) over k, v (B, H, Nk, hd) → (B, H, Nq, hd), as `mask` allows."""
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask, enable_gqa: bool) -> torch.Tensor:
+    if enable_gqa and q.device.type == "cuda" and (attn_mask is not None or q.dtype == torch.float32):
+        # Of CUDA's kernels only flash (bf16/fp16, no mask) shares key/value heads; the memory-efficient kernel, which
+        # takes a mask or fp32, does not, and sdpa would silently run the math kernel, which builds the (Nq, Nk)
+        # scores. Copies of the heads cost less. (The CPU's kernel shares them under a mask too.)
+        groups = q.shape[1] // k.shape[1]
+        k, v, enable_gqa = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1), False
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, enable_gqa=enable_gqa)
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask, enable_gqa: bool = False) -> torch.Tensor:
+    """Attention of q (B, H, Nq, hd) over k, v (B, H, Nk, hd) → (B, H, Nq, hd), as `mask` allows.
+
+    enable_gqa: grouped-query attention, k and v have fewer heads (H/G), each shared by G consecutive query heads.
+    The kernels read each key/value head for its G query heads: no copies of k and v (nor their gradients) are made.
+    """
     if mask.run:  # runs made rows of their own: no mask, so the flash kernel on a GPU
-        B, H, N, hd = q.shape
-        rows = [t.view(B, H, N // mask.run, mask.run, hd).transpose(1, 2).reshape(-1, H, mask.run, hd)
+        B, _, N, hd = q.shape
+        rows = [t.view(B, t.shape[1], N // mask.run, mask.run, hd).transpose(1, 2).reshape(-1, t.shape[1], mask.run, hd)
                 for t in (q, k, v)]
-        out = F.scaled_dot_product_attention(*rows)
-        return out.view(B, N // mask.run, H, mask.run, hd).transpose(1, 2).reshape(B, H, N, hd)
+        out = _sdpa(*rows, None, enable_gqa)
+        return out.view(B, N // mask.run, -1, mask.run, hd).transpose(1, 2).reshape(q.shape)
     if mask.attn is None or isinstance(mask.attn, torch.Tensor):
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.attn)
+        out = _sdpa(q, k, v, mask.attn, enable_gqa)
         return out if mask.has_keys is None else out * mask.has_keys[:, None]
     if q.device.type == "cpu":  # torch 2.13's compiled CPU flex kernel misreads strided views: give it dense ones
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    return _kernels(q.device.type).flex_attention(q, k, v, block_mask=mask.attn)  # CUDA: strided views, no copies
+    return _kernels(q.device.type).flex_attention(q, k, v, block_mask=mask.attn,  # CUDA: strided views, no copies
+                                                  enable_gqa=enable_gqa)

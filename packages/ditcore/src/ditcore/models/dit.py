@@ -82,7 +82,7 @@ class DiTConfig:
     def ffn(self) -> int:  # the MLP's hidden width
         return int(self.hidden_size * self.mlp_ratio)
 
-    gated_mlp = False  # a SwiGLU-style MLP: two input matrices (gate, up) instead of one; not a config field
+    gated_mlp = False  # a SwiGLU-style MLP: its input matrix is twice as tall (gate and up); not a config field
     rms_norm = False  # the blocks' norms are RMSNorms (else LayerNorms); not a config field
     factorised = False  # blocks attend within frames or within time-lines (ST-DiT), not over whole samples
 

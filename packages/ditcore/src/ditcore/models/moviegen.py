@@ -59,13 +59,6 @@ def heads_by_kv(x: torch.Tensor, seq: int, batch: int, kv_heads: int, per_kv: in
     return q, x[:, :, per_kv], x[:, :, per_kv + 1]
 
 
-def share_kv(k: torch.Tensor, v: torch.Tensor, per_kv: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(B, kv, n, hd) keys and values → (B, kv·per_kv, n, hd): each query head sees its group's."""
-    if per_kv == 1:
-        return k, v
-    return k.repeat_interleave(per_kv, dim=1), v.repeat_interleave(per_kv, dim=1)
-
-
 class GroupedSelfAttention(nn.Module):
     def __init__(self, cfg: MovieGenConfig):
         super().__init__()
@@ -82,8 +75,8 @@ class GroupedSelfAttention(nn.Module):
         q, k = self.q_norm(q), self.k_norm(k)
         if a.rope is not None:
             q, k = apply_rope(q, a.rope), apply_rope(k, a.rope)
-        k, v = a.rows.keys_values(k, v)  # the whole row's keys and values (context parallelism), before sharing
-        out = attend(q, *share_kv(k, v, g), a.mask)  # (B, H, seq, hd)
+        k, v = a.rows.keys_values(k, v)  # the whole row's keys and values (context parallelism): kv heads only
+        out = attend(q, k, v, a.mask, enable_gqa=g > 1)  # (B, H, seq, hd); each kv head serves its g query heads
         return self.proj(out.permute(2, 0, 1, 3).reshape(a.seq, a.batch, -1))  # (seq, B, D)
 
 
@@ -106,22 +99,28 @@ class GroupedCrossAttention(nn.Module):
         q = self.q(x).view(a.seq, a.batch, self.num_heads, self.head_dim).permute(1, 2, 0, 3)  # (B, H, seq, hd)
         kv = self.kv(a.text.transpose(0, 1)).view(L, a.batch, self.num_kv_heads, 2, self.head_dim)
         k, v = kv.permute(3, 1, 2, 0, 4).unbind(0)  # (B, kv, L, hd)
-        k, v = share_kv(self.k_norm(k), v, self.num_heads // self.num_kv_heads)
-        out = attend(self.q_norm(q), k, v, a.text_mask)  # a sample without text gets zeros
+        out = attend(self.q_norm(q), self.k_norm(k), v, a.text_mask,  # a sample without text gets zeros
+                     enable_gqa=self.num_heads > self.num_kv_heads)
         return self.proj(out.permute(2, 0, 1, 3).reshape(a.seq, a.batch, -1))  # (seq, B, D)
 
 
 class SwiGLU(nn.Module):
-    """down(silu(gate(x)) · up(x)), Llama's MLP; gate and up are separate so each splits by columns over TP."""
+    """down(silu(gate(x)) · up(x)), Llama's MLP, with gate and up as one matrix: one matmul, and under sequence
+    parallelism one all-gather of x, not two.
+
+    gate_up's output features are laid out (hidden, 2): each hidden unit's gate row, then its up row. A contiguous
+    split of them over tensor-parallel ranks (a column-parallel linear) so gives every rank whole units, gate and up
+    alike, whatever the number of ranks; a (2, hidden) layout would give the first ranks only gates.
+    """
 
     def __init__(self, dim: int, hidden: int):
         super().__init__()
-        self.gate = nn.Linear(dim, hidden, bias=False)
-        self.up = nn.Linear(dim, hidden, bias=False)
+        self.gate_up = nn.Linear(dim, 2 * hidden, bias=False)
         self.down = nn.Linear(hidden, dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(F.silu(self.gate(x)) * self.up(x))
+        gate, up = self.gate_up(x).unflatten(-1, (-1, 2)).unbind(-1)  # (..., hidden) each: views
+        return self.down(F.silu(gate) * up)
 
 
 class MovieGenBlock(DiTBlock):

@@ -86,11 +86,38 @@ def factorise(seg: torch.Tensor | None, pos: torch.Tensor, max_grid: tuple[int, 
                       seg=seg_lines)
 
 
-def reorder(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """Sequence-first x (N, B, D) → (N, B, D) whose token j of row b is x[index[b, j], b]; index (B or 1, N)."""
-    if index.shape[0] == 1:
-        return x.index_select(0, index[0])
+def _take(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """Rows of x taken along dim 0: index (n,) or (1, n) for all of x's columns alike, (B, n) for each column b of
+    a sequence-first x (N, B, D) its own."""
+    if index.ndim == 1 or index.shape[0] == 1:
+        return x.index_select(0, index.reshape(-1))
     return x.gather(0, index.T[:, :, None].expand(-1, -1, x.shape[-1]))
+
+
+class _Permute(torch.autograd.Function):
+    """A permutation of tokens whose backward moves the gradient back by the inverse permutation: a gather too.
+
+    index_select's and gather's own backwards scatter-add into a zero tensor of the gradient's dtype (index_add,
+    scatter_add). For a permutation every sum has one term, so nothing is rounded, but on CUDA it is an atomic
+    scatter, and a scatter into bf16 is what must never sum a sample's tokens (ditcore.layout.per_token): the test
+    that no training step scatters in low precision (ditcore.testing.NoLowPrecisionScatter) finds none here.
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, index: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(inverse)
+        return _take(x, index)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (inverse,) = ctx.saved_tensors
+        return _take(grad, inverse), None, None
+
+
+def reorder(x: torch.Tensor, index: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
+    """Sequence-first x (N, B, D) → (N, B, D) whose token j of row b is x[index[b, j], b]; index (B or 1, N), or (N,)
+    for every row alike (x may then be (N, D)). `inverse` is the inverse permutation (index.argsort(-1))."""
+    return _Permute.apply(x, index, inverse)
 
 
 def uniform_runs(pos: torch.Tensor, N: int) -> tuple[int, int] | None:
@@ -120,10 +147,10 @@ class Orders:
         return k, v
 
     def to_lines(self, x: torch.Tensor) -> torch.Tensor:
-        return reorder(x, self.f.to_lines)
+        return reorder(x, self.f.to_lines, self.f.to_frames)
 
     def to_frames(self, x: torch.Tensor) -> torch.Tensor:
-        return reorder(x, self.f.to_frames)
+        return reorder(x, self.f.to_frames, self.f.to_lines)
 
 
 class LineRows(RowSplit):

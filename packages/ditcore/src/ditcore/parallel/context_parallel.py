@@ -107,8 +107,9 @@ class Swap(Orders):
         return (k, v) if self.local else SplitRows.keys_values(self.rows, k, v)
 
     def _plan(self, dest: torch.Tensor, src: torch.Tensor, B: int):
-        """Send order and counts for moving this rank's tokens to the target order: token i of row b goes to
-        target index dest[b, i]; this rank's target token j of row b comes from src[b, j] (row indices, (B or 1, N))."""
+        """Send and arrival orders (each with its inverse) and counts for moving this rank's tokens to the target
+        order: token i of row b goes to target index dest[b, i]; this rank's target token j of row b comes from
+        src[b, j] (row indices, (B or 1, N))."""
         cp, n, N = self.rows.cp_size, self.n, dest.shape[1]
         ours = slice(self.rows.cp_rank * n, (self.rows.cp_rank + 1) * n)
         dest, src = dest[:, ours].expand(B, -1), src[:, ours].expand(B, -1)
@@ -118,9 +119,11 @@ class Swap(Orders):
         # tokens in (row, target index) order; `arrive` sorts the receive buffer into this rank's (row, index) order
         send_order = (to_rank * (B * N) + rows + dest).flatten().argsort()
         mine = torch.arange(n, device=dest.device) + self.rows.cp_rank * n
-        arrive = (from_rank * (B * N) + rows + mine).flatten().argsort().argsort()
+        received = (from_rank * (B * N) + rows + mine).flatten().argsort()
+        arrive = received.argsort()
         counts = [torch.bincount(r.flatten(), minlength=cp).tolist() for r in (to_rank, from_rank)]
-        return send_order, arrive, counts[0], counts[1]
+        # each permutation with its inverse, which moves its gradient back (reorder)
+        return (send_order, send_order.argsort()), (arrive, received), counts[0], counts[1]
 
     def _move(self, x: torch.Tensor, dest: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
         """x (n, B, D) in one order → the other; dest: where each token goes, src: where each comes from."""
@@ -129,18 +132,18 @@ class Swap(Orders):
             x = gather_seq(x, rows.sp_group, grad="reduce_scatter")
         if rows.cp_size > 1 and not self.local:  # the whole rows, reordered; this rank keeps its slice
             ours = slice(rows.cp_rank * self.n, (rows.cp_rank + 1) * self.n)
-            x = reorder(gather_seq(x, rows.cp_group, grad="reduce_scatter"), src)[ours]
+            x = reorder(gather_seq(x, rows.cp_group, grad="reduce_scatter"), src, dest)[ours]
         elif rows.cp_size > 1:
             n, B, D = x.shape
             key = (src is self.f.to_lines, B)  # the direction
             if key not in self.plans:
                 self.plans[key] = self._plan(dest, src, B)
             send_order, arrive, send, recv = self.plans[key]
-            flat = x.transpose(0, 1).reshape(B * n, D).index_select(0, send_order)
-            flat = all_to_all(flat, send, recv, rows.cp_group).index_select(0, arrive)
+            flat = reorder(x.transpose(0, 1).reshape(B * n, D), *send_order)
+            flat = reorder(all_to_all(flat, send, recv, rows.cp_group), *arrive)
             x = flat.view(B, n, D).transpose(0, 1)
         else:
-            x = reorder(x, src)
+            x = reorder(x, src, dest)
         if rows.sp_size > 1:
             x = x.chunk(rows.sp_size)[rows.sp_rank]
         return x.contiguous()

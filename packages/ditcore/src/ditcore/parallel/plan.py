@@ -146,9 +146,8 @@ DIT_PLAN = Plan(
 MOVIEGEN_PLAN = Plan(
     modules={k: v for k, v in DIT_PLAN.modules.items() if not k.startswith("blocks.*.mlp.")} | {
         # attn.qkv's output features are laid out (kv group, [queries, key, value], head_dim): a split by groups;
-        # cross.kv's (kv group, 2, head_dim), likewise
-        "blocks.*.mlp.gate": ColumnParallel(),
-        "blocks.*.mlp.up": ColumnParallel(),
+        # cross.kv's (kv group, 2, head_dim), likewise; mlp.gate_up's (hidden, [gate, up]): a split by hidden units
+        "blocks.*.mlp.gate_up": ColumnParallel(),
         "blocks.*.mlp.down": RowParallel(),
     },
     heads=DIT_PLAN.heads,
