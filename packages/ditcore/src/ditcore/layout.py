@@ -61,13 +61,13 @@ def per_token(values: torch.Tensor, seg: torch.Tensor | None) -> torch.Tensor:
     Why not gather fp32 values instead: that makes an fp32 copy of the (B, N, F) modulations each way (600 MB a block
     at DiT-7B's width and 8k tokens) and still scatters with atomics, N/S tokens contending for each address. The
     one-hot is N·S values (512 kB at 8192 tokens and 32 samples); both products move what the gather moves, and at S
-    FLOPs per byte they are memory-bound like it. Values without a gradient (noise levels) take the gather, exact
-    in every dtype (an fp32 matmul under TF32 would round them).
+    FLOPs per byte they are memory-bound like it. Values without a gradient (noise levels) and fp32 values take the
+    gather: exact in every dtype, and an fp32 scatter sums in fp32 (an fp32 matmul under TF32 would round them).
     """
     if seg is None:
         return values[:, :1]
     idx = seg.clamp(min=0)
-    if not values.requires_grad:
+    if not values.requires_grad or values.dtype in (torch.float32, torch.float64):
         return torch.gather(values, 1, idx.view(*idx.shape, *[1] * (values.ndim - 2)).expand(
             -1, -1, *values.shape[2:]))
     B, S = values.shape[:2]

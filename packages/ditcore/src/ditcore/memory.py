@@ -316,8 +316,9 @@ def _activations(cfg: DiTConfig, lay: Layout) -> Activations:
     `saved` lists, op by op in DiTBlock.forward's order, what each op keeps for its backward without checkpointing:
     a linear keeps its input, LayerNorm its input, mean and rstd, RMSNorm its input and rstd, addcmul the factor the
     other's gradient needs (so a gate keeps the per-token modulations it is a view of; per_token's one-hot matmul
-    keeps its one-hot, which its backward multiplies by), GELU its input, attention q, k, v, its output and
-    logsumexp (fp32), SDPA its float mask; RoPE keeps only cos/sin, shared by all blocks.
+    keeps its one-hot, which its backward multiplies by, and in fp32 its gather the index), GELU its input,
+    attention q, k, v, its output and logsumexp (fp32), SDPA its float mask; RoPE keeps only cos/sin, shared by all
+    blocks.
     `cached` is what selective checkpointing keeps: the block's input and the outputs of its matmuls and attention
     kernels (models.techniques.SAVED_OPS). A name in both is one tensor, which backward reads from the cache. A
     matmul's output is the layer's output only for nn.Linear (tp = 1, or a replicated layer) on a contiguous input:
@@ -363,6 +364,7 @@ def _activations(cfg: DiTConfig, lay: Layout) -> Activations:
             return 0
         return tokens * Hl * FP32 + (tokens * Dl * (FP32 if a == FP32 else 2 * FP32) if cpu else 0)
 
+    spread = T * S * a if a < FP32 else T * INT64  # per_token: a bf16 one-hot (T, S) for its matmul, or fp32's index
     KVl = cfg.kv_heads * hd // tp  # a rank's key (or value) features: fewer than Dl under grouped-query attention
     gated = 2 if cfg.gated_mlp else 1  # the MLP's input matrix: gate and up in one, or one
     made = cfg.pos_embed == "rope" or qk  # attention's q and k are made by RoPE or the norm (else views)
@@ -373,7 +375,7 @@ def _activations(cfg: DiTConfig, lay: Layout) -> Activations:
     saved = {
         "adaLN_in": B * S * D * a,  # SiLU(c)
         "adaLN": B * S * 6 * D * a,  # per_token's input
-        "modulations": T * (6 * D + S) * a if lay.packed else 0,  # per token, and per_token's one-hot (T, S)
+        "modulations": T * 6 * D * a + spread if lay.packed else 0,  # per token, and how per_token spread them
         "x": T * D * a,  # the block's input
         "norm1": norm(T),
         "scale_attn": tok * D * a,  # 1 + scale
@@ -448,9 +450,9 @@ def _activations(cfg: DiTConfig, lay: Layout) -> Activations:
     if cached is not saved:  # checkpoints keep their arguments: the projected text, the boolean masks
         shared += (B * L * D * a if nn_linear else 0) + (views * Ta * (keys + (L + 1 if L else 0)) if sdpa_mask else 0)
     # The final layer and the loss, whose backward runs (and frees them) first. Final layer: SiLU(c), adaLN's output
-    # and per_token's one-hot, its input, norm, 1 + scale and linear's input. The loss (fp32, on whole rows): D - x
-    # and, per token, c_out, the loss weight and the mask.
-    head = B * S * D * a + (B * S * 2 * D * a + T * S * a if lay.packed else 0) + T * D * a + norm(T)
+    # and per_token's one-hot (or index), its input, norm, 1 + scale and linear's input. The loss (fp32, on whole
+    # rows): D - x and, per token, c_out, the loss weight and the mask.
+    head = B * S * D * a + (B * S * 2 * D * a + spread if lay.packed else 0) + T * D * a + norm(T)
     head += tok * D * a + T * D * a
     head += B * N * (F + (3 if lay.packed else 1)) * FP32
 
