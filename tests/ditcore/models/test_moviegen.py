@@ -101,6 +101,21 @@ def test_swiglu_is_llamas_and_splits_over_tensor_parallel_ranks_by_whole_units()
                 assert_close_fp32(F.silu(gate) * up, hidden.chunk(tp, -1)[r], work=2 * D + 4)
 
 
+def test_an_export_with_separate_gate_and_up_loads_as_the_same_mlp():
+    """State dicts written while gate and up were two matrices are upgraded to gate_up: the same function."""
+    torch.manual_seed(0)
+    model = MovieGen(preset("MovieGen-Tiny"))
+    old = {}
+    for k, v in model.state_dict().items():
+        if ".mlp.gate_up." in k:  # the weights as the two-matrix version held them: gate rows, up rows
+            old[k.replace("gate_up", "gate")], old[k.replace("gate_up", "up")] = v[0::2], v[1::2]
+        else:
+            old[k] = v
+    upgraded = MovieGen.upgrade_state_dict(old)
+    assert upgraded.keys() == model.state_dict().keys()
+    assert all(torch.equal(upgraded[k], v) for k, v in model.state_dict().items())
+
+
 @pytest.mark.parametrize(("changes", "match"), [({"num_kv_heads": 3}, "num_kv_heads=3 is invalid: expected a divisor"),
                                                 ({"ffn_hidden_size": -1}, "ffn_hidden_size=-1 is invalid")])
 def test_invalid_config_names_field_value_and_range(changes, match):

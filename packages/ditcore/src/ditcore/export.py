@@ -91,7 +91,7 @@ def load_export(path: str | Path, device: str | torch.device = "cpu") -> Exporte
                                 "(dit-train writes them to RUN_DIR/export/)")
     meta = json.loads((path / CONFIG).read_text())
     model = build(exported_config(path))
-    state = load_file(str(path / WEIGHTS))
+    state = model.upgrade_state_dict(load_file(str(path / WEIGHTS)))
     missing, unexpected = model.state_dict().keys() - state.keys(), state.keys() - model.state_dict().keys()
     if missing or unexpected:
         raise ValueError(f"'{path}' holds weights of another architecture: missing {sorted(missing)[:3]}, "

@@ -378,6 +378,12 @@ class DiT(nn.Module):
         """The i-th block (of `cfg.depth`): a `block_class`; an architecture whose blocks differ overrides it."""
         return self.block_class(self.cfg)
 
+    @staticmethod
+    def upgrade_state_dict(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """A one-device state dict written by an earlier ditcore, in this version's names and layout (an
+        architecture whose layers changed overrides it; exports are read through it)."""
+        return state
+
     @property
     def null_class(self) -> int:
         return self.cfg.num_classes

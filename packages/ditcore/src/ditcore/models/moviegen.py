@@ -145,6 +145,18 @@ class MovieGen(DiT):
     block_class = MovieGenBlock
     norm_class = RMSNorm
 
+    @staticmethod
+    def upgrade_state_dict(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Exports written while gate and up were two matrices (`mlp.gate`, `mlp.up`): the same weights, as one
+        `mlp.gate_up` laid out (hidden, 2) (SwiGLU)."""
+        state = dict(state)
+        for key in [k for k in state if k.endswith(".mlp.gate.weight")]:
+            up = key.replace(".mlp.gate.", ".mlp.up.")
+            if up in state:
+                gate_up = torch.stack([state.pop(key), state.pop(up)], dim=1)  # (hidden, 2, dim)
+                state[key.replace(".mlp.gate.", ".mlp.gate_up.")] = gate_up.flatten(0, 1)
+        return state
+
 
 # Sizes of NeMo's DiTLlama{1B,5B,30B}Config (DiTLlama30BConfig: 48 layers, 6144 wide, 48 heads, FFN 16384 and 8
 # query groups, which the 5B and 1B inherit; the MovieGen paper's 30B has the same width, depth and heads), patch
