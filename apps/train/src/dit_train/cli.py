@@ -13,9 +13,10 @@ app = typer.Typer(name="dit-train", add_completion=False, pretty_exceptions_enab
 
 
 def find_config(name: str) -> Path:
-    """A path, or the name of a shipped config (apps/train/configs/NAME.yaml)."""
+    """A file, or the name of a shipped config (apps/train/configs/NAME.yaml). A folder of that name (a dataset
+    called mock, say) does not hide the shipped config."""
     path = Path(name)
-    if path.exists() or path.suffix:
+    if path.is_file() or path.suffix:
         return path
     return shipped_configs().get(name, path)
 

@@ -452,15 +452,21 @@ class MicroBatches:
 
     def _load(self, i: int) -> MicroBatch:
         run, model_cfg, device = self.run, self.run.model_cfg, self.run.fabric.device
-        batch = next(self.it)
-        self.skipped.update(batch.skipped)  # what the loader passed over to fill this batch
-        self.tokens += int(batch.mask.sum())  # still on the host
-        check_positions(batch.pos, model_cfg.max_grid)  # here, not in the model's forward, where it would sync
-        self.flops += batch_flops(model_cfg, batch)
+        batch = self._next_on_host()
         batch = batch.to(device, non_blocking=True)  # from pinned memory on a GPU: an asynchronous copy
         g = step_generator(run.cfg.train.seed, self.step, i, run.groups.dp_rank, device)  # TP/CP/PP peers alike
         d = draw(batch, g, self.t.loss_fn, run.cfg.edm.cfg_dropout, model_cfg.num_classes)
         return MicroBatch(batch, d, batch.model_inputs(text_seg=d.text_seg, class_labels=d.class_labels))
+
+    def _next_on_host(self) -> PackedBatch:
+        """The loader's next batch, still on the host, counted and checked. Every read of a value in a step is here,
+        before the copy to the device, so that nothing after it waits for the device."""
+        batch = next(self.it)
+        self.skipped.update(batch.skipped)  # what the loader passed over to fill this batch
+        self.tokens += int(batch.mask.sum())
+        check_positions(batch.pos, self.run.model_cfg.max_grid)  # here, not in the model's forward, where it would sync
+        self.flops += batch_flops(self.run.model_cfg, batch)
+        return batch
 
 
 @dataclass
