@@ -122,6 +122,36 @@ def test_when_nothing_is_enough_it_says_so(tmp_path):
     assert err.strip().endswith("use more GPUs (--world-size) or a smaller model")
 
 
+def test_a_run_is_checked_against_the_same_headroom_as_plan(tmp_path):
+    """DiT-XL/2 on 4096-token rows: 8 rows a step plan 75.3 GiB, less than a 79 GiB card but more than the 71 GiB
+    left after the headroom; 6 rows plan 59.9 GiB. dit-train refuses the first before allocating anything, on the
+    numbers --plan prints."""
+    from dit_train.train import check_memory_plan, model_config
+    from ditcore.errors import ConfigError
+    from ditcore.memory import GiB
+
+    info = DatasetInfo(codec={"kind": "none"}, latent_stats={}, text_encoder={"name": "mock", "dim": 0},
+                       latent_channels=4, spatial_factor=1, temporal_factor=1)
+    rows = lambda n: [f"data.path={tmp_path / 'absent'}", "model.preset=DiT-XL/2", "data.seq_length=4096",
+                      f"train.micro_batch={n}", f"train.global_batch={n}"]
+    six, eight = (load_config(CONFIGS / "mock.yaml", rows(n)) for n in (6, 8))
+    check_memory_plan(six, model_config(six, info), 1, 79 * GiB)
+    with pytest.raises(ConfigError) as refused:
+        check_memory_plan(eight, model_config(eight, info), 1, 79 * GiB)
+    assert str(refused.value) == (
+        "parallel='world 1 = tp 1 x cp 1 x pp 1 x dp 1; DDP, no FSDP' is invalid: expected a layout that fits 79.0 GiB "
+        "per GPU: this one needs 75.3 GiB, more than the 71.0 GiB usable after headroom 4.0 GiB + 5% of the card for "
+        "the CUDA context, cuBLAS/NCCL workspaces, the compiler and fragmentation — run dit-train --plan "
+        "--world-size 1 --gpu-memory 79.0 with the same config to see where it goes and what to change")
+    plan = ("--plan", "--world-size", 1, "--gpu-memory", 79, "--text-dim", 0)
+    code, out, err = invoke("--config", "mock", *rows(8), *plan)
+    assert code == 2 and gib(out)["total"] == 75.31
+    assert "does NOT fit in 79 GiB: 71.0 GiB usable after headroom 4.0 GiB + 5% of the card" in out
+    assert err.startswith("error: needs 75.3 GiB per GPU, more than the 71.0 GiB usable of 79 GiB — set ")
+    code, out, _ = invoke("--config", "mock", *rows(6), *plan)
+    assert code == 0 and gib(out)["total"] == 59.93 and "fits in 79 GiB" in out
+
+
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_a_wide_stack_trains_with_fsdp_within_10_percent_of_its_plan(tmp_path, device):
     """On a GPU, the real dit-train (bf16, FSDP, selective recomputation) with a 7B-wide stack of 8 blocks on

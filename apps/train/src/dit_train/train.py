@@ -191,7 +191,8 @@ def setup(cfg: TrainConfig) -> Setup:
     model_cfg = model_config(cfg, info)
     dims.check_model(model_cfg.num_heads, cfg.data.seq_length, model_cfg.depth, model_cfg.kv_heads)
     if on_gpu:
-        check_memory_plan(cfg, model_cfg, fabric.world_size)
+        gpu = torch.cuda.get_device_properties(fabric.device).total_memory
+        check_memory_plan(cfg, model_cfg, fabric.world_size, gpu)
     too_long = check_samples_fit(info, cfg.data.path, patch_size=model_cfg.patch_size,
                                  patch_size_t=model_cfg.patch_size_t, seq_length=cfg.data.seq_length)
     if too_long:
@@ -204,19 +205,20 @@ def setup(cfg: TrainConfig) -> Setup:
     return Setup(cfg, info, fabric, groups, model_cfg, accum, on_gpu, bf16, loggers)
 
 
-def check_memory_plan(cfg: TrainConfig, model_cfg: DiTConfig, world_size: int) -> None:
-    """Refuse, before any weight is allocated, a layout whose memory plan (ditcore.memory) exceeds this GPU."""
+def check_memory_plan(cfg: TrainConfig, model_cfg: DiTConfig, world_size: int, gpu: int) -> None:
+    """Refuse, before any weight is allocated, a layout whose memory plan (ditcore.memory) exceeds a GPU of `gpu` bytes
+    after the headroom that `dit-train --plan` keeps (ditcore.memory.HEADROOM)."""
     from ditcore.codecs.text import MAX_TOKENS
-    from ditcore.memory import GiB, plan_from
+    from ditcore.memory import HEADROOM, GiB, plan_from
 
     layout = memory_layout(cfg, world_size, MAX_TOKENS if model_cfg.text_dim else 0)
     plan = plan_from(model_cfg, layout)
-    gpu = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
-    if not plan.fits(gpu, headroom=0.0):
+    if not plan.fits(gpu, HEADROOM):
         raise ConfigError("parallel", layout.describe(),
-                          f"a layout that fits {gpu / GiB:.0f} GiB per GPU: this one needs {plan.total / GiB:.1f} GiB "
-                          f"— run dit-train --plan --world-size {world_size} --gpu-memory {gpu / GiB:.0f} with the "
-                          "same config to see where it goes and what to change")
+                          f"a layout that fits {gpu / GiB:.1f} GiB per GPU: this one needs {plan.total / GiB:.1f} GiB, "
+                          f"more than the {HEADROOM.usable(gpu) / GiB:.1f} GiB usable after {HEADROOM} — run "
+                          f"dit-train --plan --world-size {world_size} --gpu-memory {gpu / GiB:.1f} with the same "
+                          "config to see where it goes and what to change")
 
 
 def build(run: Setup) -> Trainee:
