@@ -37,6 +37,7 @@ from ditcore.parallel import (
     ParallelDims,
     ParallelGroups,
     clip_grad_norm_,
+    connections,
     finalize_grads,
     fsdp,
     gather_full,
@@ -168,13 +169,15 @@ def setup(cfg: TrainConfig) -> Setup:
     """Check the dataset and run directory, start the processes and their groups, check the layout fits."""
     run_dir = Path(cfg.train.run_dir)
     info = read_info(cfg.data.path)  # fails early, on every rank, if the dataset is missing or unfinished
+    dims = ParallelDims(cfg.parallel.tp, cfg.parallel.cp, cfg.parallel.pp,
+                        sequence_parallel=cfg.parallel.sequence_parallel)
+    devices = int(os.environ.get("LOCAL_WORLD_SIZE", cfg.parallel.devices))
+    # before the first CUDA call, which reads it; the processes Fabric starts inherit it
+    queues_warning = connections.apply(dims, int(os.environ.get("WORLD_SIZE", devices)), cfg.parallel.fsdp)
     on_gpu = torch.cuda.is_available() and cfg.parallel.accelerator != "cpu"
     if cfg.model.attention == "flex" and not on_gpu:
         raise ConfigError("model.attention", "flex", "auto or sdpa on a CPU: FlexAttention has no CPU backward "
                                                      "(auto picks flex on a GPU)")
-    dims = ParallelDims(cfg.parallel.tp, cfg.parallel.cp, cfg.parallel.pp,
-                        sequence_parallel=cfg.parallel.sequence_parallel)
-    devices = int(os.environ.get("LOCAL_WORLD_SIZE", cfg.parallel.devices))
     bf16 = cfg.train.precision == "bf16" or (cfg.train.precision == "auto" and on_gpu)
     prepare_run_dir(run_dir)
     loggers = []
@@ -187,6 +190,8 @@ def setup(cfg: TrainConfig) -> Setup:
     fabric = Fabric(accelerator="cuda" if on_gpu else "cpu", devices=devices, num_nodes=num_nodes, strategy=strategy,
                     precision="bf16-mixed" if bf16 else "32-true", loggers=loggers)
     fabric.launch()
+    if queues_warning and on_gpu:
+        fabric.print(queues_warning)
     groups = strategy.groups
     model_cfg = model_config(cfg, info)
     dims.check_model(model_cfg.num_heads, cfg.data.seq_length, model_cfg.depth, model_cfg.kv_heads)
