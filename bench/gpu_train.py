@@ -23,9 +23,15 @@ slower; the target is <= 1.10). Packed samples are shorter, so their attention d
 cost is what training sees at one row length, and the MFU column shows how well each layout uses the GPU.
 
 The other reference architectures run on the 7B cases' clips and text (not by default: `--cases stdit-...` and
-`mg30b-...`): ST-DiT-XL/2 (its blocks attend within 1024-token frames or 8- and 4-token time-lines) and a stack of
-MovieGen-30B width (6144, 48 heads in 8 key/value groups, SwiGLU 16384) with `--depth` blocks. Their MFU counts
-the attention they do: ST-DiT's per frame and per line (ditcore.flops, `DiTConfig.attended`).
+`mg30b-...`): ST-DiT-XL/2 (its blocks attend within 1024-token frames or 8- and 4-token time-lines), with selective
+recomputation, and a stack of MovieGen-30B width (6144, 48 heads in 8 key/value groups, SwiGLU 16384) with
+`--30b-depth` blocks. Their MFU counts the attention they do: ST-DiT's per frame and per line (ditcore.flops,
+`DiTConfig.attended`).
+
+Every case fits one 80 GB H100 by `dit-train --plan`, headroom kept (tests/bench/test_gpu_train.py plans every case
+that README.md's commands run): XL/2 with 6 rows a step (8 would need 75 GiB), ST-DiT-XL/2 with selective
+recomputation (107 GiB without), MovieGen-30B width with 2 blocks (each block's fp32 weights, gradients, AdamW state
+and EMA take 13 GiB).
 
 After the cases, diffusers' DiTTransformer2DModel XL/2 (built as in bench/model_step.py) trains in this process
 on the whole-row latents (4x128x128: 4096 tokens per image) and batch, with bf16 autocast like dit-train: "vs
@@ -110,6 +116,7 @@ class Case:
     seq_length: int  # tokens per row
     micro_batch: int  # rows per step
     what: str  # the rows' samples, in words
+    checkpointing: str = "none"  # model.activation_checkpointing
 
     @property
     def name(self) -> str:
@@ -118,7 +125,8 @@ class Case:
     @property
     def title(self) -> str:
         text = f", {self.data.text_len} text tokens" if self.data.text_dim else ""
-        return f"{self.model}, {self.layout} {self.seq_length}-token rows ({self.what}){text}, {self.mode}"
+        recompute = f", {self.checkpointing} recomputation" if self.checkpointing != "none" else ""
+        return f"{self.model}, {self.layout} {self.seq_length}-token rows ({self.what}){text}{recompute}, {self.mode}"
 
     @property
     def sample_tokens(self) -> list[int]:
@@ -142,8 +150,8 @@ def make_cases(args) -> list[Case]:
         models = {"xl": ("DiT-XL/2", "dit", "DiT-XL/2", None, 4096, (0, 0)),
                   "7b": (f"DiT-7B width, {args.depth} blocks", "dit", "DiT-7B", args.depth, 8192, (256, 4096)),
                   "stdit": ("ST-DiT-XL/2", "stdit", "ST-DiT-XL/2", None, 8192, (256, 4096)),
-                  "mg30b": (f"MovieGen-30B width, {args.depth} blocks", "moviegen", "MovieGen-30B", args.depth, 8192,
-                            (256, 4096))}
+                  "mg30b": (f"MovieGen-30B width, {args.depth_30b} blocks", "moviegen", "MovieGen-30B",
+                            args.depth_30b, 8192, (256, 4096))}
         video = {"whole": ((16, 8, 64, 64), (16, 8, 64, 64), 1.0, "one 8-frame 64x64 clip"),
                  "packed": ((16, 4, 64, 64), (16, 4, 64, 64), 1.0, "two 4-frame 64x64 clips")}
         layouts = {("xl", "whole"): ((4, 1, 128, 128), (4, 1, 128, 128), 0.0, "one 128x128 image"),
@@ -152,6 +160,7 @@ def make_cases(args) -> list[Case]:
     layouts |= {(family, layout): shapes for family in ("7b", "stdit", "mg30b") for layout, shapes in video.items()}
     batch = {"xl": args.xl_micro_batch, "7b": args.micro_batch_7b, "stdit": args.micro_batch_7b,
              "mg30b": args.micro_batch_7b}
+    checkpointing = {"stdit": "selective"}  # ST-DiT-XL/2's 56 blocks keep 74 GiB of activations for 2 rows without
     cases = []
     for name in NAMES:
         family, layout, mode = name.split("-")
@@ -159,7 +168,7 @@ def make_cases(args) -> list[Case]:
         image, clip, video_ratio, what = layouts[family, layout]
         data = Data(image, clip, video_ratio, *text)
         cases.append(Case(family, layout, mode, model, arch, preset_name, depth, data, seq_length, batch[family],
-                          what))
+                          what, checkpointing.get(family, "none")))
     return cases
 
 
@@ -181,6 +190,7 @@ def train_args(case: Case, data: Path, run_dir: Path, steps: int, log_every: int
     return ["--config", "mock", "--resume", "none",
             f"model.arch={case.arch}", f"model.preset={case.preset}",
             f"model.compile={str(case.mode == 'compiled').lower()}",
+            f"model.activation_checkpointing={case.checkpointing}",
             *([f"model.depth={case.depth}"] if case.depth else []),
             f"data.path={data}", f"data.seq_length={case.seq_length}", f"data.num_workers={0 if smoke else 4}",
             f"train.run_dir={run_dir}", f"train.steps={steps}",
@@ -428,9 +438,13 @@ def parse_args(argv: list[str] | None = None):
                     help=f"which to run, in this order (default: the eight DiT cases: {' '.join(DEFAULT)}; also "
                          f"{' '.join(n for n in NAMES if n not in DEFAULT)})")
     ap.add_argument("--depth", type=int, default=4, metavar="N",
-                    help="blocks of the DiT-7B-width and the MovieGen-30B-width stacks (default: 4)")
+                    help="blocks of the DiT-7B-width stack (default: 4; 8 fit one 80 GB GPU)")
+    ap.add_argument("--30b-depth", dest="depth_30b", type=int, default=2, metavar="N",
+                    help="blocks of the MovieGen-30B-width stack (default: 2; a block's fp32 weights, gradients, AdamW "
+                         "state and EMA take 13 GiB)")
     ap.add_argument("--xl-micro-batch", type=int, metavar="N",
-                    help="4096-token rows per DiT-XL/2 step, whole or packed (default: 8; --smoke: 2)")
+                    help="4096-token rows per DiT-XL/2 step, whole or packed (default: 6, as many as fit one 80 GB "
+                         "GPU with headroom; --smoke: 2)")
     ap.add_argument("--7b-micro-batch", dest="micro_batch_7b", type=int, metavar="N",
                     help="8192-token rows per step of the 7B-width, ST-DiT-XL/2 and 30B-width models, whole or packed "
                          "(default: 2)")
@@ -456,13 +470,14 @@ def parse_args(argv: list[str] | None = None):
     ap.add_argument("--smoke", action="store_true",
                     help="the same pipeline on the CPU with DiT-Tiny and 3 steps: proves the script, measures nothing")
     args = ap.parse_args(argv)
-    defaults = {"xl_micro_batch": (8, 2), "micro_batch_7b": (2, 2), "warmup_steps": (10, 1), "steps": (20, 2),
+    defaults = {"xl_micro_batch": (6, 2), "micro_batch_7b": (2, 2), "warmup_steps": (10, 1), "steps": (20, 2),
                 "log_every": (5, 1), "samples": (64, 8), "peer_steps": (10, 2), "peer_warmup": (3, 1)}
     for key, (gpu, smoke) in defaults.items():
         if getattr(args, key) is None:
             setattr(args, key, smoke if args.smoke else gpu)
-    for flag in ("depth", "xl-micro-batch", "7b-micro-batch", "steps", "log-every", "samples", "peer-steps"):
-        key = "micro_batch_7b" if flag == "7b-micro-batch" else flag.replace("-", "_")
+    for flag in ("depth", "30b-depth", "xl-micro-batch", "7b-micro-batch", "steps", "log-every", "samples",
+                 "peer-steps"):
+        key = {"7b-micro-batch": "micro_batch_7b", "30b-depth": "depth_30b"}.get(flag, flag.replace("-", "_"))
         if getattr(args, key) < 1:
             ap.error(f"--{flag} must be >= 1, got {getattr(args, key)}")
     if args.warmup_steps < 1 or args.peer_warmup < 0:

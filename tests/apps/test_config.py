@@ -117,9 +117,13 @@ def test_print_config_is_the_yaml_of_the_config_and_loads_back_equal(tmp_path, a
     assert again == cfg and again.to_yaml() == proc.stdout
 
 
-def test_shipped_configs_are_the_files_in_the_configs_folder():
+def test_shipped_configs_are_the_files_in_the_configs_folder(tmp_path, monkeypatch):
     assert set(SHIPPED_NAMES) == {p.stem for p in CONFIGS.glob("*.yaml")} >= {"demo", "mock"}
     assert all(find_config(name) == CONFIGS / f"{name}.yaml" for name in SHIPPED_NAMES)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "mock").mkdir()  # a dataset folder of the same name, where dit-train runs
+    (tmp_path / "demo").write_text("model: {}\n")  # a file of the same name is the user's config
+    assert (find_config("mock"), find_config("demo")) == (CONFIGS / "mock.yaml", Path("demo"))
     env = {**os.environ, "PYTHONWARNINGS": "ignore", "COLUMNS": "300"}
     help_text = subprocess.run([str(BIN / "dit-train"), "--help"], capture_output=True, text=True, env=env).stdout
     assert "shipped config name: " + ", ".join(SHIPPED_NAMES) + "." in help_text

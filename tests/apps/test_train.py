@@ -1,5 +1,6 @@
 """dit-train as a user runs it: configs, exact resume (1 process and TP=2), signals, outputs."""
 
+import contextlib
 import csv
 import functools
 import json
@@ -522,28 +523,61 @@ def test_a_window_reports_the_gpu_memory_peak():
     del x
 
 
-@pytest.mark.gpu
-def test_a_training_step_never_waits_for_the_gpu(dataset, tmp_path):
-    """Between logging steps the host only queues work: any synchronising call in train_step raises here."""
-    from dit_train.cli import find_config
+@pytest.mark.parametrize("device", [
+    pytest.param("cpu", marks=pytest.mark.skipif(torch.cuda.is_available(), reason="the cuda case runs it for real "
+                                                 "here (ditcore's CPU shims apply only where CUDA is absent)")),
+    pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_a_training_step_never_waits_for_the_device(dataset, tmp_path, monkeypatch, request, device):
+    """Between logging steps the host only queues work: any read of a device value in train_step raises here. On a
+    GPU torch.cuda.set_sync_debug_mode("error") watches too; on the CPU, HostReads treats the CPU as the device,
+    except where the host reads by design: the loader's batch before its copy (MicroBatches._next_on_host), the
+    model's check of CPU positions (check_positions: on a GPU the caller checks them before the copy) and torch's
+    step counters of a non-fused AdamW (on the host beside GPU parameters too; on a GPU dit-train's AdamW is fused)."""
+    from dit_train import train
     from dit_train.config import load_config
-    from dit_train.train import build, setup, train_step
+    from ditcore.models import dit
+    from ditcore.parallel.dims import destroy
+    from ditcore.testing import HostReads
 
     cfg = load_config(find_config("demo"), [*TINY, f"data.path={dataset}", f"train.run_dir={tmp_path / 'run'}",
-                                            "train.steps=4", "train.grad_clip=1.0"])
-    run = setup(cfg)
-    trainee = build(run)
+                                            "train.steps=4", "train.grad_clip=1.0",
+                                            f"parallel.accelerator={'gpu' if device == 'cuda' else 'cpu'}"])
+    run = train.setup(cfg)
+    request.addfinalizer(destroy)  # the process group, for the tests after this one in this process
+    trainee = train.build(run)
     it = iter(trainee.loader)
     for step in range(3):  # warm-up: allocations, lazy initialisation, DDP rebuilding its buckets (step 2)
-        train_step(run, trainee, it, step)
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
+        train.train_step(run, trainee, it, step)
+    steps = [s["step"] for g in trainee.optimizer.param_groups if not (g["fused"] or g["capturable"])
+             for s in map(trainee.optimizer.state.get, g["params"])]
+    assert bool(steps) == (device == "cpu")
+    watch = HostReads(device, host=steps)
+    monkeypatch.setattr(train.MicroBatches, "_next_on_host", watch.unwatched(train.MicroBatches._next_on_host))
+    monkeypatch.setattr(dit, "check_positions", watch.unwatched(dit.check_positions))
+    with watched(watch, device):
+        loss, grad_norm, micro = train.train_step(run, trainee, it, 3)
+    assert loss.device.type == device and grad_norm.device.type == device
+    assert math.isfinite(loss.item()) and micro.tokens > 0 and micro.flops > 0
+
+    # the watch sees the step's device work: reading the gradient norm back, a usual slip, is caught
+    clip = train.clip_grad_norm_
+    monkeypatch.setattr(train, "clip_grad_norm_", lambda *args: torch.tensor(float(clip(*args))))
+    with pytest.raises(RuntimeError, match=r"makes the host wait|synchronizing"), watched(watch, device):
+        train.train_step(run, trainee, it, 4)
+
+
+@contextlib.contextmanager
+def watched(watch, device: str):
+    """`watch` (a HostReads), and on a GPU torch's own sync check as well."""
+    if device == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
     try:
-        loss, grad_norm, tokens, flops = train_step(run, trainee, it, 3)
+        with watch:
+            yield
     finally:
-        torch.cuda.set_sync_debug_mode("default")
-    assert loss.device.type == "cuda" and grad_norm.device.type == "cuda"
-    assert math.isfinite(loss.item()) and tokens > 0 and flops > 0
+        if device == "cuda":
+            torch.cuda.set_sync_debug_mode("default")
 
 
 def test_an_infinite_gradient_norm_diverges_like_a_nan_loss():

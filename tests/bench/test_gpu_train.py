@@ -3,12 +3,17 @@
 import csv
 import importlib.util
 import json
+import math
+import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from typer.testing import CliRunner
 
+from ditcore.data.schema import DatasetInfo
 from ditcore.flops import training_flops_per_token
 from ditcore.models import preset
 
@@ -50,7 +55,7 @@ def test_whole_rows_hold_one_sample_and_packed_rows_several(smoke):
     assert list(cases) == gpu_train.NAMES
     assert [(c.seq_length, c.micro_batch, c.mode) for c in cases.values() if c.name in gpu_train.DEFAULT] == (
         [(64, 2, "eager"), (64, 2, "compiled")] * 4 if smoke else
-        [(4096, 8, "eager"), (4096, 8, "compiled")] * 2 + [(8192, 2, "eager"), (8192, 2, "compiled")] * 2)
+        [(4096, 6, "eager"), (4096, 6, "compiled")] * 2 + [(8192, 2, "eager"), (8192, 2, "compiled")] * 2)
     row = {"xl": 64 if smoke else 4096} | dict.fromkeys(("7b", "stdit", "mg30b"), 64 if smoke else 8192)
     packed = {"xl": [16, 32] if smoke else [256, 2048]} | dict.fromkeys(  # the others: two clips a row
         ("7b", "stdit", "mg30b"), [32] if smoke else [4096])
@@ -63,7 +68,9 @@ def test_whole_rows_hold_one_sample_and_packed_rows_several(smoke):
         ("stdit", "ST-DiT-Tiny") if smoke else ("stdit", "ST-DiT-XL/2"))
     big = cases["mg30b-packed-compiled"]
     assert (big.arch, big.preset, big.depth) == (("moviegen", "MovieGen-Tiny", 1) if smoke else
-                                                 ("moviegen", "MovieGen-30B", 4))
+                                                 ("moviegen", "MovieGen-30B", 2))
+    assert {c.name for c in cases.values() if c.checkpointing != "none"} == {n for n in cases if n.startswith("stdit")}
+    assert cases["stdit-packed-compiled"].checkpointing == "selective"
     assert cases["xl-packed-eager"].data.video_ratio == 0.5
     assert cases["xl-whole-eager"].data.image == ((4, 1, 16, 16) if smoke else (4, 1, 128, 128))  # the peer's
 
@@ -130,3 +137,70 @@ def test_smoke_run_reports_dit_train_s_throughput_and_mfu_the_check_and_the_pack
     assert cost["cost"] == pytest.approx(whole["tokens_per_s"] / by_case["xl-packed-eager"]["tokens_per_s"])
     assert f"packing cost, DiT-Tiny, eager: {cost['cost']:.2f} " in proc.stdout
     assert (out / "results.md").read_text() in proc.stdout
+
+
+# --------------------------------------------------------------------------------------------------
+# Every benchmark the README runs fits its GPU by dit-train's plan
+
+README = SCRIPT.parents[1] / "README.md"
+H100_GIB = 79.0  # an "80 GB" H100's memory as torch reports it (79.1 GiB): what dit-train checks a plan against
+
+
+def readme_commands() -> list[list[str]]:
+    """The arguments of every `bench/gpu_train.py` command in README.md's bash blocks that runs on a GPU (not
+    --smoke), with a shell loop's variable expanded to each of its values."""
+    commands = []
+    for block in re.findall(r"```bash\n(.*?)```", README.read_text(), re.S):
+        block = block.replace("\\\n", " ")
+        loop = re.search(r"for (\w+) in ([^;]+); do", block)
+        for line in block.splitlines():
+            if "bench/gpu_train.py" not in line or "--smoke" in line:
+                continue
+            args = shlex.split(line.split("bench/gpu_train.py", 1)[1], comments=True)
+            if loop and f"${loop[1]}" in line:
+                commands += [[a.replace(f"${loop[1]}", value) for a in args] for value in loop[2].split()]
+            else:
+                commands.append(args)
+    return commands
+
+
+def mock_info(data, root: Path) -> Path:
+    """The ditcore.json that `dit-prepare mock` writes for `data`: all that dit-train --plan reads of a dataset."""
+    path = root / data.name
+    (path / ".nv-meta").mkdir(parents=True)
+    DatasetInfo(codec={"kind": "none"}, latent_stats={}, text_encoder={"name": "mock", "dim": data.text_dim},
+                latent_channels=data.image[0], spatial_factor=1, temporal_factor=1).write(path)
+    return path
+
+
+def row_text_tokens(case) -> int:
+    """The text tokens a row of `case` holds: each of its samples' (all of one length), padded up to a multiple of
+    128, as dit-train's loader pads them on a GPU (FlexAttention's key block)."""
+    if not case.data.text_dim:
+        return 0
+    samples = case.seq_length // min(case.sample_tokens)
+    return math.ceil(samples * case.data.text_len / 128) * 128
+
+
+def test_every_benchmark_the_readme_runs_fits_an_h100_by_the_plan(tmp_path):
+    from dit_train.cli import app
+
+    cases = {}  # the same case with other settings (--depth 8) is another case
+    for argv in readme_commands():
+        args = gpu_train.parse_args(argv)
+        every = {c.name: c for c in gpu_train.make_cases(args)}
+        cases |= {every[name]: argv for name in args.cases}
+    assert {c.name for c in cases} == set(gpu_train.DEFAULT) | {
+        "stdit-whole-compiled", "stdit-packed-compiled", "mg30b-whole-compiled", "mg30b-packed-compiled"}
+    assert len(cases) == 13  # those twelve, and 7b-packed-compiled with --depth 8 (xl-packed-compiled ignores it)
+    datasets = {}
+    for case, argv in cases.items():
+        if case.data not in datasets:
+            datasets[case.data] = mock_info(case.data, tmp_path)
+        args = gpu_train.train_args(case, datasets[case.data], tmp_path / "run", 30, 5, smoke=False)
+        result = CliRunner().invoke(app, [*args, "--plan", "--world-size", "1", "--gpu-memory", str(H100_GIB),
+                                          "--text-len", str(row_text_tokens(case))])
+        verdict = result.stdout.strip().splitlines()[-1]
+        assert result.exit_code == 0, f"{case.title} ({' '.join(argv)}):\n{result.stdout}{result.stderr}"
+        assert verdict.startswith(f"fits in {H100_GIB:g} GiB: 71.0 GiB usable after headroom 4.0 GiB + 5% of the card")
+    assert not (tmp_path / "run").exists()  # planned, not run

@@ -38,7 +38,7 @@ from torch.utils._pytree import tree_leaves
 from ditcore.diffusion import EMA, EDMLoss, EDMPrecond
 from ditcore.errors import ConfigError
 from ditcore.layout import grid_positions
-from ditcore.memory import GiB, Layout, advise, measured_state_bytes, parameters, plan_from
+from ditcore.memory import HEADROOM, GiB, Headroom, Layout, advise, measured_state_bytes, parameters, plan_from
 from ditcore.models import DiT, apply_activation_checkpointing, build, preset
 from ditcore.parallel.dims import ParallelDims
 from ditcore.parallel.pipeline import split_stages, stage_blocks
@@ -548,11 +548,24 @@ def test_total_fits_and_table():
     parts = (plan.weights, plan.grads, plan.optimizer, plan.ema, plan.autocast_cache, plan.comm_buffers,
              plan.activations)
     assert plan.total == sum(parts)
-    assert plan.fits(plan.total / 0.9 + 1) and not plan.fits(plan.total / 0.9 - 1)
-    assert plan.fits(plan.total, headroom=0) and not plan.fits(plan.total - 1, headroom=0)
-    table = plan.table(plan.total / 0.9 * 2)
-    assert table.splitlines()[-2].split() == ["total", f"{plan.total / GiB:.2f}"]
-    assert "fits in" in table.splitlines()[-1]
+    smallest = (plan.total + 4 * GiB) / 0.95  # the card it just fits, keeping 4 GiB and 5% of the card free
+    assert plan.fits(smallest + 1) and not plan.fits(smallest - 1)
+    none = Headroom(fixed=0, fraction=0)
+    assert plan.fits(plan.total, none) and not plan.fits(plan.total - 1, none)
+    table = plan.table(80 * GiB).splitlines()
+    assert table[-2].split() == ["total", f"{plan.total / GiB:.2f}"]
+    assert table[-1] == ("fits in 80 GiB: 72.0 GiB usable after headroom 4.0 GiB + 5% of the card for the CUDA "
+                         "context, cuBLAS/NCCL workspaces, the compiler and fragmentation")
+    assert plan.table(smallest - 1).splitlines()[-1].startswith("does NOT fit in ")
+
+
+def test_the_headroom_is_a_fixed_part_and_a_fraction_of_the_card():
+    assert (HEADROOM.fixed, HEADROOM.fraction) == (4 * GiB, 0.05)
+    assert HEADROOM.usable(80 * GiB) == 72 * GiB
+    assert HEADROOM.usable(79 * GiB) == pytest.approx(71.05 * GiB)  # an H100 "80 GB" as torch reports it, ~79.1
+    assert HEADROOM.usable(4 * GiB) == 0  # a card smaller than the headroom holds nothing of the plan
+    with pytest.raises(ValueError, match="expected bytes >= 0 and a fraction in \\[0, 1\\)"):
+        Headroom(fixed=GiB, fraction=1.0)
 
 
 def test_advice_for_a_7b_model_on_8_gpus():

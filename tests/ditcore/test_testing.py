@@ -3,7 +3,7 @@ import torch
 
 from ditcore.layout import grid_positions
 from ditcore.models import DiT, preset
-from ditcore.testing import EPS32, NoLowPrecisionScatter, assert_close_fp32, dit_forward_work, fp32_tolerance
+from ditcore.testing import EPS32, HostReads, NoLowPrecisionScatter, assert_close_fp32, dit_forward_work, fp32_tolerance
 
 
 @pytest.mark.parametrize("n", [1, 16, 384, 4096])
@@ -72,3 +72,61 @@ def test_no_low_precision_scatter_lets_fp32_sums_and_plain_writes_pass(op):
         x = torch.zeros(4, 3, dtype=torch.bfloat16)
         x[index[:2]] = 1.0  # an index_put without accumulate writes, it does not sum
         x.index_put_((index[:2],), torch.ones(2, 3, dtype=torch.bfloat16))
+
+
+# What makes the host wait for a CUDA tensor (torch.cuda.set_sync_debug_mode("error") raises on each), and what does
+# not: HostReads must flag the first on the CPU and let the second through.
+x = torch.linspace(-1.0, 1.0, 6)
+F = torch.nn.functional
+WAITS = {
+    "item": lambda: x.sum().item(),
+    "float": lambda: float(x[0]),
+    "bool": lambda: bool(x.sum() > 0),
+    "if any": lambda: 1 if (x > 0).any() else 0,
+    "tolist": lambda: x.tolist(),
+    "numpy": lambda: x.numpy(),
+    "equal": lambda: torch.equal(x, x),
+    "nonzero": lambda: x.nonzero(),
+    "where(mask)": lambda: torch.where(x > 0),
+    "x[mask]": lambda: x[x > 0],
+    "x[mask] = 0": lambda: x.clone().__setitem__(x > 0, 0.0),
+    "masked_select": lambda: x.masked_select(x > 0),
+    "unique": lambda: x.unique(),
+    "bincount": lambda: torch.bincount((x > 0).long()),
+    "repeat_interleave": lambda: torch.arange(2).repeat_interleave(torch.tensor([1, 2])),
+    "one_hot, classes from the data": lambda: F.one_hot(torch.tensor([1])),
+    "x[mask] in backward": lambda: x.clone().requires_grad_()[x > 0].sum().backward(),
+}
+QUEUES = {
+    "x[indices]": lambda: x[torch.tensor([1, 3])],
+    "where(mask, a, b)": lambda: torch.where(x > 0, x, 0.0),
+    "repeat_interleave, output_size given": lambda: torch.arange(2).repeat_interleave(torch.tensor([1, 2]),
+                                                                                      output_size=3),
+    "one_hot, classes given": lambda: F.one_hot(torch.tensor([1]), 3),  # the CPU kernel's own check is not ours
+    "nonzero_static": lambda: torch.nonzero_static(x, size=2),
+    "matmul backward": lambda: (x.clone().requires_grad_() @ x).backward(),
+}
+
+
+@pytest.mark.parametrize("name", WAITS)
+def test_host_reads_catches_what_waits_for_the_device(name):
+    with pytest.raises(RuntimeError, match=r"on a cpu tensor of shape .* makes the host wait"), HostReads("cpu"):
+        WAITS[name]()
+    with HostReads("cpu") as watch, watch.paused():
+        WAITS[name]()
+    with HostReads("cuda"):  # CPU tensors are the host's: free to read when the device is a GPU
+        WAITS[name]()
+
+
+@pytest.mark.parametrize("name", QUEUES)
+def test_host_reads_lets_work_that_only_queues_through(name):
+    with HostReads("cpu"):
+        QUEUES[name]()
+
+
+def test_host_tensors_by_design_may_be_read():
+    counter = torch.tensor(3.0)
+    with HostReads("cpu", host=[counter]):
+        assert counter.item() == 3.0
+        with pytest.raises(RuntimeError, match="makes the host wait"):
+            (counter + 1).item()

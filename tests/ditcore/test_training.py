@@ -36,9 +36,9 @@ def test_dropout_empties_text_and_nulls_labels_per_sample():
     assert (all_seg == -1).all() and (all_labels == 9).all()
 
 
-@pytest.mark.gpu
-def test_draws_are_made_on_the_gpu_and_repeat():
-    b, loss = batch().to("cuda"), EDMLoss()
-    a1, a2 = (draw(b, step_generator(0, 5, 1, 0, "cuda"), loss, 0.5, 9) for _ in range(2))
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_draws_are_made_on_the_batch_s_device_and_repeat(device):
+    b, loss = batch().to(device), EDMLoss()
+    a1, a2 = (draw(b, step_generator(0, 5, 1, 0, device), loss, 0.5, 9) for _ in range(2))
     for f in ("text_seg", "class_labels", "sigma", "noise"):
-        assert getattr(a1, f).device.type == "cuda" and torch.equal(getattr(a1, f), getattr(a2, f)), f
+        assert getattr(a1, f).device.type == device and torch.equal(getattr(a1, f), getattr(a2, f)), f

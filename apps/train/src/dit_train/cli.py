@@ -13,9 +13,10 @@ app = typer.Typer(name="dit-train", add_completion=False, pretty_exceptions_enab
 
 
 def find_config(name: str) -> Path:
-    """A path, or the name of a shipped config (apps/train/configs/NAME.yaml)."""
+    """A file, or the name of a shipped config (apps/train/configs/NAME.yaml). A folder of that name (a dataset
+    called mock, say) does not hide the shipped config."""
     path = Path(name)
-    if path.exists() or path.suffix:
+    if path.is_file() or path.suffix:
         return path
     return shipped_configs().get(name, path)
 
@@ -92,7 +93,7 @@ def print_plan(cfg, world_size: int, gpu_memory: float, text_len: int | None, te
     from dit_train.train import model_config
     from ditcore.codecs.text import MAX_TOKENS
     from ditcore.data.schema import DatasetInfo, read_info
-    from ditcore.memory import GiB, advise, plan_from, usable
+    from ditcore.memory import HEADROOM, GiB, advise, plan_from
 
     if Path(cfg.data.path).exists():
         info, source = read_info(cfg.data.path), f"dataset {cfg.data.path}"
@@ -123,7 +124,7 @@ def print_plan(cfg, world_size: int, gpu_memory: float, text_len: int | None, te
     if result.fits(gpu):
         return True
     changes, better = advise(model_cfg, layout, gpu)
-    need = (f"needs {result.total / GiB:.1f} GiB per GPU, more than the {usable(gpu) / GiB:.1f} GiB usable of "
+    need = (f"needs {result.total / GiB:.1f} GiB per GPU, more than the {HEADROOM.usable(gpu) / GiB:.1f} GiB usable of "
             f"{gpu_memory:g} GiB")
     if better.fits(gpu):
         typer.echo(f"error: {need} — set {' '.join(changes)} (then {better.total / GiB:.1f} GiB)", err=True)

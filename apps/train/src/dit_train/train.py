@@ -38,6 +38,7 @@ from ditcore.parallel import (
     ParallelGroups,
     build_parallel_model,
     clip_grad_norm_,
+    connections,
     finalize_grads,
     fsdp,
     gather_full,
@@ -167,13 +168,15 @@ def setup(cfg: TrainConfig) -> Setup:
     """Check the dataset and run directory, start the processes and their groups, check the layout fits."""
     run_dir = Path(cfg.train.run_dir)
     info = read_info(cfg.data.path)  # fails early, on every rank, if the dataset is missing or unfinished
+    dims = ParallelDims(cfg.parallel.tp, cfg.parallel.cp, cfg.parallel.pp,
+                        sequence_parallel=cfg.parallel.sequence_parallel)
+    devices = int(os.environ.get("LOCAL_WORLD_SIZE", cfg.parallel.devices))
+    # before the first CUDA call, which reads it; the processes Fabric starts inherit it
+    queues_warning = connections.apply(dims, int(os.environ.get("WORLD_SIZE", devices)), cfg.parallel.fsdp)
     on_gpu = torch.cuda.is_available() and cfg.parallel.accelerator != "cpu"
     if cfg.model.attention == "flex" and not on_gpu:
         raise ConfigError("model.attention", "flex", "auto or sdpa on a CPU: FlexAttention has no CPU backward "
                                                      "(auto picks flex on a GPU)")
-    dims = ParallelDims(cfg.parallel.tp, cfg.parallel.cp, cfg.parallel.pp,
-                        sequence_parallel=cfg.parallel.sequence_parallel)
-    devices = int(os.environ.get("LOCAL_WORLD_SIZE", cfg.parallel.devices))
     bf16 = cfg.train.precision == "bf16" or (cfg.train.precision == "auto" and on_gpu)
     prepare_run_dir(run_dir)
     loggers = []
@@ -186,11 +189,14 @@ def setup(cfg: TrainConfig) -> Setup:
     fabric = Fabric(accelerator="cuda" if on_gpu else "cpu", devices=devices, num_nodes=num_nodes, strategy=strategy,
                     precision="bf16-mixed" if bf16 else "32-true", loggers=loggers)
     fabric.launch()
+    if queues_warning and on_gpu:
+        fabric.print(queues_warning)
     groups = strategy.groups
     model_cfg = model_config(cfg, info)
     dims.check_model(model_cfg.num_heads, cfg.data.seq_length, model_cfg.depth, model_cfg.kv_heads)
     if on_gpu:
-        check_memory_plan(cfg, model_cfg, fabric.world_size)
+        gpu = torch.cuda.get_device_properties(fabric.device).total_memory
+        check_memory_plan(cfg, model_cfg, fabric.world_size, gpu)
     too_long = check_samples_fit(info, cfg.data.path, patch_size=model_cfg.patch_size,
                                  patch_size_t=model_cfg.patch_size_t, seq_length=cfg.data.seq_length)
     if too_long:
@@ -203,19 +209,20 @@ def setup(cfg: TrainConfig) -> Setup:
     return Setup(cfg, info, fabric, groups, model_cfg, accum, on_gpu, bf16, loggers)
 
 
-def check_memory_plan(cfg: TrainConfig, model_cfg: DiTConfig, world_size: int) -> None:
-    """Refuse, before any weight is allocated, a layout whose memory plan (ditcore.memory) exceeds this GPU."""
+def check_memory_plan(cfg: TrainConfig, model_cfg: DiTConfig, world_size: int, gpu: int) -> None:
+    """Refuse, before any weight is allocated, a layout whose memory plan (ditcore.memory) exceeds a GPU of `gpu` bytes
+    after the headroom that `dit-train --plan` keeps (ditcore.memory.HEADROOM)."""
     from ditcore.codecs.text import MAX_TOKENS
-    from ditcore.memory import GiB, plan_from
+    from ditcore.memory import HEADROOM, GiB, plan_from
 
     layout = memory_layout(cfg, world_size, MAX_TOKENS if model_cfg.text_dim else 0)
     plan = plan_from(model_cfg, layout)
-    gpu = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
-    if not plan.fits(gpu, headroom=0.0):
+    if not plan.fits(gpu, HEADROOM):
         raise ConfigError("parallel", layout.describe(),
-                          f"a layout that fits {gpu / GiB:.0f} GiB per GPU: this one needs {plan.total / GiB:.1f} GiB "
-                          f"— run dit-train --plan --world-size {world_size} --gpu-memory {gpu / GiB:.0f} with the "
-                          "same config to see where it goes and what to change")
+                          f"a layout that fits {gpu / GiB:.1f} GiB per GPU: this one needs {plan.total / GiB:.1f} GiB, "
+                          f"more than the {HEADROOM.usable(gpu) / GiB:.1f} GiB usable after {HEADROOM} — run "
+                          f"dit-train --plan --world-size {world_size} --gpu-memory {gpu / GiB:.1f} with the same "
+                          "config to see where it goes and what to change")
 
 
 def build(run: Setup) -> Trainee:
@@ -447,15 +454,21 @@ class MicroBatches:
 
     def _load(self, i: int) -> MicroBatch:
         run, model_cfg, device = self.run, self.run.model_cfg, self.run.fabric.device
-        batch = next(self.it)
-        self.skipped.update(batch.skipped)  # what the loader passed over to fill this batch
-        self.tokens += int(batch.mask.sum())  # still on the host
-        check_positions(batch.pos, model_cfg.max_grid)  # here, not in the model's forward, where it would sync
-        self.flops += batch_flops(model_cfg, batch)
+        batch = self._next_on_host()
         batch = batch.to(device, non_blocking=True)  # from pinned memory on a GPU: an asynchronous copy
         g = step_generator(run.cfg.train.seed, self.step, i, run.groups.dp_rank, device)  # TP/CP/PP peers alike
         d = draw(batch, g, self.t.loss_fn, run.cfg.edm.cfg_dropout, model_cfg.num_classes)
         return MicroBatch(batch, d, batch.model_inputs(text_seg=d.text_seg, class_labels=d.class_labels))
+
+    def _next_on_host(self) -> PackedBatch:
+        """The loader's next batch, still on the host, counted and checked. Every read of a value in a step is here,
+        before the copy to the device, so that nothing after it waits for the device."""
+        batch = next(self.it)
+        self.skipped.update(batch.skipped)  # what the loader passed over to fill this batch
+        self.tokens += int(batch.mask.sum())
+        check_positions(batch.pos, self.run.model_cfg.max_grid)  # here, not in the model's forward, where it would sync
+        self.flops += batch_flops(self.run.model_cfg, batch)
+        return batch
 
 
 @dataclass

@@ -32,7 +32,7 @@ One rank of a layout holds, in bytes:
 With pp > 1 the plan is computed for every stage and the most loaded one reported (`Plan.stage`): the first stage
 keeps the most micro-batches in flight, the last one holds the final layer and the loss.
 
-Not counted, so `Plan.fits` keeps headroom for them: the CUDA context, NCCL's own buffers, kernel workspaces,
+Not counted, so `Plan.fits` keeps `HEADROOM` free for them: the CUDA context, NCCL's own buffers, kernel workspaces,
 gradients of activations in flight during backward, short-lived temporaries, the batch itself and the allocator's
 fragmentation. The activations are those of eager PyTorch (tests/ditcore/test_memory.py measures them on CPU);
 torch.compile usually keeps less, as its partitioner recomputes cheap elementwise work.
@@ -149,6 +149,40 @@ PARTS = {"weights": "weights (fp32 master)", "grads": "gradients (fp32)", "optim
 
 
 @dataclass(frozen=True)
+class Headroom:
+    """GPU memory a plan leaves free for what it does not count: `fixed` bytes plus `fraction` of the card."""
+
+    fixed: float  # bytes
+    fraction: float
+
+    def __post_init__(self) -> None:
+        if not (self.fixed >= 0 and 0 <= self.fraction < 1):
+            raise ValueError(f"headroom {self.fixed} B + {self.fraction} of the card is invalid: expected bytes >= 0 "
+                             "and a fraction in [0, 1)")
+
+    def usable(self, gpu_bytes: float) -> float:
+        """Bytes of a card of `gpu_bytes` left for what the plan counts (0 when the headroom takes it all)."""
+        return max(0.0, gpu_bytes * (1 - self.fraction) - self.fixed)
+
+    def __str__(self) -> str:
+        return (f"headroom {self.fixed / GiB:.1f} GiB + {self.fraction:.0%} of the card for the CUDA context, "
+                "cuBLAS/NCCL workspaces, the compiler and fragmentation")
+
+
+# What a training process holds on its GPU outside the plan's tensors, on an H100 with CUDA 12:
+# - the CUDA context and the kernels it loads: ~0.5-1 GiB (lazily loaded modules, the default since CUDA 12.2);
+# - cuBLAS workspaces: 32 MiB for every (handle, stream) on Hopper, which torch takes from its caching allocator
+#   (pytorch/pytorch#89027); attention and cuDNN workspaces and Inductor's kernels are temporary, of that order;
+# - NCCL: each communicator's buffers grow with its channels (up to 32 on NVLink) and peers: from a few hundred MiB
+#   to ~1.6 GB for one communicator on 8 GPUs (NVIDIA/nccl#864, #986); dit-train uses one to four (DP or FSDP, TP,
+#   CP, PP);
+# - the caching allocator's fragmentation: memory it reserved but cannot hand out, typically 5-10% of the card, and
+#   what the plan leaves out (activation gradients in flight, temporaries, the batch): it grows with the card.
+# 4 GiB covers the first three; 5% of the card the last (4 GiB on 80 GiB: 72 GiB usable).
+HEADROOM = Headroom(fixed=4 * GiB, fraction=0.05)
+
+
+@dataclass(frozen=True)
 class Plan:
     """Bytes per GPU (of the most loaded rank) for one training step: state, buffers and activations."""
 
@@ -169,28 +203,22 @@ class Plan:
     def total(self) -> int:
         return sum(getattr(self, part) for part in PARTS)
 
-    def fits(self, gpu_bytes: float, headroom: float = 0.1) -> bool:
-        """Does the total fit in `gpu_bytes`, keeping the fraction `headroom` free for what the plan leaves out?"""
-        return self.total <= usable(gpu_bytes, headroom)
+    def fits(self, gpu_bytes: float, headroom: Headroom = HEADROOM) -> bool:
+        """Does the total fit in `gpu_bytes`, keeping `headroom` free for what the plan leaves out?"""
+        return self.total <= headroom.usable(gpu_bytes)
 
-    def table(self, gpu_bytes: float | None = None, headroom: float = 0.1) -> str:
-        """One line per part in GiB, the total, and whether it fits in gpu_bytes (when given); with pp > 1 the title
-        names the stage planned for."""
+    def table(self, gpu_bytes: float | None = None, headroom: Headroom = HEADROOM) -> str:
+        """One line per part in GiB, the total, and whether it fits in gpu_bytes (when given) after `headroom`, which
+        it names; with pp > 1 the title names the stage planned for."""
         title = f"per GPU, pp stage {self.stage} of {self.layout.pp}" if self.layout.pp > 1 else "per GPU"
         lines = [f"{title:<33}{'GiB':>8}"]
         lines += [f"  {label:<31}{getattr(self, part) / GiB:8.2f}" for part, label in PARTS.items()]
         lines.append(f"  {'total':<31}{self.total / GiB:8.2f}")
         if gpu_bytes is not None:
             verdict = "fits" if self.fits(gpu_bytes, headroom) else "does NOT fit"
-            lines.append(f"{verdict} in {gpu_bytes / GiB:g} GiB: {usable(gpu_bytes, headroom) / GiB:.1f} GiB usable "
-                         f"after {headroom:.0%} headroom")
+            lines.append(f"{verdict} in {gpu_bytes / GiB:g} GiB: {headroom.usable(gpu_bytes) / GiB:.1f} GiB usable "
+                         f"after {headroom}")
         return "\n".join(lines)
-
-
-def usable(gpu_bytes: float, headroom: float = 0.1) -> float:
-    if not 0 <= headroom < 1:
-        raise ValueError(f"headroom={headroom} is invalid: expected a fraction of the GPU's memory in [0, 1)")
-    return gpu_bytes * (1 - headroom)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -465,7 +493,7 @@ def _activations(cfg: DiTConfig, lay: Layout) -> Activations:
 # Advice: what to change when a plan does not fit
 
 
-def advise(cfg: DiTConfig, layout: Layout, gpu_bytes: float, headroom: float = 0.1) -> tuple[list[str], Plan]:
+def advise(cfg: DiTConfig, layout: Layout, gpu_bytes: float, headroom: Headroom = HEADROOM) -> tuple[list[str], Plan]:
     """Config overrides that make the plan fit, and the plan they give (which may still not fit).
 
     Changes are tried in order of what they cost in speed: sharding the state (fsdp: communication only), recomputing

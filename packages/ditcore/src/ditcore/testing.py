@@ -5,14 +5,22 @@ when the two results differ by no more than float32 rounding can explain: `fp32_
 where work is the accumulated length of the reductions the values went through and scale their magnitude.
 A real bug (attention leaking across samples, a wrong sign, a missing term) moves values by 1e-2..1 of their
 scale, while ε·work stays below 1e-3 for the tiny models of the tests.
+
+`HostReads` is the CPU's stand-in for torch.cuda.set_sync_debug_mode("error"): it fails on every read that would
+make the host wait for the device, so a code path meant to queue GPU work without waiting is checked on the CPU.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import inspect
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from ditcore.models.dit import DiTConfig, ScalarEmbedder
 
@@ -120,3 +128,114 @@ class NoLowPrecisionScatter(TorchDispatchMode):
                 + "; ".join(dict.fromkeys(self.found))
                 + ". Sum with fp32 accumulation instead (a matmul, fp32 values), or move a permutation's gradient "
                 "back by the inverse permutation (ditcore.models.stdit.reorder)")
+
+
+# Host reads
+
+_aten = torch.ops.aten
+_PYTHON_READS = {torch.Tensor.tolist: "Tensor.tolist()", torch.Tensor.numpy: "Tensor.numpy()"}  # no aten op on a CPU
+_READS = {_aten._local_scalar_dense.default, _aten.is_nonzero.default, _aten.equal.default}  # .item(), bool(), equal
+_MASKABLE = {_aten.index.Tensor, _aten.index_put.default, _aten.index_put_.default, _aten._index_put_impl_.default}
+
+
+def waits_for_data(func, args: tuple, kwargs: dict) -> bool:
+    """Does this aten op make the host wait for its inputs: does it read a value back, or does its output's shape
+    depend on their values (the host must know it to allocate the output)? aten tags the latter
+    dynamic_output_shape; some of those depend on the data only for some arguments."""
+    if func in _READS:
+        return True
+    if func in _MASKABLE:  # x[mask] is a nonzero() in disguise; integer indices are not
+        return any(i is not None and i.dtype in (torch.bool, torch.uint8) for i in args[1])
+    if torch.Tag.dynamic_output_shape not in func.tags:  # nonzero, masked_select, unique, bincount, ...
+        return False
+    if func is _aten.repeat_interleave.Tensor:
+        return kwargs.get("output_size") is None
+    return True
+
+
+class HostReads:
+    """Raises on anything that makes the host wait for a tensor on `device`: a value read back (`.item()`, `bool()`,
+    `int()`, `.tolist()`, `.numpy()`, `torch.equal`) or an op whose output shape depends on the data (`nonzero`,
+    boolean-mask indexing, `masked_select`, `unique`, `bincount`, `repeat_interleave` without output_size). On a GPU
+    torch.cuda.set_sync_debug_mode("error") catches these; on the CPU nothing waits, so with device="cpu" this treats
+    the CPU as the device: the same code path, its mistakes found before a GPU is at hand.
+
+        with HostReads("cpu", host=[...]) as watch:
+            ...                     # a host read raises RuntimeError, naming the op
+            with watch.paused():    # or a function wrapped as watch.unwatched(f)
+                ...                 # code that reads host tensors by design
+
+    host: tensors on `device` that stand for host tensors by design (e.g. a non-fused optimizer's step counters,
+    which torch keeps on the host next to GPU parameters too); reading them is allowed. aten ops are watched at the
+    dispatcher, forward and backward; `.tolist()` and `.numpy()` read a CPU tensor's memory without an aten op, so
+    they are watched as Python calls.
+    """
+
+    def __init__(self, device: str | torch.device, host: list[torch.Tensor] = ()):
+        self.device = torch.device(device).type
+        self.host = {StorageWeakRef(t.untyped_storage()) for t in host}
+        self.pauses = 0
+        self.modes = [_DispatchWatch(self), _FunctionWatch(self)]
+
+    def check(self, what: str, inputs) -> None:
+        if self.pauses:
+            return
+        for t in tree_leaves(inputs):
+            if (isinstance(t, torch.Tensor) and t.device.type == self.device
+                    and StorageWeakRef(t.untyped_storage()) not in self.host):
+                raise RuntimeError(f"{what} on a {self.device} tensor of shape {tuple(t.shape)} makes the host wait "
+                                   "for the device")
+
+    @contextlib.contextmanager
+    def paused(self):
+        self.pauses += 1
+        try:
+            yield
+        finally:
+            self.pauses -= 1
+
+    def unwatched(self, f):
+        """f, run with the watch paused: for a function that reads host tensors by design."""
+
+        @functools.wraps(f)
+        def run(*args, **kwargs):
+            with self.paused():
+                return f(*args, **kwargs)
+
+        return run
+
+    def __enter__(self) -> HostReads:
+        for mode in self.modes:
+            mode.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for mode in reversed(self.modes):
+            mode.__exit__(*exc)
+
+
+class _DispatchWatch(TorchDispatchMode):
+    def __init__(self, watch: HostReads):
+        super().__init__()
+        self.watch = watch
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if waits_for_data(func, args, kwargs):
+            self.watch.check(str(func), (args, kwargs))
+        return func(*args, **kwargs)
+
+
+class _FunctionWatch(TorchFunctionMode):
+    def __init__(self, watch: HostReads):
+        super().__init__()
+        self.watch = watch
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _PYTHON_READS:
+            self.watch.check(_PYTHON_READS[func], args)
+        if func is torch.nn.functional.one_hot and (args[1] if len(args) > 1 else kwargs.get("num_classes", -1)) >= 0:
+            with self.watch.paused():  # its CPU kernel checks the values (.item()); CUDA's leaves it to device asserts
+                return func(*args, **kwargs)
+        return func(*args, **kwargs)
