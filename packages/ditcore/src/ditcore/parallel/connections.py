@@ -9,10 +9,9 @@ Megatron-Core's own ColumnParallelLinear / RowParallelLinear rely on that order:
 sequence-parallel all-gather (or the tensor-parallel all-reduce) asynchronously and need it to start before the
 weight-gradient matmul queued after it ("Here we rely on CUDA_DEVICE_MAX_CONNECTIONS=1", megatron/core/
 tensor_parallel/layers.py; it warns when the variable is not 1, and Megatron-LM's training script asserts it for TP
-and CP). The order buys overlap, not correctness. ditcore's tensor-parallel linears are moving to torch's
-functional collectives (issue 24), which torch.compile traces and Inductor schedules itself, so that nothing in
-ditcore depends on the queue order; until they land, Megatron's linears under TP lose that backward overlap with
-more than one queue, and Megatron warns once.
+and CP). The order buys overlap, not correctness. ditcore's tensor-parallel linears
+(ditcore.parallel.tensor_parallel) use torch's functional collectives instead, which torch.compile traces and
+Inductor schedules itself: nothing in ditcore depends on the queue order.
 
 What ditcore's layouts need is the opposite: collectives that run on their own streams beside the compute —
 FSDP2's parameter all-gathers and gradient reduce-scatters, DDP's bucketed gradient all-reduces, tensor and context
