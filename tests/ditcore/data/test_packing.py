@@ -51,8 +51,9 @@ def test_model_inputs_carry_the_batch_with_overrides():
     smp = TokenSample("k", torch.randn(4, 6), grid_positions(grid), grid, torch.randn(3, 8), 1, 8.0, "")
     b = collate([PackedRow([smp, smp])], seq_length=8)
     inputs = b.model_inputs()
-    assert set(inputs) == {"pos", "seg", "text", "text_seg", "class_labels", "fps"}
+    assert set(inputs) == {"pos", "seg", "text", "text_seg", "class_labels", "fps", "grids"}
     assert inputs["seg"] is b.seg and inputs["class_labels"] is b.class_labels
+    assert inputs["grids"] == [[grid, grid]]  # the rows' layout on the host, for ST-DiT
     labels = torch.full_like(b.class_labels, 9)
     assert b.model_inputs(class_labels=labels)["class_labels"] is labels
 

@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from ditcore.errors import ConfigError
-from ditcore.layout import grid_positions
+from ditcore.layout import grid_positions, grid_rows
 from ditcore.models import build, preset
 from ditcore.models.dit import DiTBlock
-from ditcore.models.stdit import TemporalBlock, factorise, reorder
+from ditcore.models.stdit import HostRows, TemporalBlock, factorise, reorder
 from ditcore.parallel.context_parallel import SwapRows
 from ditcore.testing import NoLowPrecisionScatter
 
@@ -19,6 +19,7 @@ from .test_dit import randomize
 
 # a row of an image (1 x 2 x 3), a clip (3 x 2 x 2), an image with a single token and 4 padding tokens: N = 23
 GRIDS = [(1, 2, 3), (3, 2, 2), (1, 1, 1)]
+MAX_GRID = (64, 256, 256)
 
 
 def packed_row(grids=GRIDS, padding=4):
@@ -84,7 +85,8 @@ def test_each_block_lets_a_token_see_only_its_own_frame_or_its_own_time_line():
     same_line = in_clip & (h == h[k]) & (w == w[k])
     with torch.no_grad():
         for block, expected in ((spatial, same_frame), (temporal, same_line)):
-            changed = (block(y, c, seg, a) - block(x, c, seg, a)).abs().amax(-1)[:, 0] > 0
+            changed = (model.run_block(block, y, c, seg, a) - model.run_block(block, x, c, seg, a)).abs()
+            changed = changed.amax(-1)[:, 0] > 0
             assert torch.equal(changed, expected), block
 
 
@@ -104,9 +106,68 @@ def test_context_parallelism_keeps_whole_frames_and_lines_local_or_gathers():
     process)."""
     rows = SwapRows.__new__(SwapRows)  # the split of rank 0 of CP=2, no process group needed to plan it
     rows.cp_size, rows.cp_rank, rows.sp_size = 2, 0, 1
-    pos, seg = packed_row([(2, 2, 4), (1, 2, 4)], padding=8)  # the clip's 2 frames, one per rank: whole
-    assert rows.orders(factorise(seg, pos, (64, 256, 256))).local
-    pos, seg = packed_row([(1, 2, 4), (2, 2, 4)], padding=0)  # 24 tokens: rank 0 holds 0..11, half the clip's frame 0
-    assert not rows.orders(factorise(seg, pos, (64, 256, 256))).local
-    pos, seg = packed_row([(4, 1, 3)], padding=0)  # 4 frames of 3 tokens: whole frames, but lines of 4 cut in half
-    assert not rows.orders(factorise(seg, pos, (64, 256, 256))).local
+
+    def orders(grids, padding):
+        pos, seg = packed_row(grids, padding)
+        return rows.orders(factorise(seg, pos, MAX_GRID), HostRows.of(seg, pos, None, MAX_GRID))
+
+    assert orders([(2, 2, 4), (1, 2, 4)], padding=8).local  # the clip's 2 frames, one per rank: whole
+    assert not orders([(1, 2, 4), (2, 2, 4)], padding=0).local  # 24 tokens: rank 0 holds 0..11, half of frame 0
+    assert not orders([(4, 1, 3)], padding=0).local  # 4 frames of 3 tokens: whole frames, but lines of 4 cut in half
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["whole_rows", "packed"])
+def test_what_is_decided_per_forward_reads_no_device_value_given_the_grids(packed):
+    """On the meta device a tensor has no values: any read (.tolist(), int(), a data-dependent branch) raises. What
+    ST-DiT decides once per forward (attention_inputs: are the rows alike, their masks and orders) and the moves
+    around a temporal block run there, so on a GPU they never wait for the device's queue. (The blocks are DiT blocks,
+    which compile without a graph break: tests/ditcore/parallel/test_compile_stdit.py.) Whole rows batch the frames
+    and lines (the same grid in every row), packed rows mask them."""
+    cfg = preset("ST-DiT-Tiny", text_dim=8)
+    if packed:
+        grids = [GRIDS, [(2, 2, 3), (1, 3, 3)]]
+        seg, pos = grid_rows(grids, 23)
+    else:
+        grids, seg, pos = [[(3, 2, 2)]] * 2, None, grid_positions((3, 2, 2))
+    N, D = pos.shape[-2], cfg.hidden_size
+    with torch.device("meta"):
+        model = build(cfg)
+        text, h = torch.randn(2, 5, 8), torch.randn(N, 2, D)
+    pos, seg = pos.to("meta"), None if seg is None else seg.to("meta")
+    a = model.attention_inputs("sdpa", 2, pos, seg, text, None, slice(0, N), torch.float32, grids=grids)
+    assert (a.mask.run, a.lines.mask.run) == ((0, 0) if packed else (4, 3))  # whole rows: frames of 4, lines of 3
+    assert a.orders.to_frames(a.orders.to_lines(h)).shape == (N, 2, D)
+    with pytest.raises(ValueError, match=r"reads on the host, not from the meta device: pass grids"):
+        model.attention_inputs("sdpa", 2, pos, seg, text, None, slice(0, N), torch.float32)
+
+
+def test_grids_that_are_not_the_rows_are_refused_where_that_is_free():
+    cfg = preset("ST-DiT-Tiny")
+    model = build(cfg)
+    pos, seg = packed_row()
+    x = torch.randn(1, pos.shape[1], cfg.patch_dim)
+    model(x, torch.zeros(1, 3), pos, seg=seg, grids=[GRIDS])
+    with pytest.raises(ValueError, match="do not describe the rows"):
+        model(x, torch.zeros(1, 3), pos, seg=seg, grids=[[(3, 2, 2), (1, 2, 3), (1, 1, 1)]])
+    with pytest.raises(ValueError, match="without seg every row is one sample of 23 tokens"):
+        model(x, torch.zeros(1, 1), pos, grids=[GRIDS])
+
+
+def test_context_parallel_decisions_and_counts_come_from_the_host():
+    """Under CP=2 (rank 0, planned without a process group) on the meta device: whether the slices cut a frame and
+    how many tokens the all-to-all sends to and receives from each rank are read from the grids. Two rows of one
+    (2, 2, 4) clip: rank 0 holds frame 0 of each; in lines order (lines of 2 tokens) the lines of h = 0. Half of its
+    frame goes to rank 1, half of its lines come from rank 1."""
+    rows = SwapRows.__new__(SwapRows)
+    rows.cp_size, rows.cp_rank, rows.sp_size, rows.sp_rank = 2, 0, 1, 0
+    with torch.device("meta"):
+        model = build(preset("ST-DiT-Tiny"))
+    model.rows = rows
+    pos = grid_positions((2, 2, 4)).to("meta")
+    a = model.attention_inputs("sdpa", 2, pos, None, None, None, rows.spans(16)[0], torch.float32,
+                               grids=[[(2, 2, 4)]] * 2)
+    assert a.orders.local
+    f = a.orders.f
+    for dest, src in ((f.to_frames, f.to_lines), (f.to_lines, f.to_frames)):  # to lines, back to frames
+        send_order, arrive, send, recv = a.orders._plan(dest, src, 2)  # orders: (permutation, inverse) each
+        assert (send, recv) == ([8, 8], [8, 8]) and all(t.is_meta for t in (*send_order, *arrive))

@@ -5,23 +5,30 @@ the H'×W' tokens of each frame and temporal self-attention over the T' tokens a
 Every block is a DiT block (adaLN-Zero, self-attention, cross-attention to the text, MLP): the even ones attend
 within frames, the odd ones within time-lines, as in Open-Sora 1.2's STDiT3 (a spatial and a temporal block per
 depth step). Tokens are stored in frames order, (t, h, w) row-major per sample (ditcore.layout), where each
-frame is a contiguous run. A temporal block really regroups them: it moves every sample's tokens into lines order,
-(h, w, t), where each time-line is a contiguous run, attends, and moves them back. Attention masks then only
-separate runs: a token sees its own frame (or its own line) of its own sample, so packed rows of mixed images and
-clips work as for the DiT; an image is a one-frame clip, whose time-lines are single tokens.
+frame is a contiguous run. The model really regroups them around each temporal block: it moves every sample's
+tokens into lines order, (h, w, t), where each time-line is a contiguous run, the block attends, and the model moves
+them back. A temporal block is a plain DiT block on lines order, so a compiled one holds no move. Attention masks
+then only separate runs: a token sees its own frame (or its own line) of its own sample, so packed rows of mixed
+images and clips work as for the DiT; an image is a one-frame clip, whose time-lines are single tokens.
 
 On one process the regrouping is a gather. Under context parallelism each rank holds whole frames and, after one
 all-to-all, whole time-lines (ditcore.parallel.context_parallel.SwapRows): no attention needs another rank's keys.
+
+What is decided once per forward from the layout of the rows (are all rows alike, does a rank's slice cut a frame,
+how many tokens go to each rank) is read on the host, never from the device, whose queue would have to drain
+first: from `grids` (ditcore.layout), which dit-train, validation and dit-sample pass, or from CPU tensors.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 from torch import nn
 
 from ditcore.errors import ConfigError
+from ditcore.layout import grid_rows
 from ditcore.models.attention import Mask, segments
 from ditcore.models.dit import AttentionInputs, DiT, DiTBlock, DiTConfig, RowSplit
 
@@ -120,9 +127,46 @@ def reorder(x: torch.Tensor, index: torch.Tensor, inverse: torch.Tensor) -> torc
     return _Permute.apply(x, index, inverse)
 
 
+@dataclass
+class HostRows:
+    """The rows' samples and positions (ditcore.layout's seg and pos) on the host, where reading them is free."""
+
+    seg: torch.Tensor | None
+    pos: torch.Tensor
+    max_grid: tuple[int, int, int]
+
+    @classmethod
+    def of(cls, seg: torch.Tensor | None, pos: torch.Tensor, grids, max_grid) -> HostRows:
+        """Made from `grids` (per row, its samples' (T, H, W) token grids), or without them from seg and pos when they
+        are CPU tensors. Rows on another device without grids are refused: reading them would wait for the device."""
+        N = pos.shape[-2]
+        on_host = pos.device.type == "cpu" and (seg is None or seg.device.type == "cpu")
+        if grids is None:
+            if not on_host:
+                raise ValueError(
+                    f"ST-DiT regroups tokens by frames and time-lines, which it reads on the host, not from the "
+                    f"{pos.device.type} device: pass grids (per row, the (T, H, W) token grids of its samples in "
+                    "order, as PackedBatch.grids; [[grid]] * B for rows of one sample each)")
+            return cls(seg, pos, max_grid)
+        if seg is None and any(len(row) != 1 or row[0][0] * row[0][1] * row[0][2] != N for row in grids):
+            raise ValueError(f"without seg every row is one sample of {N} tokens, but grids are {grids}")
+        host_seg, host_pos = grid_rows(grids, N)
+        if on_host:  # free here: refuse grids that are not the rows' (they would regroup the tokens wrongly)
+            rows_pos = pos if pos.ndim == 3 else pos[None]
+            same = rows_pos.shape[0] in (1, len(grids)) and torch.equal(host_pos, rows_pos.expand_as(host_pos))
+            if not (same and (seg is None or torch.equal(host_seg, seg))):
+                raise ValueError(f"grids {grids} do not describe the rows' positions and samples")
+            return cls(seg, pos, max_grid)
+        return cls(None if seg is None else host_seg, host_pos, max_grid)
+
+    @cached_property
+    def factorised(self) -> Factorised:
+        return factorise(self.seg, self.pos, self.max_grid)
+
+
 def uniform_runs(pos: torch.Tensor, N: int) -> tuple[int, int] | None:
-    """(tokens per frame, frames) of rows of one sample each, when every row has the same; else None. Reading the
-    counts waits for the device: once per forward, which saves a mask and, on a GPU, keeps the flash kernel."""
+    """(tokens per frame, frames) of rows of one sample each at host positions `pos`, when every row has the same;
+    else None. Saves a mask and, on a GPU, keeps the flash kernel."""
     counts = set((pos[..., 0] == 0).sum(-1).reshape(-1).tolist())  # tokens of each row's first frame
     if len(counts) != 1:
         return None
@@ -135,13 +179,13 @@ class Orders:
 
     `local`: every frame and every time-line of this rank's queries is on this rank, so attention needs no other
     rank's keys (`keys_values` passes its own through). Always so on one process; ditcore.parallel's version says
-    whether the rank's slice of the rows cut one.
+    whether the rank's slice of the rows cut one, from `host`, the same rows on the host.
     """
 
     local = True
 
-    def __init__(self, f: Factorised):
-        self.f = f
+    def __init__(self, f: Factorised, host: HostRows):
+        self.f, self.host = f, host
 
     def keys_values(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return k, v
@@ -156,8 +200,8 @@ class Orders:
 class LineRows(RowSplit):
     """ST-DiT's rows on one process: all tokens here; ditcore.parallel replaces it with an all-to-all split."""
 
-    def orders(self, f: Factorised) -> Orders:
-        return Orders(f)
+    def orders(self, f: Factorised, host: HostRows) -> Orders:
+        return Orders(f, host)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -174,12 +218,9 @@ class STInputs(AttentionInputs):
 
 
 class TemporalBlock(DiTBlock):
-    """A DiT block over time-lines: its input and output are in frames order, its layers work in lines order."""
-
-    def forward(self, x: torch.Tensor, c: torch.Tensor, seg: torch.Tensor | None, a: STInputs):
-        x = a.orders.to_lines(x)
-        x = super().forward(x, c, a.lines_seg, a.lines)
-        return a.orders.to_frames(x)
+    """A DiT block over time-lines: STDiT.run_block gives it its tokens in lines order and takes them back to frames
+    order, outside the block, so that a compiled one holds no move (an all-to-all under context parallelism, whose
+    counts change with every packing)."""
 
 
 class STDiT(DiT):
@@ -194,13 +235,21 @@ class STDiT(DiT):
     def new_block(self, i: int) -> nn.Module:
         return (TemporalBlock if i % 2 else DiTBlock)(self.cfg)
 
-    def attention_inputs(self, backend: str, B: int, pos, seg, text, text_seg, span: slice, dtype) -> STInputs:
+    def run_block(self, block: nn.Module, h: torch.Tensor, c: torch.Tensor, seg: torch.Tensor | None, a: STInputs):
+        if not isinstance(block, TemporalBlock):  # a spatial block, or one another pipeline stage holds
+            return block(h, c, seg, a)
+        h = block(a.orders.to_lines(h), c, a.lines_seg, a.lines)
+        return a.orders.to_frames(h)
+
+    def attention_inputs(self, backend: str, B: int, pos, seg, text, text_seg, span: slice, dtype,
+                         grids=None) -> STInputs:
+        host = HostRows.of(seg, pos, grids, self.cfg.max_grid)
         f = factorise(seg, pos, self.cfg.max_grid)
-        orders = self.rows.orders(f)  # under context parallelism: are this rank's frames and lines whole here?
+        orders = self.rows.orders(f, host)  # under context parallelism: are this rank's frames and lines whole here?
         N = pos.shape[-2]
         local = self.rows.spans(N)[1]
         seq = span.stop - span.start
-        runs = uniform_runs(pos, N) if seg is None and orders.local else None  # (frame size, frames) in every row
+        runs = uniform_runs(host.pos, N) if seg is None and orders.local else None  # (frame size, frames), every row
 
         def view(ids: torch.Tensor, positions: torch.Tensor, run: int, cls=AttentionInputs, **more):
             if run:
@@ -229,4 +278,4 @@ PRESETS: dict[str, STDiTConfig] = {
     "ST-DiT-Tiny": STDiTConfig(hidden_size=64, depth=4, num_heads=4),
 }
 
-__all__ = ["PRESETS", "STDiT", "STDiTConfig", "TemporalBlock", "factorise"]
+__all__ = ["PRESETS", "HostRows", "STDiT", "STDiTConfig", "TemporalBlock", "factorise"]
