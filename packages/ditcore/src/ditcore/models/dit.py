@@ -506,7 +506,7 @@ class DiT(nn.Module):
         text: (B, L, text_dim) with text_seg (B, L) naming each text token's sample (-1: padding).
         grids: the layout of the rows that seg and pos give, on the host (ditcore.layout; PackedBatch.grids): per
         row, the (T, H, W) token grids of its samples in order. The DiT and MovieGen ignore it; ST-DiT regroups
-        tokens by frames and time-lines from it without reading the device, and on a GPU requires it.
+        tokens by frames and time-lines from it without reading the device, and off the CPU requires it.
 
         A pipeline stage (ditcore.parallel.pipeline) without the patch embedder starts from `hidden`, the previous
         stage's hidden states (n, B, D), and one without the final layer returns its own, (n, B, D).
