@@ -4,6 +4,8 @@ Identity at init, zero output, packed == alone: tests/ditcore/models/test_dit.py
 CP by all-to-all == one process: tests/ditcore/parallel/test_equivalence.py (cases stdit:*).
 """
 
+import random
+
 import pytest
 import torch
 
@@ -11,7 +13,7 @@ from ditcore.errors import ConfigError
 from ditcore.layout import grid_positions, grid_rows
 from ditcore.models import build, preset
 from ditcore.models.dit import DiTBlock
-from ditcore.models.stdit import HostRows, TemporalBlock, factorise, reorder
+from ditcore.models.stdit import HostRows, TemporalBlock, factorise, grids_of, reorder
 from ditcore.parallel.context_parallel import SwapRows
 from ditcore.testing import NoLowPrecisionScatter
 
@@ -109,7 +111,7 @@ def test_context_parallelism_keeps_whole_frames_and_lines_local_or_gathers():
 
     def orders(grids, padding):
         pos, seg = packed_row(grids, padding)
-        return rows.orders(factorise(seg, pos, MAX_GRID), HostRows.of(seg, pos, None, MAX_GRID))
+        return rows.orders(factorise(seg, pos, MAX_GRID), HostRows.of(seg, pos, None, 1))
 
     assert orders([(2, 2, 4), (1, 2, 4)], padding=8).local  # the clip's 2 frames, one per rank: whole
     assert not orders([(1, 2, 4), (2, 2, 4)], padding=0).local  # 24 tokens: rank 0 holds 0..11, half of frame 0
@@ -147,9 +149,9 @@ def test_grids_that_are_not_the_rows_are_refused_where_that_is_free():
     pos, seg = packed_row()
     x = torch.randn(1, pos.shape[1], cfg.patch_dim)
     model(x, torch.zeros(1, 3), pos, seg=seg, grids=[GRIDS])
-    with pytest.raises(ValueError, match="do not describe the rows"):
+    with pytest.raises(ValueError, match="not the layout of the rows' samples and positions"):
         model(x, torch.zeros(1, 3), pos, seg=seg, grids=[[(3, 2, 2), (1, 2, 3), (1, 1, 1)]])
-    with pytest.raises(ValueError, match="without seg every row is one sample of 23 tokens"):
+    with pytest.raises(ValueError, match=r"not the layout of 1 rows of 23 tokens, each one sample without padding"):
         model(x, torch.zeros(1, 1), pos, grids=[GRIDS])
 
 
@@ -171,3 +173,65 @@ def test_context_parallel_decisions_and_counts_come_from_the_host():
     for dest, src in ((f.to_frames, f.to_lines), (f.to_lines, f.to_frames)):  # to lines, back to frames
         send_order, arrive, send, recv = a.orders._plan(dest, src, 2)  # orders: (permutation, inverse) each
         assert (send, recv) == ([8, 8], [8, 8]) and all(t.is_meta for t in (*send_order, *arrive))
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_what_the_host_computes_from_the_grids_is_what_the_device_orders_do(seed):
+    """HostRows' cut decision and token counts per pair of slices, computed from the grids in Python, against the
+    frames and lines orders that factorise computes on the device (here the CPU), for random packings over 2, 3 and
+    4 slices; and grids_of, which recovers the grids from CPU seg and pos."""
+    rng = random.Random(seed)
+    shapes = [(1, 2, 2), (1, 3, 4), (2, 2, 3), (3, 2, 2), (4, 1, 3), (2, 3, 3), (1, 1, 1), (5, 1, 2)]
+    N, grids = 48, []
+    for _ in range(3):
+        row = []  # up to 4 samples that fit, or none (padding only)
+        for grid in rng.choices(shapes, k=rng.randint(0, 4)):
+            if sum(g[0] * g[1] * g[2] for g in [*row, grid]) <= N:
+                row.append(grid)
+        grids.append(row)
+    seg, pos = grid_rows(grids, N)
+    assert grids_of(seg, pos, 3) == grids
+    f = factorise(seg, pos, MAX_GRID)
+    host = HostRows.of(seg, pos, grids, 3)
+    for parts in (2, 3, 4):
+        n = N // parts
+        frames_slice = torch.arange(N).expand(3, -1) // n  # slice of each token in frames order
+        lines_slice = f.to_frames // n  # ... and of the same token in lines order
+        expected = [[int(((frames_slice == r) & (lines_slice == q)).sum()) for q in range(parts)] for r in range(parts)]
+        assert host.moves(n) == expected
+        cut = any(((ids[:, n::n] == ids[:, n - 1:N - 1:n]) & (ids[:, n::n] >= 0)).any() for ids in (f.frames, f.lines))
+        assert host.cut(n) == bool(cut)
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["whole_rows", "packed"])
+def test_a_training_step_reads_no_value_back_given_the_grids(monkeypatch, packed):
+    """HostReads treats the CPU as the device (ditcore.testing): the forward and backward of ST-DiT's EDM loss read
+    no value back, but in the two checks that read CPU inputs by design (on a GPU dit-train checks the batch's
+    positions before the copy, and grids are not checked against device tensors). Without grids the rows' layout is
+    read from seg and pos: the watch catches it."""
+    from ditcore.diffusion import EDMLoss, EDMPrecond
+    from ditcore.models import dit, stdit
+    from ditcore.testing import HostReads
+
+    cfg = preset("ST-DiT-Tiny", text_dim=8)
+    model = randomize(build(cfg, attention="sdpa"))
+    if packed:
+        grids = [GRIDS, [(2, 2, 3), (1, 3, 3)]]
+        seg, pos = grid_rows(grids, 23)
+    else:
+        grids, seg, pos = [[(3, 2, 2)]] * 2, None, grid_positions((3, 2, 2))
+    N = pos.shape[-2]
+    x, noise = torch.randn(2, N, cfg.patch_dim), torch.randn(2, N, cfg.patch_dim)
+    cond = dict(pos=pos, text=torch.randn(2, 5, 8), text_seg=torch.tensor([[0, 0, 1, 2, -1], [0, 1, 1, 1, -1]]))
+    if not packed:
+        cond["text_seg"] = None
+    sigma = torch.rand(2, 3 if packed else 1) + 0.5
+    watch = HostReads("cpu")
+    monkeypatch.setattr(dit, "check_positions", watch.unwatched(dit.check_positions))
+    monkeypatch.setattr(stdit, "check_grids", watch.unwatched(stdit.check_grids))
+    with watch:
+        loss = EDMLoss()(EDMPrecond(model), x, seg=seg, sigma=sigma, noise=noise, grids=grids, **cond)
+        loss.backward()
+    assert loss.isfinite() and all(p.grad is not None for p in model.parameters())
+    with pytest.raises(RuntimeError, match="makes the host wait"), watch:
+        EDMLoss()(EDMPrecond(model), x, seg=seg, sigma=sigma, noise=noise, **cond)

@@ -3,7 +3,8 @@ aot_eager backend, trained on 20 batches packed differently, with different text
 
 argv: OUT.json CHECKPOINTING. Rank 0 writes, per rank: the graphs dynamo compiled, its graph breaks, the all-to-alls
 run, the batches whose slices keep every frame and line whole (`cuts`, computed here from the grids: those move by
-all-to-all, the others are gathered) and the losses.
+all-to-all, the others are gathered) and the losses; and before compiling, the first host read of an eager training
+step (ditcore.testing.HostReads, with the CPU as the device), if any.
 """
 
 from __future__ import annotations
@@ -19,8 +20,9 @@ from torch._dynamo.utils import counters
 
 from ditcore.diffusion import EDMLoss, EDMPrecond
 from ditcore.layout import grid_rows
-from ditcore.models import apply_activation_checkpointing, apply_compile, build, preset
+from ditcore.models import apply_activation_checkpointing, apply_compile, build, dit, preset, stdit
 from ditcore.parallel import ParallelDims, context_parallel, materialize, parallelize
+from ditcore.testing import HostReads
 
 CFG = preset("ST-DiT-Tiny", in_channels=4, num_classes=5, text_dim=16, fps_cond=True)
 N, CP = 32, 2  # tokens per row; each rank's slice is 16
@@ -53,18 +55,44 @@ def packing(rng: random.Random, whole: bool) -> list[tuple[int, int, int]]:
             return row
 
 
-def batch(i: int, rng: random.Random, g: torch.Generator) -> dict:
-    """2 rows, whole (moved by all-to-all) in every even batch; batch i's text has 2 + i tokens (20 lengths in 20
-    batches), shared among its samples."""
-    grids = [packing(rng, whole=i % 2 == 0), packing(rng, whole=i % 2 == 0)]
+def batch(grids: list[list[tuple[int, int, int]]], L: int, g: torch.Generator) -> dict:
+    """Rows packing samples of these grids; L text tokens, shared among each row's samples."""
     seg, pos = grid_rows(grids, N)
-    S, L = max(len(r) for r in grids), 2 + i
+    S = max(len(r) for r in grids)
+    B = len(grids)
     text_seg = torch.stack([torch.arange(L) * len(r) // L for r in grids])
-    return dict(x=torch.randn(2, N, CFG.patch_dim, generator=g), noise=torch.randn(2, N, CFG.patch_dim, generator=g),
-                sigma=torch.exp(torch.randn(2, S, generator=g) * 1.2 - 1.2), seg=seg, mask=seg >= 0,
-                cond=dict(pos=pos, class_labels=torch.randint(0, 6, (2, S), generator=g),
-                          fps=torch.rand(2, S, generator=g) * 24, text=torch.randn(2, L, 16, generator=g),
+    return dict(x=torch.randn(B, N, CFG.patch_dim, generator=g), noise=torch.randn(B, N, CFG.patch_dim, generator=g),
+                sigma=torch.exp(torch.randn(B, S, generator=g) * 1.2 - 1.2), seg=seg, mask=seg >= 0,
+                cond=dict(pos=pos, class_labels=torch.randint(0, 6, (B, S), generator=g),
+                          fps=torch.rand(B, S, generator=g) * 24, text=torch.randn(B, L, 16, generator=g),
                           text_seg=text_seg, grids=grids))
+
+
+def loss_of(model, b: dict) -> torch.Tensor:
+    return EDMLoss()(EDMPrecond(model), b["x"], seg=b["seg"], mask=b["mask"], sigma=b["sigma"], noise=b["noise"],
+                     **b["cond"])
+
+
+def first_host_read(model) -> str | None:
+    """Training steps, eager, on rows the all-to-all moves and on rows whose slices cut a frame (gathered), with the
+    CPU as the device: the first read of a value back, or None. The checks of CPU inputs read them by design (on a
+    GPU dit-train checks positions before the copy, and grids are not checked against device tensors)."""
+    watch = HostReads("cpu")
+    checks = dit.check_positions, stdit.check_grids
+    dit.check_positions, stdit.check_grids = map(watch.unwatched, checks)
+    g = torch.Generator().manual_seed(1)
+    try:
+        for grids in ([[(1, 2, 4), (2, 2, 4)], [(2, 2, 4), (1, 2, 2)]],  # whole frames and lines on each rank
+                      [[(1, 3, 3), (2, 2, 4)], [(4, 2, 4)]]):  # rank 0's slice ends inside a frame of the clip
+            b = batch(grids, 5, g)
+            with watch:
+                loss_of(model, b).backward()
+    except RuntimeError as e:
+        return str(e)
+    finally:
+        dit.check_positions, stdit.check_grids = checks
+        model.zero_grad()
+    return None
 
 
 MOVES = [0]  # all-to-alls run by this rank
@@ -88,22 +116,23 @@ def main() -> None:
     parallelize(model, groups)
     apply_activation_checkpointing(model, checkpointing)
     materialize(model, 0, "cpu", groups)
+    host_read = first_host_read(model)
     apply_compile(model, backend="aot_eager")
 
     torch._dynamo.reset()
     counters.clear()
+    MOVES[0] = 0
     rng, g = random.Random(0), torch.Generator().manual_seed(0)
     losses, local = [], 0
     with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):  # the limit raises, never falls back
-        for i in range(20):
-            b = batch(i, rng, g)
-            loss = EDMLoss()(EDMPrecond(model), b["x"], seg=b["seg"], mask=b["mask"], sigma=b["sigma"],
-                             noise=b["noise"], **b["cond"])
+        for i in range(20):  # whole (moved by all-to-all) in every even batch; 2 + i text tokens
+            b = batch([packing(rng, whole=i % 2 == 0), packing(rng, whole=i % 2 == 0)], 2 + i, g)
+            loss = loss_of(model, b)
             loss.backward()
             losses.append(loss.item())
             local += not any(cuts(row) for row in b["cond"]["grids"])
     mine = {"unique_graphs": counters["stats"]["unique_graphs"], "graph_breaks": dict(counters["graph_break"]),
-            "all_to_alls": MOVES[0], "local_batches": local, "losses": losses}
+            "all_to_alls": MOVES[0], "local_batches": local, "losses": losses, "host_read": host_read}
     ranks = [None] * dist.get_world_size()
     dist.all_gather_object(ranks, mine)
     if dist.get_rank() == 0:

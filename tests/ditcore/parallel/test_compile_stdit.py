@@ -22,11 +22,12 @@ def test_compiled_st_dit_under_context_parallelism_has_no_graph_break(tmp_path, 
     ranks = json.loads(out.read_text())
     temporal_blocks = CFG.depth // 2
     for rank in ranks:
+        assert rank["host_read"] is None  # eager, moved by all-to-all or gathered: no value read back
         assert rank["graph_breaks"] == {}
-        # All blocks share their graphs: per kind of block (spatial, temporal), the first shapes, then the text
-        # length and the samples per row symbolic, and rows of one sample (dynamo specialises a size of 1). Measured:
-        # 6, with no recompile_limit reached (the worker fails if one is). Before the moves left the blocks: 21
-        # graphs, 9 graph breaks (aten.bincount), recompile_limit reached.
+        # All blocks share their graphs (one code object, whose recompile_limit is 8): at most one per kind of block
+        # (spatial, temporal) x keys local or gathered x rows of one sample or more (dynamo specialises a size of 1),
+        # the text length symbolic from the first batch on. Measured: 6, and the worker fails if the limit is
+        # reached. Before the moves left the blocks: 21 graphs, 9 graph breaks (aten.bincount), the limit reached.
         assert rank["unique_graphs"] <= 8
         # Batches whose slices keep frames and lines whole moved by all-to-all (two per temporal block), the others
         # were gathered: Swap decided as the grids say (both ways ran).

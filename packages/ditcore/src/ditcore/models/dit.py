@@ -217,6 +217,10 @@ class AttentionInputs:
     text: torch.Tensor | None = None  # (B, L, D) projected text tokens
     text_mask: Mask | None = None  # cross-attention: queries over text tokens
 
+    def text_masks(self) -> list[Mask]:
+        """Every cross-attention mask the blocks take (an architecture whose blocks differ has several)."""
+        return [self.text_mask]
+
 
 def heads_first(x: torch.Tensor, seq: int, batch: int, heads: int, parts: int, head_dim: int):
     """(seq, B, heads·parts·hd) projections → `parts` views of shape (B, heads, seq, hd), without copying.
@@ -346,8 +350,9 @@ def symbolic_sizes(c: torch.Tensor, a: AttentionInputs) -> None:
     torch._dynamo.maybe_mark_dynamic(c, 1)
     if a.text is not None and a.text.shape[1] > 1:
         torch._dynamo.maybe_mark_dynamic(a.text, 1)
-        if isinstance(a.text_mask.attn, torch.Tensor):  # sdpa's dense (B, 1, seq, L) mask
-            torch._dynamo.maybe_mark_dynamic(a.text_mask.attn, 3)
+        for mask in a.text_masks():
+            if isinstance(mask.attn, torch.Tensor):  # sdpa's dense (B, 1, seq, L) mask
+                torch._dynamo.maybe_mark_dynamic(mask.attn, 3)
 
 
 class DiT(nn.Module):

@@ -22,7 +22,7 @@ first: from `grids` (ditcore.layout), which dit-train, validation and dit-sample
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import cached_property
+from itertools import pairwise
 
 import torch
 from torch import nn
@@ -127,18 +127,40 @@ def reorder(x: torch.Tensor, index: torch.Tensor, inverse: torch.Tensor) -> torc
     return _Permute.apply(x, index, inverse)
 
 
-@dataclass
-class HostRows:
-    """The rows' samples and positions (ditcore.layout's seg and pos) on the host, where reading them is free."""
+def grids_of(seg: torch.Tensor | None, pos: torch.Tensor, B: int) -> list[list[tuple[int, int, int]]]:
+    """The grids (ditcore.layout) of B rows whose seg and pos are CPU tensors: a sample's last token, in frames order,
+    is at the far corner of its grid."""
+    pos = pos.expand(B, -1, -1)  # (B, N, 3)
+    if seg is None:
+        return [[tuple((row[-1] + 1).tolist())] for row in pos]
+    last = seg >= 0
+    last[:, :-1] &= seg[:, 1:] != seg[:, :-1]
+    return [[tuple(g) for g in (pos[b][last[b]] + 1).tolist()] for b in range(B)]
 
-    seg: torch.Tensor | None
-    pos: torch.Tensor
-    max_grid: tuple[int, int, int]
+
+def check_grids(grids: list[list[tuple[int, int, int]]], seg: torch.Tensor | None, pos: torch.Tensor) -> None:
+    """Refuse grids that are not the layout of the rows seg and pos (CPU tensors: reading them is free), which would
+    regroup the tokens wrongly; and rows whose samples are not whole grids in frames order."""
+    host_seg, host_pos = grid_rows(grids, pos.shape[-2])
+    same = pos.shape[:-2] in ((), (1,), (len(grids),)) and torch.equal(host_pos, pos.expand_as(host_pos))
+    if not (same and torch.equal(host_seg, host_seg if seg is None else seg)):
+        raise ValueError(f"grids {grids} are not the layout of the rows' samples and positions: each row holds "
+                         "samples of these (T, H, W) token grids one after another, each in (t, h, w) order")
+
+
+@dataclass(frozen=True)
+class HostRows:
+    """The layout of the rows on the host: per row, the (T, H, W) token grids of its samples in order, then padding,
+    in rows of N tokens (ditcore.layout). What ST-DiT decides once per forward is computed from it in Python: no
+    tensor is read, on the device or the host."""
+
+    grids: list[list[tuple[int, int, int]]]
+    N: int
 
     @classmethod
-    def of(cls, seg: torch.Tensor | None, pos: torch.Tensor, grids, max_grid) -> HostRows:
-        """Made from `grids` (per row, its samples' (T, H, W) token grids), or without them from seg and pos when they
-        are CPU tensors. Rows on another device without grids are refused: reading them would wait for the device."""
+    def of(cls, seg: torch.Tensor | None, pos: torch.Tensor, grids, B: int) -> HostRows:
+        """From `grids`, or without them from seg and pos when they are CPU tensors. Rows on another device without
+        grids are refused: reading them would make the host wait for the device."""
         N = pos.shape[-2]
         on_host = pos.device.type == "cpu" and (seg is None or seg.device.type == "cpu")
         if grids is None:
@@ -147,31 +169,57 @@ class HostRows:
                     f"ST-DiT regroups tokens by frames and time-lines, which it reads on the host, not from the "
                     f"{pos.device.type} device: pass grids (per row, the (T, H, W) token grids of its samples in "
                     "order, as PackedBatch.grids; [[grid]] * B for rows of one sample each)")
-            return cls(seg, pos, max_grid)
-        if seg is None and any(len(row) != 1 or row[0][0] * row[0][1] * row[0][2] != N for row in grids):
-            raise ValueError(f"without seg every row is one sample of {N} tokens, but grids are {grids}")
-        host_seg, host_pos = grid_rows(grids, N)
-        if on_host:  # free here: refuse grids that are not the rows' (they would regroup the tokens wrongly)
-            rows_pos = pos if pos.ndim == 3 else pos[None]
-            same = rows_pos.shape[0] in (1, len(grids)) and torch.equal(host_pos, rows_pos.expand_as(host_pos))
-            if not (same and (seg is None or torch.equal(host_seg, seg))):
-                raise ValueError(f"grids {grids} do not describe the rows' positions and samples")
-            return cls(seg, pos, max_grid)
-        return cls(None if seg is None else host_seg, host_pos, max_grid)
+            grids = grids_of(seg, pos, B)
+        if len(grids) != B or (seg is None and any(len(r) != 1 or r[0][0] * r[0][1] * r[0][2] != N for r in grids)):
+            raise ValueError(f"grids {grids} are not the layout of {B} rows of {N} tokens"
+                             + (", each one sample without padding (seg is None)" if seg is None else ""))
+        if on_host:
+            check_grids(grids, seg, pos)
+        return cls(grids, N)
 
-    @cached_property
-    def factorised(self) -> Factorised:
-        return factorise(self.seg, self.pos, self.max_grid)
+    def uniform_runs(self) -> tuple[int, int] | None:
+        """(tokens per frame, frames) of rows of one sample each, when every row has the same; else None. Saves a
+        mask and, on a GPU, keeps the flash kernel."""
+        frames = {H * W for row in self.grids for _, H, W in row}
+        if len(frames) != 1 or any(len(row) != 1 for row in self.grids):
+            return None
+        frame = frames.pop()
+        return frame, self.N // frame
 
+    def cut(self, n: int) -> bool:
+        """Does a boundary between slices of n tokens fall inside a frame (frames order) or a time-line (lines
+        order) of a sample?"""
+        for row in self.grids:
+            start = 0
+            for T, H, W in row:
+                for boundary in range(n * (start // n + 1), start + T * H * W, n):
+                    if (boundary - start) % (H * W) or (boundary - start) % T:
+                        return True
+                start += T * H * W
+        return False
 
-def uniform_runs(pos: torch.Tensor, N: int) -> tuple[int, int] | None:
-    """(tokens per frame, frames) of rows of one sample each at host positions `pos`, when every row has the same;
-    else None. Saves a mask and, on a GPU, keeps the flash kernel."""
-    counts = set((pos[..., 0] == 0).sum(-1).reshape(-1).tolist())  # tokens of each row's first frame
-    if len(counts) != 1:
-        return None
-    frame = counts.pop()
-    return frame, N // frame
+    def moves(self, n: int) -> list[list[int]]:
+        """M[r][q]: the tokens of all rows whose index in frames order is in slice r (tokens r·n to r·n + n − 1)
+        and in lines order in slice q. A sample starting at s with grid (T, H, W) has its token (t, i), i = h·W + w,
+        at s + t·H·W + i in frames order and s + i·T + t in lines order (factorise); padding stays in place. For
+        each frame t both indices grow with i: count the runs of i between the slice boundaries."""
+        parts = self.N // n
+        M = [[0] * parts for _ in range(parts)]
+        for row in self.grids:
+            s = 0
+            for T, H, W in row:
+                HW = H * W
+                for t in range(T):
+                    steps = {0, HW}
+                    for k in range(1, parts):  # the first i in slice k of frames order, of lines order
+                        steps |= {k * n - s - t * HW, -((s + t - k * n) // T)}
+                    steps = sorted(i for i in steps if 0 <= i <= HW)
+                    for a, b in pairwise(steps):
+                        M[(s + t * HW + a) // n][(s + t + a * T) // n] += b - a
+                s += T * HW
+            for r in range(parts):  # padding
+                M[r][r] += max(0, (r + 1) * n - max(s, r * n))
+        return M
 
 
 class Orders:
@@ -216,6 +264,9 @@ class STInputs(AttentionInputs):
     lines_seg: torch.Tensor | None = None  # sample of each token this rank holds, lines order
     orders: Orders | None = None
 
+    def text_masks(self) -> list[Mask]:
+        return [self.text_mask, self.lines.text_mask]
+
 
 class TemporalBlock(DiTBlock):
     """A DiT block over time-lines: STDiT.run_block gives it its tokens in lines order and takes them back to frames
@@ -243,13 +294,13 @@ class STDiT(DiT):
 
     def attention_inputs(self, backend: str, B: int, pos, seg, text, text_seg, span: slice, dtype,
                          grids=None) -> STInputs:
-        host = HostRows.of(seg, pos, grids, self.cfg.max_grid)
+        host = HostRows.of(seg, pos, grids, B)
         f = factorise(seg, pos, self.cfg.max_grid)
         orders = self.rows.orders(f, host)  # under context parallelism: are this rank's frames and lines whole here?
         N = pos.shape[-2]
         local = self.rows.spans(N)[1]
         seq = span.stop - span.start
-        runs = uniform_runs(host.pos, N) if seg is None and orders.local else None  # (frame size, frames), every row
+        runs = host.uniform_runs() if seg is None and orders.local else None  # (frame size, frames) in every row
 
         def view(ids: torch.Tensor, positions: torch.Tensor, run: int, cls=AttentionInputs, **more):
             if run:
@@ -278,4 +329,4 @@ PRESETS: dict[str, STDiTConfig] = {
     "ST-DiT-Tiny": STDiTConfig(hidden_size=64, depth=4, num_heads=4),
 }
 
-__all__ = ["PRESETS", "HostRows", "STDiT", "STDiTConfig", "TemporalBlock", "factorise"]
+__all__ = ["PRESETS", "HostRows", "STDiT", "STDiTConfig", "TemporalBlock", "check_grids", "factorise"]

@@ -101,10 +101,7 @@ class Swap(Orders):
         self.n = n = N // rows.cp_size
         self.local = True
         if rows.cp_size > 1:
-            h = host.factorised
-            cut = any(((ids[:, n::n] == ids[:, n - 1:N - 1:n]) & (ids[:, n::n] >= 0)).any()  # a frame (line) that
-                      for ids in (h.frames, h.lines))  # continues across a slice boundary
-            self.local = not cut
+            self.local = not host.cut(n)
         self.plans = {}  # by direction, made at its first move (when the number of rows is known)
 
     def keys_values(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -125,9 +122,10 @@ class Swap(Orders):
         mine = torch.arange(n, device=dest.device) + self.rows.cp_rank * n
         received = (from_rank * (B * N) + rows + mine).flatten().argsort()
         arrive = received.argsort()
-        h = self.host.factorised
-        host = (h.to_frames, h.to_lines) if src is self.f.to_lines else (h.to_lines, h.to_frames)  # (dest, src)
-        counts = [torch.bincount((i[:, ours] // n).expand(B, -1).flatten(), minlength=cp).tolist() for i in host]
+        moves, rank = self.host.moves(n), self.rows.cp_rank  # moves[r][q]: from frames slice r to lines slice q
+        counts = [moves[rank], [moves[q][rank] for q in range(cp)]]  # (send, receive), to lines order
+        if src is self.f.to_frames:  # back to frames order: the same tokens the other way
+            counts.reverse()
         # each permutation with its inverse, which moves its gradient back (reorder)
         return (send_order, send_order.argsort()), (arrive, received), counts[0], counts[1]
 
