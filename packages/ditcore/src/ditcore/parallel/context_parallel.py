@@ -110,7 +110,7 @@ class Swap(Orders):
     def _plan(self, dest: torch.Tensor, src: torch.Tensor, B: int):
         """Send and arrival orders (each with its inverse) and counts for moving this rank's tokens to the target
         order: token i of row b goes to target index dest[b, i]; this rank's target token j of row b comes from
-        src[b, j] (row indices, (B or 1, N)). The counts come from the same indices on the host."""
+        src[b, j] (row indices, (B or 1, N)). The counts come from the grids, on the host (HostRows.moves)."""
         cp, n, N = self.rows.cp_size, self.n, dest.shape[1]
         ours = slice(self.rows.cp_rank * n, (self.rows.cp_rank + 1) * n)
         dest, src = dest[:, ours].expand(B, -1), src[:, ours].expand(B, -1)
