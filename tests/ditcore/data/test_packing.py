@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from ditcore.data.packing import PackedRow, TokenSample, collate, first_fit_decreasing
-from ditcore.layout import grid_positions
+from ditcore.layout import grid_positions, grid_rows
 
 
 @pytest.mark.parametrize("seed", range(20))
@@ -44,6 +44,8 @@ def test_collate_lays_out_samples_and_padding():
     assert b.class_labels.tolist() == [[1, -1], [-1, -1]] and b.num_samples.tolist() == [2, 1]
     assert b.mask.sum().item() == 6 + 8 + 16
     assert b.grids == [[(1, 2, 3), (2, 2, 2)], [(1, 4, 4)]]
+    seg, pos = grid_rows(b.grids, 20)  # the grids, on the host, say what seg and pos hold (ST-DiT reads them)
+    assert torch.equal(seg, b.seg) and torch.equal(pos, b.pos)
 
 
 def test_model_inputs_carry_the_batch_with_overrides():
@@ -51,8 +53,9 @@ def test_model_inputs_carry_the_batch_with_overrides():
     smp = TokenSample("k", torch.randn(4, 6), grid_positions(grid), grid, torch.randn(3, 8), 1, 8.0, "")
     b = collate([PackedRow([smp, smp])], seq_length=8)
     inputs = b.model_inputs()
-    assert set(inputs) == {"pos", "seg", "text", "text_seg", "class_labels", "fps"}
+    assert set(inputs) == {"pos", "seg", "text", "text_seg", "class_labels", "fps", "grids"}
     assert inputs["seg"] is b.seg and inputs["class_labels"] is b.class_labels
+    assert inputs["grids"] == [[grid, grid]]  # the rows' layout on the host, for ST-DiT
     labels = torch.full_like(b.class_labels, 9)
     assert b.model_inputs(class_labels=labels)["class_labels"] is labels
 

@@ -17,7 +17,7 @@ CASES = ["tp2", "tp2_sp", "cp2", "dp2", "tp2_packed", "tp2_sp_packed", "cp2_pack
          # ST-DiT's (ditcore.models.stdit): CP by all-to-all on whole clips (frames split between the ranks) and on
          # packed rows of images and clips; TP, TP + SP, FSDP over DP
          "stdit:cp2", "stdit:cp2_packed", "stdit:tp2_packed", "stdit:tp2_sp_packed", "stdit:fsdp_dp2",
-         "stdit:cp2_packed_selective", "stdit:pp2_packed",  # the all-to-all replayed in backward; two stages
+         "stdit:cp2_packed_selective", "stdit:pp2_packed",  # the all-to-all outside the checkpoints; two stages
          "stdit_cut:cp2_packed"]  # rows whose halves cut a frame: gathered instead
 CASES_4 = ["fsdp_tp2_sp_dp2",  # 4 processes: TP=2 × FSDP over DP=2
            "pp2_tp2_sp_packed",  # two stages of TP=2 + SP

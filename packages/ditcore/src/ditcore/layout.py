@@ -9,7 +9,9 @@ Token order is (t, h, w) row-major; a token's features are ordered (c, pt, p, p)
     seg      (B, N)     which sample of the row each token belongs to (0..S-1), -1 for padding
     pos      (B, N, 3)  integer (t, h, w) grid position of each token within its sample
     text_seg (B, L)     which sample each text token belongs to, -1 for padding
-and per-sample values shaped (B, S). With seg=None every row is one sample.
+and per-sample values shaped (B, S). With seg=None every row is one sample. The same rows' layout on the host, where
+reading it never waits for a device, is `grids`: per row, the (T, H, W) token grids of its samples in order
+(`grid_rows` makes seg and pos of it).
 """
 
 from __future__ import annotations
@@ -45,6 +47,21 @@ def grid_positions(grid: tuple[int, int, int], device=None) -> torch.Tensor:
     """(T'·H'·W', 3) integer (t, h, w) positions in patchify's token order."""
     t, h, w = (torch.arange(n, device=device) for n in grid)
     return torch.stack(torch.meshgrid(t, h, w, indexing="ij"), dim=-1).reshape(-1, 3)
+
+
+def grid_rows(grids: list[list[tuple[int, int, int]]], N: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """seg (B, N) and pos (B, N, 3) of rows of N tokens, row b packing samples of the (T, H, W) token grids
+    `grids[b]` one after another, then padding (sample −1, position 0), as the data pipeline packs them."""
+    seg, pos = torch.full((len(grids), N), -1), torch.zeros(len(grids), N, 3, dtype=torch.long)
+    for b, row in enumerate(grids):
+        n = 0
+        for s, grid in enumerate(row):
+            k = grid[0] * grid[1] * grid[2]
+            if n + k > N:
+                raise ValueError(f"grids {row} hold more than the row's {N} tokens")
+            seg[b, n:n + k], pos[b, n:n + k] = s, grid_positions(grid)
+            n += k
+    return seg, pos
 
 
 def per_token(values: torch.Tensor, seg: torch.Tensor | None) -> torch.Tensor:

@@ -88,7 +88,7 @@ def sample(
     pos = grid_positions(grid, device=device)
     use_cfg = guidance != 1.0
 
-    cond: dict = {}
+    cond: dict = {"grids": [[grid]] * ((2 if use_cfg else 1) * B)}  # every row one sample, known on the host
     if cfg.text_dim:
         states = [s.to(device) for s in (text_states or [torch.zeros(0, cfg.text_dim)] * B)]
         if use_cfg:

@@ -87,13 +87,15 @@ class PackedBatch:
 
         text_seg / class_labels replace the batch's (after CFG dropout, see ditcore.training). A model ignores
         the conditioning it was not built for (text without text_dim, labels without classes, fps without
-        fps_cond).
+        fps_cond). `grids` stays on the host: ST-DiT reads the rows' frames and time-lines from it, not from the
+        device (ditcore.models.stdit).
         """
         seg = None if self.whole_rows else self.seg  # nothing to mask: unmasked attention (flash on a GPU)
         if text_seg is None:
             text_seg = None if self.whole_rows and self.whole_text else self.text_seg
         return {"pos": self.pos, "seg": seg, "text": self.text, "text_seg": text_seg,
-                "class_labels": self.class_labels if class_labels is None else class_labels, "fps": self.fps}
+                "class_labels": self.class_labels if class_labels is None else class_labels, "fps": self.fps,
+                "grids": self.grids}
 
     def to(self, device, non_blocking: bool = False) -> PackedBatch:
         return dataclasses.replace(self, **{k: getattr(self, k).to(device, non_blocking=non_blocking)

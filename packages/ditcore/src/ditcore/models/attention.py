@@ -85,16 +85,31 @@ _KERNELS: dict[str, _Kernels] = {}  # by device type; a plain dict, which torch.
 
 def _kernels(device_type: str) -> _Kernels:
     if device_type not in _KERNELS:
-        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-
-        if device_type == "cuda":  # fused kernels; the uncompiled ones are slow references that build (Nq, Nk)
-            # The BlockMask is computed block by block, never as a dense (B, Nq, Nk) tensor. Inside compiled blocks
-            # flex_attention is compiled with them; the compiled wrapper serves eager blocks.
-            _KERNELS[device_type] = _Kernels(torch.compile(create_block_mask),
-                                             torch.compile(flex_attention, dynamic=False))
-        else:  # CPU: forward only, unfused (inference and the tests of the masks)
-            _KERNELS[device_type] = _Kernels(create_block_mask, flex_attention)
+        # CUDA: fused kernels; the uncompiled ones are slow references that build (Nq, Nk). CPU: forward only,
+        # unfused (inference and the tests of the masks).
+        _KERNELS[device_type] = compiled_kernels() if device_type == "cuda" else _Kernels(*_flex())
     return _KERNELS[device_type]
+
+
+def _flex():
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    return create_block_mask, flex_attention
+
+
+def compiled_kernels(**options) -> _Kernels:
+    """create_block_mask and flex_attention, each compiled by torch.compile(**options): CUDA's (a test passes a CPU
+    backend). The BlockMask is then computed block by block, never as a dense (B, Nq, Nk) tensor. Inside compiled
+    blocks flex_attention is compiled with them; the compiled wrapper serves eager blocks.
+
+    Shapes are dynamic (torch.compile's default, not dynamic=False): the key length of cross-attention is the
+    batch's text length, which dit-sample and validation do not pad, and a query length changes with each sampled
+    size. After the first shapes each function compiles once more with the lengths symbolic, which then serve every
+    length. Compiled per length, the 9th length reached dynamo's recompile_limit and every later call ran the
+    unfused reference, which builds the whole (Nq, Nk) score matrix.
+    """
+    create_block_mask, flex_attention = _flex()
+    return _Kernels(torch.compile(create_block_mask, **options), torch.compile(flex_attention, **options))
 
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask, enable_gqa: bool) -> torch.Tensor:

@@ -217,6 +217,10 @@ class AttentionInputs:
     text: torch.Tensor | None = None  # (B, L, D) projected text tokens
     text_mask: Mask | None = None  # cross-attention: queries over text tokens
 
+    def text_masks(self) -> list[Mask]:
+        """Every cross-attention mask the blocks take (an architecture whose blocks differ has several)."""
+        return [self.text_mask]
+
 
 def heads_first(x: torch.Tensor, seq: int, batch: int, heads: int, parts: int, head_dim: int):
     """(seq, B, heads·parts·hd) projections → `parts` views of shape (B, heads, seq, hd), without copying.
@@ -346,8 +350,9 @@ def symbolic_sizes(c: torch.Tensor, a: AttentionInputs) -> None:
     torch._dynamo.maybe_mark_dynamic(c, 1)
     if a.text is not None and a.text.shape[1] > 1:
         torch._dynamo.maybe_mark_dynamic(a.text, 1)
-        if isinstance(a.text_mask.attn, torch.Tensor):  # sdpa's dense (B, 1, seq, L) mask
-            torch._dynamo.maybe_mark_dynamic(a.text_mask.attn, 3)
+        for mask in a.text_masks():
+            if isinstance(mask.attn, torch.Tensor):  # sdpa's dense (B, 1, seq, L) mask
+                torch._dynamo.maybe_mark_dynamic(mask.attn, 3)
 
 
 class DiT(nn.Module):
@@ -445,9 +450,11 @@ class DiT(nn.Module):
             c = c + self.fps_embedder(fps)
         return c
 
-    def attention_inputs(self, backend: str, B: int, pos, seg, text, text_seg, span: slice, dtype) -> AttentionInputs:
+    def attention_inputs(self, backend: str, B: int, pos, seg, text, text_seg, span: slice, dtype,
+                         grids=None) -> AttentionInputs:
         """What every block's attention needs for B rows with positions `pos` and samples `seg`, this rank's queries
-        being the tokens `span` of each row: positions, masks and the projected text, built once per forward."""
+        being the tokens `span` of each row: positions, masks and the projected text, built once per forward.
+        (`grids`, the same layout on the host, is for ST-DiT, ditcore.models.stdit.)"""
         seq = span.stop - span.start
         q_seg = None if seg is None else seg[:, span]
         mask = segments(backend, q_seg, seg)  # block-diagonal over samples; built once, shared by all blocks
@@ -495,12 +502,16 @@ class DiT(nn.Module):
         fps: torch.Tensor | None = None,
         text: torch.Tensor | None = None,
         text_seg: torch.Tensor | None = None,
+        grids: list[list[tuple[int, int, int]]] | None = None,
         hidden: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Tokens (B, N, patch_dim) → predicted tokens (B, N, patch_dim).
 
         c_noise, class_labels, fps: (B, S) per sample; pos: (B, N, 3) or (N, 3); seg: (B, N) or None;
         text: (B, L, text_dim) with text_seg (B, L) naming each text token's sample (-1: padding).
+        grids: the layout of the rows that seg and pos give, on the host (ditcore.layout; PackedBatch.grids): per
+        row, the (T, H, W) token grids of its samples in order. The DiT and MovieGen ignore it; ST-DiT regroups
+        tokens by frames and time-lines from it without reading the device, and off the CPU requires it.
 
         A pipeline stage (ditcore.parallel.pipeline) without the patch embedder starts from `hidden`, the previous
         stage's hidden states (n, B, D), and one without the final layer returns its own, (n, B, D).
@@ -523,16 +534,22 @@ class DiT(nn.Module):
         else:
             h = hidden
         backend = resolve(self.attention, x.device, training=torch.is_grad_enabled())
-        a = self.attention_inputs(backend, B, pos, seg, text, text_seg, attn_span, h.dtype)
+        a = self.attention_inputs(backend, B, pos, seg, text, text_seg, attn_span, h.dtype, grids)
         symbolic_sizes(c, a)
 
         for block in self.blocks:
-            h = block(h, c, seg_local, a)
+            h = self.run_block(block, h, c, seg_local, a)
         if self.final is None:
             return h  # a pipeline stage's hand-off to the next
         out = self.final(h, c, seg_local)  # (n, B, patch_dim)
         out = self.rows.gather(out)  # the whole rows, when they were split over ranks
         return out.transpose(0, 1)  # (B, N, patch_dim)
+
+    def run_block(self, block: nn.Module, h: torch.Tensor, c: torch.Tensor, seg: torch.Tensor | None,
+                  a: AttentionInputs) -> torch.Tensor:
+        """One block of `forward`'s loop on this rank's hidden states h (n, B, D): an architecture that moves tokens
+        between blocks (ST-DiT) overrides it, so that the blocks themselves (compiled, checkpointed) hold no move."""
+        return block(h, c, seg, a)
 
     def forward_latents(self, x: torch.Tensor, c_noise: torch.Tensor, **cond) -> torch.Tensor:
         """Convenience for unpacked batches: latents (B, C, T, H, W) and (B,) c_noise → same-shape output.
@@ -551,7 +568,7 @@ class DiT(nn.Module):
         for key in ("class_labels", "fps"):
             if cond.get(key) is not None:
                 cond[key] = cond[key].reshape(B, 1)
-        out = self.forward(tokens, c_noise.reshape(B, 1), pos, **cond)
+        out = self.forward(tokens, c_noise.reshape(B, 1), pos, grids=[[grid]] * B, **cond)
         return unpatchify(out, grid, cfg.patch_size, cfg.patch_size_t)
 
 

@@ -5,23 +5,30 @@ the H'×W' tokens of each frame and temporal self-attention over the T' tokens a
 Every block is a DiT block (adaLN-Zero, self-attention, cross-attention to the text, MLP): the even ones attend
 within frames, the odd ones within time-lines, as in Open-Sora 1.2's STDiT3 (a spatial and a temporal block per
 depth step). Tokens are stored in frames order, (t, h, w) row-major per sample (ditcore.layout), where each
-frame is a contiguous run. A temporal block really regroups them: it moves every sample's tokens into lines order,
-(h, w, t), where each time-line is a contiguous run, attends, and moves them back. Attention masks then only
-separate runs: a token sees its own frame (or its own line) of its own sample, so packed rows of mixed images and
-clips work as for the DiT; an image is a one-frame clip, whose time-lines are single tokens.
+frame is a contiguous run. The model really regroups them around each temporal block: it moves every sample's
+tokens into lines order, (h, w, t), where each time-line is a contiguous run, the block attends, and the model moves
+them back. A temporal block is a plain DiT block on lines order, so a compiled one holds no move. Attention masks
+then only separate runs: a token sees its own frame (or its own line) of its own sample, so packed rows of mixed
+images and clips work as for the DiT; an image is a one-frame clip, whose time-lines are single tokens.
 
 On one process the regrouping is a gather. Under context parallelism each rank holds whole frames and, after one
 all-to-all, whole time-lines (ditcore.parallel.context_parallel.SwapRows): no attention needs another rank's keys.
+
+What is decided once per forward from the layout of the rows (are all rows alike, does a rank's slice cut a frame,
+how many tokens go to each rank) is read on the host, never from the device, whose queue would have to drain
+first: from `grids` (ditcore.layout), which dit-train, validation and dit-sample pass, or from CPU tensors.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import pairwise
 
 import torch
 from torch import nn
 
 from ditcore.errors import ConfigError
+from ditcore.layout import grid_rows
 from ditcore.models.attention import Mask, segments
 from ditcore.models.dit import AttentionInputs, DiT, DiTBlock, DiTConfig, RowSplit
 
@@ -120,14 +127,99 @@ def reorder(x: torch.Tensor, index: torch.Tensor, inverse: torch.Tensor) -> torc
     return _Permute.apply(x, index, inverse)
 
 
-def uniform_runs(pos: torch.Tensor, N: int) -> tuple[int, int] | None:
-    """(tokens per frame, frames) of rows of one sample each, when every row has the same; else None. Reading the
-    counts waits for the device: once per forward, which saves a mask and, on a GPU, keeps the flash kernel."""
-    counts = set((pos[..., 0] == 0).sum(-1).reshape(-1).tolist())  # tokens of each row's first frame
-    if len(counts) != 1:
-        return None
-    frame = counts.pop()
-    return frame, N // frame
+def grids_of(seg: torch.Tensor | None, pos: torch.Tensor, B: int) -> list[list[tuple[int, int, int]]]:
+    """The grids (ditcore.layout) of B rows whose seg and pos are CPU tensors: a sample's last token, in frames order,
+    is at the far corner of its grid."""
+    pos = pos.expand(B, -1, -1)  # (B, N, 3)
+    if seg is None:
+        return [[tuple((row[-1] + 1).tolist())] for row in pos]
+    last = seg >= 0
+    last[:, :-1] &= seg[:, 1:] != seg[:, :-1]
+    return [[tuple(g) for g in (pos[b][last[b]] + 1).tolist()] for b in range(B)]
+
+
+def check_grids(grids: list[list[tuple[int, int, int]]], seg: torch.Tensor | None, pos: torch.Tensor) -> None:
+    """Refuse grids that are not the layout of the rows seg and pos (CPU tensors: reading them is free), which would
+    regroup the tokens wrongly; and rows whose samples are not whole grids in frames order."""
+    host_seg, host_pos = grid_rows(grids, pos.shape[-2])
+    same = pos.shape[:-2] in ((), (1,), (len(grids),)) and torch.equal(host_pos, pos.expand_as(host_pos))
+    if not (same and torch.equal(host_seg, host_seg if seg is None else seg)):
+        raise ValueError(f"grids {grids} are not the layout of the rows' samples and positions: each row holds "
+                         "samples of these (T, H, W) token grids one after another, each in (t, h, w) order")
+
+
+@dataclass(frozen=True)
+class HostRows:
+    """The layout of the rows on the host: per row, the (T, H, W) token grids of its samples in order, then padding,
+    in rows of N tokens (ditcore.layout). What ST-DiT decides once per forward is computed from it in Python: no
+    tensor is read, on the device or the host."""
+
+    grids: list[list[tuple[int, int, int]]]
+    N: int
+
+    @classmethod
+    def of(cls, seg: torch.Tensor | None, pos: torch.Tensor, grids, B: int) -> HostRows:
+        """From `grids`, or without them from seg and pos when they are CPU tensors. Rows on another device without
+        grids are refused: reading them would make the host wait for the device."""
+        N = pos.shape[-2]
+        on_host = pos.device.type == "cpu" and (seg is None or seg.device.type == "cpu")
+        if grids is None:
+            if not on_host:
+                raise ValueError(
+                    f"ST-DiT regroups tokens by frames and time-lines, which it reads on the host, not from the "
+                    f"{pos.device.type} device: pass grids (per row, the (T, H, W) token grids of its samples in "
+                    "order, as PackedBatch.grids; [[grid]] * B for rows of one sample each)")
+            grids = grids_of(seg, pos, B)
+        if len(grids) != B or (seg is None and any(len(r) != 1 or r[0][0] * r[0][1] * r[0][2] != N for r in grids)):
+            raise ValueError(f"grids {grids} are not the layout of {B} rows of {N} tokens"
+                             + (", each one sample without padding (seg is None)" if seg is None else ""))
+        if on_host:
+            check_grids(grids, seg, pos)
+        return cls(grids, N)
+
+    def uniform_runs(self) -> tuple[int, int] | None:
+        """(tokens per frame, frames) of rows of one sample each, when every row has the same; else None. Saves a
+        mask and, on a GPU, keeps the flash kernel."""
+        frames = {H * W for row in self.grids for _, H, W in row}
+        if len(frames) != 1 or any(len(row) != 1 for row in self.grids):
+            return None
+        frame = frames.pop()
+        return frame, self.N // frame
+
+    def cut(self, n: int) -> bool:
+        """Does a boundary between slices of n tokens fall inside a frame (frames order) or a time-line (lines
+        order) of a sample?"""
+        for row in self.grids:
+            start = 0
+            for T, H, W in row:
+                for boundary in range(n * (start // n + 1), start + T * H * W, n):
+                    if (boundary - start) % (H * W) or (boundary - start) % T:
+                        return True
+                start += T * H * W
+        return False
+
+    def moves(self, n: int) -> list[list[int]]:
+        """M[r][q]: the tokens of all rows whose index in frames order is in slice r (tokens r·n to r·n + n − 1)
+        and in lines order in slice q. A sample starting at s with grid (T, H, W) has its token (t, i), i = h·W + w,
+        at s + t·H·W + i in frames order and s + i·T + t in lines order (factorise); padding stays in place. For
+        each frame t both indices grow with i: count the runs of i between the slice boundaries."""
+        parts = self.N // n
+        M = [[0] * parts for _ in range(parts)]
+        for row in self.grids:
+            s = 0
+            for T, H, W in row:
+                HW = H * W
+                for t in range(T):
+                    steps = {0, HW}
+                    for k in range(1, parts):  # the first i in slice k of frames order, of lines order
+                        steps |= {k * n - s - t * HW, -((s + t - k * n) // T)}
+                    steps = sorted(i for i in steps if 0 <= i <= HW)
+                    for a, b in pairwise(steps):
+                        M[(s + t * HW + a) // n][(s + t + a * T) // n] += b - a
+                s += T * HW
+            for r in range(parts):  # padding
+                M[r][r] += max(0, (r + 1) * n - max(s, r * n))
+        return M
 
 
 class Orders:
@@ -135,13 +227,13 @@ class Orders:
 
     `local`: every frame and every time-line of this rank's queries is on this rank, so attention needs no other
     rank's keys (`keys_values` passes its own through). Always so on one process; ditcore.parallel's version says
-    whether the rank's slice of the rows cut one.
+    whether the rank's slice of the rows cut one, from `host`, the same rows on the host.
     """
 
     local = True
 
-    def __init__(self, f: Factorised):
-        self.f = f
+    def __init__(self, f: Factorised, host: HostRows):
+        self.f, self.host = f, host
 
     def keys_values(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return k, v
@@ -156,8 +248,8 @@ class Orders:
 class LineRows(RowSplit):
     """ST-DiT's rows on one process: all tokens here; ditcore.parallel replaces it with an all-to-all split."""
 
-    def orders(self, f: Factorised) -> Orders:
-        return Orders(f)
+    def orders(self, f: Factorised, host: HostRows) -> Orders:
+        return Orders(f, host)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -172,14 +264,14 @@ class STInputs(AttentionInputs):
     lines_seg: torch.Tensor | None = None  # sample of each token this rank holds, lines order
     orders: Orders | None = None
 
+    def text_masks(self) -> list[Mask]:
+        return [self.text_mask, self.lines.text_mask]
+
 
 class TemporalBlock(DiTBlock):
-    """A DiT block over time-lines: its input and output are in frames order, its layers work in lines order."""
-
-    def forward(self, x: torch.Tensor, c: torch.Tensor, seg: torch.Tensor | None, a: STInputs):
-        x = a.orders.to_lines(x)
-        x = super().forward(x, c, a.lines_seg, a.lines)
-        return a.orders.to_frames(x)
+    """A DiT block over time-lines: STDiT.run_block gives it its tokens in lines order and takes them back to frames
+    order, outside the block, so that a compiled one holds no move (an all-to-all under context parallelism, whose
+    counts change with every packing)."""
 
 
 class STDiT(DiT):
@@ -194,13 +286,21 @@ class STDiT(DiT):
     def new_block(self, i: int) -> nn.Module:
         return (TemporalBlock if i % 2 else DiTBlock)(self.cfg)
 
-    def attention_inputs(self, backend: str, B: int, pos, seg, text, text_seg, span: slice, dtype) -> STInputs:
+    def run_block(self, block: nn.Module, h: torch.Tensor, c: torch.Tensor, seg: torch.Tensor | None, a: STInputs):
+        if not isinstance(block, TemporalBlock):  # a spatial block, or one another pipeline stage holds
+            return block(h, c, seg, a)
+        h = block(a.orders.to_lines(h), c, a.lines_seg, a.lines)
+        return a.orders.to_frames(h)
+
+    def attention_inputs(self, backend: str, B: int, pos, seg, text, text_seg, span: slice, dtype,
+                         grids=None) -> STInputs:
+        host = HostRows.of(seg, pos, grids, B)
         f = factorise(seg, pos, self.cfg.max_grid)
-        orders = self.rows.orders(f)  # under context parallelism: are this rank's frames and lines whole here?
+        orders = self.rows.orders(f, host)  # under context parallelism: are this rank's frames and lines whole here?
         N = pos.shape[-2]
         local = self.rows.spans(N)[1]
         seq = span.stop - span.start
-        runs = uniform_runs(pos, N) if seg is None and orders.local else None  # (frame size, frames) in every row
+        runs = host.uniform_runs() if seg is None and orders.local else None  # (frame size, frames) in every row
 
         def view(ids: torch.Tensor, positions: torch.Tensor, run: int, cls=AttentionInputs, **more):
             if run:
@@ -229,4 +329,4 @@ PRESETS: dict[str, STDiTConfig] = {
     "ST-DiT-Tiny": STDiTConfig(hidden_size=64, depth=4, num_heads=4),
 }
 
-__all__ = ["PRESETS", "STDiT", "STDiTConfig", "TemporalBlock", "factorise"]
+__all__ = ["PRESETS", "HostRows", "STDiT", "STDiTConfig", "TemporalBlock", "check_grids", "factorise"]

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from ditcore.models.dit import RowSplit
-from ditcore.models.stdit import Factorised, Orders, reorder
+from ditcore.models.stdit import Factorised, HostRows, Orders, reorder
 from ditcore.parallel.comm import all_to_all, gather_seq
 from ditcore.parallel.dims import ParallelGroups
 
@@ -78,8 +78,8 @@ class SwapRows(SplitRows):
     def keys_values(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return k, v  # whole frames and whole lines are local: every key a query needs is here
 
-    def orders(self, f: Factorised) -> Orders:
-        return Swap(self, f)
+    def orders(self, f: Factorised, host: HostRows) -> Orders:
+        return Swap(self, f, host)
 
 
 class Swap(Orders):
@@ -89,18 +89,19 @@ class Swap(Orders):
     sample straddles a slice boundary oddly) take the way of the other architectures instead: each move gathers the
     whole rows and keeps this rank's slice, and attention gathers the keys of the whole row (`local` False). Slower,
     never wrong.
+
+    Whether a slice cuts a frame and how many tokens go to each rank are read from the rows on the host (`host`):
+    no device value, so nothing waits for the device's queue. The token orders are computed on the device.
     """
 
-    def __init__(self, rows: SwapRows, f: Factorised):
-        super().__init__(f)
+    def __init__(self, rows: SwapRows, f: Factorised, host: HostRows):
+        super().__init__(f, host)
         self.rows = rows
         N = f.to_lines.shape[1]
         self.n = n = N // rows.cp_size
         self.local = True
         if rows.cp_size > 1:
-            cut = sum(((ids[:, n::n] == ids[:, n - 1:N - 1:n]) & (ids[:, n::n] >= 0)).sum()  # a frame (line) that
-                      for ids in (f.frames, f.lines))  # continues across a slice boundary
-            self.local = not int(cut)  # reading the answer waits for the device: once per forward
+            self.local = not host.cut(n)
         self.plans = {}  # by direction, made at its first move (when the number of rows is known)
 
     def keys_values(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -109,7 +110,7 @@ class Swap(Orders):
     def _plan(self, dest: torch.Tensor, src: torch.Tensor, B: int):
         """Send and arrival orders (each with its inverse) and counts for moving this rank's tokens to the target
         order: token i of row b goes to target index dest[b, i]; this rank's target token j of row b comes from
-        src[b, j] (row indices, (B or 1, N))."""
+        src[b, j] (row indices, (B or 1, N)). The counts come from the grids, on the host (HostRows.moves)."""
         cp, n, N = self.rows.cp_size, self.n, dest.shape[1]
         ours = slice(self.rows.cp_rank * n, (self.rows.cp_rank + 1) * n)
         dest, src = dest[:, ours].expand(B, -1), src[:, ours].expand(B, -1)
@@ -121,7 +122,10 @@ class Swap(Orders):
         mine = torch.arange(n, device=dest.device) + self.rows.cp_rank * n
         received = (from_rank * (B * N) + rows + mine).flatten().argsort()
         arrive = received.argsort()
-        counts = [torch.bincount(r.flatten(), minlength=cp).tolist() for r in (to_rank, from_rank)]
+        moves, rank = self.host.moves(n), self.rows.cp_rank  # moves[r][q]: from frames slice r to lines slice q
+        counts = [moves[rank], [moves[q][rank] for q in range(cp)]]  # (send, receive), to lines order
+        if src is self.f.to_frames:  # back to frames order: the same tokens the other way
+            counts.reverse()
         # each permutation with its inverse, which moves its gradient back (reorder)
         return (send_order, send_order.argsort()), (arrive, received), counts[0], counts[1]
 
