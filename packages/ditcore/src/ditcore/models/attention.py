@@ -117,8 +117,8 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask, enable_g
         # Of CUDA's kernels only flash (bf16/fp16, no mask) shares key/value heads; the memory-efficient kernel, which
         # takes a mask or fp32, does not, and sdpa would silently run the math kernel, which builds the (Nq, Nk)
         # scores. Copies of the heads cost less. (The CPU's kernel shares them under a mask too.)
-        groups = q.shape[1] // k.shape[1]
-        k, v, enable_gqa = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1), False
+        per_kv = q.shape[1] // k.shape[1]  # query heads per key/value head
+        k, v, enable_gqa = k.repeat_interleave(per_kv, 1), v.repeat_interleave(per_kv, 1), False
     return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, enable_gqa=enable_gqa)
 
 
