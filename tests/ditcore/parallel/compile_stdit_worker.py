@@ -20,8 +20,8 @@ from torch._dynamo.utils import counters
 
 from ditcore.diffusion import EDMLoss, EDMPrecond
 from ditcore.layout import grid_rows
-from ditcore.models import apply_activation_checkpointing, apply_compile, build, dit, preset, stdit
-from ditcore.parallel import ParallelDims, context_parallel, materialize, parallelize
+from ditcore.models import apply_compile, dit, preset, stdit
+from ditcore.parallel import ParallelDims, build_parallel_model, context_parallel
 from ditcore.testing import HostReads
 
 CFG = preset("ST-DiT-Tiny", in_channels=4, num_classes=5, text_dim=16, fps_cond=True)
@@ -110,12 +110,9 @@ def main() -> None:
     dist.init_process_group("gloo")
     checkpointing = sys.argv[2]
     groups = ParallelDims(cp=CP).initialize()
-    # dit-train's build_model: meta device -> parallelize -> activation checkpointing -> materialize -> compile
-    with torch.device("meta"):
-        model = build(CFG, attention="sdpa")
-    parallelize(model, groups)
-    apply_activation_checkpointing(model, checkpointing)
-    materialize(model, 0, "cpu", groups)
+    # as dit-train builds it (meta device -> parallelize -> activation checkpointing -> materialize), compiled after
+    # the eager steps that look for host reads
+    model = build_parallel_model(CFG, groups, "cpu", seed=0, attention="sdpa", checkpointing=checkpointing)
     host_read = first_host_read(model)
     apply_compile(model, backend="aot_eager")
 
