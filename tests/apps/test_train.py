@@ -542,8 +542,15 @@ def test_a_training_step_never_waits_for_the_device(dataset, tmp_path, monkeypat
     cfg = load_config(find_config("demo"), [*TINY, f"data.path={dataset}", f"train.run_dir={tmp_path / 'run'}",
                                             "train.steps=4", "train.grad_clip=1.0",
                                             f"parallel.accelerator={'gpu' if device == 'cuda' else 'cpu'}"])
+    environ = dict(os.environ)
+
+    def restore():  # the process group, and Fabric's MASTER_PORT & co., which later dit-train processes would inherit
+        destroy()
+        os.environ.clear()
+        os.environ.update(environ)
+
+    request.addfinalizer(restore)
     run = train.setup(cfg)
-    request.addfinalizer(destroy)  # the process group, for the tests after this one in this process
     trainee = train.build(run)
     it = iter(trainee.loader)
     for step in range(3):  # warm-up: allocations, lazy initialisation, DDP rebuilding its buckets (step 2)
