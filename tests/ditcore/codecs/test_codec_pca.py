@@ -99,3 +99,12 @@ def test_errors_say_what_to_do(tmp_path):
         PatchPCACodec.fit([TRAIN[:, :, :, :60]], channels=8)
     with pytest.raises(FileNotFoundError, match=r"codec_pca\.safetensors' not found"):
         load_codec({"kind": "patch_pca", "patch": 8, "channels": 16}, tmp_path)
+
+
+def test_a_truncated_parameter_file_is_named_as_damaged(tmp_path):
+    config = PatchPCACodec.fit([TRAIN[:8]], channels=8).save(tmp_path)
+    path = tmp_path / config["file"]
+    path.write_bytes(path.read_bytes()[:-100])
+    with pytest.raises(ValueError, match=rf"^'{path}' is truncated or damaged \(Error while deserializing header: "
+                                         r"incomplete metadata, file not fully covered\) — copy it again"):
+        load_codec(config, tmp_path)

@@ -14,11 +14,13 @@ import asyncio
 import atexit
 import contextvars
 import errno
+import ipaddress
 import itertools
 import math
 import random
 import shutil
 import socket
+import sys
 import tempfile
 import threading
 from collections import OrderedDict
@@ -30,9 +32,11 @@ import torch
 
 from dit_sample.generate import LIMITS, SOLVERS, RequestError, Sampler
 from ditcore import runs
+from ditcore.disk import DiskFull
 from ditcore.export import load_export
 from ditcore.media import write_sample
 from ditcore.sampling import token_grid
+from ditcore.tensorfile import non_finite
 
 EXPORT = "export (final EMA weights)"
 KEEP_CHECKPOINTS = 2  # training checkpoints kept loaded besides the export: each one is a full copy of the model
@@ -68,6 +72,10 @@ def validation_gallery(run_dir: Path, newest: int = 24) -> list[Path]:
 def load_sampler(base: Sampler, folder: Path) -> Sampler:
     """The base (export) sampler with the EMA weights of a training checkpoint folder swapped in."""
     state = runs.load_weights(folder, runs.EMA)
+    bad = non_finite(state)
+    if bad:  # sampled, NaN weights give an all-black picture
+        raise RequestError(f"checkpoint {folder.name} holds non-finite weights in {len(bad)} tensors, e.g. {bad[0]}: "
+                           "the run had diverged by then — pick an earlier checkpoint")
     exported = load_export(base.path)
     exported.model.load_state_dict(state)
     return Sampler(exported, base.text, base.path)
@@ -152,6 +160,45 @@ def port_problem(host: str, port: int) -> str | None:
     return None
 
 
+def exposure_warning(host: str) -> str | None:
+    """A warning when `host` is reachable from other machines (any address but loopback), else None."""
+    try:
+        addresses = {info[4][0] for info in socket.getaddrinfo(host, None)}
+    except OSError:
+        return None  # port_problem has already said it cannot listen there
+    if all(ipaddress.ip_address(a.split("%")[0]).is_loopback for a in addresses):
+        return None
+    return (f"warning: --host {host} serves the app to every machine that can reach this one: it has no login, so "
+            "anyone who finds the port can sample on this machine's GPU/CPU — to use it from elsewhere, keep the "
+            "default 127.0.0.1 and forward the port (ssh -L PORT:127.0.0.1:PORT HOST)")
+
+
+class NoUploads:
+    """ASGI middleware refusing Gradio's upload routes: the app has no file input, yet Gradio accepts anonymous
+    uploads of any size there, keeps them on disk and serves them back to anyone with the link."""
+
+    ROUTES = ("/upload", "/process_recording")  # under /gradio_api/ (and bare, in Gradio's static workers)
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"].rstrip("/").endswith(self.ROUTES):
+            from starlette.responses import PlainTextResponse
+
+            refusal = PlainTextResponse("this app takes no file uploads", status_code=403)
+            return await refusal(scope, receive, send)
+        return await self.app(scope, receive, send)
+
+
+def launch_options() -> dict:
+    """What serve passes to Blocks.launch besides host and port: uploads closed (and bounded to 0 bytes, for the
+    routes that read multipart bodies into memory and for Gradio's static workers, which the middleware misses)."""
+    from starlette.middleware import Middleware
+
+    return {"max_file_size": 0, "app_kwargs": {"middleware": [Middleware(NoUploads)]}}
+
+
 def _whole(value):
     """JSON has one number type: 4.0 from an API caller means 4. Anything else is left for the checks to name."""
     return int(value) if isinstance(value, float) and value.is_integer() else value
@@ -217,7 +264,13 @@ def build_app(checkpoint: str | Path, concurrency: int = 1, queue_size: int = 64
             result, seconds = sampler.run(**kwargs, callback=step)
             pixels = result.pixels[0].numpy()
             # always an mp4 for the player (a single frame plays as a still), and the first frame as an image
-            video = write_sample(pixels if pixels.shape[0] > 1 else pixels.repeat(2, 0), outputs.new() / "sample.mp4")
+            try:
+                video = write_sample(pixels if pixels.shape[0] > 1 else pixels.repeat(2, 0),
+                                     outputs.new() / "sample.mp4")
+            except DiskFull as e:  # the operator reads the folder and free space; the caller, that it was not them
+                print(f"error: {e}", file=sys.stderr)
+                raise gr.Error("the server's disk is full, so the sample could not be written — try again later",
+                               print_exception=False) from None
             info = f"NFE {result.nfe} · {seconds:.2f} s · seed {kwargs['seed']} · {kwargs['frames']}×{size}×{size}"
             return str(video), pixels[0], info
 

@@ -63,6 +63,7 @@ def generate(
 ) -> None:
     """Sample prompts and write an mp4 (frames > 1) or png (frames = 1) for each."""
     from dit_sample.generate import RequestError, Sampler
+    from ditcore.disk import DiskFull
     from ditcore.media import write_sample
 
     problem = output_problem(out)
@@ -83,6 +84,8 @@ def generate(
         target = out if n == 1 else out.with_name(f"{out.stem}-{i}{out.suffix}")
         try:
             written = write_sample(pixels.numpy(), target, fps=fps)
+        except DiskFull as e:  # names the file and the space free
+            _fail(str(e))
         except (OSError, RuntimeError) as e:  # e.g. the disk filled up, or ffmpeg could not write there
             _fail(f"could not write {target}: {e}")
         typer.echo(f"wrote {written}")
@@ -102,11 +105,14 @@ def serve(
                                                           "sampler steps; larger ones are refused with a message."),
 ) -> None:
     """Run the Gradio app: prompt → video/image in the browser. Never opens a public share link."""
-    from dit_sample.app import build_app, port_problem
+    from dit_sample.app import build_app, exposure_warning, launch_options, port_problem
 
     problem = port_problem(host, port)  # before the model loads: a taken port should fail in seconds
     if problem:
         _fail(problem)
+    warning = exposure_warning(host)
+    if warning:
+        typer.echo(warning, err=True)
     try:
         demo = build_app(checkpoint, concurrency=concurrency, queue_size=queue_size,
                          max_token_steps=max_token_steps)
@@ -117,7 +123,7 @@ def serve(
     # temporary folder of request outputs is removed (by default SIGTERM ends Python without its exit handlers)
     signal.signal(signal.SIGTERM, _interrupt)
     try:
-        demo.launch(server_name=host, server_port=port, share=False, quiet=True)
+        demo.launch(server_name=host, server_port=port, share=False, quiet=True, **launch_options())
     except OSError as e:  # the port was taken between the check and the launch
         _fail(f"cannot serve on {host}:{port}: {e} — pass a free port with --port")
 

@@ -6,6 +6,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from ditcore import runs
 from ditcore.codecs.text import MAX_TOKENS, TextEncoder, load_text_encoder
 from ditcore.export import Exported, load_export
@@ -96,6 +98,9 @@ class Sampler:
                         negative_states=negative, class_labels=class_labels, frames=frames, height=height,
                         width=width, steps=steps, guidance=guidance, solver=solver, seed=seed, fps=fps,
                         prediction=self.exported.prediction, callback=callback)
+        if not torch.isfinite(result.latents).all():  # decoded, NaN would be an all-black picture passing as a sample
+            raise RequestError("the sample came out non-finite (NaN/Inf) although the weights are finite: the model's "
+                               "output overflowed — try a lower guidance, other steps, or another checkpoint")
         return result, time.perf_counter() - t0
 
 
@@ -110,3 +115,9 @@ def _check_text(name: str, text) -> None:
     if len(text) > MAX_PROMPT_CHARS:
         raise RequestError(f"the {name} is {len(text)} characters long; the limit is {MAX_PROMPT_CHARS} (the text "
                            f"encoder reads only the first {MAX_TOKENS} tokens) — shorten it")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:  # a lone surrogate: from undecodable bytes in argv, or "\ud800" in an API call
+        raise RequestError(f"the {name} is not valid text: character {e.start + 1} ({text[e.start]!r}) is not a "
+                           "Unicode character — retype it (a terminal whose encoding is not UTF-8 can cause this)"
+                           ) from None

@@ -17,15 +17,17 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
-from ditcore import durable
+from ditcore import disk, durable, tensorfile
 from ditcore.codecs import Codec, LatentStats, load_codec
 from ditcore.data.schema import INFO_FILE, DatasetInfo, parse_info
 from ditcore.diffusion.edm import PREDICTIONS
 from ditcore.models import ARCHS, DiT, DiTConfig, arch_of, build
 
 WEIGHTS, CONFIG = "model.safetensors", "model.json"
+# What to do about a damaged export: dit-train, run again on a finished run, resumes its last checkpoint and exports
+REDO = "export the run again (its dit-train command, run again, resumes the last checkpoint and writes export/)"
 
 
 DEFAULT_GUIDANCE = 4.0  # for exports that do not record the guidance their run validated with
@@ -35,17 +37,28 @@ def export_model(out: str | Path, state_dict: dict[str, torch.Tensor], cfg: DiTC
                  extra: dict | None = None) -> Path:
     out, dataset = Path(out), Path(dataset)
     tmp = out.with_name(f".{out.name}.tmp")
+    codec_files = list(dataset.glob("codec_*"))
+    what = f"could not write the export {out}"
+    # Refused before the first byte when it cannot fit (the old export stays until the new one is complete)
+    disk.check_space(what, tmp, sum(t.numel() * t.element_size() for t in state_dict.values()) +
+                     sum(f.stat().st_size for f in [dataset / INFO_FILE, *codec_files]))
     shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    save_file({k: v.contiguous() for k, v in state_dict.items()}, str(tmp / WEIGHTS))
-    meta = {"model": dataclasses.asdict(cfg), "arch": arch_of(cfg), **(extra or {})}
-    (tmp / CONFIG).write_text(json.dumps(meta, indent=1))
-    shutil.copy2(dataset / INFO_FILE, tmp / INFO_FILE)
-    for codec_file in dataset.glob("codec_*"):
-        shutil.copy2(codec_file, tmp / codec_file.name)
-    for f in tmp.iterdir():
-        durable.fsync_file(f)
-    durable.publish_dir(tmp, out)
+    try:
+        tmp.mkdir(parents=True)
+        save_file({k: v.contiguous() for k, v in state_dict.items()}, str(tmp / WEIGHTS))
+        meta = {"model": dataclasses.asdict(cfg), "arch": arch_of(cfg), **(extra or {})}
+        (tmp / CONFIG).write_text(json.dumps(meta, indent=1))
+        shutil.copy2(dataset / INFO_FILE, tmp / INFO_FILE)
+        for codec_file in codec_files:
+            shutil.copy2(codec_file, tmp / codec_file.name)
+        for f in tmp.iterdir():
+            durable.fsync_file(f)
+        durable.publish_dir(tmp, out)
+    except Exception as e:
+        shutil.rmtree(tmp, ignore_errors=True)  # a partial export must not stay behind holding the space it took
+        if disk.is_disk_full(e):  # e.g. another writer filled the disk after the check
+            raise disk.disk_full(what, tmp) from None
+        raise
     return out
 
 
@@ -70,7 +83,7 @@ class Exported:
 
 def exported_config(path: str | Path) -> DiTConfig:
     """The model config (of its architecture) that an export folder's CONFIG file records."""
-    meta = json.loads((Path(path) / CONFIG).read_text())
+    meta = _meta(path)
     arch = meta.get("arch", "dit")  # exports from before other architectures: the DiT
     if arch not in ARCHS:
         raise ValueError(f"'{Path(path) / CONFIG}' says arch={arch!r}: this ditcore knows {', '.join(ARCHS)} — sample "
@@ -80,7 +93,53 @@ def exported_config(path: str | Path) -> DiTConfig:
     model_cfg = meta.get("model", {})
     if not isinstance(model_cfg, dict) or not {"hidden_size", "depth", "num_heads"} <= model_cfg.keys():
         raise ValueError(f"'{Path(path) / CONFIG}' does not describe a DiT (no hidden_size/depth/num_heads)")
-    return config_class(**{k: (tuple(v) if k == "max_grid" else v) for k, v in model_cfg.items() if k in fields})
+    try:
+        return config_class(**{k: (tuple(v) if k == "max_grid" else v) for k, v in model_cfg.items() if k in fields})
+    except TypeError as e:  # e.g. a number where a list belongs (ConfigError, a ValueError, names the key itself)
+        raise ValueError(f"'{Path(path) / CONFIG}' does not describe a DiT: {e}") from None
+
+
+def _meta(path: str | Path) -> dict:
+    """The export's CONFIG file as a dict; ValueError naming the file when it is not one."""
+    try:
+        meta = json.loads((Path(path) / CONFIG).read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"'{Path(path) / CONFIG}' is truncated or damaged ({e}) — {REDO}") from None
+    if not isinstance(meta, dict):
+        raise ValueError(f"'{Path(path) / CONFIG}' is damaged (not a JSON object) — {REDO}")
+    return meta
+
+
+def check_weights_fit(path: Path, cfg: DiTConfig) -> None:
+    """ValueError naming the first tensor whose name or shape in WEIGHTS differs from the model that `cfg` builds.
+
+    Reads the file's header only and builds the model on the meta device, so nothing is allocated: a model.json
+    edited to a width of 10^6 is refused here, not after asking for terabytes."""
+    stored = tensorfile.header(path / WEIGHTS, REDO)
+    if cfg.depth > len(stored):  # every layer holds weights; also keeps a depth of 10^6 from building for minutes
+        raise ValueError(f"'{path / CONFIG}' says depth={cfg.depth}, but {WEIGHTS} holds only {len(stored)} tensors "
+                         f"— model.json and the weights come from different models; {REDO}")
+    with torch.device("meta"):
+        model = build(cfg)
+    stored, expected = model.upgrade_state_dict(stored), model.state_dict()
+    missing, unexpected = expected.keys() - stored.keys(), stored.keys() - expected.keys()
+    if missing or unexpected:
+        raise ValueError(f"'{path}' holds weights of another architecture: missing {sorted(missing)[:3]}, "
+                         f"unexpected {sorted(unexpected)[:3]}")
+    for name, t in expected.items():
+        if stored[name].shape != t.shape:
+            raise ValueError(f"'{path}' does not fit its {CONFIG}: {name} is {tuple(stored[name].shape)} in "
+                             f"{WEIGHTS}, the model it describes needs {tuple(t.shape)} — the files come from "
+                             f"different models; {REDO}")
+
+
+def check_finite(path: Path, state: dict[str, torch.Tensor]) -> None:
+    """ValueError when weights hold NaN/Inf: they would sample an all-black picture."""
+    bad = tensorfile.non_finite(state)
+    if bad:
+        raise ValueError(f"export '{path}' holds non-finite weights in {len(bad)} tensors, e.g. {bad[0]}: the run "
+                         "diverged before it was exported — sample an earlier checkpoint (dit-sample serve "
+                         "--checkpoint RUN_DIR offers them) or resume from one with a lower optim.lr")
 
 
 def load_export(path: str | Path, device: str | torch.device = "cpu") -> Exported:
@@ -89,13 +148,12 @@ def load_export(path: str | Path, device: str | torch.device = "cpu") -> Exporte
     if not (path / WEIGHTS).is_file() or not (path / CONFIG).is_file():
         raise FileNotFoundError(f"'{path}' is not a ditcore export: it needs {WEIGHTS} and {CONFIG} "
                                 "(dit-train writes them to RUN_DIR/export/)")
-    meta = json.loads((path / CONFIG).read_text())
-    model = build(exported_config(path))
-    state = model.upgrade_state_dict(load_file(str(path / WEIGHTS)))
-    missing, unexpected = model.state_dict().keys() - state.keys(), state.keys() - model.state_dict().keys()
-    if missing or unexpected:
-        raise ValueError(f"'{path}' holds weights of another architecture: missing {sorted(missing)[:3]}, "
-                         f"unexpected {sorted(unexpected)[:3]}")
+    meta = _meta(path)
+    cfg = exported_config(path)
+    check_weights_fit(path, cfg)  # before the model is allocated: model.json may promise any size
+    model = build(cfg)
+    state = model.upgrade_state_dict(tensorfile.load(path / WEIGHTS, REDO))
+    check_finite(path, state)
     model.load_state_dict(state)
     if not (path / INFO_FILE).is_file():
         raise FileNotFoundError(f"'{path}' has no {INFO_FILE}: the export is incomplete")

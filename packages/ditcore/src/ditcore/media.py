@@ -2,34 +2,70 @@
 
 from __future__ import annotations
 
+import errno
 import os
+import subprocess
 from pathlib import Path
 
 import numpy as np
+
+from ditcore import disk
 
 
 def write_sample(pixels, path: str | Path, fps: float = 8.0) -> Path:
     """(F, H, W, 3) uint8 → `path` with .mp4 (F > 1) or .png (F = 1) as suffix; returns the path written.
 
-    Written under a temporary name and renamed, so an interrupted write never leaves a truncated file.
+    Written under a temporary name and renamed, so an interrupted or failed write never leaves a truncated file;
+    a full disk is `ditcore.disk.DiskFull`, another failure an OSError saying what the writer reported.
     """
-    import imageio.v3 as iio
-
     frames = np.asarray(pixels)
     path = Path(path).with_suffix(".png" if frames.shape[0] == 1 else ".mp4")
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.stem}.partial{path.suffix}")  # keeps the suffix: imageio picks the format by it
+    tmp = path.with_name(f".{path.stem}.partial{path.suffix}")  # keeps the suffix: ffmpeg picks the format by it
     try:
         if frames.shape[0] == 1:
-            iio.imwrite(tmp, frames[0])
+            _write_png(frames[0], tmp)
         else:
-            # yuv420p: plays in every browser; macro_block_size=1: keep small sizes as they are (no resizing)
-            iio.imwrite(tmp, frames, extension=".mp4", fps=fps, codec="libx264", pixelformat="yuv420p",
-                        macro_block_size=1)
+            _write_mp4(frames, tmp, fps)
         os.replace(tmp, path)
+    except OSError as e:
+        if disk.is_disk_full(e):
+            raise disk.disk_full(f"could not write {path}", path) from None
+        raise
     finally:
         tmp.unlink(missing_ok=True)
     return path
+
+
+def _write_png(image: np.ndarray, path: Path) -> None:
+    """Encoded in memory, then written by Python: a write error is raised once, as an OSError. (imageio's pillow
+    plugin, writing to the file itself, raises it and then once more from its destructor, as a printed traceback.)"""
+    import imageio.v3 as iio
+
+    data = iio.imwrite("<bytes>", image, extension=".png")
+    with open(path, "wb") as f:
+        f.write(data)
+
+
+def _write_mp4(frames: np.ndarray, path: Path, fps: float) -> None:
+    """H.264 through imageio-ffmpeg's bundled ffmpeg, run here rather than through imageio: imageio ignores ffmpeg's
+    exit status (a full disk left a 0-byte file, reported as written) and lets it print to our stderr.
+
+    yuv420p: plays in every browser; sizes are kept as they are (no resizing to a macro-block multiple)."""
+    import imageio_ffmpeg
+
+    H, W = frames.shape[1:3]
+    command = [imageio_ffmpeg.get_ffmpeg_exe(), "-y", "-v", "error", "-f", "rawvideo", "-pix_fmt", "rgb24",
+               "-s", f"{W}x{H}", "-r", f"{fps:g}", "-i", "-", "-an", "-vcodec", "libx264", "-pix_fmt", "yuv420p",
+               str(path)]
+    done = subprocess.run(command, input=memoryview(np.ascontiguousarray(frames, np.uint8).reshape(-1)),
+                          capture_output=True)
+    if done.returncode or not path.is_file() or not path.stat().st_size:
+        said = [line for line in done.stderr.decode(errors="replace").splitlines() if line.strip()]
+        reason = said[-1] if said else f"exit status {done.returncode}, nothing written"
+        if any(os.strerror(n) in line for line in said for n in disk.NO_SPACE):
+            raise OSError(errno.ENOSPC, reason)
+        raise OSError(f"ffmpeg failed: {reason}")
 
 
 def read_video(path: str | Path) -> np.ndarray:

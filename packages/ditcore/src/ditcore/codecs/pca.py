@@ -13,8 +13,9 @@ from collections.abc import Iterable
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
+from ditcore import tensorfile
 from ditcore.codecs.base import Codec
 from ditcore.codecs.pixel import PixelCodec, from_patches, to_patches
 
@@ -97,7 +98,7 @@ class PatchPCACodec(Codec):
                 f"patch_pca codec parameters {str(path)!r} not found — they are written next to the codec config by "
                 "PatchPCACodec.save; copy the whole dataset (or checkpoint) folder, not only its JSON"
             )
-        codec = cls(**load_file(str(path)))
+        codec = cls(**tensorfile.load(path, "copy it again from the dataset folder that dit-prepare wrote"))
         if (codec.patch, codec.latent_channels) != (config["patch"], config["channels"]):
             raise ValueError(
                 f"{str(path)!r} holds a patch={codec.patch}, channels={codec.latent_channels} codec but its config "
