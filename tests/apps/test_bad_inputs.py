@@ -303,3 +303,72 @@ def test_bad_generate_request_is_one_line(checkpoint, mock_data, tmp_path, args,
     proc = cli("sample", "generate", *[x for kv in base.items() for x in kv])
     assert_one_line_error(proc, *fragments)
     assert not list(tmp_path.glob("*.png")) and not list(tmp_path.glob(".*partial*"))
+
+
+def test_generate_onto_a_full_disk_is_one_line_and_leaves_no_file(checkpoint, full_disk):
+    """ffmpeg could not write the mp4, imageio did not look: a 0-byte file, "wrote …", exit code 0."""
+    proc = cli("sample", "generate", "--checkpoint", checkpoint, "--prompt", "a red butterfly", "--steps", 1,
+               "--frames", 2, "--height", 16, "--width", 16, "--out", full_disk / "clip.mp4")
+    proc.stderr = without_progress_bars(proc.stderr)
+    assert_one_line_error(proc, f"could not write {full_disk / 'clip.mp4'}: the disk is full (0 bytes free in "
+                                f"{full_disk})")
+    assert "wrote" not in proc.stdout and sorted(p.name for p in full_disk.iterdir()) == ["filler"]
+
+
+def without_progress_bars(stderr: str) -> str:
+    """transformers draws a progress bar while the text encoder loads (on the first prompt): not an error line."""
+    return "\n".join(ln for ln in stderr.splitlines() if not ln.startswith("Loading weights"))
+
+
+def generate_in_process(*args) -> tuple[int, list[str]]:
+    """`dit-sample generate ARGS` in this process (no interpreter to start): exit code, non-empty stderr lines."""
+    from typer.testing import CliRunner
+
+    from dit_sample.cli import app
+
+    result = CliRunner().invoke(app, ["generate", *map(str, args)])
+    assert not isinstance(result.exception, Exception) or isinstance(result.exception, SystemExit), result.exception
+    return result.exit_code, [ln for ln in without_progress_bars(result.stderr).splitlines() if ln.strip()]
+
+
+def test_exports_that_are_damaged_edited_or_diverged_are_one_line(checkpoint, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    def broken(name: str, damage) -> Path:
+        export = shutil.copytree(checkpoint / "export", tmp_path / name)
+        damage(export)
+        return export
+
+    def cut(export):
+        weights = export / "model.safetensors"
+        weights.write_bytes(weights.read_bytes()[:-1000])
+
+    def nan(export):
+        weights = load_file(export / "model.safetensors")
+        weights["blocks.1.mlp.0.weight"][0, 0] = float("nan")
+        save_file(weights, export / "model.safetensors")
+
+    def wide(export):
+        meta = json.loads((export / "model.json").read_text())
+        meta["model"] |= {"hidden_size": 1_000_000, "num_heads": 10_000}  # 4 TB, were it allocated
+        (export / "model.json").write_text(json.dumps(meta))
+
+    cases = {"truncated": (cut, "model.safetensors' is truncated or damaged (Error while deserializing header: "
+                                "incomplete metadata, file not fully covered) — export the run again"),
+             "diverged": (nan, "holds non-finite weights in 1 tensors, e.g. blocks.1.mlp.0.weight: the run diverged"),
+             "edited": (wide, "x_embedder.weight is (64, 192) in model.safetensors, the model it describes needs "
+                              "(1000000, 192)")}
+    for name, (damage, fragment) in cases.items():
+        code, lines = generate_in_process("--checkpoint", broken(name, damage), "--prompt", "a red butterfly",
+                                          "--out", tmp_path / "s.png")
+        assert code == 2 and len(lines) == 1 and lines[0].startswith("error: ") and fragment in lines[0], (name, lines)
+    assert not list(tmp_path.glob("*.png"))
+
+
+def test_a_prompt_that_is_not_unicode_is_one_line(checkpoint, tmp_path):
+    """Python decodes the byte 0xff in argv as the lone surrogate U+DCFF, which the tokenizer rejected with a
+    TypeError traceback."""
+    code, lines = generate_in_process("--checkpoint", checkpoint, "--prompt", "a \udcff butterfly", "--steps", 1,
+                                      "--out", tmp_path / "s.png")
+    assert code == 2 and lines == ["error: the prompt is not valid text: character 3 ('\\udcff') is not a Unicode "
+                                   "character — retype it (a terminal whose encoding is not UTF-8 can cause this)"]

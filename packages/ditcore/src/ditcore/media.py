@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 import subprocess
 from pathlib import Path
 
@@ -62,7 +63,8 @@ def _write_mp4(frames: np.ndarray, path: Path, fps: float) -> None:
                           capture_output=True)
     if done.returncode or not path.is_file() or not path.stat().st_size:
         said = [line for line in done.stderr.decode(errors="replace").splitlines() if line.strip()]
-        reason = said[-1] if said else f"exit status {done.returncode}, nothing written"
+        # the first line is the cause (the rest, how it spread); "@ 0x55b8…" addresses are noise to a reader
+        reason = re.sub(r" @ 0x[0-9a-f]+", "", said[0]) if said else f"exit status {done.returncode}, nothing written"
         if any(os.strerror(n) in line for line in said for n in disk.NO_SPACE):
             raise OSError(errno.ENOSPC, reason)
         raise OSError(f"ffmpeg failed: {reason}")
