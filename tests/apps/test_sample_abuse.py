@@ -8,9 +8,11 @@ and disk stay bounded, and the server keeps serving.
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import threading
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -341,3 +343,92 @@ def test_class_labels_out_of_range_and_a_full_queue(class_app):
             full += 1
     assert done >= 1 and full >= 1, (done, full)
     assert "NFE 1" in ask(client, **dict(QUICK, class_label=2))[2]
+
+
+# ---------------------------------------------------------------- what the app must not accept or hide
+
+
+def test_file_uploads_are_refused_and_nothing_is_stored(app, app_tmp):
+    """The app has no file input, yet Gradio's upload route took anonymous uploads of any size, kept them and served
+    them back to anyone with the returned path."""
+    marker = b"ditcore-upload-test-" + os.urandom(8).hex().encode()
+    boundary = "ditcoreboundary"
+    body = (f"--{boundary}\r\nContent-Disposition: form-data; name=\"files\"; filename=\"big.bin\"\r\n"
+            f"Content-Type: application/octet-stream\r\n\r\n").encode() + marker + b"\0" * 2**20 + \
+        f"\r\n--{boundary}--\r\n".encode()
+    for route in ("gradio_api/upload", "upload", "gradio_api/process_recording"):
+        request = urllib.request.Request(app.url + route, data=body, method="POST",
+                                         headers={"Content-Type": f"multipart/form-data; boundary={boundary}"})
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(request, timeout=TIMEOUT)
+        assert refused.value.code == 403 and refused.value.read() == b"this app takes no file uploads", route
+    assert not [p for p in app_tmp.rglob("*") if p.is_file() and marker in p.read_bytes()]
+
+
+def test_a_prompt_with_a_lone_surrogate_from_the_api_is_refused_by_name(app, client):
+    """JSON may spell a lone surrogate ("\\ud800"); Python's parser accepts it, the tokenizer then raised TypeError."""
+    body = json.dumps({"data": args(prompt="SURROGATE")}).replace('"SURROGATE"', '"a \\ud800 butterfly"')
+    request = urllib.request.Request(app.url + "gradio_api/call/generate", data=body.encode(),
+                                     headers={"Content-Type": "application/json"})
+    event = json.load(urllib.request.urlopen(request, timeout=TIMEOUT))["event_id"]
+    stream = urllib.request.urlopen(f"{app.url}gradio_api/call/generate/{event}", timeout=TIMEOUT).read().decode()
+    assert "event: error" in stream and "the prompt is not valid text: character 3" in stream, stream
+    assert "NFE 1" in ask(client, **QUICK)[2]
+
+
+def test_a_checkpoint_with_non_finite_weights_is_refused_when_picked(run_dir, tmp_path):
+    """A diverged checkpoint's EMA sampled an all-black picture; the app now says which tensors and what to pick."""
+    from dit_sample.app import Checkpoints
+    from dit_sample.generate import RequestError
+
+    run = tmp_path / "run"
+    shutil.copytree(run_dir, run, ignore=shutil.ignore_patterns("samples", "step-000000[2345]"))
+    folder = run / "checkpoints" / "step-0000009"
+    ema = ema_of_step(run, 9)
+    ema["blocks.0.attn.proj.weight"][1, 2] = float("inf")
+    dcp.save({f"ema.{k}": v for k, v in ema.items()}, no_dist=True,
+             storage_writer=dcp.FileSystemWriter(str(folder), single_file_per_rank=True))
+    runs.write_manifest(folder, 9, {"world_size": 1},
+                        {name: durable.digest(folder / name) for name in ("__0_0.distcp", ".metadata")})
+    with pytest.raises(RequestError, match=r"^checkpoint step-0000009 holds non-finite weights in 1 tensors, e\.g\. "
+                                           r"blocks\.0\.attn\.proj\.weight: the run had diverged by then — pick an "
+                                           "earlier checkpoint$"):
+        Checkpoints(run).get("step-0000009")
+
+
+def test_a_sample_that_overflows_is_an_error_not_a_black_picture(checkpoint):
+    """Finite weights can still overflow in the forward pass; NaN latents decoded to an all-black picture."""
+    from dit_sample.generate import RequestError, Sampler
+
+    sampler = Sampler.load(checkpoint)
+    with torch.no_grad():
+        sampler.exported.model.x_embedder.weight.mul_(1e30)  # finite, but its activations are not
+    with pytest.raises(RequestError, match=r"^the sample came out non-finite \(NaN/Inf\) although the weights are "
+                                           "finite"):
+        sampler.run(prompts=["a red butterfly"], steps=1, height=16, width=16)
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "::"])
+def test_serving_beyond_this_machine_warns_before_anything_loads(host, tmp_path):
+    from typer.testing import CliRunner
+
+    from dit_sample.cli import app
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    result = CliRunner().invoke(app, ["serve", "--checkpoint", str(tmp_path / "nope"), "--host", host, "--port",
+                                      str(port)])
+    assert result.exit_code == 2
+    assert result.stderr.splitlines() == [
+        f"warning: --host {host} serves the app to every machine that can reach this one: it has no login, so anyone "
+        "who finds the port can sample on this machine's GPU/CPU — to use it from elsewhere, keep the default "
+        "127.0.0.1 and forward the port (ssh -L PORT:127.0.0.1:PORT HOST)",
+        f"error: checkpoint '{tmp_path / 'nope'}' does not exist"]
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "localhost", "::1", "127.0.0.2"])
+def test_loopback_addresses_need_no_warning(host):
+    from dit_sample.app import exposure_warning
+
+    assert exposure_warning(host) is None

@@ -70,13 +70,11 @@ def main(
         raise typer.Exit(0 if fits else 2)
     from dit_train.train import Diverged, train
     from ditcore import runs
-    from ditcore.disk import DiskFull
     from ditcore.models import NotCompiled
 
     try:
         result = train(cfg, resume=resume, config_yaml=cfg.to_yaml())
-    except (ConfigError, DatasetError, runs.CheckpointError, Diverged, NotCompiled, FileNotFoundError, ValueError,
-            DiskFull) as e:
+    except (ConfigError, DatasetError, runs.CheckpointError, Diverged, NotCompiled, FileNotFoundError, ValueError) as e:
         _fail(str(e))
     if not result["stopped"] and result["rank"] == 0:  # one summary, not one per process
         run = Path(cfg.train.run_dir)
