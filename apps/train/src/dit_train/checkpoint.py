@@ -8,8 +8,12 @@ complete whenever it exists, even after kill -9 or a power loss, and a file dama
 overwritten) is detected before it is loaded.
 
 Any layout resumes from any other (TP, CP, DP, FSDP, number of processes): weights, EMA, optimizer state, schedule
-and step exactly. The data loader's position is restored when the data-parallel size is unchanged; otherwise the
-loader starts its pass over the data again, and a note says so. RNG states are restored when the layout is the same.
+and step exactly. The data loader's position is restored when the loader is built alike (data-parallel size, the
+loader's settings) over the same data (the dataset's fingerprint, kept in the checkpoint); otherwise the loader starts
+a fresh pass over the data, and a note says so. RNG states are restored when the layout is the same. The config may
+change between runs as dit_train.resume_config rules: the new optimizer hyper-parameters, schedule, loader settings
+apply (one line names them); another model or batch is refused in one line, and the model's tensors must match the
+checkpoint's exactly.
 
 `--resume auto` takes the newest checkpoint that verifies and loads; a damaged one is reported in one line
 and the previous one is used instead. It never silently starts over.
@@ -156,17 +160,19 @@ def _verify(fabric, ckpt: Path) -> str | None:
 
 
 def _refusal(fabric, ckpt: Path, changes: resume_config.Comparison, state: dict, loader, cfg) -> str | None:
-    """Why this run cannot continue from `ckpt` as `cfg` asks, in one line; None if it can. Reads only the
-    checkpoint's config, DCP index and values, before anything is loaded."""
+    """Collective: why this run cannot continue from `ckpt` as `cfg` asks, in one line; None if it can. Reads only
+    the checkpoint's config, DCP index and values, before anything is loaded."""
     refusal = changes.refusal()
     if refusal:
         return refusal
+    wanted = {}  # the one-device shapes of every tensor the model wants (a pipeline stage holds its own blocks)
+    for part in all_ranks(fabric, {k: tuple(v.shape) for k, v in _tensors(fabric, state).items()}):
+        wanted |= part
     try:
         stored = dist_checkpoint.stored_shapes(ckpt)
         saved_data = dist_checkpoint.read_values(ckpt).get("dataset")
     except Exception:  # unreadable: _load reports it as damage, and --resume auto tries an older checkpoint
         return None
-    wanted = {k: tuple(v.shape) for k, v in _tensors(fabric, state).items()}
     mismatch = dist_checkpoint.model_mismatch(stored, wanted)
     if mismatch:
         return (f"checkpoint {ckpt} holds another model than this config and dataset build: {mismatch} — resume "
