@@ -203,8 +203,9 @@ def test_strict_shapes_name_the_difference():
 
 def test_stored_shapes_read_the_checkpoint_s_index(base):
     stored = dcp.stored_shapes(runs.step_dir(base, 3))
-    assert stored["model.blocks.1.attn.qkv.weight"] == (192, 64)
-    assert stored.keys() >= {k for k in stored if k.startswith("ema.")} and any(k.startswith("optim.") for k in stored)
+    model, ema = ({k.split(".", 1)[1]: v for k, v in stored.items() if k.startswith(f"{p}.")} for p in ("model", "ema"))
+    assert model == ema and model["blocks.1.attn.qkv.weight"] == (3 * 64, 64)  # DiT-Tiny: 64 wide, 2 blocks
+    assert stored["optim.blocks.1.attn.qkv.weight.exp_avg"] == (3 * 64, 64)
 
 
 def test_dcp_s_checkpoint_exception_becomes_its_first_error():
