@@ -8,8 +8,12 @@ complete whenever it exists, even after kill -9 or a power loss, and a file dama
 overwritten) is detected before it is loaded.
 
 Any layout resumes from any other (TP, CP, DP, FSDP, number of processes): weights, EMA, optimizer state, schedule
-and step exactly. The data loader's position is restored when the data-parallel size is unchanged; otherwise the
-loader starts its pass over the data again, and a note says so. RNG states are restored when the layout is the same.
+and step exactly. The data loader's position is restored when the loader is built alike (data-parallel size, the
+loader's settings) over the same data (the dataset's fingerprint, kept in the checkpoint); otherwise the loader starts
+a fresh pass over the data, and a note says so. RNG states are restored when the layout is the same. The config may
+change between runs as dit_train.resume_config rules: the new optimizer hyper-parameters, schedule, loader settings
+apply (one line names them); another model or batch is refused in one line, and the model's tensors must match the
+checkpoint's exactly.
 
 `--resume auto` takes the newest checkpoint that verifies and loads; a damaged one is reported in one line
 and the previous one is used instead. It never silently starts over.
@@ -25,7 +29,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from dit_train import resume_config
 from ditcore import durable, runs
+from ditcore.data.loader import compare_fingerprints
 from ditcore.parallel import dist_checkpoint
 from ditcore.runs import CheckpointError
 
@@ -59,7 +65,8 @@ def save(fabric, run_dir: Path, step: int, state: dict, loader, config_yaml: str
         durable.remove_leftovers(final.parent, (runs.TMP_PREFIX, durable.TRASH_PREFIX))  # from an interrupted save
         tmp.mkdir(parents=True)
     fabric.barrier()
-    values = _values(state) | {"skipped": dict(skipped_total(fabric, state["skipped"]))}
+    values = _values(state) | {"skipped": dict(skipped_total(fabric, state["skipped"])),
+                               "dataset": getattr(loader, "fingerprint", None)}
     dist_checkpoint.save(tmp, _tensors(fabric, state), values)  # each rank its pieces, fsynced
     try:
         mine = _write_rank_files(tmp, fabric, loader)
@@ -96,19 +103,27 @@ def _write_rank_files(tmp: Path, fabric, loader) -> dict[str, dict]:
     return {name: durable.digest(tmp / name) for name in mine}
 
 
-def resume(fabric, run_dir: Path, resume_arg: str, state: dict, loader) -> Path | None:
+def resume(fabric, run_dir: Path, resume_arg: str, state: dict, loader, cfg) -> Path | None:
     """Restore `state` in place from the first checkpoint that verifies and loads; None: start fresh.
 
     All ranks agree on the checkpoint. With --resume auto a damaged checkpoint is reported (one line naming
     the file) and the previous one is tried; if none loads, or an explicitly named one is damaged, this
-    raises CheckpointError rather than starting over.
+    raises CheckpointError rather than starting over. A checkpoint that cannot continue as `cfg` asks (another
+    model, another batch, a damaged dataset: dit_train.resume_config) raises CheckpointError at once; changes that
+    apply are named in one line.
     """
     candidates = resolve_resume(run_dir, resume_arg)
     newest_problem = None
     for i, ckpt in enumerate(candidates):
         problem = _agree(fabric, _verify(fabric, ckpt))  # before loading, which is collective
         if problem is None:
-            problem = _agree(fabric, _load(fabric, ckpt, state, loader))
+            changes = resume_config.compare(resume_config.read_saved_config(ckpt, runs.CONFIG_FILE), cfg, ckpt)
+            refusal = _agree(fabric, _refusal(fabric, ckpt, changes, state, loader, cfg))
+            if refusal:  # not damage: an older checkpoint of the same run would be refused alike
+                raise CheckpointError(refusal)
+            if fabric.global_rank == 0 and changes.summary():
+                print(changes.summary(), file=sys.stderr, flush=True)
+            problem = _agree(fabric, _load(fabric, ckpt, state, loader, changes, cfg))
         if problem is None:
             return ckpt
         if resume_arg != "auto":
@@ -144,27 +159,55 @@ def _verify(fabric, ckpt: Path) -> str | None:
     return None
 
 
-def _load(fabric, ckpt: Path, state: dict, loader) -> str | None:
+def _refusal(fabric, ckpt: Path, changes: resume_config.Comparison, state: dict, loader, cfg) -> str | None:
+    """Collective: why this run cannot continue from `ckpt` as `cfg` asks, in one line; None if it can. Reads only
+    the checkpoint's config, DCP index and values, before anything is loaded."""
+    refusal = changes.refusal()
+    if refusal:
+        return refusal
+    wanted = {}  # the one-device shapes of every tensor the model wants (a pipeline stage holds its own blocks)
+    for part in all_ranks(fabric, {k: tuple(v.shape) for k, v in _tensors(fabric, state).items()}):
+        wanted |= part
+    try:
+        stored = dist_checkpoint.stored_shapes(ckpt)
+        saved_data = dist_checkpoint.read_values(ckpt).get("dataset")
+    except Exception:  # unreadable: _load reports it as damage, and --resume auto tries an older checkpoint
+        return None
+    mismatch = dist_checkpoint.model_mismatch(stored, wanted)
+    if mismatch:
+        return (f"checkpoint {ckpt} holds another model than this config and dataset build: {mismatch} — resume "
+                f"with the config and dataset it was trained with (its {runs.CONFIG_FILE}), or start a new run in "
+                "another train.run_dir")
+    damage, _ = compare_fingerprints(saved_data, getattr(loader, "fingerprint", None), Path(cfg.data.path))
+    return damage
+
+
+def _load(fabric, ckpt: Path, state: dict, loader, changes: resume_config.Comparison, cfg) -> str | None:
     """Collective: load the checkpoint into `state` and the loader; what went wrong, or None."""
     try:
         values = dist_checkpoint.load(ckpt, _tensors(fabric, state))
         state["step"], state["history"] = values["step"], values["history"]
         # the run's total goes to one rank, so that adding every data-parallel rank's counts keeps it
         state["skipped"] = Counter(values.get("skipped", {}) if fabric.global_rank == 0 else {})
-        state["scheduler"].load_state_dict(values["scheduler"])
-        dist_checkpoint.load_optimizer_hyperparameters(state["optimizer"], values["optim_groups"])
-    except Exception as e:  # verified, yet unreadable (e.g. written for another model)
-        return f"checkpoint {ckpt} does not load: {_first_line(e)}"
+        _restore_schedule(state["optimizer"], state["scheduler"], values["scheduler"])
+    except (Exception, dist_checkpoint.CheckpointException) as e:  # verified, yet unreadable; DCP's is no Exception
+        return f"checkpoint {ckpt} does not load: {dist_checkpoint.checkpoint_error(e)}"
     written, now = runs.read_manifest(ckpt).get("layout", {}), layout(fabric)
     groups, rank = fabric.strategy.groups, fabric.global_rank
+    # The loader's saved position fits only a loader like the one that saved it, over the same data
+    fresh = [f"checkpoint {ckpt.name} was written with {written.get('dp')} data-parallel ranks, this job has "
+             f"{now['dp']}"] if written.get("dp") != now["dp"] else []
+    fresh += [str(c) for c in changes.loader_changes]
+    _, other_data = compare_fingerprints(values.get("dataset"), getattr(loader, "fingerprint", None),
+                                         Path(cfg.data.path))
+    fresh += [other_data] if other_data else []
     try:
-        if written.get("dp") == now["dp"]:
+        if not fresh:
             loader.restore_state_rank(pickle.loads((ckpt / runs.loader_file(groups.dp_rank)).read_bytes()))
         elif rank == 0:
-            print(f"note: checkpoint {ckpt.name} was written with {written.get('dp')} data-parallel ranks, this job "
-                  f"has {now['dp']}: weights, EMA, optimizer state and step resume exactly, but the data loaders' "
-                  "positions do not carry over to another number of ranks, so they start their pass over the data "
-                  "again (samples of the current pass may be seen twice)", file=sys.stderr, flush=True)
+            print(f"note: {'; '.join(fresh)}: weights, EMA, optimizer state and step resume exactly, but the data "
+                  "loader's saved position does not carry over, so it starts a fresh pass over the data (samples "
+                  "of the current pass may be seen twice)", file=sys.stderr, flush=True)
         if written == now:
             rng = torch.load(ckpt / runs.rng_file(rank), weights_only=True)
             torch.set_rng_state(rng["torch"])
@@ -173,6 +216,16 @@ def _load(fabric, ckpt: Path, state: dict, loader) -> str | None:
     except Exception as e:
         return f"checkpoint {ckpt} does not load: {_first_line(e)}"
     return None
+
+
+def _restore_schedule(optimizer, scheduler, saved: dict) -> None:
+    """The checkpoint's place in the learning-rate schedule, with this config's hyper-parameters: the optimizer was
+    built from the config (its lr, betas, weight decay and eps are the new ones), and the schedule's base rates
+    follow its lr. Unchanged, this gives the learning rate an uninterrupted run has, bit for bit."""
+    scheduler.load_state_dict(saved)  # the step count; also the checkpoint's base rates, replaced here
+    scheduler.base_lrs = [group["initial_lr"] for group in optimizer.param_groups]
+    scheduler.last_epoch -= 1
+    scheduler.step()  # the learning rate of the restored step, from the new base rates (as LambdaLR computes it)
 
 
 def _tensors(fabric, state: dict) -> dict[str, torch.Tensor]:

@@ -154,7 +154,7 @@ class Trainee:
 def train(cfg: TrainConfig, resume: str = "auto", config_yaml: str | None = None) -> dict:
     run = setup(cfg)
     trainee = build(run)
-    ckpt = checkpoint.resume(run.fabric, run.run_dir, resume, trainee.state, trainee.loader)  # verified; else older
+    ckpt = checkpoint.resume(run.fabric, run.run_dir, resume, trainee.state, trainee.loader, cfg)  # verified
     if ckpt is not None:
         run.fabric.print(f"resumed from {ckpt} at step {trainee.state['step']}")
     validator = Validator(cfg, run.info, run.model_cfg, run.fabric, run.groups)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import atexit
 import functools
+import hashlib
 import json
 import logging
 import multiprocessing
@@ -181,6 +182,49 @@ def _indexed_count(root: Path, shards) -> int:
     return sum(counts.get(s, 0) for s in shards)
 
 
+# The files that identify a dataset's contents: dit-prepare's description, Energon's index (its shards' sample
+# counts; a fresh uuid whenever the dataset is indexed again) and the split. Read in full: they are small.
+_IDENTITY = ("ditcore.json", ".nv-meta/.info.json", ".nv-meta/index.uuid", ".nv-meta/split.yaml")
+
+
+def dataset_fingerprint(root: Path, broken: dict[str, str]) -> dict:
+    """What a loader's saved position depends on, cheaply (no sample is read): a digest of the dataset's identity
+    files, every indexed shard's samples and bytes, and the shards left out as broken (name → reason). Kept in
+    every checkpoint (JSON-able) and compared on resume (`compare_fingerprints`)."""
+    digest = hashlib.sha256()
+    for name in _IDENTITY:
+        path = root / name
+        digest.update(name.encode() + b"\0" + (path.read_bytes() if path.is_file() else b"") + b"\0")
+    counts = json.loads((root / ".nv-meta" / ".info.json").read_text()).get("shard_counts", {})
+    shards = {name: [count, (root / name).stat().st_size if (root / name).is_file() else None]
+              for name, count in sorted(counts.items())}
+    return {"digest": digest.hexdigest(), "shards": shards, "broken": dict(sorted(broken.items()))}
+
+
+def compare_fingerprints(saved: dict | None, now: dict, root: Path) -> tuple[str | None, str | None]:
+    """(damage, difference): a shard the checkpoint's loader read that is broken now (the same dataset, damaged:
+    its position cannot be restored and the data is not what it was), or how the dataset differs from the
+    checkpoint's (another dataset, or the same one prepared again: the position means nothing in it). Both None:
+    the same data. A checkpoint without a fingerprint (an older dit-train) counts as the same data."""
+    if saved is None or now is None or saved == now:
+        return None, None
+    damaged = {name: reason for name, reason in now["broken"].items()
+               if name in saved["shards"] and name not in saved["broken"]}
+    if damaged and saved["digest"] == now["digest"]:
+        name, reason = next(iter(damaged.items()))
+        more = f" (and {len(damaged) - 1} more)" if len(damaged) > 1 else ""
+        return (f"shard {name} of dataset '{root}' is damaged ({reason}){more}, and the checkpoint's data loader "
+                "was reading it — restore the dataset from a copy, or prepare it again (dit-prepare ... "
+                "--overwrite; a resume then starts a fresh pass over the new data)"), None
+
+    def size(fp: dict) -> str:
+        return f"{sum(n for n, _ in fp['shards'].values())} samples in {len(fp['shards'])} shards"
+
+    same_counts = {k: n for k, (n, _) in saved["shards"].items()} == {k: n for k, (n, _) in now["shards"].items()}
+    what = "was prepared again" if same_counts else f"now has {size(now)}, then {size(saved)}"
+    return None, f"dataset '{root}' is not the one the checkpoint was trained on (it {what})"
+
+
 def check_samples_fit(info, root, *, patch_size: int, patch_size_t: int, seq_length: int) -> int:
     """Refuse a dataset none of whose samples fits a packed row (training would wait forever for a batch);
     return how many samples will be skipped. Uses the latent shapes dit-prepare records (older datasets: 0)."""
@@ -273,4 +317,5 @@ def build_loader(
     loader.worker_init_fn = functools.partial(_init_worker, loader.worker_init_fn)
     _stop_workers_at_exit()
     loader.skipped_at_start = {"broken_shard": _indexed_count(root, bad)} if bad else {}
+    loader.fingerprint = dataset_fingerprint(root, bad)
     return loader

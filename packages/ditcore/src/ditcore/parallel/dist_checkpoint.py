@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from ditcore.parallel.consolidate import without_extra_state
@@ -102,6 +103,47 @@ def files_of_rank(ckpt: Path, rank: int) -> list[str]:
     """The files of a checkpoint folder that DCP's writer on `rank` wrote (rank 0 also writes the index)."""
     names = sorted(p.name for p in Path(ckpt).glob(f"__{rank}_*.distcp"))
     return names + ([METADATA] if rank == 0 and (Path(ckpt) / METADATA).is_file() else [])
+
+
+def stored_shapes(ckpt: Path) -> dict[str, tuple[int, ...]]:
+    """Every tensor a checkpoint holds, by key, with its one-device shape (from DCP's index; no tensor is read)."""
+    meta = dcp.FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata
+    return {k: tuple(m.size) for k, m in meta.items() if hasattr(m, "size")}
+
+
+def model_mismatch(stored: dict[str, tuple[int, ...]], wanted: dict[str, tuple[int, ...]]) -> str | None:
+    """How the model and EMA tensors a checkpoint holds (`stored`) differ from those a model wants (`wanted`, the
+    same keys and one-device shapes), in words; None if they are the same. DCP alone would load the keys the model
+    asks for and drop the others, so a smaller model would load "fine"."""
+    prefixes = tuple(f"{p}." for p in (MODEL, EMA))
+    stored = {k: v for k, v in stored.items() if k.startswith(prefixes)}
+    wanted = {k: v for k, v in wanted.items() if k.startswith(prefixes)}
+    if stored == wanted:
+        return None
+    blocks = [len({k.split(".")[2] for k in keys if k.startswith(f"{MODEL}.blocks.")}) for keys in (stored, wanted)]
+    if blocks[0] != blocks[1]:
+        return f"the checkpoint's model has {blocks[0]} blocks, this one {blocks[1]} (model.depth, model.preset)"
+    extra, missing = sorted(stored.keys() - wanted.keys()), sorted(wanted.keys() - stored.keys())
+    shapes = sorted(k for k in stored.keys() & wanted.keys() if stored[k] != wanted[k])
+    parts = []
+    if extra:
+        parts.append(f"the checkpoint has {len(extra)} tensors this model lacks (e.g. {extra[0]})")
+    if missing:
+        parts.append(f"this model has {len(missing)} tensors the checkpoint lacks (e.g. {missing[0]})")
+    if shapes:
+        k = shapes[0]
+        parts.append(f"{len(shapes)} tensors differ in shape (e.g. {k}: checkpoint {list(stored[k])}, this model "
+                     f"{list(wanted[k])})")
+    return "; ".join(parts)
+
+
+def checkpoint_error(e: BaseException) -> str:
+    """DCP's CheckpointException (a BaseException, with every rank's error and traceback in its text) as one line:
+    the first rank's error."""
+    if isinstance(e, CheckpointException) and e.failures:
+        e = next(iter(e.failures.values()))[0]
+    text = str(e).strip()
+    return f"{type(e).__name__}: {text.splitlines()[0]}" if text else type(e).__name__
 
 
 def read_full(ckpt: Path, prefix: str) -> dict[str, torch.Tensor]:
