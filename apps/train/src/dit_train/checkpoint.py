@@ -17,7 +17,6 @@ and the previous one is used instead. It never silently starts over.
 
 from __future__ import annotations
 
-import pickle
 import sys
 from collections import Counter
 from pathlib import Path
@@ -26,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from ditcore import durable, runs
+from ditcore.data import loader_state
 from ditcore.parallel import dist_checkpoint
 from ditcore.runs import CheckpointError
 
@@ -90,7 +90,7 @@ def _write_rank_files(tmp: Path, fabric, loader) -> dict[str, dict]:
                 "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}, tmp / mine[-1])
     if groups.tp_rank == groups.cp_rank == groups.pp_rank == 0:  # one writer per data-parallel rank: its peers read it
         mine.append(runs.loader_file(groups.dp_rank))
-        (tmp / mine[-1]).write_bytes(pickle.dumps(loader.save_state_rank()))
+        (tmp / mine[-1]).write_bytes(loader_state.state_to_json(loader.save_state_rank()))
     for name in mine:  # every rank makes its own files durable and measures them, in parallel
         durable.fsync_file(tmp / name)
     return {name: durable.digest(tmp / name) for name in mine}
@@ -159,7 +159,7 @@ def _load(fabric, ckpt: Path, state: dict, loader) -> str | None:
     groups, rank = fabric.strategy.groups, fabric.global_rank
     try:
         if written.get("dp") == now["dp"]:
-            loader.restore_state_rank(pickle.loads((ckpt / runs.loader_file(groups.dp_rank)).read_bytes()))
+            loader.restore_state_rank(runs.read_loader_state(ckpt, groups.dp_rank))
         elif rank == 0:
             print(f"note: checkpoint {ckpt.name} was written with {written.get('dp')} data-parallel ranks, this job "
                   f"has {now['dp']}: weights, EMA, optimizer state and step resume exactly, but the data loaders' "
