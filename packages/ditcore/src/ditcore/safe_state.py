@@ -8,7 +8,8 @@ constructor). Nothing in a JSON document names a function.
 
 Files from before, and DCP's own index (`.metadata`, which torch pickles), are read with `restricted_loads`: the
 unpickler may use only the classes and functions the caller admits by name, each of which only builds a value;
-any other name in the file refuses the whole file with `UnsafeFileError`.
+any other name in the file refuses the whole file with `UnsafeFileError`. torch.save'd tensors go through
+`weights_only_load` (torch's weights-only unpickler, its refusal turned into one line).
 """
 
 from __future__ import annotations
@@ -152,3 +153,14 @@ def restricted_loads(data: bytes, admitted: Mapping[tuple[str, str], Any] = {}, 
         raise
     except Exception as e:  # truncated or garbled: the unpickler's errors vary (EOFError, UnpicklingError, …)
         raise UnsafeFileError(f"{what} does not unpickle ({type(e).__name__}: {e}) — {fix}") from None
+
+
+def weights_only_load(data: bytes, *, what: str, fix: str):
+    """torch.load of bytes with torch's weights-only unpickler (tensors and plain values, nothing else). Its refusal
+    is many lines that suggest weights_only=False; here it is one line naming what the file tried to load."""
+    try:
+        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    except Exception as e:  # UnpicklingError (refused), RuntimeError (not a torch file), EOFError (truncated), …
+        lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+        reason = next((line for line in lines if "GLOBAL" in line), lines[0] if lines else type(e).__name__)
+        raise UnsafeFileError(f"{what} does not load as tensors ({reason}) — {fix}") from None

@@ -10,11 +10,10 @@ from __future__ import annotations
 
 import collections
 import functools
-import io
 
 import torch
 
-from ditcore.safe_state import from_json, restricted_loads, to_json
+from ditcore.safe_state import from_json, restricted_loads, to_json, weights_only_load
 
 
 @functools.cache
@@ -43,7 +42,7 @@ def state_from_json(data: bytes, what: str = "loader state"):
 def _tensor_from_bytes(data: bytes):
     """Stands in for torch.storage._load_from_bytes (which torch.loads with weights_only=False): a pickled tensor's
     storage, read by torch's weights-only unpickler."""
-    return torch.load(io.BytesIO(data), weights_only=True)
+    return weights_only_load(data, what="a tensor in the loader state", fix=_FIX)
 
 
 @functools.cache
@@ -74,5 +73,7 @@ def _np_reconstruct(cls, shape, dtype):
 
 def state_from_pickle(data: bytes, what: str = "loader state"):
     """A loader state pickled by an older dit-train (`loader-dpXXXXX.pkl`), read without running code."""
-    return restricted_loads(data, _legacy_admitted(), what=what,
-                            fix="the file is not what dit-train writes: remove this checkpoint, or resume from another")
+    return restricted_loads(data, _legacy_admitted(), what=what, fix=_FIX)
+
+
+_FIX = "the file is not what dit-train writes: remove this checkpoint, or resume from another"

@@ -19,7 +19,6 @@ last, atomically: a dataset without it is incomplete and is refused.
 
 from __future__ import annotations
 
-import io
 import json
 import logging
 import os
@@ -30,6 +29,7 @@ import safetensors.torch
 import torch
 
 from ditcore import durable
+from ditcore.safe_state import weights_only_load
 
 log = logging.getLogger(__name__)
 
@@ -136,7 +136,8 @@ def _member_tensor(sample: dict, name: str, member: str, legacy: str) -> torch.T
             raise ValueError(f"sample {sample.get('__key__')}: {member} holds {sorted(tensors)}, expected one '{name}'")
         return tensors[name]
     if legacy in sample:
-        t = torch.load(io.BytesIO(sample[legacy]), map_location="cpu", weights_only=True)
+        t = weights_only_load(sample[legacy], what=f"sample {sample.get('__key__')}: {legacy}",
+                              fix="rerun dit-prepare on the source data to rewrite the dataset")
         if not torch.is_tensor(t):
             raise ValueError(f"sample {sample.get('__key__')}: {legacy} holds a {type(t).__name__}, not a tensor")
         return t

@@ -31,6 +31,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.distributed.checkpoint.metadata as dcp_metadata
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
@@ -38,7 +39,7 @@ from ditcore.parallel.consolidate import without_extra_state
 from ditcore.parallel.dims import ParallelGroups
 from ditcore.parallel.fsdp import local
 from ditcore.parallel.tensor_parallel import full_shape, is_tp_sharded
-from ditcore.safe_state import UnsafeFileError, from_json, restricted_loads, to_json
+from ditcore.safe_state import UnsafeFileError, from_json, restricted_loads, to_json, weights_only_load
 
 MODEL, EMA, OPTIM = "model", "ema", "optim"
 METADATA = ".metadata"  # DCP's index of every piece; written last by rank 0
@@ -107,7 +108,7 @@ def load(ckpt: Path, tensors: dict[str, torch.Tensor]) -> dict:
     """Collective: fill `tensors` in place from `ckpt`, whatever layout wrote it; returns the plain values."""
     reader = SafeReader(ckpt)
     state = {**tensors, VALUES: _values_slot(reader)}
-    dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner())
+    _dcp_load(state, reader)
     return _values(state[VALUES], ckpt)
 
 
@@ -142,7 +143,20 @@ def _load_here(state: dict, reader: SafeReader) -> None:
     """dcp.load in this process alone, whatever process group exists."""
     with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
         warnings.simplefilter("ignore", UserWarning)
-        dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner(), no_dist=True)
+        _dcp_load(state, reader, no_dist=True)
+
+
+def _dcp_load(state: dict, reader: SafeReader, **kwargs) -> None:
+    """dcp.load through the safe reader and planner. A refused entry comes out as the UnsafeFileError it is: DCP
+    wraps what a rank raised while reading in a CheckpointException, a BaseException that `except Exception` misses."""
+    try:
+        dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner(), **kwargs)
+    except CheckpointException as e:
+        failures = [f[0] if isinstance(f, tuple) else f for f in e.failures.values()]
+        refused = next((f for f in failures if isinstance(f, UnsafeFileError)), None)
+        if refused is None:
+            raise
+        raise UnsafeFileError(f"checkpoint {reader.path}: {refused}") from None
 
 
 _FIX = "this is not what dit-train writes: resume from another checkpoint, or restore this one from a copy"
@@ -202,7 +216,8 @@ class SafeLoadPlanner(dcp.DefaultLoadPlanner):
     weights_only=False). Our state dicts are flat: an entry's key is its place in the caller's dict."""
 
     def load_bytes(self, read_item, value) -> None:
-        self.original_state_dict[read_item.dest_index.fqn] = torch.load(value, weights_only=True)
+        fqn = read_item.dest_index.fqn
+        self.original_state_dict[fqn] = weights_only_load(value.getvalue(), what=f"checkpoint entry {fqn!r}", fix=_FIX)
 
 
 def _values_slot(reader: SafeReader):
