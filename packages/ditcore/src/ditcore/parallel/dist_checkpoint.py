@@ -217,6 +217,8 @@ class SafeLoadPlanner(dcp.DefaultLoadPlanner):
 
     def load_bytes(self, read_item, value) -> None:
         fqn = read_item.dest_index.fqn
+        if fqn != VALUES:  # an index that calls a tensor bytes would leave the live tensor unloaded, silently
+            raise UnsafeFileError(f"checkpoint entry {fqn!r} is stored as bytes; only {VALUES!r} ever was — {_FIX}")
         self.original_state_dict[fqn] = weights_only_load(value.getvalue(), what=f"checkpoint entry {fqn!r}", fix=_FIX)
 
 
