@@ -13,7 +13,7 @@ import torch
 
 from ditcore.codecs import LatentStats, load_codec, psnr
 from ditcore.data.loader import build_loader
-from ditcore.data.schema import read_info
+from ditcore.data.schema import read_info, read_sample
 from ditcore.data.synthetic import generate
 from ditcore.data.writer import TYPED_CONFIG
 
@@ -42,10 +42,10 @@ def decoded(root: Path, key: str):
     stats = LatentStats.from_dict(info.latent_stats)
     for shard in sorted(root.glob("*.tar")):
         with tarfile.open(shard) as tar:
-            for m in tar:
-                if m.name == f"{key}.latent.pth":
-                    latent = torch.load(io.BytesIO(tar.extractfile(m).read()))
-                    return codec.decode(stats.denormalize(latent.float()[None]))
+            members = {m.name.split(".", 1)[1]: tar.extractfile(m).read() for m in tar if m.name.startswith(key + ".")}
+        if members:
+            latent = read_sample({"__key__": key, **members})[0]  # the loader's own decoding
+            return codec.decode(stats.denormalize(latent.float()[None]))
     raise KeyError(key)
 
 

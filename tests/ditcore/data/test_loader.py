@@ -120,8 +120,8 @@ def test_unreadable_sample_is_skipped_and_counted(dataset, tmp_path):
     root = shutil.copytree(dataset, tmp_path / "data")
     shard = root / "rank0-000000.tar"
     data = bytearray(shard.read_bytes())
-    start = data.index(b"s00001.latent.pth") + 512  # the payload right after that member's header
-    data[start:start + 64] = b"\xff" * 64  # a torch.save blob that no longer loads; tar structure intact
+    start = data.index(b"s00001.latent.safetensors") + 512  # the payload right after that member's header
+    data[start:start + 64] = b"\xff" * 64  # a safetensors blob that no longer loads; tar structure intact
     shard.write_bytes(bytes(data))
     counts = skipped_in(loader(root))
     assert counts.get("unreadable_sample", 0) >= 1 and "broken_shard" not in counts

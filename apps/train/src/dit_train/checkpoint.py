@@ -21,7 +21,6 @@ and the previous one is used instead. It never silently starts over.
 
 from __future__ import annotations
 
-import pickle
 import sys
 from collections import Counter
 from pathlib import Path
@@ -31,6 +30,7 @@ import torch.distributed as dist
 
 from dit_train import resume_config
 from ditcore import durable, runs
+from ditcore.data import loader_state
 from ditcore.data.loader import compare_fingerprints
 from ditcore.parallel import dist_checkpoint
 from ditcore.runs import CheckpointError
@@ -97,7 +97,7 @@ def _write_rank_files(tmp: Path, fabric, loader) -> dict[str, dict]:
                 "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}, tmp / mine[-1])
     if groups.tp_rank == groups.cp_rank == groups.pp_rank == 0:  # one writer per data-parallel rank: its peers read it
         mine.append(runs.loader_file(groups.dp_rank))
-        (tmp / mine[-1]).write_bytes(pickle.dumps(loader.save_state_rank()))
+        (tmp / mine[-1]).write_bytes(loader_state.state_to_json(loader.save_state_rank()))
     for name in mine:  # every rank makes its own files durable and measures them, in parallel
         durable.fsync_file(tmp / name)
     return {name: durable.digest(tmp / name) for name in mine}
@@ -203,7 +203,7 @@ def _load(fabric, ckpt: Path, state: dict, loader, changes: resume_config.Compar
     fresh += [other_data] if other_data else []
     try:
         if not fresh:
-            loader.restore_state_rank(pickle.loads((ckpt / runs.loader_file(groups.dp_rank)).read_bytes()))
+            loader.restore_state_rank(runs.read_loader_state(ckpt, groups.dp_rank))
         elif rank == 0:
             print(f"note: {'; '.join(fresh)}: weights, EMA, optimizer state and step resume exactly, but the data "
                   "loader's saved position does not carry over, so it starts a fresh pass over the data (samples "

@@ -6,7 +6,7 @@
                                    state under their one-device names, each rank writing its own pieces (any
                                    layout resumes from it: ditcore.parallel.dist_checkpoint); step, loss
                                    history, learning-rate schedule
-        loader-dpXXXXX.pkl         one per data-parallel rank: its data loader's position
+        loader-dpXXXXX.json        one per data-parallel rank: its data loader's position (older: .pkl, pickled)
         rng-XXXXX.pt               one per process: its RNG states
         config.yaml                the resolved training config
         COMPLETE                   JSON manifest, written last: step, layout, {file: {bytes, crc32}}
@@ -15,7 +15,9 @@
       csv/  tensorboard/  loss.png logs
 
 dit-train writes checkpoints (dit_train.checkpoint); dit-sample finds the export and the checkpoints and loads a
-checkpoint's EMA weights, consolidated, on one device.
+checkpoint's EMA weights, consolidated, on one device. Nothing in a checkpoint is read in a way that could run code:
+tensors through safetensors or torch's weights-only unpickler, state as JSON, and DCP's index and older checkpoints'
+pickles through restricted unpicklers (ditcore.safe_state).
 """
 
 from __future__ import annotations
@@ -38,7 +40,8 @@ CONFIG_FILE = "config.yaml"
 TMP_PREFIX = ".tmp-"
 MODEL, EMA = dist_checkpoint.MODEL, dist_checkpoint.EMA  # prefixes of the one-device tensors in a checkpoint
 _STEP = re.compile(r"^step-(\d{7})$")
-_LOADER = "loader-dp{dp:05d}.pkl"
+_LOADER = "loader-dp{dp:05d}.json"
+_LEGACY_LOADER = "loader-dp{dp:05d}.pkl"  # checkpoints from before JSON loader state
 _RNG = "rng-{rank:05d}.pt"
 
 
@@ -61,6 +64,17 @@ def loader_file(dp_rank: int) -> str:
 
 def rng_file(rank: int) -> str:
     return _RNG.format(rank=rank)
+
+
+def read_loader_state(ckpt: Path, dp_rank: int):
+    """A data-parallel rank's loader position from a checkpoint, for `loader.restore_state_rank`."""
+    from ditcore.data import loader_state
+
+    path = Path(ckpt) / loader_file(dp_rank)
+    legacy = Path(ckpt) / _LEGACY_LOADER.format(dp=dp_rank)
+    if not path.is_file() and legacy.is_file():
+        return loader_state.state_from_pickle(legacy.read_bytes(), what=str(legacy))
+    return loader_state.state_from_json(path.read_bytes(), what=str(path))
 
 
 def step_of(ckpt: Path) -> int | None:

@@ -8,6 +8,8 @@ scale, while ε·work stays below 1e-3 for the tiny models of the tests.
 
 `HostReads` is the CPU's stand-in for torch.cuda.set_sync_debug_mode("error"): it fails on every read that would
 make the host wait for the device, so a code path meant to queue GPU work without waiting is checked on the CPU.
+
+`Payload` is what a hostile file holds: tests plant it in every kind of file ditcore reads.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import os
+import shlex
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -239,3 +243,14 @@ class _FunctionWatch(TorchFunctionMode):
             with self.watch.paused():  # its CPU kernel checks the values (.item()); CUDA's leaves it to device asserts
                 return func(*args, **kwargs)
         return func(*args, **kwargs)
+
+
+class Payload:
+    """Unpickling this runs a shell command that creates `marker` (harmless; a real attack would do anything). Tests
+    plant it, pickled or torch.save'd, in each kind of file ditcore reads, and check that the marker never appears."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (os.system, (f"touch {shlex.quote(self.marker)}",))

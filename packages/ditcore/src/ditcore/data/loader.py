@@ -37,7 +37,7 @@ from megatron.energon import (
 from megatron.energon.flavors.base_dataset import Sample
 
 from ditcore.data.packing import PackedBatch, PackedRow, TokenSample, collate, first_fit_decreasing
-from ditcore.data.schema import LATENT, META, TEXT, DatasetError, crude_config, read_info
+from ditcore.data.schema import DatasetError, crude_config, read_info, read_sample
 from ditcore.layout import grid_positions, patchify
 
 log = logging.getLogger(__name__)
@@ -75,8 +75,10 @@ class PackedSample(Sample):
 
 @stateless
 def cook(sample: CrudeSample) -> LatentSample:
-    """Energon hands over the crude record already decoded: pth → tensor, json → dict."""
-    return LatentSample(**basic_sample_keys(sample), latent=sample[LATENT], text=sample[TEXT], meta=sample[META])
+    """Energon hands over the members' raw bytes (the task encoder has no decoder); they are decoded here, by
+    ditcore alone (schema.read_sample: nothing in a dataset can run code)."""
+    latent, text, meta = read_sample(sample)
+    return LatentSample(**basic_sample_keys(sample), latent=latent, text=text, meta=meta)
 
 
 class PackingTaskEncoder(TaskEncoder):
@@ -87,6 +89,9 @@ class PackingTaskEncoder(TaskEncoder):
     """
 
     cookers = (Cooker(cook),)
+    # Energon's default decoder would unpickle members by extension (`.pth` with torch.load(weights_only=False),
+    # `.pkl`/`.pyd` with pickle.loads): a crafted dataset would run its code. Without one, `cook` gets raw bytes.
+    decoder = None
 
     def __init__(self, *, patch_size: int, patch_size_t: int, seq_length: int, text_dim: int, text_multiple: int = 1):
         super().__init__()

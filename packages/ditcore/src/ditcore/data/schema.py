@@ -1,9 +1,14 @@
 """The on-disk dataset: WebDataset shards of precomputed latents + text states, Energon metadata, ditcore.json.
 
 One sample (one tar member group, key `__key__`):
-    latent.pth   latent [C, T, H, W] (T = 1 for images), bf16, already normalised per channel to std SIGMA_DATA
-    text.pth     text-encoder states [L, D], float16, UNPADDED (true length only; L may be 0)
-    json         {"caption", "height", "width", "frames", "fps", "source", optional "label"}
+    latent.safetensors   latent [C, T, H, W] (T = 1 for images), bf16, already normalised per channel to std
+                         SIGMA_DATA (one tensor, named "latent")
+    text.safetensors     text-encoder states [L, D], float16, UNPADDED (true length only; L may be 0), named "text"
+    json                 {"caption", "height", "width", "frames", "fps", "source", optional "label"}
+
+Tensors are safetensors and metadata JSON, so reading a dataset someone else wrote cannot run their code (a pickle
+can). Datasets written before hold `latent.pth` / `text.pth` (torch.save): they are read with torch's weights-only
+unpickler, which builds tensors and nothing else. No other member kind is ever decoded (`read_sample`).
 
 `.nv-meta/` is Energon's index with two views of the same shards: `dataset.yaml`, typed (the loader's
 `LatentSample`), is what Energon's own CLI reads (`energon info DIR`, `energon lint DIR`); `dataset_crude.yaml`
@@ -14,22 +19,24 @@ last, atomically: a dataset without it is incomplete and is refused.
 
 from __future__ import annotations
 
-import io
 import json
 import logging
 import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import safetensors.torch
 import torch
 
 from ditcore import durable
+from ditcore.safe_state import weights_only_load
 
 log = logging.getLogger(__name__)
 
 FORMAT = "ditcore-dataset/1"
 INFO_FILE = "ditcore.json"
-LATENT, TEXT, META = "latent.pth", "text.pth", "json"
+LATENT, TEXT, META = "latent.safetensors", "text.safetensors", "json"
+LEGACY_LATENT, LEGACY_TEXT = "latent.pth", "text.pth"  # datasets written before safetensors members
 TYPED_CONFIG, CRUDE_CONFIG = "dataset.yaml", "dataset_crude.yaml"  # in .nv-meta/; Energon's CLI reads dataset.yaml
 
 
@@ -100,10 +107,42 @@ def _first_line(e: Exception) -> str:
     return (str(e).strip().splitlines() or [type(e).__name__])[0]
 
 
-def tensor_bytes(t: torch.Tensor) -> bytes:
-    buf = io.BytesIO()
-    torch.save(t.contiguous().clone(), buf)  # clone: save only this tensor's storage, not a view's base
-    return buf.getvalue()
+def tensor_bytes(t: torch.Tensor, name: str) -> bytes:
+    """One tensor as a safetensors blob (a JSON header, then the raw bytes: nothing in it is executable)."""
+    return safetensors.torch.save({name: t.contiguous()})
+
+
+def read_sample(sample: dict) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """Latent, text states and metadata of one crude sample ({member name: raw bytes}), decoded by ditcore alone.
+
+    safetensors members, or torch.save'd `.pth` members of older datasets through torch's weights-only unpickler;
+    a sample without them (e.g. a `.pkl` or `.pyd` member in their place) is refused with a ValueError, its other
+    members never decoded. The loader counts it as an unreadable sample.
+    """
+    latent = _member_tensor(sample, "latent", LATENT, LEGACY_LATENT)
+    text = _member_tensor(sample, "text", TEXT, LEGACY_TEXT)
+    if META not in sample:
+        raise ValueError(f"sample {sample.get('__key__')} has no {META} member")
+    meta = json.loads(sample[META])
+    if not isinstance(meta, dict):
+        raise ValueError(f"sample {sample.get('__key__')}: its {META} is a {type(meta).__name__}, not an object")
+    return latent, text, meta
+
+
+def _member_tensor(sample: dict, name: str, member: str, legacy: str) -> torch.Tensor:
+    if member in sample:
+        tensors = safetensors.torch.load(bytes(sample[member]))
+        if list(tensors) != [name]:
+            raise ValueError(f"sample {sample.get('__key__')}: {member} holds {sorted(tensors)}, expected one '{name}'")
+        return tensors[name]
+    if legacy in sample:
+        t = weights_only_load(sample[legacy], what=f"sample {sample.get('__key__')}: {legacy}",
+                              fix="rerun dit-prepare on the source data to rewrite the dataset")
+        if not torch.is_tensor(t):
+            raise ValueError(f"sample {sample.get('__key__')}: {legacy} holds a {type(t).__name__}, not a tensor")
+        return t
+    found = sorted(k for k in sample if not k.startswith("__"))
+    raise ValueError(f"sample {sample.get('__key__')} has no {member} (or {legacy}) member; it has {found}")
 
 
 def to_record(key: str, latent: torch.Tensor, text: torch.Tensor, meta: dict) -> dict:
@@ -112,7 +151,7 @@ def to_record(key: str, latent: torch.Tensor, text: torch.Tensor, meta: dict) ->
         raise ValueError(f"latent of sample {key} has shape {tuple(latent.shape)}; expected [C, T, H, W]")
     return {
         "__key__": key,
-        LATENT: tensor_bytes(latent.to(torch.bfloat16)),
-        TEXT: tensor_bytes(text.to(torch.float16)),
+        LATENT: tensor_bytes(latent.to(torch.bfloat16), "latent"),
+        TEXT: tensor_bytes(text.to(torch.float16), "text"),
         META: json.dumps(meta).encode(),
     }
