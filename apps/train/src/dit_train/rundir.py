@@ -100,7 +100,7 @@ def start_over(run_dir: Path, resume: str, overwrite: bool) -> None:
             print(f"--overwrite: removed what an earlier run wrote in {run_dir}: {', '.join(removed)}",
                   file=sys.stderr, flush=True)
     elif resume == "none" and ckpts:
-        raise CheckpointError(f"--resume none: train.run_dir {run_dir} already has {len(ckpts)} checkpoints (the "
+        raise CheckpointError(f"--resume none: train.run_dir {run_dir} already has {counted(ckpts)} (the "
                               f"newest: {ckpts[-1].name}) — continue that run with --resume auto, start the new run "
                               "in another train.run_dir, or pass --overwrite to remove them and that run's other "
                               "outputs")
@@ -115,7 +115,7 @@ def remove_outputs(run_dir: Path) -> list[str]:
             continue
         if name == runs.CHECKPOINTS:
             ckpts = runs.by_write_order(run_dir)
-            removed.append(f"{name}/ ({len(ckpts)} checkpoints" + (f", the newest {ckpts[-1].name})" if ckpts else ")"))
+            removed.append(f"{name}/ ({counted(ckpts)}" + (f", the newest {ckpts[-1].name})" if ckpts else ")"))
         else:
             removed.append(f"{name}/" if path.is_dir() and not path.is_symlink() else name)
         if path.is_dir() and not path.is_symlink():
@@ -123,6 +123,10 @@ def remove_outputs(run_dir: Path) -> list[str]:
         else:
             path.unlink()
     return removed
+
+
+def counted(ckpts: list) -> str:
+    return f"{len(ckpts)} checkpoint" + ("" if len(ckpts) == 1 else "s")
 
 
 def csv_version(run_dir: Path) -> str:
@@ -150,14 +154,15 @@ class Claim:
     refusal: Exception | None
 
     def agree(self, fabric) -> None:
-        """Collective, once the processes are up: all of them stop if the first one was refused, which says why in one
-        line; the others leave quietly with the same exit status."""
+        """Collective, once the processes are up: all of them stop, exit status 2, if the first one was refused. It
+        says why in one line, as the CLI would, before any of them leaves: torchrun stops the rest when one ends."""
         from dit_train.checkpoint import all_ranks
 
         if not all_ranks(fabric, self.refusal is not None)[0]:
             return
         if self.refusal is not None:
-            raise self.refusal
+            print(f"error: {self.refusal}", file=sys.stderr, flush=True)
+        all_ranks(fabric, None)
         raise SystemExit(2)
 
 
