@@ -39,7 +39,8 @@ from ditcore.runs import CheckpointError
 
 
 def resolve_resume(run_dir: Path, resume: str) -> list[Path]:
-    """Checkpoints to try, in order: --resume auto → every complete one, newest first; none → []; else that one."""
+    """Checkpoints to try, in order: --resume auto → the one written last, then those it continued from (its
+    trajectory; another trajectory's never); none → []; else that one."""
     if resume == "none":
         return []
     if resume == "auto":  # the last written, then the checkpoints it continued from

@@ -172,7 +172,7 @@ def trajectory(run_dir: str | Path, ckpt: Path) -> list[Path]:
 
 
 def _parent(ckpt: Path, found: dict[str, tuple[Path, dict]]) -> Path | None:
-    mine = found[ckpt.name][1] if ckpt.name in found else lineage(ckpt)
+    mine = lineage(ckpt)  # read again: a checkpoint elsewhere may have the name of one here
     if not mine:  # an older dit-train's: it continued the one of the highest step below its own
         older = [p for p, theirs in found.values() if not theirs and _step_and_copy(p) < _step_and_copy(ckpt)]
         return max(older, key=_step_and_copy, default=None)
