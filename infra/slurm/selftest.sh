@@ -136,6 +136,9 @@ check "failed: not requeued" test "$(count requeue)" -eq 0
 simulate train.sbatch 1 1 no mock --resume none
 check "--resume is refused" test "$status" -eq 2
 
+simulate train.sbatch 1 1 no mock --overwrite
+check "--overwrite is refused" test "$status" -eq 2
+
 simulate prepare.sbatch 2 1 no synthetic --out /tmp/x --num 50 --workers 2
 check "prepare: exits 0" test "$status" -eq 0
 check "prepare: 2 ranks, arguments unchanged (--num is not torchrun's)" \

@@ -493,6 +493,94 @@ def test_damaged_newest_checkpoint_falls_back_to_the_previous_one(dataset, strai
     assert [p.name for p in runs.complete_checkpoints(broken_copy)] == ["step-0000002", "step-0000004"]
 
 
+# ---------------------------------------------------------------- one run per directory, and checkpoint lineage
+
+
+@pytest.fixture(scope="module")
+def two_checkpoints(dataset, tmp_path_factory):
+    """A finished 4-step run that kept its checkpoints of steps 2 and 4 (tests work on copies)."""
+    run = tmp_path_factory.mktemp("lineage") / "run"
+    proc = dit_train(*run_args(dataset, run, 4, "checkpoint.every=2", "checkpoint.keep=2"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert [p.name for p in runs.complete_checkpoints(run)] == ["step-0000002", "step-0000004"]
+    return run
+
+
+def snapshot(folder: Path) -> dict:
+    """Every path in `folder` with its time and size, but the lock file (whoever holds it writes their record)."""
+    return {p.relative_to(folder): (p.stat().st_mtime_ns, p.stat().st_size) for p in folder.rglob("*")
+            if p.name != ".lock"}
+
+
+def test_a_second_run_on_a_held_run_dir_is_refused_in_one_line_and_touches_nothing(two_checkpoints, dataset, tmp_path):
+    """The run dir is held (here by this test process, as a first dit-train would hold it) in the middle of a save:
+    a second dit-train names the holder and leaves its temporary folder, checkpoints and logs alone."""
+    from dit_train.rundir import RunDirLock
+
+    run = tmp_path / "run"
+    shutil.copytree(two_checkpoints, run)
+    (run / "checkpoints" / ".tmp-step-0000006").mkdir()
+    (run / "checkpoints" / ".tmp-step-0000006" / "__0_0.distcp").write_bytes(b"half written")
+    lock = RunDirLock.acquire(run)
+    try:
+        before = snapshot(run)
+        proc = dit_train(*run_args(dataset, run, 6), "--resume", "auto")
+        assert snapshot(run) == before
+    finally:
+        lock.release()
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
+    assert len(errors) == 1, proc.stderr
+    assert errors[0].startswith(f"error: train.run_dir {run} is in use by another training run (pid {os.getpid()} on "
+                                f"host {socket.gethostname()}, since "), errors[0]
+
+
+def test_a_branch_keeps_the_other_trajectory_and_auto_follows_the_branch(two_checkpoints, dataset, tmp_path):
+    """Resumed from step 2 while step 4 exists, checkpointing every step with keep=2: the branch writes step 3 and its
+    own step 4 beside the first (step-0000004-2), rotation deletes only its own step 2 once it has two newer ones, and
+    --resume auto continues the branch, not the higher-numbered first trajectory."""
+    run = tmp_path / "run"
+    shutil.copytree(two_checkpoints, run)
+    first4 = (runs.step_dir(run, 4) / runs.MARKER).read_text()
+    proc = dit_train(*run_args(dataset, run, 4, "checkpoint.every=1", "checkpoint.keep=2"), "--resume",
+                     runs.step_dir(run, 2))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    notes = [ln for ln in proc.stderr.splitlines() if ln.startswith("note: resumed from")]
+    assert len(notes) == 1 and "branches off" in notes[0] and "(step-0000004)" in notes[0], proc.stderr
+    assert [p.name for p in runs.complete_checkpoints(run)] == ["step-0000003", "step-0000004", "step-0000004-2"]
+    assert (runs.step_dir(run, 4) / runs.MARKER).read_text() == first4  # the first trajectory's, untouched
+    three, branch4 = runs.lineage(runs.step_dir(run, 3)), runs.lineage(run / "checkpoints" / "step-0000004-2")
+    assert three["parent"]["name"] == "step-0000002" and branch4["parent"]["name"] == "step-0000003"
+    assert three["run"] == branch4["run"] == runs.lineage(runs.step_dir(run, 4))["run"]  # one run, two trajectories
+    assert branch4["seq"] > three["seq"] > runs.lineage(runs.step_dir(run, 4))["seq"]
+    assert [p.name for p in checkpoint.resolve_resume(run, "auto")] == ["step-0000004-2", "step-0000003"]
+    assert dcp.read_values(run / "checkpoints" / "step-0000004-2")["step"] == 4
+
+
+def test_resume_none_over_checkpoints_needs_overwrite_which_says_what_it_removes(two_checkpoints, dataset, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(two_checkpoints, run)
+    (run / "notes.txt").write_text("the user's")
+    old_run = runs.lineage(runs.step_dir(run, 4))["run"]
+    before = snapshot(run)
+    refused = dit_train(*run_args(dataset, run, 2, "checkpoint.every=2"), "--resume", "none")
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr, refused.stderr[-3000:]
+    errors = [ln for ln in refused.stderr.splitlines() if ln.startswith("error:")]
+    assert len(errors) == 1 and "2 checkpoints (the newest: step-0000004)" in errors[0], refused.stderr
+    assert "--resume auto" in errors[0] and "another train.run_dir" in errors[0] and "--overwrite" in errors[0]
+    assert snapshot(run) == before
+
+    proc = dit_train(*run_args(dataset, run, 1), "--resume", "none", "--overwrite")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    removed = [ln for ln in proc.stderr.splitlines() if ln.startswith("--overwrite:")]
+    assert removed == [f"--overwrite: removed what an earlier run wrote in {run}: checkpoints/ (2 checkpoints, the "
+                       "newest step-0000004), export/, samples/, csv/, loss.png"], proc.stderr
+    assert [p.name for p in runs.complete_checkpoints(run)] == ["step-0000001"]
+    lineage = runs.lineage(runs.step_dir(run, 1))
+    assert lineage["parent"] is None and lineage["run"] != old_run and lineage["seq"] == 1
+    assert len(list((run / "csv").iterdir())) == 1 and (run / "notes.txt").read_text() == "the user's"
+
+
 # ---------------------------------------------------------------- the metrics of a log window
 
 

@@ -67,3 +67,59 @@ def test_a_lost_file_is_named(tmp_path, full):
     with pytest.raises(runs.CheckpointError, match=r"has lost __0_0.distcp"):
         runs.load_weights(ckpt)
 
+
+
+# ---------------------------------------------------------------- lineage: the newest checkpoint and its trajectory
+
+
+def fake_checkpoint(run_dir, name: str, run: str | None = None, seq: int | None = None, parent=None):
+    """A complete checkpoint folder as far as ordering goes: its manifest, with a lineage (seq given) or without one,
+    as an older dit-train wrote it. parent: the folder it continued from."""
+    ckpt = runs.step_dir(run_dir, 0).with_name(name)
+    ckpt.mkdir(parents=True)
+    lineage = {"run": run, "seq": seq, "parent": runs.parent_ref(parent) if parent else None} if seq else None
+    runs.write_manifest(ckpt, runs.step_of(ckpt), {"world_size": 1}, {}, lineage)
+    return ckpt
+
+
+def names(paths):
+    return [p.name for p in paths]
+
+
+def test_the_newest_checkpoint_is_the_last_written_and_its_trajectory_is_its_ancestors(tmp_path):
+    """Run A wrote steps 5, 10, 20; then a run resumed from A's step 10 (a branch) wrote 15 and another 20. Step numbers
+    would pick A's step 20 and rotate the branch away; the lineage picks the branch's newest and its ancestors."""
+    a5 = fake_checkpoint(tmp_path, "step-0000005", "A", 1)
+    a10 = fake_checkpoint(tmp_path, "step-0000010", "A", 2, a5)
+    a20 = fake_checkpoint(tmp_path, "step-0000020", "A", 3, a10)
+    b15 = fake_checkpoint(tmp_path, "step-0000015", "A", 4, a10)
+    assert runs.free_step_dir(tmp_path, 20).name == "step-0000020-2"  # A's step 20 is never replaced
+    assert runs.free_step_dir(tmp_path, 25) == runs.step_dir(tmp_path, 25)
+    fake_checkpoint(tmp_path, "step-0000020-2", "A", runs.next_seq(tmp_path), b15)
+    assert runs.step_of(runs.newest(tmp_path)) == 20 and runs.lineage(runs.newest(tmp_path))["seq"] == 5
+    assert names(runs.by_write_order(tmp_path)) == ["step-0000005", "step-0000010", "step-0000020", "step-0000015",
+                                                    "step-0000020-2"]
+    assert names(runs.complete_checkpoints(tmp_path)) == ["step-0000005", "step-0000010", "step-0000015",
+                                                          "step-0000020", "step-0000020-2"]
+    assert names(runs.trajectory(tmp_path, runs.newest(tmp_path))) == ["step-0000020-2", "step-0000015",
+                                                                       "step-0000010", "step-0000005"]
+    assert names(runs.trajectory(tmp_path, a20)) == ["step-0000020", "step-0000010", "step-0000005"]
+
+
+def test_checkpoints_of_an_older_dit_train_are_one_trajectory_in_step_order(tmp_path):
+    for step in (3, 6, 9):
+        fake_checkpoint(tmp_path, f"step-{step:07d}")
+    assert names(runs.trajectory(tmp_path, runs.newest(tmp_path))) == ["step-0000009", "step-0000006", "step-0000003"]
+    # a run resumed from the older dit-train's step 6: written after all of them, continuing 6 and 3
+    fake_checkpoint(tmp_path, "step-0000008", "B", runs.next_seq(tmp_path), runs.step_dir(tmp_path, 6))
+    assert names(runs.by_write_order(tmp_path))[-1] == "step-0000008"
+    assert names(runs.trajectory(tmp_path, runs.newest(tmp_path))) == ["step-0000008", "step-0000006", "step-0000003"]
+
+
+def test_a_parent_of_the_same_name_but_another_identity_ends_the_trajectory(tmp_path):
+    """A checkpoint resumed from another run dir's step 10 does not continue this folder's step 10."""
+    mine = fake_checkpoint(tmp_path, "step-0000010", "A", 1)
+    elsewhere = fake_checkpoint(tmp_path / "other", "step-0000010", "C", 7)
+    child = fake_checkpoint(tmp_path, "step-0000012", "C", 2, elsewhere)
+    assert runs.trajectory(tmp_path, child) == [child]
+    assert runs.trajectory(tmp_path, mine) == [mine]

@@ -17,11 +17,19 @@ checkpoint's exactly.
 
 `--resume auto` takes the newest checkpoint that verifies and loads; a damaged one is reported in one line
 and the previous one is used instead. It never silently starts over.
+
+Lineage (ditcore.runs): "newest" is the checkpoint written last, not the highest step, and "previous" is the one
+it continued from. A run resumed from an older checkpoint (`--resume RUN/checkpoints/step-0000010` where
+step-0000020 exists) branches off: its checkpoints continue step-0000010's trajectory, `--resume auto` follows
+them from then on, and a step the other trajectory has already is written as step-XXXXXXX-2. Rotation (`keep`)
+counts and deletes only checkpoints of the current trajectory, oldest first, never the one just written: another
+trajectory's checkpoints (the abandoned branch) are never deleted by dit-train, only reported when it branches.
 """
 
 from __future__ import annotations
 
 import sys
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -37,11 +45,13 @@ from ditcore.runs import CheckpointError
 
 
 def resolve_resume(run_dir: Path, resume: str) -> list[Path]:
-    """Checkpoints to try, in order: --resume auto → every complete one, newest first; none → []; else that one."""
+    """Checkpoints to try, in order: --resume auto → the one written last, then those it continued from (its
+    trajectory; another trajectory's never); none → []; else that one."""
     if resume == "none":
         return []
-    if resume == "auto":
-        return runs.complete_checkpoints(run_dir)[::-1]
+    if resume == "auto":  # the last written, then the checkpoints it continued from
+        newest = runs.newest(run_dir)
+        return runs.trajectory(run_dir, newest) if newest else []
     path = Path(resume)
     if not runs.is_complete(path):
         raise FileNotFoundError(f"--resume {resume}: not a complete checkpoint (no {runs.MARKER} marker) — pass a "
@@ -59,12 +69,14 @@ def layout(fabric) -> dict:
 def save(fabric, run_dir: Path, step: int, state: dict, loader, config_yaml: str, keep: int) -> Path:
     """Collective: every rank calls it. Returns the final checkpoint folder."""
     rank = fabric.global_rank
-    final = runs.step_dir(run_dir, step)
-    tmp = runs.tmp_dir(final)
+    name = None
     if rank == 0:
-        durable.remove_leftovers(final.parent, (runs.TMP_PREFIX, durable.TRASH_PREFIX))  # from an interrupted save
-        tmp.mkdir(parents=True)
-    fabric.barrier()
+        root = Path(run_dir) / runs.CHECKPOINTS
+        durable.remove_leftovers(root, (runs.TMP_PREFIX, durable.TRASH_PREFIX))  # from an interrupted save
+        name = runs.free_step_dir(run_dir, step).name
+        runs.tmp_dir(root / name).mkdir(parents=True)
+    final = Path(run_dir) / runs.CHECKPOINTS / all_ranks(fabric, name)[0]  # rank 0's choice, once its folder exists
+    tmp = runs.tmp_dir(final)
     values = _values(state) | {"skipped": dict(skipped_total(fabric, state["skipped"])),
                                "dataset": getattr(loader, "fingerprint", None)}
     dist_checkpoint.save(tmp, _tensors(fabric, state), values)  # each rank its pieces, fsynced
@@ -80,12 +92,31 @@ def save(fabric, run_dir: Path, step: int, state: dict, loader, config_yaml: str
     if rank == 0:
         durable.write_text(tmp / runs.CONFIG_FILE, config_yaml)
         files[runs.CONFIG_FILE] = durable.digest(tmp / runs.CONFIG_FILE)
-        runs.write_manifest(tmp, step, layout(fabric), files)
+        # state["lineage"] is current on rank 0 only, the one rank that writes it
+        lineage = state.get("lineage") or next_lineage(None)
+        runs.write_manifest(tmp, step, layout(fabric), files, lineage | {
+            "seq": runs.next_seq(run_dir), "written": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
         durable.publish_dir(tmp, final)
-        for old in runs.complete_checkpoints(run_dir)[:-keep]:
-            durable.remove_dir(old)
+        state["lineage"] = next_lineage(final)
+        rotate(run_dir, final, keep)
     fabric.barrier()
     return final
+
+
+def next_lineage(ckpt: Path | None) -> dict:
+    """The run and parent that the next checkpoint records, when it continues `ckpt` (None: a run from scratch)."""
+    if ckpt is None:
+        return {"run": runs.new_run_id(), "parent": None}
+    return {"run": runs.lineage(ckpt).get("run") or runs.new_run_id(), "parent": runs.parent_ref(ckpt)}
+
+
+def rotate(run_dir: Path, newest: Path, keep: int) -> list[Path]:
+    """Delete the checkpoints of `newest`'s trajectory older than its `keep` newest (`newest` itself never); other
+    trajectories' are left alone. Returns those deleted."""
+    old = runs.trajectory(run_dir, newest)[max(keep, 1):]
+    for ckpt in old:
+        durable.remove_dir(ckpt)
+    return old
 
 
 def _write_rank_files(tmp: Path, fabric, loader) -> dict[str, dict]:
@@ -125,6 +156,9 @@ def resume(fabric, run_dir: Path, resume_arg: str, state: dict, loader, cfg) -> 
                 print(changes.summary(), file=sys.stderr, flush=True)
             problem = _agree(fabric, _load(fabric, ckpt, state, loader, changes, cfg))
         if problem is None:
+            state["lineage"] = next_lineage(ckpt)
+            if fabric.global_rank == 0:
+                note_branch(run_dir, ckpt)
             return ckpt
         if resume_arg != "auto":
             raise CheckpointError(f"{problem} — pick another checkpoint, or --resume auto")
@@ -136,8 +170,22 @@ def resume(fabric, run_dir: Path, resume_arg: str, state: dict, loader, cfg) -> 
         where = Path(run_dir) / runs.CHECKPOINTS
         raise CheckpointError(f"none of the {len(candidates)} complete checkpoints in {where} "
                               f"loads (newest: {newest_problem}) — restore them from a copy, or pass --resume none "
-                              "to start over")
+                              "--overwrite to start over (deleting them)")
+    state["lineage"] = next_lineage(None)
     return None
+
+
+def note_branch(run_dir: Path, ckpt: Path) -> None:
+    """Say so when a resume does not continue the newest checkpoint of the run dir: it starts a branch."""
+    newest = runs.newest(run_dir)
+    if newest is None or newest.absolute() == ckpt.absolute():
+        return
+    mine = {p.absolute() for p in runs.trajectory(run_dir, ckpt)}
+    others = [p.name for p in runs.by_write_order(run_dir) if p.absolute() not in mine]
+    print(f"note: resumed from {ckpt}, not from {newest.name}, the newest checkpoint in {newest.parent}: this run "
+          f"branches off, and --resume auto continues the branch from now on; the other trajectory's checkpoints "
+          f"({', '.join(others)}) are kept, never rotated away — delete them when you no longer need them",
+          file=sys.stderr, flush=True)
 
 
 def _verify(fabric, ckpt: Path) -> str | None:

@@ -26,8 +26,12 @@ def main(
     overrides: list[str] = typer.Argument(None, help="Dotted overrides, e.g. train.steps=200 parallel.tp=2."),
     config: str = typer.Option(None, "--config", "-c", help="YAML config file, or a shipped config name: "
                                                             + ", ".join(SHIPPED_NAMES) + "."),
-    resume: str = typer.Option("auto", help="auto: continue from the newest complete checkpoint in RUN_DIR "
-                                            "(fresh run if none); none: start over; or a checkpoint folder."),
+    resume: str = typer.Option("auto", help="auto: continue from the checkpoint written last in RUN_DIR (fresh run "
+                                            "if none); none: a new run (refused where checkpoints exist, unless "
+                                            "--overwrite); or a checkpoint folder (an older one starts a branch)."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Start a new run in RUN_DIR, first removing what an "
+                                                              "earlier run wrote there: checkpoints/, export/, "
+                                                              "samples/, csv/, tensorboard/, loss.png."),
     print_config: bool = typer.Option(False, "--print-config", help="Print the resolved config and exit."),
     plan: bool = typer.Option(False, "--plan", help="Print the memory per GPU this config needs (weights, gradients, "
                                                     "optimizer, EMA, buffers, activations) and exit: 0 if it fits in "
@@ -45,7 +49,8 @@ def main(
     """Train a diffusion transformer with the EDM objective (Lightning Fabric + Megatron-Core parallelism).
 
     Launch one process (or Fabric starts parallel.devices of them), or run under torchrun for several.
-    Writes RUN_DIR (train.run_dir): checkpoints/, samples/, csv/ and tensorboard/ logs, loss.png, export/.
+    Writes RUN_DIR (train.run_dir): checkpoints/, samples/, csv/ and tensorboard/ logs, loss.png, export/; one run
+    at a time (a second one on the same RUN_DIR is refused, naming the first).
     SIGTERM or SIGUSR1 saves a checkpoint and exits 0. --plan checks a layout before any GPU is spent on it.
     """
     from dit_train.config import load_config
@@ -68,13 +73,15 @@ def main(
                 hint = f" (the world size is parallel.devices={cfg.parallel.devices}: pass --world-size, the GPUs)"
             _fail(f"{e}{hint}")
         raise typer.Exit(0 if fits else 2)
+    from dit_train.rundir import RunDirInUse
     from dit_train.train import Diverged, train
     from ditcore import runs
     from ditcore.models import NotCompiled
 
     try:
-        result = train(cfg, resume=resume, config_yaml=cfg.to_yaml())
-    except (ConfigError, DatasetError, runs.CheckpointError, Diverged, NotCompiled, FileNotFoundError, ValueError) as e:
+        result = train(cfg, resume=resume, config_yaml=cfg.to_yaml(), overwrite=overwrite)
+    except (ConfigError, DatasetError, runs.CheckpointError, Diverged, NotCompiled, FileNotFoundError, ValueError,
+            RunDirInUse) as e:
         _fail(str(e))
     if not result["stopped"] and result["rank"] == 0:  # one summary, not one per process
         run = Path(cfg.train.run_dir)

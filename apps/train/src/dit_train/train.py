@@ -18,7 +18,7 @@ from lightning_fabric import Fabric
 from lightning_fabric.loggers import CSVLogger, TensorBoardLogger
 from tqdm import tqdm
 
-from dit_train import checkpoint
+from dit_train import checkpoint, rundir
 from dit_train.config import TrainConfig, memory_layout
 from ditcore import durable, runs
 from ditcore.codecs import LatentStats, load_codec
@@ -151,8 +151,8 @@ class Trainee:
     state: dict  # what a checkpoint holds: the above, the step and the loss history
 
 
-def train(cfg: TrainConfig, resume: str = "auto", config_yaml: str | None = None) -> dict:
-    run = setup(cfg)
+def train(cfg: TrainConfig, resume: str = "auto", config_yaml: str | None = None, overwrite: bool = False) -> dict:
+    run = setup(cfg, resume, overwrite)
     trainee = build(run)
     ckpt = checkpoint.resume(run.fabric, run.run_dir, resume, trainee.state, trainee.loader, cfg)  # verified
     if ckpt is not None:
@@ -164,8 +164,9 @@ def train(cfg: TrainConfig, resume: str = "auto", config_yaml: str | None = None
     return result
 
 
-def setup(cfg: TrainConfig) -> Setup:
-    """Check the dataset and run directory, start the processes and their groups, check the layout fits."""
+def setup(cfg: TrainConfig, resume: str = "auto", overwrite: bool = False) -> Setup:
+    """Check the dataset and run directory (and hold it: dit_train.rundir), start the processes and their groups,
+    check the layout fits."""
     run_dir = Path(cfg.train.run_dir)
     info = read_info(cfg.data.path)  # fails early, on every rank, if the dataset is missing or unfinished
     dims = ParallelDims(cfg.parallel.tp, cfg.parallel.cp, cfg.parallel.pp,
@@ -179,9 +180,10 @@ def setup(cfg: TrainConfig) -> Setup:
                                                      "(auto picks flex on a GPU)")
     bf16 = cfg.train.precision == "bf16" or (cfg.train.precision == "auto" and on_gpu)
     prepare_run_dir(run_dir)
+    claim = rundir.claim(run_dir, resume, overwrite)  # the lock, before anything is written into the run dir
     loggers = []
     if cfg.logging.csv:
-        loggers.append(CSVLogger(str(run_dir), name="csv", version=f"run-{time.strftime('%Y%m%d-%H%M%S')}"))
+        loggers.append(CSVLogger(str(run_dir), name=runs.CSV, version=rundir.csv_version(run_dir)))
     if cfg.logging.tensorboard:
         loggers.append(TensorBoardLogger(str(run_dir), name="tensorboard", version=""))
     strategy = MegatronStrategy(dims, fsdp=cfg.parallel.fsdp)
@@ -189,6 +191,7 @@ def setup(cfg: TrainConfig) -> Setup:
     fabric = Fabric(accelerator="cuda" if on_gpu else "cpu", devices=devices, num_nodes=num_nodes, strategy=strategy,
                     precision="bf16-mixed" if bf16 else "32-true", loggers=loggers)
     fabric.launch()
+    claim.agree(fabric)  # under torchrun, the other processes learn here whether the first one holds the run dir
     if queues_warning and on_gpu:
         fabric.print(queues_warning)
     groups = strategy.groups

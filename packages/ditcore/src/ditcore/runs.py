@@ -1,7 +1,9 @@
 """The run directory and its checkpoints: the one place that names their files and reads them.
 
     RUN_DIR/
-      checkpoints/step-XXXXXXX/    a complete training checkpoint (written as .tmp-step-XXXXXXX/, then renamed)
+      .lock                        held by the training run that writes here (dit_train.rundir): one at a time
+      checkpoints/step-XXXXXXX/    a complete training checkpoint (written as .tmp-step-XXXXXXX/, then renamed);
+                                   step-XXXXXXX-2 (-3 …): another trajectory's checkpoint of the same step
         .metadata  __R_0.distcp    torch.distributed.checkpoint, one file per process R: model, EMA and AdamW
                                    state under their one-device names, each rank writing its own pieces (any
                                    layout resumes from it: ditcore.parallel.dist_checkpoint); step, loss
@@ -9,7 +11,7 @@
         loader-dpXXXXX.json        one per data-parallel rank: its data loader's position (older: .pkl, pickled)
         rng-XXXXX.pt               one per process: its RNG states
         config.yaml                the resolved training config
-        COMPLETE                   JSON manifest, written last: step, layout, {file: {bytes, crc32}}
+        COMPLETE                   JSON manifest, written last: step, layout, lineage, {file: {bytes, crc32}}
       export/                      consolidated EMA weights for sampling on one device (ditcore.export)
       samples/step-XXXXXXX/        validation samples
       csv/  tensorboard/  loss.png logs
@@ -18,12 +20,22 @@ dit-train writes checkpoints (dit_train.checkpoint); dit-sample finds the export
 checkpoint's EMA weights, consolidated, on one device. Nothing in a checkpoint is read in a way that could run code:
 tensors through safetensors or torch's weights-only unpickler, state as JSON, and DCP's index and older checkpoints'
 pickles through restricted unpicklers (ditcore.safe_state).
+
+Lineage: each manifest records the training run the checkpoint belongs to (`run`: an id made when a run starts
+from scratch, kept by every resume), its place in the order checkpoints were written in this folder (`seq`) and
+the checkpoint it continued from (`parent`: the previous save of the same process, or the one it resumed from).
+Step numbers alone cannot order a folder in which a run went back to an older checkpoint (a branch): its new
+checkpoints have lower steps than the abandoned ones. So "the newest checkpoint" is the last one written, and "its
+trajectory" is it and its ancestors. Checkpoints of an older dit-train (no lineage) were written one run after
+another in step order, so they count as written before any with a lineage, and each continues the one before it.
 """
 
 from __future__ import annotations
 
 import json
 import re
+import secrets
+import time
 from pathlib import Path
 
 import torch
@@ -33,13 +45,14 @@ from ditcore.export import WEIGHTS
 from ditcore.parallel import dist_checkpoint
 
 CHECKPOINTS, EXPORT, SAMPLES = "checkpoints", "export", "samples"
+CSV, TENSORBOARD = "csv", "tensorboard"  # the log folders
 LOSS_PLOT = "loss.png"
 SHEET = "grid.png"  # the contact sheet of validation samples: prompts × seeds
 MARKER = "COMPLETE"
 CONFIG_FILE = "config.yaml"
 TMP_PREFIX = ".tmp-"
 MODEL, EMA = dist_checkpoint.MODEL, dist_checkpoint.EMA  # prefixes of the one-device tensors in a checkpoint
-_STEP = re.compile(r"^step-(\d{7})$")
+_STEP = re.compile(r"^step-(\d{7})(?:-(\d+))?$")  # -N: the N-th checkpoint of that step in the folder (a branch)
 _LOADER = "loader-dp{dp:05d}.json"
 _LEGACY_LOADER = "loader-dp{dp:05d}.pkl"  # checkpoints from before JSON loader state
 _RNG = "rng-{rank:05d}.pt"
@@ -86,18 +99,36 @@ def is_complete(ckpt: str | Path) -> bool:
     return step_of(Path(ckpt)) is not None and (Path(ckpt) / MARKER).is_file()
 
 
+def _step_and_copy(ckpt: Path) -> tuple[int, int]:
+    match = _STEP.match(Path(ckpt).name)
+    return int(match.group(1)), int(match.group(2) or 1)
+
+
 def complete_checkpoints(run_dir: str | Path) -> list[Path]:
-    """Complete checkpoints of a run, oldest first."""
+    """Complete checkpoints of a run, by step (step-XXXXXXX before step-XXXXXXX-2)."""
     root = Path(run_dir) / CHECKPOINTS
     if not root.is_dir():
         return []
-    return sorted((p for p in root.iterdir() if is_complete(p)), key=step_of)
+    return sorted((p for p in root.iterdir() if is_complete(p)), key=_step_and_copy)
 
 
-def write_manifest(ckpt: Path, step: int, layout: dict, files: dict[str, dict]) -> None:
+def free_step_dir(run_dir: str | Path, step: int) -> Path:
+    """Where a new checkpoint of `step` goes: step-XXXXXXX, or step-XXXXXXX-2, -3 … where a complete checkpoint of
+    that step is there already (another trajectory's: a branch never replaces it). An incomplete folder of the name
+    is not a checkpoint, and is replaced."""
+    final = step_dir(run_dir, step)
+    copy = 1
+    while is_complete(final):
+        copy += 1
+        final = final.with_name(f"step-{step:07d}-{copy}")
+    return final
+
+
+def write_manifest(ckpt: Path, step: int, layout: dict, files: dict[str, dict], lineage: dict | None = None) -> None:
     """The COMPLETE marker: written (fsynced) last, after every file it lists is durable. layout: world_size, tp, cp,
-    pp, dp, fsdp of the job that wrote it."""
-    manifest = {"step": step, "layout": layout, "files": dict(sorted(files.items()))}
+    pp, dp, fsdp of the job that wrote it; lineage: see the module's docstring."""
+    manifest = {"step": step, "layout": layout} | ({"lineage": lineage} if lineage else {})
+    manifest["files"] = dict(sorted(files.items()))
     durable.write_text(ckpt / MARKER, json.dumps(manifest, indent=1) + "\n")
 
 
@@ -108,6 +139,64 @@ def read_manifest(ckpt: Path) -> dict:
     except (OSError, ValueError):
         return {}
     return manifest if isinstance(manifest, dict) else {}
+
+
+def new_run_id() -> str:
+    """The id of a training run that starts from scratch: when it started, and 6 random hex digits."""
+    return f"{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(3)}"
+
+
+def lineage(ckpt: str | Path) -> dict:
+    """A checkpoint's lineage {run, seq, written, parent}; {} for one of an older dit-train."""
+    value = read_manifest(Path(ckpt)).get("lineage")
+    return value if isinstance(value, dict) and isinstance(value.get("seq"), int) else {}
+
+
+def parent_ref(ckpt: Path) -> dict:
+    """How a checkpoint that continues `ckpt` names it (name, run, seq; where it was)."""
+    mine = lineage(ckpt)
+    return {"name": Path(ckpt).name, "run": mine.get("run"), "seq": mine.get("seq"), "path": str(Path(ckpt).absolute())}
+
+
+def next_seq(run_dir: str | Path) -> int:
+    """The write sequence of the next checkpoint in run_dir: after every one there."""
+    return 1 + max((lineage(p).get("seq", 0) for p in complete_checkpoints(run_dir)), default=0)
+
+
+def by_write_order(run_dir: str | Path) -> list[Path]:
+    """Complete checkpoints, the last written last (those of an older dit-train first, by step)."""
+    return sorted(complete_checkpoints(run_dir), key=lambda p: (lineage(p).get("seq", 0), _step_and_copy(p)))
+
+
+def newest(run_dir: str | Path) -> Path | None:
+    """The complete checkpoint written last, or None."""
+    ordered = by_write_order(run_dir)
+    return ordered[-1] if ordered else None
+
+
+def trajectory(run_dir: str | Path, ckpt: Path) -> list[Path]:
+    """`ckpt` and the checkpoints in run_dir it continued from, newest first: parent after parent, as far as they
+    are still there."""
+    found = {p.name: (p, lineage(p)) for p in complete_checkpoints(run_dir)}
+    chain, seen = [Path(ckpt)], {Path(ckpt).name}
+    while (parent := _parent(chain[-1], found)) is not None and parent.name not in seen:
+        chain.append(parent)
+        seen.add(parent.name)
+    return chain
+
+
+def _parent(ckpt: Path, found: dict[str, tuple[Path, dict]]) -> Path | None:
+    mine = lineage(ckpt)  # read again: a checkpoint elsewhere may have the name of one here
+    if not mine:  # an older dit-train's: it continued the one of the highest step below its own
+        older = [p for p, theirs in found.values() if not theirs and _step_and_copy(p) < _step_and_copy(ckpt)]
+        return max(older, key=_step_and_copy, default=None)
+    ref = mine.get("parent")
+    if not isinstance(ref, dict) or ref.get("name") not in found:
+        return None
+    candidate, theirs = found[ref["name"]]
+    if ref.get("seq") is None:  # it resumed from an older dit-train's checkpoint
+        return candidate if not theirs else None
+    return candidate if (theirs.get("run"), theirs.get("seq")) == (ref.get("run"), ref["seq"]) else None
 
 
 def verify(ckpt: Path, name: str, manifest: dict) -> str | None:
