@@ -46,7 +46,8 @@ def main(
 
     Launch one process (or Fabric starts parallel.devices of them), or run under torchrun for several.
     Writes RUN_DIR (train.run_dir): checkpoints/, samples/, csv/ and tensorboard/ logs, loss.png, export/.
-    SIGTERM or SIGUSR1 saves a checkpoint and exits 0. --plan checks a layout before any GPU is spent on it.
+    SIGTERM, SIGUSR1, SIGHUP or Ctrl-C saves a checkpoint and exits 0 (a second Ctrl-C exits at once). --plan
+    checks a layout before any GPU is spent on it.
     """
     from dit_train.config import load_config
     from ditcore.data.schema import DatasetError
@@ -68,7 +69,7 @@ def main(
                 hint = f" (the world size is parallel.devices={cfg.parallel.devices}: pass --world-size, the GPUs)"
             _fail(f"{e}{hint}")
         raise typer.Exit(0 if fits else 2)
-    from dit_train.train import Diverged, train
+    from dit_train.train import Diverged, Interrupted, train
     from ditcore import runs
     from ditcore.models import NotCompiled
 
@@ -76,6 +77,9 @@ def main(
         result = train(cfg, resume=resume, config_yaml=cfg.to_yaml())
     except (ConfigError, DatasetError, runs.CheckpointError, Diverged, NotCompiled, FileNotFoundError, ValueError) as e:
         _fail(str(e))
+    except Interrupted as e:  # a second Ctrl-C
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(130) from None
     if not result["stopped"] and result["rank"] == 0:  # one summary, not one per process
         run = Path(cfg.train.run_dir)
         typer.echo(f"done: {result['step']} steps; export {runs.export_dir(run)}; loss curve {run / runs.LOSS_PLOT}")
