@@ -126,7 +126,8 @@ def test_a_dataset_with_no_usable_sample_stops_after_a_bounded_run_of_skips(unus
     with pytest.raises(DatasetError) as e:
         next_batch(it, data)
     message = str(e.value)
-    assert message.startswith(f"no usable sample in the last 50 samples of dataset '{unusable}' (") and "\n" not in message
+    assert message.startswith(f"no usable sample in the last 50 samples of dataset '{unusable}' (")
+    assert "\n" not in message
     assert "non finite latent" in message and "latent out of range" in message and "max_skipped_in_a_row" in message
     if not workers:  # a worker's log records stay in its process
         assert len([r for r in caplog.records if r.getMessage().startswith("skipping sample")]) <= 2 * 3

@@ -21,12 +21,14 @@ and the previous one is used instead. It never silently starts over.
 
 from __future__ import annotations
 
+import shutil
 import sys
 from collections import Counter
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 
 from dit_train import resume_config
 from ditcore import durable, runs
@@ -67,14 +69,18 @@ def save(fabric, run_dir: Path, step: int, state: dict, loader, config_yaml: str
     fabric.barrier()
     values = _values(state) | {"skipped": dict(skipped_total(fabric, state["skipped"])),
                                "dataset": getattr(loader, "fingerprint", None)}
-    dist_checkpoint.save(tmp, _tensors(fabric, state), values)  # each rank its pieces, fsynced
     try:
+        dist_checkpoint.save(tmp, _tensors(fabric, state), values)  # each rank its pieces, fsynced
         mine = _write_rank_files(tmp, fabric, loader)
-    except OSError as e:  # e.g. the disk filled up: every rank must hear of it, or the others would wait forever
-        mine = f"rank {rank} could not write its part of checkpoint {final}: {e}"
+    # e.g. the disk filled up: every rank must hear of it, or the others would wait forever. DCP's own failures
+    # (CheckpointException, a BaseException) reach every rank at once.
+    except (OSError, CheckpointException) as e:
+        mine = _write_failed(rank, final, tmp, e)
     parts = all_ranks(fabric, mine)
     problem = next((p for p in parts if isinstance(p, str)), None)
     if problem:
+        if rank == 0:  # what was written of it would only keep the disk full
+            shutil.rmtree(tmp, ignore_errors=True)
         raise CheckpointError(f"{problem} — nothing was published; the newest complete checkpoint is kept")
     files = {k: v for part in parts for k, v in part.items()}
     if rank == 0:
@@ -86,6 +92,20 @@ def save(fabric, run_dir: Path, step: int, state: dict, loader, config_yaml: str
             durable.remove_dir(old)
     fabric.barrier()
     return final
+
+
+def _write_failed(rank: int, final: Path, tmp: Path, e: BaseException) -> str:
+    """Why this rank could not write its part of a checkpoint, in one line: a full disk by its path and free bytes."""
+    full = durable.disk_full(e)
+    if full is not None:
+        free = durable.free_bytes(tmp)
+        room = f"{free:,} bytes free" if free is not None else "free space unknown"
+        return (f"rank {rank} could not write its part of checkpoint {final}: the disk holding {final.parent} is full "
+                f"({full.strerror}; {room}) — free space there, or lower checkpoint.keep")
+    cause = e
+    if isinstance(e, CheckpointException):  # its text is every rank's traceback: the first failure says enough
+        cause = next((exc for exc, _ in e.failures.values()), e)
+    return f"rank {rank} could not write its part of checkpoint {final}: {_first_line(cause)}"
 
 
 def _write_rank_files(tmp: Path, fabric, loader) -> dict[str, dict]:
