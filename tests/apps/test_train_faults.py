@@ -1,9 +1,7 @@
 """Faults during training end in one line with nothing lost: signals, stops and crashes keep every logged window,
 a full disk names itself and publishes nothing, a planted link is not followed, validation sizes are checked before
-the first step. Most runs here are in-process (a tiny DiT, a few steps); one dit-train is signalled for real.
-
-The dataset's samples have text states of width 16 but no token (captions encoded empty): before, DDP failed the
-second step of every run on it ("parameters that were not used")."""
+the first step, and a dataset whose captions are all empty trains. Most runs here are in-process (a tiny DiT, a few
+steps); one dit-train is signalled for real."""
 
 import csv
 import errno
@@ -25,14 +23,24 @@ TINY = ["model.preset=DiT-Tiny", "model.patch_size=2", "data.seq_length=32", "da
         "validation.steps=1"]
 
 
-@pytest.fixture(scope="module")
-def empty_text_data(tmp_path_factory) -> Path:
+def mock_data(root: Path, text_len: int) -> Path:
+    """16 random latents (images and 2-frame clips) with text states of width 16 and text_len tokens."""
     from dit_prepare.cli import mock
 
-    out = tmp_path_factory.mktemp("faults") / "data"
-    mock(out=out, num=16, latent_shape="4,1,8,8", video_latent_shape="4,2,4,4", video_ratio=0.5, text_len=0,
+    mock(out=root, num=16, latent_shape="4,1,8,8", video_latent_shape="4,2,4,4", video_ratio=0.5, text_len=text_len,
          text_dim=16, seed=0, shard_size=1000, overwrite=False, keep_partial=False)
-    return out
+    return root
+
+
+@pytest.fixture(scope="module")
+def text_data(tmp_path_factory) -> Path:
+    return mock_data(tmp_path_factory.mktemp("faults") / "data", text_len=3)
+
+
+@pytest.fixture(scope="module")
+def empty_text_data(tmp_path_factory) -> Path:
+    """Text states of width 16 with no token: every caption encoded empty."""
+    return mock_data(tmp_path_factory.mktemp("faults") / "empty-text", text_len=0)
 
 
 def config(data: Path, run: Path, *overrides: str):
@@ -64,23 +72,29 @@ def logged_steps(run: Path) -> list[int]:
     return [int(row["step"]) for f in sorted((run / "csv").glob("*/metrics.csv")) for row in csv.DictReader(f.open())]
 
 
-def test_stop_at_keeps_every_window_and_a_planted_link_is_not_followed(empty_text_data, tmp_path, in_process):
-    """Before: no metrics.csv (Lightning's CSV logger wrote at the 100th step or the end); the planted
-    .tmp-step-0000003 link made the save fail with FileExistsError (rmtree refuses a link, silently); and the empty
-    text failed step 2 in DDP."""
+def test_empty_captions_train_and_a_planted_link_is_not_followed(empty_text_data, tmp_path, in_process):
+    """Before: DDP failed step 2, "parameters that were not used" (the cross-attention's weights, with no text token
+    to attend to); and the planted .tmp-step-0000003 link made the save fail with FileExistsError (rmtree refuses a
+    link, silently; tests/ditcore/test_runs.py has the unit case)."""
     run, outside = tmp_path / "run", tmp_path / "precious"
     outside.mkdir()
     (outside / "keep.txt").write_text("not the run's")
     (run / runs.CHECKPOINTS).mkdir(parents=True)
     (run / runs.CHECKPOINTS / f"{runs.TMP_PREFIX}step-0000003").symlink_to(outside, target_is_directory=True)
-    result = in_process(config(empty_text_data, run, "train.steps=6", "train.stop_at=3", "checkpoint.every=100"))
-    assert result["stopped"] and result["step"] == 3
-    assert logged_steps(run) == [1, 2, 3]
-    assert [p.name for p in runs.complete_checkpoints(run)] == ["step-0000003"]
+    result = in_process(config(empty_text_data, run, "train.steps=4", "train.stop_at=3", "checkpoint.every=100"))
+    assert result["step"] == 3 and [p.name for p in (run / runs.CHECKPOINTS).iterdir()] == ["step-0000003"]
     assert (outside / "keep.txt").read_text() == "not the run's"
 
 
-def test_divergence_keeps_every_window_and_names_the_data_this_early(empty_text_data, tmp_path, in_process,
+def test_a_run_stopped_at_stop_at_keeps_every_window(text_data, tmp_path, in_process):
+    """Before: no metrics.csv (Lightning's CSV logger wrote at its 100th call or at the end of train.steps)."""
+    run = tmp_path / "run"
+    result = in_process(config(text_data, run, "train.steps=6", "train.stop_at=3", "checkpoint.every=100"))
+    assert result["stopped"] and result["step"] == 3
+    assert logged_steps(run) == [1, 2, 3]
+
+
+def test_divergence_keeps_every_window_and_names_the_data_this_early(text_data, tmp_path, in_process,
                                                                       monkeypatch):
     """A loss that is not finite at step 3: the windows of steps 1 and 2 are on disk, and the message names the
     dataset beside the learning rate (a finite but absurd latent used to be blamed on the learning rate alone)."""
@@ -95,14 +109,14 @@ def test_divergence_keeps_every_window_and_names_the_data_this_early(empty_text_
     monkeypatch.setattr(training.EDMLoss, "__call__", nan_at_third_step)
     run = tmp_path / "run"
     with pytest.raises(training.Diverged) as e:
-        in_process(config(empty_text_data, run, "train.steps=6", "checkpoint.every=100"))
+        in_process(config(text_data, run, "train.steps=6", "checkpoint.every=100"))
+    assert logged_steps(run) == [1, 2]
     assert str(e.value).startswith("the loss is not finite at step 3 (this rank: nan): training diverged — lower "
                                    "optim.lr (now 0.001)")
-    assert f"this early it may also be the data: check dataset {empty_text_data}" in str(e.value)
-    assert logged_steps(run) == [1, 2]
+    assert f"this early it may also be the data: check dataset {text_data}" in str(e.value)
 
 
-def test_a_full_disk_during_a_checkpoint_is_one_line_and_publishes_nothing(empty_text_data, tmp_path, in_process,
+def test_a_full_disk_during_a_checkpoint_is_one_line_and_publishes_nothing(text_data, tmp_path, in_process,
                                                                            monkeypatch):
     """DCP's write of the second checkpoint fails with ENOSPC. Before: a CheckpointException (a BaseException) with
     every rank's traceback, which never said "disk"."""
@@ -126,7 +140,7 @@ def test_a_full_disk_during_a_checkpoint_is_one_line_and_publishes_nothing(empty
     monkeypatch.setattr(training.checkpoint, "save", counting_save)
     run = tmp_path / "run"
     with pytest.raises(runs.CheckpointError) as e:
-        in_process(config(empty_text_data, run, "train.steps=4", "checkpoint.every=2"))
+        in_process(config(text_data, run, "train.steps=4", "checkpoint.every=2"))
     message = str(e.value)
     assert "\n" not in message and message.startswith(
         f"rank 0 could not write its part of checkpoint {runs.step_dir(run, 4)}: the disk holding "
@@ -136,7 +150,7 @@ def test_a_full_disk_during_a_checkpoint_is_one_line_and_publishes_nothing(empty
     assert logged_steps(run) == [1, 2, 3, 4]
 
 
-def test_a_second_ctrl_c_during_a_checkpoint_exits_at_once_and_publishes_nothing(empty_text_data, tmp_path,
+def test_a_second_ctrl_c_during_a_checkpoint_exits_at_once_and_publishes_nothing(text_data, tmp_path,
                                                                                   in_process, monkeypatch):
     """The first Ctrl-C asks for a checkpoint; one pressed again (more than Preempted.REPEAT_S later) while it is
     written raises Interrupted, which no `except Exception` on the way swallows: the half-written folder is never
@@ -157,7 +171,7 @@ def test_a_second_ctrl_c_during_a_checkpoint_exits_at_once_and_publishes_nothing
     run = tmp_path / "run"
     before = signal.getsignal(signal.SIGINT)
     with pytest.raises(training.Interrupted, match="second Ctrl-C: nothing half-written was published"):
-        in_process(config(empty_text_data, run, "train.steps=6", "checkpoint.every=2"))
+        in_process(config(text_data, run, "train.steps=6", "checkpoint.every=2"))
     assert signal.getsignal(signal.SIGINT) is before  # the handlers are given back
     assert [p.name for p in runs.complete_checkpoints(run)] == ["step-0000002"]
     assert (run / runs.CHECKPOINTS / f"{runs.TMP_PREFIX}step-0000004").is_dir()
@@ -209,11 +223,11 @@ def test_a_validation_size_the_model_cannot_sample_is_refused_before_training(tm
         assert str(e.value).startswith(message), str(e.value)
 
 
-def test_ctrl_c_saves_a_checkpoint_exits_0_and_keeps_every_window(empty_text_data, tmp_path):
+def test_ctrl_c_saves_a_checkpoint_exits_0_and_keeps_every_window(text_data, tmp_path):
     """A real dit-train and a real SIGINT, as a terminal sends it to the foreground process group (loader workers
     included). Before: no checkpoint, no message, no metrics.csv."""
     run = tmp_path / "run"
-    args = ["--config", "demo", *TINY, f"data.path={empty_text_data}", f"train.run_dir={run}", "train.steps=100000",
+    args = ["--config", "demo", *TINY, f"data.path={text_data}", f"train.run_dir={run}", "train.steps=100000",
             "checkpoint.every=100000", "data.num_workers=1"]
     env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
     # a shell starts background jobs with SIGINT ignored; a user's Ctrl-C reaches a foreground process: restore it
