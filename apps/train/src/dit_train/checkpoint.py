@@ -31,7 +31,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
 from dit_train import resume_config
-from ditcore import durable, runs
+from ditcore import disk, durable, runs
 from ditcore.data import loader_state
 from ditcore.data.loader import compare_fingerprints
 from ditcore.parallel import dist_checkpoint
@@ -95,17 +95,13 @@ def save(fabric, run_dir: Path, step: int, state: dict, loader, config_yaml: str
 
 
 def _write_failed(rank: int, final: Path, tmp: Path, e: BaseException) -> str:
-    """Why this rank could not write its part of a checkpoint, in one line: a full disk by its path and free bytes."""
-    full = durable.disk_full(e)
-    if full is not None:
-        free = durable.free_bytes(tmp)
-        room = f"{free:,} bytes free" if free is not None else "free space unknown"
-        return (f"rank {rank} could not write its part of checkpoint {final}: the disk holding {final.parent} is full "
-                f"({full.strerror}; {room}) — free space there, or lower checkpoint.keep")
-    cause = e
-    if isinstance(e, CheckpointException):  # its text is every rank's traceback: the first failure says enough
-        cause = next((exc for exc, _ in e.failures.values()), e)
-    return f"rank {rank} could not write its part of checkpoint {final}: {_first_line(cause)}"
+    """Why this rank could not write its part of a checkpoint, in one line: a full disk by its folder and free space."""
+    what = f"rank {rank} could not write its part of checkpoint {final}"
+    # DCP's CheckpointException holds every rank's failure, and its text is their tracebacks: look at the failures
+    causes = [exc for exc, _ in e.failures.values()] if isinstance(e, CheckpointException) else [e]
+    if any(disk.is_disk_full(c) for c in causes):
+        return str(disk.disk_full(what, tmp))
+    return f"{what}: {_first_line(causes[0] if causes else e)}"
 
 
 def _write_rank_files(tmp: Path, fabric, loader) -> dict[str, dict]:

@@ -70,7 +70,7 @@ def main(
             _fail(f"{e}{hint}")
         raise typer.Exit(0 if fits else 2)
     from dit_train.train import Diverged, Interrupted, train
-    from ditcore import durable, runs
+    from ditcore import disk, runs
     from ditcore.models import NotCompiled
 
     try:
@@ -80,13 +80,11 @@ def main(
     except Interrupted as e:  # a second Ctrl-C
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(130) from None
-    except OSError as e:  # a write the checkpoint's own handling does not cover (its manifest, logs, the export)
-        if durable.disk_full(e) is None:
+    except OSError as e:  # a full disk where no writer said so itself (a checkpoint's manifest, the logs)
+        if not disk.is_disk_full(e):
             raise
-        free = durable.free_bytes(e.filename or cfg.train.run_dir)
-        _fail(f"the disk is full: writing {e.filename or cfg.train.run_dir} failed ({e.strerror}"
-              f"{f'; {free:,} bytes free' if free is not None else ''}) — free space there and continue with "
-              "--resume auto")
+        path = e.filename or Path(cfg.train.run_dir) / "."
+        _fail(str(e) if isinstance(e, disk.DiskFull) else str(disk.disk_full(f"could not write {path}", path)))
     if not result["stopped"] and result["rank"] == 0:  # one summary, not one per process
         run = Path(cfg.train.run_dir)
         typer.echo(f"done: {result['step']} steps; export {runs.export_dir(run)}; loss curve {run / runs.LOSS_PLOT}")

@@ -114,28 +114,3 @@ def remove_leftovers(folder: str | Path, prefixes: tuple[str, ...]) -> None:
         else:  # a file, or a link (planted, say), which goes itself: what it points to is not ours to delete
             p.unlink(missing_ok=True)
 
-
-def disk_full(e: BaseException) -> OSError | None:
-    """The OSError 'no space left on device' (or 'disk quota exceeded') in `e`, its causes, or the per-rank failures
-    that torch.distributed.checkpoint gathers into a CheckpointException; None if there is none."""
-    seen = [e]
-    while seen:
-        e = seen.pop()
-        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
-            return e
-        failures = getattr(e, "failures", None)  # DCP's: {rank: (exception, traceback)}
-        if isinstance(failures, dict):
-            seen += [pair[0] for pair in failures.values() if isinstance(pair, tuple) and pair]
-        seen += [c for c in (e.__cause__, e.__context__) if c is not None]
-    return None
-
-
-def free_bytes(path: str | Path) -> int | None:
-    """Bytes free to this user on the file system that holds `path` (its nearest existing folder)."""
-    path = Path(path)
-    while not path.exists() and path != path.parent:
-        path = path.parent
-    try:
-        return shutil.disk_usage(path).free
-    except OSError:
-        return None
