@@ -123,3 +123,21 @@ def test_a_parent_of_the_same_name_but_another_identity_ends_the_trajectory(tmp_
     child = fake_checkpoint(tmp_path, "step-0000012", "C", 2, elsewhere)
     assert runs.trajectory(tmp_path, child) == [child]
     assert runs.trajectory(tmp_path, mine) == [mine]
+
+
+def test_leftovers_are_removed_but_a_planted_link_is_not_followed(tmp_path):
+    """A .tmp-step-* link planted in checkpoints/ goes itself; the folder it points to, outside the run, stays.
+    Before: rmtree refused the link (silently), which stayed, and the next save failed with FileExistsError."""
+    from ditcore import durable
+
+    outside, folder = tmp_path / "outside", tmp_path / "checkpoints"
+    outside.mkdir()
+    (outside / "keep.txt").write_text("not ours")
+    folder.mkdir()
+    (folder / ".tmp-step-0000003").symlink_to(outside, target_is_directory=True)
+    (folder / ".tmp-step-0000002").mkdir()  # an interrupted save's folder
+    (folder / ".tmp-step-0000002" / "__0_0.distcp").write_bytes(b"partial")
+    (folder / "step-0000001").mkdir()
+    durable.remove_leftovers(folder, (".tmp-", durable.TRASH_PREFIX))
+    assert [p.name for p in folder.iterdir()] == ["step-0000001"]
+    assert (outside / "keep.txt").read_text() == "not ours"

@@ -6,23 +6,25 @@ from pathlib import Path
 import pytest
 import torch
 
-from ditcore.data.loader import build_loader
+from ditcore.data.loader import LATENT_BOUND, build_loader, next_batch
 from ditcore.data.schema import DatasetError, DatasetInfo, read_info
 from ditcore.data.writer import TYPED_CONFIG, ShardWriter, finish_dataset, start_dataset
 
-N_SAMPLES, NAN_KEY, SEQ = 60, "s00005", 32
+N_SAMPLES, NAN_KEY, HUGE_KEY, SEQ = 60, "s00005", "s00007", 32
 
 
-def write_dataset(root: Path) -> Path:
-    """60 samples: images (T=1) of 4x4 / 8x4 latents and 2-frame 8x8 clips (32 tokens), text of varying length."""
+def write_dataset(root: Path, bad=lambda i: None) -> Path:
+    """60 samples: images (T=1) of 4x4 / 8x4 latents and 2-frame 8x8 clips (32 tokens), text of varying length.
+    One latent holds a NaN, one a finite but absurd value (1e38); bad(i): another such value for sample i, or None."""
     start_dataset(root, overwrite=False)
     g = torch.Generator().manual_seed(0)
     with ShardWriter(root, max_count=20) as w:
         for i in range(N_SAMPLES):
             T, (H, W) = (2, (8, 8)) if i % 3 == 0 else (1, [(4, 4), (8, 4)][i % 2])
             latent = torch.randn(4, T, H, W, generator=g)
-            if f"s{i:05d}" == NAN_KEY:
-                latent[0, 0, 0, 0] = float("nan")
+            value = {NAN_KEY: float("nan"), HUGE_KEY: 1e38}.get(f"s{i:05d}", bad(i))
+            if value is not None:
+                latent[0, 0, 0, 0] = value
             w.write(f"s{i:05d}", latent, torch.randn(2 + i % 5, 8, generator=g), {"caption": f"c{i}", "fps": 8.0})
     finish_dataset(root, DatasetInfo(codec={"kind": "pixel", "factor": 1}, latent_stats={},
                                      text_encoder={"name": "test", "dim": 8}, latent_channels=4, spatial_factor=1,
@@ -64,7 +66,7 @@ def test_batches_are_packed_within_seq_length_and_cover_the_data(dataset):
             assert sum(lengths) <= SEQ
             assert lengths == [t * h * w for t, h, w in b.grids[r]]  # each sample keeps all its tokens
         seen |= {k for row in b.keys for k in row}
-    assert seen == {f"s{i:05d}" for i in range(N_SAMPLES)} - {NAN_KEY}
+    assert seen == {f"s{i:05d}" for i in range(N_SAMPLES)} - {NAN_KEY, HUGE_KEY}
     assert (b.num_samples > 1).any()  # rows really hold several samples
 
 
@@ -101,8 +103,50 @@ def skipped_in(ld, batches=40):
     return total
 
 
-def test_nan_latent_is_skipped_and_counted(dataset):
-    assert skipped_in(loader(dataset)).get("non_finite_latent", 0) >= 1
+def test_nan_and_absurd_latents_are_skipped_and_counted(dataset):
+    """A finite 1e38 would make the loss overflow, and the divergence be blamed on the learning rate."""
+    counts = skipped_in(loader(dataset))
+    assert counts.get("non_finite_latent", 0) >= 1 and counts.get("latent_out_of_range", 0) >= 1
+
+
+@pytest.fixture(scope="module")
+def unusable(tmp_path_factory) -> Path:
+    """Every latent NaN, or finite beyond LATENT_BOUND."""
+    return write_dataset(tmp_path_factory.mktemp("ds") / "unusable",
+                         bad=lambda i: float("inf") if i % 2 else 2 * LATENT_BOUND)
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_a_dataset_with_no_usable_sample_stops_after_a_bounded_run_of_skips(unusable, workers, caplog):
+    """Before: the loader skipped forever (no step, a log line per sample, deaf to SIGTERM). Now a run of
+    max_skipped_in_a_row skips ends in one DatasetError naming the reasons (from a worker process too), and at
+    most LOGGED_PER_REASON lines per reason are logged."""
+    data = loader(unusable, num_workers=workers, max_skipped_in_a_row=50)
+    it = iter(data)
+    with pytest.raises(DatasetError) as e:
+        next_batch(it, data)
+    message = str(e.value)
+    assert message.startswith(f"no usable sample in the last 50 samples of dataset '{unusable}' (")
+    assert "\n" not in message
+    assert "non finite latent" in message and "latent out of range" in message and "max_skipped_in_a_row" in message
+    if not workers:  # a worker's log records stay in its process
+        assert len([r for r in caplog.records if r.getMessage().startswith("skipping sample")]) <= 2 * 3
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_a_dataset_rewritten_under_the_loader_is_one_clear_error(dataset, tmp_path, workers):
+    """Before: `ValueError: Unexpected end of tar file` from Energon's reader, with a traceback (from a worker
+    process: two)."""
+    root = shutil.copytree(dataset, tmp_path / "data")
+    data = loader(root, num_workers=workers)
+    it = iter(data)
+    next_batch(it, data)
+    for shard in root.glob("*.tar"):  # dit-prepare --overwrite writing new shards over the ones being read
+        with shard.open("r+b") as f:
+            f.truncate(3000)
+    with pytest.raises(DatasetError, match=f"the dataset changed while training: 3 files of '{root}' differ"):
+        for _ in range(100):
+            next_batch(it, data)
 
 
 @pytest.mark.slow  # ~40 s; the default run keeps dit-train on a truncated shard (test_bad_inputs)

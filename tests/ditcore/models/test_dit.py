@@ -132,6 +132,24 @@ def test_text_padding_is_not_attended(attention):
     assert_close_fp32(a, c, work=dit_forward_work(cfg, seq_len=16, text_len=6))
 
 
+@pytest.mark.parametrize("arch", TINY)
+def test_a_batch_without_text_gives_every_weight_a_gradient(arch):
+    """A batch whose samples have no text token (captions encoded empty; L = 0) must still give every weight of the
+    text path a gradient, zero: DDP failed the next step with "parameters that were not used". Its output is that of
+    text the mask hides entirely, exactly."""
+    cfg = tiny(arch, text_dim=24)
+    model = randomize(DiT(cfg) if arch == "dit" else build(cfg))
+    x, pos = torch.randn(1, 16, cfg.patch_dim), grid_positions((1, 4, 4))
+    out = model(x, torch.zeros(1, 1), pos, text=torch.zeros(1, 0, 24), text_seg=torch.zeros(1, 0, dtype=torch.long))
+    out.square().sum().backward()
+    no_grad = [name for name, p in model.named_parameters() if p.grad is None]
+    assert not no_grad, no_grad
+    assert all(not p.grad.any() for name, p in model.named_parameters() if name.startswith("text_embedder"))
+    with torch.no_grad():
+        hidden = model(x, torch.zeros(1, 1), pos, text=torch.randn(1, 3, 24), text_seg=torch.full((1, 3), -1))
+    torch.testing.assert_close(out.detach(), hidden, rtol=0, atol=0)
+
+
 # ---------------------------------------------------------------- positions
 
 

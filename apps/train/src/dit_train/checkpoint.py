@@ -28,6 +28,7 @@ trajectory's checkpoints (the abandoned branch) are never deleted by dit-train, 
 
 from __future__ import annotations
 
+import shutil
 import sys
 import time
 from collections import Counter
@@ -35,9 +36,10 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 
 from dit_train import resume_config
-from ditcore import durable, runs
+from ditcore import disk, durable, runs
 from ditcore.data import loader_state
 from ditcore.data.loader import compare_fingerprints
 from ditcore.parallel import dist_checkpoint
@@ -79,14 +81,18 @@ def save(fabric, run_dir: Path, step: int, state: dict, loader, config_yaml: str
     tmp = runs.tmp_dir(final)
     values = _values(state) | {"skipped": dict(skipped_total(fabric, state["skipped"])),
                                "dataset": getattr(loader, "fingerprint", None)}
-    dist_checkpoint.save(tmp, _tensors(fabric, state), values)  # each rank its pieces, fsynced
     try:
+        dist_checkpoint.save(tmp, _tensors(fabric, state), values)  # each rank its pieces, fsynced
         mine = _write_rank_files(tmp, fabric, loader)
-    except OSError as e:  # e.g. the disk filled up: every rank must hear of it, or the others would wait forever
-        mine = f"rank {rank} could not write its part of checkpoint {final}: {e}"
+    # e.g. the disk filled up: every rank must hear of it, or the others would wait forever. DCP's own failures
+    # (CheckpointException, a BaseException) reach every rank at once.
+    except (OSError, CheckpointException) as e:
+        mine = _write_failed(rank, final, tmp, e)
     parts = all_ranks(fabric, mine)
     problem = next((p for p in parts if isinstance(p, str)), None)
     if problem:
+        if rank == 0:  # what was written of it would only keep the disk full
+            shutil.rmtree(tmp, ignore_errors=True)
         raise CheckpointError(f"{problem} — nothing was published; the newest complete checkpoint is kept")
     files = {k: v for part in parts for k, v in part.items()}
     if rank == 0:
@@ -117,6 +123,16 @@ def rotate(run_dir: Path, newest: Path, keep: int) -> list[Path]:
     for ckpt in old:
         durable.remove_dir(ckpt)
     return old
+
+
+def _write_failed(rank: int, final: Path, tmp: Path, e: BaseException) -> str:
+    """Why this rank could not write its part of a checkpoint, in one line: a full disk by its folder and free space."""
+    what = f"rank {rank} could not write its part of checkpoint {final}"
+    # DCP's CheckpointException holds every rank's failure, and its text is their tracebacks: look at the failures
+    causes = [exc for exc, _ in e.failures.values()] if isinstance(e, CheckpointException) else [e]
+    if any(disk.is_disk_full(c) for c in causes):
+        return str(disk.disk_full(what, tmp))
+    return f"{what}: {_first_line(causes[0] if causes else e)}"
 
 
 def _write_rank_files(tmp: Path, fabric, loader) -> dict[str, dict]:

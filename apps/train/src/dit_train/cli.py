@@ -51,7 +51,8 @@ def main(
     Launch one process (or Fabric starts parallel.devices of them), or run under torchrun for several.
     Writes RUN_DIR (train.run_dir): checkpoints/, samples/, csv/ and tensorboard/ logs, loss.png, export/; one run
     at a time (a second one on the same RUN_DIR is refused, naming the first).
-    SIGTERM or SIGUSR1 saves a checkpoint and exits 0. --plan checks a layout before any GPU is spent on it.
+    SIGTERM, SIGUSR1, SIGHUP or Ctrl-C saves a checkpoint and exits 0 (a second Ctrl-C exits at once). --plan
+    checks a layout before any GPU is spent on it.
     """
     from dit_train.config import load_config
     from ditcore.data.schema import DatasetError
@@ -74,8 +75,8 @@ def main(
             _fail(f"{e}{hint}")
         raise typer.Exit(0 if fits else 2)
     from dit_train.rundir import RunDirInUse
-    from dit_train.train import Diverged, train
-    from ditcore import runs
+    from dit_train.train import Diverged, Interrupted, train
+    from ditcore import disk, runs
     from ditcore.models import NotCompiled
 
     try:
@@ -83,6 +84,14 @@ def main(
     except (ConfigError, DatasetError, runs.CheckpointError, Diverged, NotCompiled, FileNotFoundError, ValueError,
             RunDirInUse) as e:
         _fail(str(e))
+    except Interrupted as e:  # a second Ctrl-C
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(130) from None
+    except OSError as e:  # a full disk where no writer said so itself (a checkpoint's manifest, the logs)
+        if not disk.is_disk_full(e):
+            raise
+        path = e.filename or Path(cfg.train.run_dir) / "."
+        _fail(str(e) if isinstance(e, disk.DiskFull) else str(disk.disk_full(f"could not write {path}", path)))
     if not result["stopped"] and result["rank"] == 0:  # one summary, not one per process
         run = Path(cfg.train.run_dir)
         typer.echo(f"done: {result['step']} steps; export {runs.export_dir(run)}; loss curve {run / runs.LOSS_PLOT}")

@@ -116,6 +116,9 @@ class Data(Section):
     shuffle_buffer: int = 100
     packing_buffer: int | None = Field(None, description="samples considered together for packing; "
                                                          "default 4 × micro_batch")
+    max_skipped_in_a_row: int = Field(1000, ge=1, description="samples the loader may skip in a row (bad, or too "
+                                                              "long for seq_length) before the run stops: a dataset "
+                                                              "with no usable sample is not read forever")
 
 
 class Parallel(Section):

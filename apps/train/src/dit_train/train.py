@@ -23,7 +23,7 @@ from dit_train.config import TrainConfig, memory_layout
 from ditcore import durable, runs
 from ditcore.codecs import LatentStats, load_codec
 from ditcore.codecs.text import load_text_encoder
-from ditcore.data.loader import build_loader, check_samples_fit
+from ditcore.data.loader import build_loader, check_samples_fit, next_batch
 from ditcore.data.packing import PackedBatch
 from ditcore.data.schema import DatasetInfo, read_info
 from ditcore.diffusion import EMA, EDMLoss, EDMPrecond
@@ -46,25 +46,50 @@ from ditcore.parallel import (
 from ditcore.parallel.consolidate import without_extra_state
 from ditcore.parallel.fabric import MegatronStrategy
 from ditcore.parallel.pipeline import PipelinedModel, one_f_one_b, reduce_grads
-from ditcore.sampling import sample
+from ditcore.sampling import sample, token_grid
 from ditcore.training import StepDraw, draw, stage_forward, step_generator
 
 
+class Interrupted(KeyboardInterrupt):
+    """A second Ctrl-C: exit at once. A KeyboardInterrupt, so that no `except Exception` on the way catches it."""
+
+
 class Preempted:
-    """SIGTERM / SIGUSR1 (Slurm preemption or time limit) → finish the step, checkpoint, exit 0.
+    """SIGTERM / SIGUSR1 (Slurm preemption or time limit), SIGINT (Ctrl-C) and SIGHUP (the terminal closed) →
+    finish the step, checkpoint, exit 0. A second Ctrl-C exits at once (Interrupted): a checkpoint being written
+    stays an unpublished .tmp-step-* folder, which never passes as complete and which the next save removes.
 
     Every rank must stop at the same step, so the ranks agree on such flags over a CPU (gloo) group: an
     all-reduce of a host tensor, which never waits for the GPU's queue of work.
     """
 
-    def __init__(self, world_size: int, on_gpu: bool):
+    SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT, signal.SIGHUP)
+    # Under torchrun one Ctrl-C arrives twice, from the terminal and forwarded by torchrun's agent a moment later:
+    # only a Ctrl-C this long after the first is a second one.
+    REPEAT_S = 1.0
+
+    def __init__(self, world_size: int, on_gpu: bool, rank: int = 0):
         self.flag = False
-        self.world_size = world_size
+        self.world_size, self.rank = world_size, rank
+        self.interrupted_at: float | None = None  # the first Ctrl-C
         self.group = dist.new_group(backend="gloo") if world_size > 1 and on_gpu else None  # CPU: the default is
-        for sig in (signal.SIGTERM, signal.SIGUSR1):
-            signal.signal(sig, self._handle)
+        self.previous = {sig: signal.signal(sig, self._handle) for sig in self.SIGNALS}
+
+    def close(self) -> None:
+        """Give the signals back to the handlers they had before."""
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
 
     def _handle(self, signum, frame):
+        if signum == signal.SIGINT:
+            now = time.monotonic()
+            if self.interrupted_at is not None and now - self.interrupted_at > self.REPEAT_S:
+                raise Interrupted("interrupted by a second Ctrl-C: nothing half-written was published; the newest "
+                                  "complete checkpoint is kept for --resume auto")
+            if self.interrupted_at is None and self.rank == 0:
+                # os.write, not print: the handler may run in the middle of a print (tqdm's) to the same stream
+                os.write(2, b"\nCtrl-C: stopping after this step with a checkpoint (press it again to exit at once)\n")
+            self.interrupted_at = self.interrupted_at or now
         self.flag = True
 
     def signalled(self) -> bool:
@@ -158,10 +183,17 @@ def train(cfg: TrainConfig, resume: str = "auto", config_yaml: str | None = None
     if ckpt is not None:
         run.fabric.print(f"resumed from {ckpt} at step {trainee.state['step']}")
     validator = Validator(cfg, run.info, run.model_cfg, run.fabric, run.groups)
-    result = fit(run, trainee, validator, config_yaml or cfg.to_yaml()) | {"rank": run.fabric.global_rank}
-    if not result["stopped"]:
-        result["samples"] = export(run, trainee, validator)
-    return result
+    preempted = Preempted(run.fabric.world_size, run.on_gpu, run.fabric.global_rank)  # until the export is written
+    try:
+        result = fit(run, trainee, validator, config_yaml or cfg.to_yaml(), preempted)
+        result["rank"] = run.fabric.global_rank
+        if not result["stopped"]:
+            result["samples"] = export(run, trainee, validator)
+        return result
+    finally:
+        preempted.close()
+        for logger in run.loggers:  # whatever ended the run, every logged value is on disk
+            logger.finalize("success")
 
 
 def setup(cfg: TrainConfig, resume: str = "auto", overwrite: bool = False) -> Setup:
@@ -183,7 +215,10 @@ def setup(cfg: TrainConfig, resume: str = "auto", overwrite: bool = False) -> Se
     claim = rundir.claim(run_dir, resume, overwrite)  # the lock, before anything is written into the run dir
     loggers = []
     if cfg.logging.csv:
-        loggers.append(CSVLogger(str(run_dir), name=runs.CSV, version=rundir.csv_version(run_dir)))
+        # written at every log call (Lightning's default buffers 100 calls, so that any stop before train.steps
+        # lost them): each window is on disk when it is logged, whatever ends the run afterwards
+        loggers.append(CSVLogger(str(run_dir), name=runs.CSV, version=rundir.csv_version(run_dir),
+                                 flush_logs_every_n_steps=1))
     if cfg.logging.tensorboard:
         loggers.append(TensorBoardLogger(str(run_dir), name="tensorboard", version=""))
     strategy = MegatronStrategy(dims, fsdp=cfg.parallel.fsdp)
@@ -248,7 +283,8 @@ def build(run: Setup) -> Trainee:
                           num_workers=cfg.data.num_workers, dp_rank=groups.dp_rank, dp_size=groups.dims.dp,
                           dp_group=groups.dp_group, shuffle_buffer_size=cfg.data.shuffle_buffer,
                           packing_buffer_size=cfg.data.packing_buffer, seed=cfg.train.seed,
-                          text_multiple=128 if run.on_gpu else 1)  # 128: FlexAttention's key block
+                          text_multiple=128 if run.on_gpu else 1,  # 128: FlexAttention's key block
+                          max_skipped_in_a_row=cfg.data.max_skipped_in_a_row)
     state = {runs.MODEL: model, "optimizer": optimizer, runs.EMA: ema.module, "scheduler": scheduler, "step": 0,
              "history": [],  # [step, loss] of every step
              # samples this rank's loader passed over, by reason; the shards left out at the start, counted once
@@ -272,7 +308,7 @@ def build_model(run: Setup, training: bool) -> torch.nn.Module:
         compile=training and cfg.model.compile)
 
 
-def fit(run: Setup, t: Trainee, validator: Validator, config_yaml: str) -> dict:
+def fit(run: Setup, t: Trainee, validator: Validator, config_yaml: str, preempted: Preempted) -> dict:
     """Steps until train.steps (or a stop): log, checkpoint and validate on schedule. The state is updated in place.
 
     Steps are queued on the device without waiting for it: losses stay on the device until a step that logs,
@@ -281,7 +317,6 @@ def fit(run: Setup, t: Trainee, validator: Validator, config_yaml: str) -> dict:
     """
     cfg, fabric = run.cfg, run.fabric
     peak = (gpu_peak_flops(torch.cuda.get_device_name()) if run.on_gpu else measure_cpu_peak_flops()) or float("nan")
-    preempted = Preempted(fabric.world_size, run.on_gpu)
     step = first = t.state["step"]
     bar = tqdm(total=cfg.train.steps, initial=step, desc="train", unit="step", disable=fabric.global_rank != 0,
                dynamic_ncols=True)
@@ -307,7 +342,8 @@ def fit(run: Setup, t: Trainee, validator: Validator, config_yaml: str) -> dict:
         validate = bool(cfg.validation.every) and step % cfg.validation.every == 0 and step != cfg.train.steps
         if not (log or save or validate):
             continue
-        read_back(pending, window, t.state["history"], preempted, bar, cfg.optim.lr)  # waits; may raise Diverged
+        read_back(pending, window, t.state["history"], preempted, bar, cfg.optim.lr,  # waits; may raise Diverged
+                  data=cfg.data.path)
         pending = []
         if log:
             metrics = window.metrics(peak, run.groups.dims) | {"lr": t.scheduler.get_last_lr()[0],
@@ -354,10 +390,14 @@ class Pending:
     flops: float
 
 
-def read_back(pending: list[Pending], window: Window, history: list, preempted: Preempted, bar, lr: float) -> None:
+EARLY_STEPS = 10  # a loss that is not finite this early may come from the data rather than the learning rate
+
+
+def read_back(pending: list[Pending], window: Window, history: list, preempted: Preempted, bar, lr: float,
+              data: str | None = None) -> None:
     """Wait for the queued steps, then record their losses (one transfer). A non-finite loss or gradient norm on
-    any rank stops every rank with Diverged; the time spent waiting for the device is charged to the steps waited
-    for."""
+    any rank stops every rank with Diverged (on the first EARLY_STEPS steps, its message names the dataset `data`
+    as a suspect too); the time spent waiting for the device is charged to the steps waited for."""
     t0 = time.perf_counter()
     values = torch.stack([torch.stack([p.loss.double(), p.grad_norm.double()]) for p in pending]).tolist()
     waited = time.perf_counter() - t0
@@ -367,8 +407,11 @@ def read_back(pending: list[Pending], window: Window, history: list, preempted: 
         bar.close()
         step, what, value = bad or (None, "loss", None)
         where = f"at step {step} (this rank: {value})" if bad else "on another rank"
+        early = (f"; this early it may also be the data: check dataset {data} for extreme latents or text states"
+                 if data is not None and pending[0].step <= EARLY_STEPS else "")
         raise Diverged(f"the {what} is not finite {where}: training diverged — lower optim.lr (now {lr:g}) or raise "
-                       "optim.warmup_steps; no checkpoint was written for it, the newest one is kept for --resume auto")
+                       f"optim.warmup_steps{early}; no checkpoint was written for it, the newest one is kept for "
+                       "--resume auto")
     for i, (p, (loss, _)) in enumerate(zip(pending, values, strict=True)):
         history.append([p.step, loss])
         window.add(p.seconds + (waited if i == len(pending) - 1 else 0.0), loss, p.tokens, p.flops)
@@ -466,7 +509,7 @@ class MicroBatches:
     def _next_on_host(self) -> PackedBatch:
         """The loader's next batch, still on the host, counted and checked. Every read of a value in a step is here,
         before the copy to the device, so that nothing after it waits for the device."""
-        batch = next(self.it)
+        batch = next_batch(self.it, self.t.loader)  # its failures as one DatasetError
         self.skipped.update(batch.skipped)  # what the loader passed over to fill this batch
         self.tokens += int(batch.mask.sum())
         check_positions(batch.pos, self.run.model_cfg.max_grid)  # here, not in the model's forward, where it would sync
@@ -519,8 +562,6 @@ def export(run: Setup, t: Trainee, validator: Validator) -> list[Path]:
                             "guidance": run.cfg.validation.guidance})  # dit-sample's default for this model
         plot_losses(t.state["history"], run.run_dir / runs.LOSS_PLOT)
     fabric.barrier()
-    for logger in run.loggers:
-        logger.finalize("success")
     return written
 
 
@@ -535,6 +576,7 @@ class Validator:
         if not self.enabled:
             return
         self.codec = load_codec(info.codec, Path(cfg.data.path))
+        check_validation(cfg.validation, self.codec, model_cfg)
         self.stats = LatentStats.from_dict(info.latent_stats)
         self.states = self.labels = None
         if model_cfg.text_dim:
@@ -575,6 +617,20 @@ class Validator:
             for path in (runs.samples_dir(self.run_dir, step) / runs.SHEET, self.run_dir / runs.SAMPLES / runs.SHEET):
                 written.append(write_sample(grid[None], path))
         return written
+
+
+def check_validation(v, codec, model_cfg: DiTConfig) -> None:
+    """Refuse validation sizes the sampler cannot take, before training rather than after its last step (which
+    would end the run with no export)."""
+    for frames_key in ("frames", "clip_frames"):
+        frames = getattr(v, frames_key)
+        if not frames:  # clip_frames 0: no clips
+            continue
+        try:
+            token_grid(model_cfg, codec, frames, v.size, v.size)
+        except ValueError as e:
+            key, value = (f"validation.{frames_key}", frames) if "frames" in str(e) else ("validation.size", v.size)
+            raise ConfigError(key, value, f"a size the model can sample: {e}") from None
 
 
 def plot_losses(history: list[list[float]], path: Path) -> None:

@@ -109,7 +109,8 @@ def remove_leftovers(folder: str | Path, prefixes: tuple[str, ...]) -> None:
     for p in folder.iterdir():
         if not p.name.startswith(prefixes):
             continue
-        if p.is_dir():
+        if p.is_dir() and not p.is_symlink():
             shutil.rmtree(p, ignore_errors=True)
-        else:
+        else:  # a file, or a link (planted, say), which goes itself: what it points to is not ours to delete
             p.unlink(missing_ok=True)
+

@@ -15,7 +15,7 @@ import torch
 from ditcore.codecs import Codec, LatentStats
 from ditcore.diffusion import EDMPrecond, edm_sampler, guided
 from ditcore.layout import grid_positions, unpatchify
-from ditcore.models.dit import DiT
+from ditcore.models.dit import DiT, DiTConfig
 
 
 @dataclass
@@ -25,9 +25,10 @@ class SampleResult:
     nfe: int  # denoiser evaluations (each one batched forward)
 
 
-def token_grid(model: DiT, codec: Codec, frames: int, height: int, width: int) -> tuple[int, int, int]:
-    """The (T, H, W) token grid for pixels of this size; a ValueError says what sizes work."""
-    cfg = model.cfg
+def token_grid(model: DiT | DiTConfig, codec: Codec, frames: int, height: int, width: int) -> tuple[int, int, int]:
+    """The (T, H, W) token grid for pixels of this size (a model or its config: training checks its validation
+    sizes before the model exists); a ValueError says what sizes work."""
+    cfg = model if isinstance(model, DiTConfig) else model.cfg
     step = codec.spatial_factor * cfg.patch_size
     if height % step or width % step:
         raise ValueError(f"{height}x{width} pixels cannot be sampled: use heights and widths that are multiples "

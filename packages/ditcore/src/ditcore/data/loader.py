@@ -9,6 +9,7 @@ data-parallel rank/size/group, so tensor- and context-parallel peers get identic
 from __future__ import annotations
 
 import atexit
+import contextlib
 import functools
 import hashlib
 import json
@@ -34,24 +35,86 @@ from megatron.energon import (
     get_train_dataset,
     stateless,
 )
+from megatron.energon.errors import FatalSampleError
 from megatron.energon.flavors.base_dataset import Sample
 
 from ditcore.data.packing import PackedBatch, PackedRow, TokenSample, collate, first_fit_decreasing
-from ditcore.data.schema import DatasetError, crude_config, read_info, read_sample
+from ditcore.data.schema import INFO_FILE, DatasetError, crude_config, read_info, read_sample
 from ditcore.layout import grid_positions, patchify
 
 log = logging.getLogger(__name__)
 
-# Samples that failed inside Energon's pipeline (unreadable payload, decode error), counted per worker
-# process by `count_error` and handed out with the next batch, like the task encoder's own skips.
-_ERRORS: Counter = Counter()
+# A normalised latent has a standard deviation of SIGMA_DATA per channel (dit-prepare divides by the channel's
+# statistics): a value 10^4 times larger is a broken encoder or file, not data. Left in, it makes the loss
+# overflow and the divergence would be blamed on the learning rate.
+LATENT_BOUND = 1e4
+MAX_SKIPPED_IN_A_ROW = 1000  # the default of data.max_skipped_in_a_row
+LOGGED_PER_REASON = 3  # skipped samples logged one by one, per reason and loader process; the rest are counted
 
 
-def count_error(exc: Exception, sample, sources=None) -> None:
-    """Energon error handler: skip the sample, count it, one log line instead of a traceback."""
-    _ERRORS["unreadable_sample"] += 1
-    where = f" ({sources[0].shard_name})" if sources else ""
-    log.warning("skipping unreadable sample%s: %s: %s", where, type(exc).__name__, exc)
+class TooManySkipped(FatalSampleError):
+    """No usable sample in the last `bound` samples read. A FatalSampleError, so that Energon's error handling
+    passes it on; Energon and torch's loader workers re-raise it wrapped in their own words, so its facts travel
+    as JSON between markers (`too_many_skipped` finds them)."""
+
+    MARK = "[ditcore skipped in a row: "
+
+    def __init__(self, counts: dict | str):
+        super().__init__(counts if isinstance(counts, str) else f"{self.MARK}{json.dumps(counts)}]")
+
+
+def too_many_skipped(e: BaseException) -> Counter | None:
+    """The skip reasons a TooManySkipped raised somewhere in the loader carried, however it was wrapped; else None."""
+    text = str(e)
+    start = text.rfind(TooManySkipped.MARK)
+    if start < 0:
+        return None
+    body = text[start + len(TooManySkipped.MARK):]
+    return Counter(json.loads(body[:body.index("}") + 1]))
+
+
+def dataset_files(root: Path) -> dict[str, tuple[int, int]]:
+    """Size and modification time of the shards, their indexes and the files that describe them: what changes when
+    the dataset is prepared again or a shard is replaced (not split-verified.yaml, which build_loader writes)."""
+    files = [p for p in root.iterdir() if p.suffix in (".tar", ".idx")] + [
+        root / INFO_FILE, root / ".nv-meta" / ".info.json", root / ".nv-meta" / "index.uuid"]
+    stats = {}
+    for p in files:
+        with contextlib.suppress(OSError):
+            st = p.stat()
+            stats[str(p.relative_to(root))] = (st.st_size, st.st_mtime_ns)
+    return stats
+
+
+def changed_files(root: Path, before: dict[str, tuple[int, int]]) -> list[str]:
+    """The files of `before` (dataset_files) that are now different, gone, or new."""
+    now = dataset_files(root)
+    return sorted(name for name in before.keys() | now.keys() if before.get(name) != now.get(name))
+
+
+def next_batch(it, loader) -> PackedBatch:
+    """The loader's next batch; a failure in the loader as one DatasetError that says what to do: the dataset
+    changed under the run, or no sample could be used in a long stretch, or Energon gave up on the data."""
+    try:
+        return next(it)
+    except Exception as e:
+        root = loader.dataset_root
+        changed = changed_files(root, loader.dataset_stamp)
+        if changed:
+            raise DatasetError(f"the dataset changed while training: {len(changed)} files of '{root}' differ from "
+                               f"when this run opened it (e.g. {changed[0]}) — let dit-prepare finish, then "
+                               "continue with --resume auto (or write the new dataset to another folder)") from None
+        counts = too_many_skipped(e)
+        if counts is not None:
+            reasons = ", ".join(f"{n} {reason.replace('_', ' ')}" for reason, n in counts.most_common())
+            raise DatasetError(f"no usable sample in the last {counts.total()} samples of dataset '{root}' ({reasons})"
+                               " — fix the data or the settings that reject it (data.seq_length, model.patch_size), "
+                               "or raise data.max_skipped_in_a_row if usable samples are rare") from None
+        if isinstance(e, FatalSampleError):
+            last = next((ln for ln in reversed(str(e).strip().splitlines()) if ln.strip()), type(e).__name__)
+            raise DatasetError(f"reading dataset '{root}' failed: {last.strip()} — check it with "
+                               "`energon lint`, or prepare it again with dit-prepare --overwrite") from None
+        raise
 
 
 @dataclass
@@ -85,7 +148,9 @@ class PackingTaskEncoder(TaskEncoder):
     """Patchify with the model's own p and pt, skip bad samples (counted), pack into rows of seq_length.
 
     Skip counts travel with the batches (`batch.skipped`: counts since the worker's previous batch), so
-    they add up correctly however many loader workers there are.
+    they add up correctly however many loader workers there are. A run of `max_skipped_in_a_row` skipped
+    samples without a usable one raises TooManySkipped: a dataset that is all bad stops the run instead of
+    being read forever. Unreadable samples (Energon's errors, `count_error`) count as skipped too.
     """
 
     cookers = (Cooker(cook),)
@@ -93,24 +158,50 @@ class PackingTaskEncoder(TaskEncoder):
     # `.pkl`/`.pyd` with pickle.loads): a crafted dataset would run its code. Without one, `cook` gets raw bytes.
     decoder = None
 
-    def __init__(self, *, patch_size: int, patch_size_t: int, seq_length: int, text_dim: int, text_multiple: int = 1):
+    def __init__(self, *, patch_size: int, patch_size_t: int, seq_length: int, text_dim: int, text_multiple: int = 1,
+                 max_skipped_in_a_row: int = MAX_SKIPPED_IN_A_ROW, dataset_stamp: dict | None = None,
+                 root: Path | None = None):
         super().__init__()
         self.p, self.pt, self.seq_length, self.text_dim = patch_size, patch_size_t, seq_length, text_dim
         self.text_multiple = text_multiple
-        self._skipped: Counter = Counter()
+        self.max_skipped_in_a_row = max_skipped_in_a_row
+        self.root, self.dataset_stamp = root, dataset_stamp  # to tell a dataset replaced under the run
+        self._skipped: Counter = Counter()  # since the last batch
+        self._in_a_row: Counter = Counter()  # since the last usable sample
+        self._logged: Counter = Counter()  # skips logged one by one, per reason (the rest are only counted)
+
+    def _count(self, reason: str, sample_key: str, detail: str = "") -> None:
+        self._skipped[reason] += 1
+        self._in_a_row[reason] += 1
+        self._logged[reason] += 1
+        if self._logged[reason] <= LOGGED_PER_REASON:
+            more = " (further ones are counted, not logged)" if self._logged[reason] == LOGGED_PER_REASON else ""
+            log.warning("skipping sample %s: %s%s%s", sample_key, reason, f": {detail}" if detail else "", more)
+        if self._in_a_row.total() >= self.max_skipped_in_a_row:
+            raise TooManySkipped(dict(self._in_a_row))
 
     def _skip(self, sample: LatentSample, reason: str):
-        self._skipped[reason] += 1
-        log.warning("skipping sample %s: %s", sample.__key__, reason)
+        self._count(reason, sample.__key__)
         raise SkipSample()
+
+    def count_error(self, exc: Exception, sample, sources=None) -> None:
+        """Energon's error handler: skip the unreadable sample and count it. If the dataset's files changed since
+        the loader opened them (prepared again under the run), stop: the rest would be garbage too."""
+        if self.root is not None and changed_files(self.root, self.dataset_stamp):
+            raise RuntimeError(f"the dataset {self.root} changed while it was read") from exc
+        where = f" ({sources[0].shard_name})" if sources else ""
+        self._count("unreadable_sample", f"{getattr(sample, '__key__', '?')}{where}", f"{type(exc).__name__}: {exc}")
 
     @stateless
     def preencode_sample(self, sample: LatentSample) -> EncodedSample:
         z, text = sample.latent, sample.text
         if not torch.is_tensor(z) or z.ndim != 4:
             self._skip(sample, "latent_not_4d")
-        if not torch.isfinite(z).all():
+        largest = z.abs().max() if z.numel() else torch.zeros(())
+        if not torch.isfinite(largest):  # one reduction for both checks: inf and NaN give an inf or NaN max
             self._skip(sample, "non_finite_latent")
+        if largest > LATENT_BOUND:
+            self._skip(sample, "latent_out_of_range")
         if not torch.is_tensor(text) or text.ndim != 2 or text.shape[1] != self.text_dim:
             self._skip(sample, "bad_text_states")
         if not torch.isfinite(text).all():
@@ -122,6 +213,7 @@ class PackingTaskEncoder(TaskEncoder):
         n = grid[0] * grid[1] * grid[2]
         if n > self.seq_length:
             self._skip(sample, "longer_than_seq_length")
+        self._in_a_row.clear()
         meta = sample.meta
         item = TokenSample(
             key=sample.__key__, tokens=patchify(z[None].float(), self.p, self.pt)[0], pos=grid_positions(grid),
@@ -140,9 +232,8 @@ class PackingTaskEncoder(TaskEncoder):
 
     def batch(self, packs: list[PackedSample]) -> PackedBatch:
         batch = collate([p.row for p in packs], self.seq_length, self.text_multiple)
-        batch.skipped = dict(self._skipped + _ERRORS)
+        batch.skipped = dict(self._skipped)
         self._skipped.clear()
-        _ERRORS.clear()
         return batch
 
 
@@ -248,12 +339,13 @@ def check_samples_fit(info, root, *, patch_size: int, patch_size_t: int, seq_len
 
 
 def _init_worker(init, worker_id: int) -> None:
-    """Loader workers leave SIGTERM and SIGUSR1 to the trainer. Slurm, `docker stop` and `timeout` signal a whole
-    process group at once; torch's worker handler would then kill the workers, the trainer would crash on their
-    loss, and it could not save the loader's state (which the workers hold) in the checkpoint it is writing.
+    """Loader workers leave SIGTERM, SIGUSR1, SIGINT and SIGHUP to the trainer. Slurm, `docker stop`, `timeout` and
+    a terminal's Ctrl-C signal a whole process group at once; torch's worker handler would then kill the workers,
+    the trainer would crash on their loss, and it could not save the loader's state (which the workers hold) in
+    the checkpoint it is writing.
     Workers still end with the trainer: it stops them, and they exit when it is gone."""
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+    for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT, signal.SIGHUP):  # Ctrl-C and a closed terminal too
+        signal.signal(sig, signal.SIG_IGN)
     if init is not None:
         init(worker_id)
 
@@ -288,14 +380,18 @@ def build_loader(
     max_samples_per_sequence: int = 100,
     seed: int = 0,
     text_multiple: int = 1,
+    max_skipped_in_a_row: int = MAX_SKIPPED_IN_A_ROW,
 ):
     """An endless, resumable loader of PackedBatch for one data-parallel rank.
 
     Broken shards are left out (logged, and counted in `loader.skipped_at_start`); unreadable samples and
     bad latents are skipped and counted in each batch's `skipped`. text_multiple: each batch's text length is
     padded up to a multiple of it (compiled GPU kernels then see a few text lengths, not one per batch).
+    max_skipped_in_a_row: skipped samples in a row, with no usable one, after which the loader raises
+    TooManySkipped. Iterate with `next_batch`, which turns the loader's failures into one DatasetError.
     """
     root = Path(root)
+    stamp = dataset_files(root)  # before anything is read: a later change is the dataset replaced under the run
     info = read_info(root)
     split_config = None
     bad = broken_shards(root)
@@ -307,11 +403,12 @@ def build_loader(
         for name, reason in bad.items():
             log.warning("leaving out broken shard %s (%s)", name, reason)
         split_config = _split_config_without(root, bad)
+    encoder = PackingTaskEncoder(patch_size=patch_size, patch_size_t=patch_size_t, seq_length=seq_length,
+                                 text_dim=info.text_encoder["dim"], text_multiple=text_multiple,
+                                 max_skipped_in_a_row=max_skipped_in_a_row, dataset_stamp=stamp, root=root)
     worker_config = WorkerConfig(rank=dp_rank, world_size=dp_size, num_workers=num_workers,
                                  data_parallel_group=dp_group, seed_offset=seed,
-                                 global_error_handler=count_error)
-    encoder = PackingTaskEncoder(patch_size=patch_size, patch_size_t=patch_size_t, seq_length=seq_length,
-                                 text_dim=info.text_encoder["dim"], text_multiple=text_multiple)
+                                 global_error_handler=encoder.count_error)
     dataset = get_train_dataset(
         str(root), dataset_config=crude_config(root),  # dataset.yaml is the typed view, for Energon's CLI
         worker_config=worker_config, batch_size=batch_size, task_encoder=encoder,
@@ -323,4 +420,5 @@ def build_loader(
     _stop_workers_at_exit()
     loader.skipped_at_start = {"broken_shard": _indexed_count(root, bad)} if bad else {}
     loader.fingerprint = dataset_fingerprint(root, bad)
+    loader.dataset_root, loader.dataset_stamp = root, stamp
     return loader

@@ -251,6 +251,14 @@ class SelfAttention(nn.Module):
         return self.proj(out.permute(2, 0, 1, 3).reshape(a.seq, a.batch, -1))  # (seq, B, D)
 
 
+def no_text(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq: int, batch: int) -> torch.Tensor:
+    """Cross-attention's output (seq, B, H·hd) when no sample of the batch has a text token: zeros, as for a sample
+    whose text is empty. Made of q, k and v times exactly 0, so that every weight of the text path takes part in
+    the loss (with a zero gradient): data-parallel training (DDP) fails on a step in which a weight does not."""
+    touched = (q.sum() + k.sum() + v.sum()) * 0
+    return q.new_zeros(seq, batch, q.shape[1] * q.shape[3]) + touched
+
+
 class CrossAttention(nn.Module):
     """Image tokens attend to (already projected) text tokens; no positions on either side."""
 
@@ -265,11 +273,11 @@ class CrossAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, a: AttentionInputs) -> torch.Tensor:
         L = a.text.shape[1]
-        if L == 0:  # no text at all: the attention output is empty, as for a sample whose text is empty
-            return self.proj(x.new_zeros(a.seq, a.batch, self.num_heads * self.head_dim))
         (q,) = heads_first(self.q(x), a.seq, a.batch, self.num_heads, 1, self.head_dim)  # (B, H, seq, hd)
         kv = self.kv(a.text.transpose(0, 1))  # (L, B, 2·D)
         k, v = heads_first(kv, L, a.batch, self.num_heads, 2, self.head_dim)  # (B, H, L, hd)
+        if L == 0:  # no text at all
+            return self.proj(no_text(self.q_norm(q), self.k_norm(k), v, a.seq, a.batch))
         out = attend(self.q_norm(q), self.k_norm(k), v, a.text_mask)  # a sample without text gets zeros
         return self.proj(out.permute(2, 0, 1, 3).reshape(a.seq, a.batch, -1))  # (seq, B, D)
 

@@ -22,7 +22,7 @@ from torch import nn
 
 from ditcore.errors import ConfigError
 from ditcore.models.attention import attend
-from ditcore.models.dit import AttentionInputs, DiT, DiTBlock, DiTConfig, RMSNorm, apply_rope
+from ditcore.models.dit import AttentionInputs, DiT, DiTBlock, DiTConfig, RMSNorm, apply_rope, no_text
 
 
 @dataclass(frozen=True)
@@ -94,11 +94,11 @@ class GroupedCrossAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, a: AttentionInputs) -> torch.Tensor:
         L = a.text.shape[1]
-        if L == 0:  # no text at all: the attention output is empty, as for a sample whose text is empty
-            return self.proj(x.new_zeros(a.seq, a.batch, self.num_heads * self.head_dim))
         q = self.q(x).view(a.seq, a.batch, self.num_heads, self.head_dim).permute(1, 2, 0, 3)  # (B, H, seq, hd)
         kv = self.kv(a.text.transpose(0, 1)).view(L, a.batch, self.num_kv_heads, 2, self.head_dim)
         k, v = kv.permute(3, 1, 2, 0, 4).unbind(0)  # (B, kv, L, hd)
+        if L == 0:  # no text at all
+            return self.proj(no_text(self.q_norm(q), self.k_norm(k), v, a.seq, a.batch))
         out = attend(self.q_norm(q), self.k_norm(k), v, a.text_mask,  # a sample without text gets zeros
                      enable_gqa=self.num_heads > self.num_kv_heads)
         return self.proj(out.permute(2, 0, 1, 3).reshape(a.seq, a.batch, -1))  # (seq, B, D)
