@@ -5,6 +5,8 @@ strictly against the checkpoint's.
 The runs are dit-train's own `train()` in this process (a tiny DiT on a mock dataset with nothing to decode, so no
 validation sampling): one run stopped at step 3, copied for each resume variant."""
 
+import contextlib
+import io
 import os
 import shutil
 import signal
@@ -172,7 +174,9 @@ def test_a_smaller_model_is_refused_before_anything_loads(base, data, tmp_path):
     """Today model.depth=1 loaded the first block of a 2-block checkpoint, dropped the other and trained on, rc 0."""
     with pytest.raises(CheckpointError) as e:
         resume(base, tmp_path, data, "model.depth=1")
-    one_line(str(e.value), "was trained with model.depth=null, this config has model.depth=1")
+    one_line(str(e.value), "was trained with model.depth=null, this config has model.depth=1",
+             f"or train the new model in a new run (another train.run_dir) with model.init_from="
+             f"{runs.step_dir(tmp_path / 'run', 3)} to start from its weights")
     assert runs.complete_checkpoints(tmp_path / "run") == [runs.step_dir(tmp_path / "run", 3)]  # nothing written
 
 
@@ -183,7 +187,8 @@ def test_a_dataset_that_changes_the_model_s_shapes_is_refused_in_one_line(base, 
     with pytest.raises(CheckpointError) as e:
         resume(base, tmp_path, wide)
     one_line(str(e.value), "holds another model than this config and dataset build", "differ in shape",
-             "checkpoint [64, 8], this model [64, 16]", "another train.run_dir")
+             "checkpoint [64, 8], this model [64, 16]",
+             f"another train.run_dir with model.init_from={runs.step_dir(tmp_path / 'run', 3)}")
 
 
 def test_strict_shapes_name_the_difference():
@@ -213,6 +218,60 @@ def test_dcp_s_checkpoint_exception_becomes_its_first_error():
     wrapped = CheckpointException("failed", {0: (error, traceback.StackSummary())})
     assert dcp.checkpoint_error(wrapped) == ("ValueError: Size mismatch between saved torch.Size([384]) and current: "
                                              "torch.Size([2304])")
+
+
+# ---------------------------------------------------------------- another model: a new run with model.init_from
+
+
+@pytest.fixture(scope="module")
+def deeper(base, data, tmp_path_factory) -> tuple[Path, str]:
+    """A new run of a 3-block model started from the base run's step-3 checkpoint (2 blocks), with another seed and a
+    learning rate so small that one step moves no weight by more than 1e-6 (AdamW's first step: at most lr); the
+    run directory and what it printed."""
+    run = tmp_path_factory.mktemp("deeper") / "run"
+    with contextlib.redirect_stdout(io.StringIO()) as out:
+        result = train_here(data, run, "model.depth=3", f"model.init_from={runs.step_dir(base, 3)}", "train.seed=5",
+                            "optim.lr=1e-6", "train.steps=2", "train.stop_at=1")
+    assert result["step"] == 1 and [s for s, _ in result["history"]] == [1]  # step and schedule start fresh
+    return run, out.getvalue()
+
+
+def test_init_from_starts_a_new_run_from_a_checkpoint_s_weights(base, deeper):
+    """Today a model change had no way forward but fresh weights. The new run's model and EMA start from the
+    checkpoint's EMA weights wherever names and shapes match; block 2 starts from the fresh init."""
+    source = runs.load_weights(runs.step_dir(base, 3))
+    ckpt = runs.step_dir(deeper[0], 1)
+    fresh = DiT(preset("DiT-Tiny", in_channels=4, text_dim=8, patch_size=2, depth=3))
+    fresh.init_weights(5)
+    fresh = fresh.state_dict()
+    for which in (dcp.MODEL, dcp.EMA):
+        got = dcp.read_full(ckpt, which)
+        assert got.keys() == fresh.keys()
+        for k, v in got.items():
+            start = source[k] if k.startswith(("blocks.0.", "blocks.1.")) or not k.startswith("blocks.") else fresh[k]
+            assert (v - start).abs().max() <= 1.1e-6, (which, k)  # lr, and the rounding of weights < 1
+    k = "blocks.0.attn.qkv.weight"
+    assert (source[k] - fresh[k]).abs().max() > 1e-2  # the fresh init is far from the source: the check means it
+    assert float(dcp.read_full(ckpt, dcp.OPTIM)[f"{k}.step"]) == 1  # the optimizer state starts fresh
+    assert dcp.read_values(ckpt)["step"] == 1
+
+
+def test_init_from_names_what_it_took_in_one_line(base, deeper):
+    line = next(line for line in deeper[1].splitlines() if line.startswith("init_from"))
+    assert line == (f"init_from {runs.step_dir(base, 3)}: 58 of 80 tensors (x_embedder, t_embedder, text_embedder, "
+                    "blocks 0-1 of 3, final); fresh: blocks 2 of 3 (not in the source)")
+
+
+def test_a_resumed_run_ignores_init_from_with_a_note(base, deeper, data, tmp_path, capsys):
+    run = tmp_path / "run"
+    shutil.copytree(deeper[0], run)
+    result = train_here(data, run, "model.depth=3", f"model.init_from={base}", "train.seed=5", "optim.lr=1e-6",
+                        "train.steps=2", "train.stop_at=2")
+    assert [s for s, _ in result["history"]] == [1, 2]
+    out = capsys.readouterr().out
+    one_line(next(line for line in out.splitlines() if line.startswith("note: model.init_from")),
+             f"model.init_from={base} is ignored: the run continues from its own checkpoint")
+    assert "init_from " + str(base) not in out
 
 
 # ---------------------------------------------------------------- another dataset, a damaged one

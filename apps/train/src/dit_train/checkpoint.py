@@ -241,7 +241,7 @@ def _refusal(fabric, ckpt: Path, changes: resume_config.Comparison, state: dict,
     if mismatch:
         return (f"checkpoint {ckpt} holds another model than this config and dataset build: {mismatch} — resume "
                 f"with the config and dataset it was trained with (its {runs.CONFIG_FILE}), or start a new run in "
-                "another train.run_dir")
+                f"another train.run_dir {resume_config.init_from_hint(ckpt)}")
     damage, _ = compare_fingerprints(saved_data, getattr(loader, "fingerprint", None), Path(cfg.data.path))
     return damage
 

@@ -88,6 +88,11 @@ class Model(Section):
     attention: Literal["auto", "sdpa", "flex"] = Field(
         "auto", description="attention kernels: flex (FlexAttention, block-diagonal masks of packed rows; GPU only "
                             "for training), sdpa (dense masks; unmasked rows use flash), auto: flex on a GPU")
+    init_from: str | None = Field(
+        None, description="a new run's first weights: a training checkpoint (RUN_DIR/checkpoints/step-XXXXXXX, its "
+                          "EMA weights), a run directory (its newest checkpoint, else its export/) or an export "
+                          "folder; every tensor whose name and shape match is copied, the others start fresh. "
+                          "Optimizer, step and schedule start fresh. A resumed run ignores it")
 
     @field_validator("preset")
     @classmethod

@@ -15,7 +15,8 @@ line naming the key, both values and what to do:
   model   what the weights mean (architecture, shapes, positions, what the network predicts): refused, as loading
           the weights into another model would drop or misread them
   run     what a step is (its batch): refused, as the optimizer state and schedule count such steps
-  place   where the run is, not what it is (train.run_dir: a copied run directory): not compared
+  place   where the run is or where its first weights came from, not what it is (train.run_dir: a copied run
+          directory; model.init_from: read only when a run starts, a resume ignores it): not compared
 
 Every key of the schema is in RULES; tests/apps/test_resume_config.py fails when a new key is added without one.
 """
@@ -46,6 +47,7 @@ RULES: dict[str, str] = {
     "model.compile": APPLY,
     "model.activation_checkpointing": APPLY,
     "model.attention": APPLY,
+    "model.init_from": PLACE,
     "data.path": DATA,
     "data.seq_length": LOADER,
     "data.num_workers": LOADER,
@@ -165,8 +167,8 @@ class Comparison:
         now = ", ".join(f"{c.key}={_show(c.new)}" for c in refused)
         if any(c.rule == MODEL for c in refused):
             why = ("the model cannot change within a run: the checkpoint's weights belong to its model; set "
-                   f"{was} to continue this run, or train the new model in a new run (another train.run_dir: "
-                   "dit-train has no model.init_from, so it starts from fresh weights)")
+                   f"{was} to continue this run, or train the new model in a new run (another train.run_dir) "
+                   f"{init_from_hint(self.ckpt)}")
         else:
             why = ("a step's batch cannot change within a run: the optimizer state and the schedule count steps of "
                    f"the checkpoint's batch; set {was} to continue this run (train.micro_batch may change), or start "
@@ -179,6 +181,12 @@ class Comparison:
             return None
         return f"resuming {self.ckpt.name} with changed settings (the new values apply): " + ", ".join(
             f"{c}" for c in self.applied)
+
+
+def init_from_hint(ckpt: Path) -> str:
+    """How a new run starts from a checkpoint's weights."""
+    return (f"with model.init_from={ckpt} to start from its weights (the tensors whose names and shapes fit the new "
+            "model; the rest start fresh)")
 
 
 def compare(saved: dict | None, cfg: TrainConfig, ckpt: Path) -> Comparison:

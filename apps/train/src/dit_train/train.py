@@ -20,7 +20,7 @@ from tqdm import tqdm
 
 from dit_train import checkpoint, rundir
 from dit_train.config import TrainConfig, memory_layout
-from ditcore import durable, runs
+from ditcore import durable, init_from, runs
 from ditcore.codecs import LatentStats, load_codec
 from ditcore.codecs.text import load_text_encoder
 from ditcore.data.loader import build_loader, check_samples_fit, next_batch
@@ -182,6 +182,11 @@ def train(cfg: TrainConfig, resume: str = "auto", config_yaml: str | None = None
     ckpt = checkpoint.resume(run.fabric, run.run_dir, resume, trainee.state, trainee.loader, cfg)  # verified
     if ckpt is not None:
         run.fabric.print(f"resumed from {ckpt} at step {trainee.state['step']}")
+        if cfg.model.init_from:
+            run.fabric.print(f"note: model.init_from={cfg.model.init_from} is ignored: the run continues from its own "
+                             "checkpoint (init_from gives a new run its first weights)")
+    elif cfg.model.init_from:
+        start_from(run, trainee)
     validator = Validator(cfg, run.info, run.model_cfg, run.fabric, run.groups)
     preempted = Preempted(run.fabric.world_size, run.on_gpu, run.fabric.global_rank)  # until the export is written
     try:
@@ -295,6 +300,13 @@ def build(run: Setup) -> Trainee:
     denoiser = EDMPrecond(model._forward_module, prediction=cfg.edm.prediction)
     loss = EDMLoss(cfg.edm.p_mean, cfg.edm.p_std, max_weight=cfg.edm.max_weight)
     return Trainee(model, ema, optimizer, scheduler, loader, loss, denoiser, state)
+
+
+def start_from(run: Setup, t: Trainee) -> None:
+    """A new run's first weights from model.init_from, copied into the model and the EMA alike (each rank its pieces:
+    ditcore.init_from); the optimizer state, step and schedule stay fresh. One line says what was taken."""
+    run.fabric.print(init_from.start_from(run.cfg.model.init_from, run.model_cfg, [t.model.module, t.ema.module],
+                                          run.groups))
 
 
 def build_model(run: Setup, training: bool) -> torch.nn.Module:

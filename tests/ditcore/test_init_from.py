@@ -1,0 +1,163 @@
+"""model.init_from: a new model's first weights from another's, by name and shape, in every layout.
+
+The source is a 2-block DiT-Tiny; the target has 3 blocks (and, in some tests, wider text states): blocks 0-1, the
+embedders and the final layer are copied exactly, block 2 (and the wider text projection) keep the fresh init.
+TP=2 runs in this process on torch's fake process-group backend (copying runs no collective); the 2-process test runs
+TP, FSDP and pipeline layouts on gloo."""
+
+import contextlib
+import json
+
+import pytest
+import torch
+import torch.distributed as dist
+from safetensors.torch import save_file
+from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
+
+from ditcore.errors import ConfigError
+from ditcore.export import WEIGHTS
+from ditcore.init_from import copy_in, match, start_from
+from ditcore.models import DiT, preset
+from ditcore.parallel import ParallelDims, ParallelGroups, materialize, parallelize
+from ditcore.parallel.tensor_parallel import is_tp_sharded
+
+from .parallel.conftest import torchrun
+from .parallel.init_from_worker import FRESH_SEED, LAYOUTS, TARGET
+
+SOURCE = preset("DiT-Tiny", in_channels=4, text_dim=16)  # 2 blocks
+
+
+def weights(cfg, seed: int) -> dict[str, torch.Tensor]:
+    model = DiT(cfg)
+    model.init_weights(seed)
+    return model.state_dict()
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory):
+    """An export folder (its weights file is all init_from reads of one) holding the source's weights."""
+    folder = tmp_path_factory.mktemp("source")
+    save_file(weights(SOURCE, 1), str(folder / WEIGHTS))
+    return folder
+
+
+def one_line(text: str, *fragments: str) -> None:
+    assert "\n" not in text, text
+    for fragment in fragments:
+        assert fragment in text, (fragment, text)
+
+
+def check_started_from(got: dict[str, torch.Tensor], src: dict[str, torch.Tensor], target=TARGET) -> None:
+    """Every tensor the source has with the same shape is the source's, exactly; every other is the fresh init."""
+    fresh = weights(target, FRESH_SEED)
+    assert got.keys() == fresh.keys()
+    taken = 0
+    for k, v in got.items():
+        if k in src and src[k].shape == v.shape:
+            assert torch.equal(v, src[k]), k
+            taken += 1
+        else:
+            assert torch.equal(v, fresh[k]), k
+    assert taken and taken < len(got)
+    k = "blocks.0.attn.qkv.weight"  # the check could not pass by accident: fresh and source differ
+    assert not torch.allclose(src[k], fresh[k], atol=1e-3)
+
+
+SUMMARY = "58 of 80 tensors (x_embedder, t_embedder, text_embedder, blocks 0-1 of 3, final); fresh: blocks 2 of 3 " \
+          "(not in the source)"
+
+
+def test_a_deeper_model_takes_every_matching_tensor_and_says_which(source):
+    model = materialize(meta(TARGET), FRESH_SEED, "cpu")
+    line = start_from(source, TARGET, [model], None)
+    assert line == f"init_from {source}: {SUMMARY}"
+    check_started_from(model.state_dict(), weights(SOURCE, 1))
+
+
+def test_a_model_with_other_shapes_takes_the_rest_and_names_what_differs():
+    """Text states 8 wide in the source, 16 here; the source also has a block more and no QK norms."""
+    src = weights(preset("DiT-Tiny", in_channels=4, text_dim=8, depth=4, qk_norm=False), 1)
+    found = match(src, {k: v.shape for k, v in meta(TARGET).state_dict().items()})
+    line = found.summary("S")
+    one_line(line, "init_from S: 67 of 80 tensors (x_embedder, t_embedder, final; in part: text_embedder, "
+                   "blocks 0-2 of 3); fresh: text_embedder.0.weight (the source's is [64, 8], this model's [64, 16]), "
+                   "blocks.0.attn.q_norm.weight (not in the source)", "and 10 more tensors",
+             "; not used: 18 of the source's tensors (blocks 3)")
+    model = materialize(meta(TARGET), FRESH_SEED, "cpu")
+    copy_in(model, {k: src[k] for k in found.taken}, None)
+    check_started_from(model.state_dict(), src)
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_each_tensor_parallel_rank_takes_its_shard_of_the_source(source, rank):
+    src = weights(SOURCE, 1)
+    with fake_tp(rank) as groups:
+        model = materialize(parallelize(meta(TARGET), groups), FRESH_SEED, "cpu", groups)
+        start_from(source, TARGET, [model], groups)
+    fresh, params, sharded = weights(TARGET, FRESH_SEED), dict(model.named_parameters()), 0
+    for k, v in model.state_dict().items():
+        full = src[k] if k in src else fresh[k]
+        want = full.chunk(2, dim=params[k].partition_dim)[rank] if is_tp_sharded(params[k]) else full
+        assert torch.equal(v, want), k
+        sharded += is_tp_sharded(params[k]) and k in src
+    assert sharded == 11 * SOURCE.depth
+
+
+def test_every_layout_starts_from_the_same_weights_on_two_processes(source, tmp_path):
+    """TP=2 + SP, FSDP over DP=2, TP=2 + FSDP and two pipeline stages, each consolidated after init_from."""
+    proc = torchrun("init_from_worker.py", str(source), str(tmp_path))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    lines = json.loads((tmp_path / "lines.json").read_text())
+    assert lines == {name: f"init_from {source}: {SUMMARY}" for name in LAYOUTS}  # the whole model on every layout
+    for name in LAYOUTS:
+        check_started_from(torch.load(tmp_path / f"{name}.pt", weights_only=True), weights(SOURCE, 1))
+
+
+def test_a_source_with_nothing_in_common_is_refused_in_one_line(tmp_path):
+    save_file({"encoder.weight": torch.zeros(3, 3), "blocks.0.attn.qkv.weight": torch.zeros(5, 5)},
+              str(tmp_path / WEIGHTS))
+    with pytest.raises(ConfigError) as e:
+        start_from(tmp_path, TARGET, [], None)
+    one_line(str(e.value), f"model.init_from='{tmp_path}' is invalid", "none of the source's 2 tensors has the name "
+             "and shape of one of this model's 80", "unset model.init_from")
+
+
+def test_non_finite_or_damaged_or_unknown_sources_are_refused_in_one_line(tmp_path):
+    src = weights(SOURCE, 1)
+    src["final.linear.weight"][0, 0] = float("nan")
+    save_file(src, str(tmp_path / WEIGHTS))
+    with pytest.raises(ConfigError) as e:
+        start_from(tmp_path, TARGET, [], None)
+    one_line(str(e.value), "finite weights", "NaN/Inf in 1 tensors (e.g. final.linear.weight)", "earlier checkpoint")
+
+    data = (tmp_path / WEIGHTS).read_bytes()
+    (tmp_path / WEIGHTS).write_bytes(data[:len(data) // 2])
+    with pytest.raises(ConfigError) as e:
+        start_from(tmp_path, TARGET, [], None)
+    one_line(str(e.value), "weights that load", "is truncated or damaged")
+
+    for path in (tmp_path / "empty", tmp_path / "missing"):
+        if path.name == "empty":
+            path.mkdir()
+        with pytest.raises(ConfigError) as e:
+            start_from(path, TARGET, [], None)
+        one_line(str(e.value), f"model.init_from='{path}' is invalid", "a training checkpoint (RUN_DIR/checkpoints/"
+                 "step-XXXXXXX", "a run directory", "an export folder (model.safetensors + model.json)")
+
+
+def meta(cfg) -> DiT:
+    with torch.device("meta"):
+        return DiT(cfg)
+
+
+@contextlib.contextmanager
+def fake_tp(rank: int, tp: int = 2):
+    """The ParallelGroups that `rank` of a TP=`tp` layout gets, with no other process (as test_materialize)."""
+    dist.init_process_group("fake", rank=rank, world_size=tp, store=FakeStore())
+    try:
+        world = dist.group.WORLD
+        yield ParallelGroups(dims=ParallelDims(tp=tp, sequence_parallel=True).resolve(tp), tp_group=world,
+                             cp_group=world, dp_group=world, dp_cp_group=world, tp_rank=rank, cp_rank=0, dp_rank=0,
+                             dp_cp_rank=0)
+    finally:
+        dist.destroy_process_group()
