@@ -53,8 +53,8 @@ def read_source(path: str | Path) -> Source:
         raise ConfigError(KEY, str(given), f"an existing path: {KINDS}")
     if runs.is_complete(given) or (given / WEIGHTS).is_file():
         folder = given
-    elif runs.complete_checkpoints(given):
-        folder = runs.complete_checkpoints(given)[-1]  # the newest: where the run stands
+    elif runs.newest(given):
+        folder = runs.newest(given)  # the one written last: where the run stands (after a branch, not the top step)
     elif (runs.export_dir(given) / WEIGHTS).is_file():
         folder = runs.export_dir(given)
     else:
