@@ -142,9 +142,12 @@ def test_resume_refuses_each_planted_checkpoint_and_continues_exactly_from_one_m
     assert len(warnings) == 3 and all("posix.system" in w for w in warnings), proc.stderr[-3000:]
     assert f"resumed from {step(1)} at step 1" in proc.stdout + proc.stderr
     # the old-format loader state (with a worker's tensor and array RNG states) resumed the data exactly
-    resumed, straight = dist_checkpoint.read_values(step(4)), dist_checkpoint.read_values(runs.step_dir(original, 4))
+    # the resumed run's step 4 is a second checkpoint of that step (lineage: the planted one is never replaced)
+    newest = runs.newest(run)
+    assert runs.step_of(newest) == 4 and newest != step(4)
+    resumed, straight = dist_checkpoint.read_values(newest), dist_checkpoint.read_values(runs.step_dir(original, 4))
     assert resumed["history"] == straight["history"]
-    a, b = (dist_checkpoint.read_full(d, runs.EMA) for d in (step(4), runs.step_dir(original, 4)))
+    a, b = (dist_checkpoint.read_full(d, runs.EMA) for d in (newest, runs.step_dir(original, 4)))
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 

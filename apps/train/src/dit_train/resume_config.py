@@ -53,6 +53,7 @@ RULES: dict[str, str] = {
     "data.num_workers": LOADER,
     "data.shuffle_buffer": LOADER,
     "data.packing_buffer": LOADER,
+    "data.max_skipped_in_a_row": APPLY,  # a bound on the loader's skips, not its position
     "parallel.tp": APPLY,  # any layout resumes from any other (the loader's position: by data-parallel size)
     "parallel.cp": APPLY,
     "parallel.pp": APPLY,
