@@ -32,13 +32,16 @@ install: $(STAMP)
 lint: install
 	$(BIN)/ruff check .
 
-# pytest exits 5 when it collects no tests; that is not a failure of the code under test.
+# pytest exits 5 when it collects no tests; that is not a failure of the code under test. Two test files run at a
+# time (pytest-xdist; a file's tests stay in one process, so its module fixtures are built once): much of a test's
+# time is a subprocess starting up (imports), which the second core overlaps. TEST_WORKERS=0 runs them in order.
+TEST_WORKERS ?= 2
 test: lint
-	$(BIN)/pytest -m "not slow" --durations=5; rc=$$?; \
+	$(BIN)/pytest -m "not slow" -n $(TEST_WORKERS) --dist loadfile --durations=5; rc=$$?; \
 		if [ $$rc -eq 5 ]; then echo "pytest collected no tests"; exit 0; fi; exit $$rc
 
 test-slow: lint
-	$(BIN)/pytest --durations=10
+	$(BIN)/pytest -n $(TEST_WORKERS) --dist loadfile --durations=10
 
 bench: install
 	@true  # diffusers (the peer) is a ditcore dependency already (its VAE codec)

@@ -153,6 +153,8 @@ def stopped_tp2(dataset, tmp_path_factory):
     return straight, stopped
 
 
+# slow: the suite's time on 2 cores; test_fabric_checkpoint.py resumes TP=2 pieces in other layouts in the default run
+@pytest.mark.slow
 def test_written_with_tp2_resumed_on_one_process_continues_the_same_run(dataset, stopped_tp2, tmp_path):
     straight, stopped = stopped_tp2
     resumed = tmp_path / "resumed"
@@ -186,6 +188,8 @@ def test_written_with_tp2_resumed_with_fsdp_over_dp2(dataset, stopped_tp2, tmp_p
     assert [s for s, _ in history] == [1, 2, 3, 4] and all(math.isfinite(loss) for _, loss in history)
 
 
+# slow: the suite's time; test_equivalence.py's and test_init_from.py's pipeline cases stay in the default run
+@pytest.mark.slow
 def test_pipeline_of_two_stages_trains_like_one_process(dataset, straight, tmp_path):
     """parallel.pp=2: one block per stage, 1F1B over the step's 2 micro-batches; validation samples and the export
     go through the stages too. The same data and draws as one process: the same losses to float32 rounding, and a
@@ -284,7 +288,9 @@ def test_skipped_samples_are_reported_per_window_and_in_total_across_a_resume(da
     assert len(column) == 4 and totals[0] == sum(column[:2]) > 0 and totals[1] == sum(column) > totals[0]
 
 
-@pytest.mark.parametrize(("arch", "size", "frames"), [("moviegen", "MovieGen-Tiny", 1), ("stdit", "ST-DiT-Tiny", 4)])
+# ST-DiT's run is slow-marked: test_st_dit_trains_with_context_parallelism_on_two_processes trains it by default
+@pytest.mark.parametrize(("arch", "size", "frames"), [("moviegen", "MovieGen-Tiny", 1),
+                                                     pytest.param("stdit", "ST-DiT-Tiny", 4, marks=pytest.mark.slow)])
 def test_other_architectures_train_and_their_exports_sample(dataset, tmp_path, arch, size, frames):
     """model.arch=moviegen (MovieGen's Llama-style blocks) and stdit (spatial and temporal blocks, on the dataset's
     images and 4-frame clips) through the same loop, export and sampler (ST-DiT samples a clip)."""
