@@ -8,7 +8,23 @@ def _deterministic():
     yield
 
 
+# Seconds the longest test files took in the default run on 2 cores, one test after another (pytest --durations).
+# `make test` runs two files at a time (pytest-xdist --dist loadfile, which hands files out in collection order): the
+# longest go first, so that none of them starts last while the other worker has nothing left to do. Within a file,
+# and among the others, pytest-randomly's order stays (the sort is stable).
+LONGEST_FILES = {
+    "tests/apps/test_train.py": 330, "tests/apps/test_bad_inputs.py": 105, "tests/apps/test_sample.py": 100,
+    "tests/ditcore/parallel/test_equivalence.py": 75, "tests/ditcore/data/test_loader.py": 72,
+    "tests/apps/test_prepare.py": 70, "tests/ditcore/parallel/test_fabric_checkpoint.py": 67,
+    "tests/ditcore/parallel/test_compile.py": 55, "tests/apps/test_sample_abuse.py": 51,
+    "tests/ditcore/parallel/test_compile_stdit.py": 39, "tests/apps/test_memory_plan.py": 37,
+    "tests/apps/test_no_code_runs.py": 33, "tests/apps/test_resume_config.py": 30,
+}
+
+
+@pytest.hookimpl(trylast=True)  # after pytest-randomly's shuffle
 def pytest_collection_modifyitems(config, items):
+    items.sort(key=lambda item: -LONGEST_FILES.get(item.nodeid.split("::")[0], 0))
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU; this machine has none")
