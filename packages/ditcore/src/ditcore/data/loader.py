@@ -154,8 +154,8 @@ class PackingTaskEncoder(TaskEncoder):
     """
 
     cookers = (Cooker(cook),)
-    # Energon's default decoder would unpickle members by extension (`.pth` with torch.load(weights_only=False),
-    # `.pkl`/`.pyd` with pickle.loads): a crafted dataset would run its code. Without one, `cook` gets raw bytes.
+    # Energon's default decoder would unpickle members by extension (`.pth` through torch's full unpickler,
+    # `.pkl`/`.pyd` through Python's): a crafted dataset would run its code. Without one, `cook` gets raw bytes.
     decoder = None
 
     def __init__(self, *, patch_size: int, patch_size_t: int, seq_length: int, text_dim: int, text_multiple: int = 1,

@@ -25,8 +25,9 @@ import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import safetensors.torch
 import torch
+from safetensors.torch import load as read_safetensors
+from safetensors.torch import save as write_safetensors
 
 from ditcore import durable
 from ditcore.safe_state import weights_only_load
@@ -109,7 +110,7 @@ def _first_line(e: Exception) -> str:
 
 def tensor_bytes(t: torch.Tensor, name: str) -> bytes:
     """One tensor as a safetensors blob (a JSON header, then the raw bytes: nothing in it is executable)."""
-    return safetensors.torch.save({name: t.contiguous()})
+    return write_safetensors({name: t.contiguous()})
 
 
 def read_sample(sample: dict) -> tuple[torch.Tensor, torch.Tensor, dict]:
@@ -131,7 +132,7 @@ def read_sample(sample: dict) -> tuple[torch.Tensor, torch.Tensor, dict]:
 
 def _member_tensor(sample: dict, name: str, member: str, legacy: str) -> torch.Tensor:
     if member in sample:
-        tensors = safetensors.torch.load(bytes(sample[member]))
+        tensors = read_safetensors(bytes(sample[member]))
         if list(tensors) != [name]:
             raise ValueError(f"sample {sample.get('__key__')}: {member} holds {sorted(tensors)}, expected one '{name}'")
         return tensors[name]
