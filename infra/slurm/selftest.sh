@@ -6,7 +6,12 @@
 # and the job is requeued; a finished run is not requeued; a failure keeps its non-zero status; arguments reach
 # the apps unchanged.
 #
-#   bash infra/slurm/selftest.sh      (about a minute; needs torch installed, e.g. by `make install`)
+#   bash infra/slurm/selftest.sh                   (about a minute; torchrun from .venv, made by `make install`)
+#   VENV=/path/.venv bash infra/slurm/selftest.sh  (torchrun from that environment)
+#
+# The jobs run with VENV set to a stand-in environment ($work/venv) whose bin/ holds the stub apps and a link to
+# the real torchrun: the scripts' VENV handling is exercised, and a real dit-train never shadows the stubs. It
+# always ends with a summary line, also when a check cannot run.
 set -euo pipefail
 
 here=$(cd "$(dirname "$0")" && pwd)
@@ -15,9 +20,22 @@ if [[ ! -x "$venv/bin/torchrun" ]]; then
     echo "selftest: no torchrun in $venv/bin: run 'make install' or set VENV" >&2
     exit 2
 fi
+venv=$(cd "$venv" && pwd)  # the link below must not be relative
 work=$(mktemp -d)
-trap 'rm -rf "$work"' EXIT
-mkdir -p "$work/bin"
+failures=0
+finish() {
+    local rc=$?
+    rm -rf "$work"
+    if (( rc != 0 && failures == 0 )); then
+        echo "selftest: stopped early (exit status $rc); the checks before this line are all that ran"
+        echo "1 failed"
+    else
+        echo "$failures failed"
+    fi
+}
+trap finish EXIT
+mkdir -p "$work/bin" "$work/venv/bin"
+ln -s "$venv/bin/torchrun" "$work/venv/bin/torchrun"
 
 cat > "$work/bin/srun" <<'EOF'
 #!/bin/bash
@@ -56,7 +74,7 @@ case "$1 $2" in
     *) exit 1 ;;
 esac
 EOF
-cat > "$work/bin/dit-train" <<'EOF'
+cat > "$work/venv/bin/dit-train" <<'EOF'
 #!/usr/bin/env python3
 import os, signal, sys, time
 events = open(os.path.join(os.environ["SIM_DIR"], "events"), "a", buffering=1)
@@ -75,15 +93,14 @@ for _ in range(int(os.environ.get("FAKE_STEPS", "300"))):
 events.write(f"rank {rank} finished\n")
 sys.exit(int(os.environ.get("FAKE_RC", "0")))
 EOF
-cat > "$work/bin/dit-prepare" <<'EOF'
+cat > "$work/venv/bin/dit-prepare" <<'EOF'
 #!/usr/bin/env python3
 import os, sys
 with open(os.path.join(os.environ["SIM_DIR"], "events"), "a") as f:
     f.write(f"prepare rank {os.environ['RANK']} of {os.environ['WORLD_SIZE']} args={sys.argv[1:]}\n")
 EOF
-chmod +x "$work/bin/"*
+chmod +x "$work/bin/"* "$work/venv/bin/dit-"*
 
-failures=0
 check() {  # check NAME CONDITION...
     local name=$1
     shift
@@ -101,7 +118,8 @@ simulate() {
     cp "$here/$script" "$SIM_DIR/job"  # Slurm runs a copy of the script from its spool directory
     (
         cd "$SIM_DIR"
-        export PATH="$work/bin:$venv/bin:$PATH" SLURM_JOB_ID=$((4000 + RANDOM % 1000)) SLURM_NNODES=$nodes \
+        # The submitting shell's PATH and VENV=the stand-in environment, as `VENV=... sbatch` would pass them on.
+        export PATH="$work/bin:$PATH" VENV="$work/venv" SLURM_JOB_ID=$((4000 + RANDOM % 1000)) SLURM_NNODES=$nodes \
             SLURM_JOB_NODELIST="node[1-$nodes]" SLURM_CPUS_PER_TASK=2 NPROC_PER_NODE=$procs
         exec bash ./job "$@"  # $! is then the batch shell itself, which USR1 must reach
     ) > "$SIM_DIR/out" 2>&1 &
@@ -111,7 +129,7 @@ simulate() {
             (( $(count started) >= nodes * procs )) && break
             sleep 0.1
         done
-        kill -USR1 "$job"
+        kill -USR1 "$job" 2>/dev/null || echo "selftest: the job had ended before SIGUSR1 could be sent"
     fi
     wait "$job" && status=0 || status=$?
 }
@@ -125,9 +143,11 @@ check "preempted: every rank checkpointed" test "$(count checkpointed)" -eq 4
 check "preempted: the job requeued itself" test "$(count requeue)" -eq 1
 [[ $failures -eq 0 ]] || cat "$SIM_DIR/out"
 
-FAKE_STEPS=5 simulate train.sbatch 2 1 no mock
+FAKE_STEPS=5 simulate train.sbatch 2 "" no mock  # NPROC_PER_NODE unset, no GPU
 check "finished: the job exits 0" test "$status" -eq 0
 check "finished: not requeued" test "$(count requeue)" -eq 0
+check "no GPU, NPROC_PER_NODE unset: 1 process per node" test "$(count started)" -eq 2
+check "no GPU: the process gets the task's 2 CPUs as threads" grep -q "2 thread(s) per process" "$SIM_DIR/out"
 
 FAKE_STEPS=5 FAKE_RC=3 simulate train.sbatch 1 2 no mock
 check "failed: the job exits non-zero" test "$status" -ne 0
@@ -147,5 +167,4 @@ check "prepare: 2 ranks, arguments unchanged (--num is not torchrun's)" \
 simulate prepare.sbatch 2 1 no mock --out /tmp/x
 check "prepare: mock on 2 nodes is refused" test "$status" -eq 2
 
-echo "$failures failed"
 exit $(( failures > 0 ))
