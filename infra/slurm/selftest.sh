@@ -23,6 +23,7 @@ fi
 venv=$(cd "$venv" && pwd)  # the link below must not be relative
 work=$(mktemp -d)
 failures=0
+# shellcheck disable=SC2317  # called by trap
 finish() {
     local rc=$?
     rm -rf "$work"
@@ -147,7 +148,8 @@ FAKE_STEPS=5 simulate train.sbatch 2 "" no mock  # NPROC_PER_NODE unset, no GPU
 check "finished: the job exits 0" test "$status" -eq 0
 check "finished: not requeued" test "$(count requeue)" -eq 0
 check "no GPU, NPROC_PER_NODE unset: 1 process per node" test "$(count started)" -eq 2
-check "no GPU: the process gets the task's 2 CPUs as threads" grep -q "2 thread(s) per process" "$SIM_DIR/out"
+check "no GPU: the process gets the task's 2 CPUs as threads" \
+    grep -q "1 process(es) and 0 GPU(s) per node, 2 thread(s) each" "$SIM_DIR/out"
 
 FAKE_STEPS=5 FAKE_RC=3 simulate train.sbatch 1 2 no mock
 check "failed: the job exits non-zero" test "$status" -ne 0

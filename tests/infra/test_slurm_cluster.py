@@ -216,7 +216,7 @@ def test_train_sbatch_is_preempted_requeued_and_resumes_to_the_end(cluster, tmp_
 
     # The job log, appended across the requeue: two starts, 2 processes with 0 GPUs each, the preemption.
     assert f"job {job} (restart 0)" in log and f"job {job} (restart 1)" in log, report
-    assert log.count("2 process(es) and 0 GPU(s) per node") == 2, report
+    assert log.count("2 process(es) and 0 GPU(s) per node, ") == 2, report
     assert "SIGUSR1: the time limit is near" in log and f"requeueing job {job}" in log, report
     assert log.count("Starting with 2 processes") == 2, report
     assert f"done: {STEPS} steps" in log, report
