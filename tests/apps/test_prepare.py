@@ -126,7 +126,22 @@ def test_butterfly_without_network_fails_fast_with_the_alternatives(tmp_path):
     assert "Traceback" not in proc.stderr
 
 
-def test_folder_with_images_videos_and_captions(tmp_path):
+def png_claiming(width: int, height: int) -> bytes:
+    """A PNG whose header claims width x height RGB pixels, with a few bytes of data: a decompression bomb."""
+    import struct
+    import zlib
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0))
+            + chunk(b"IDAT", zlib.compress(b"\0" * 64)) + chunk(b"IEND", b""))
+
+
+def test_folder_with_images_videos_captions_buckets_and_odd_files(tmp_path):
+    """--fit buckets on square, wide and tall pictures and a clip; a file without caption, an unreadable one, a
+    non-UTF-8 caption, a decompression bomb (15000x15000 claimed) and a FIFO named zz.png are each skipped, counted
+    and named, without a hang or a traceback; the loader packs the buckets' different shapes, skipping nothing."""
     import imageio.v3 as iio
 
     src = tmp_path / "media"
@@ -134,20 +149,44 @@ def test_folder_with_images_videos_and_captions(tmp_path):
     for i in range(3):
         iio.imwrite(src / f"img{i}.png", generate(i, 5, 32, 1, 0.0)[0][0])
         (src / f"img{i}.txt").write_text(f"picture {i}\n")
+    for name, (h, w) in {"wide": (30, 64), "tall": (70, 33)}.items():
+        iio.imwrite(src / f"{name}.png", generate(7, 5, 72, 1, 0.0)[0][0][:h, :w])
+        (src / f"{name}.txt").write_text(f"a {name} picture")
     clip = generate(0, 5, 32, 6, 1.0)[0]
     iio.imwrite(src / "sub" / "clip.gif", clip, duration=125, loop=0)
     (src / "captions.jsonl").write_text(json.dumps({"file": "sub/clip.gif", "caption": "a flapping butterfly"}) + "\n")
     (src / "nocaption.png").write_bytes((src / "img0.png").read_bytes())
     (src / "broken.png").write_bytes(b"garbage")
     (src / "broken.txt").write_text("a broken file")
+    (src / "latin.png").write_bytes((src / "img0.png").read_bytes())
+    (src / "latin.txt").write_bytes("un papillon bleu, café".encode("latin-1"))
+    (src / "bomb.png").write_bytes(png_claiming(15000, 15000))
+    (src / "bomb.txt").write_text("too big")
+    os.mkfifo(src / "zz.png")  # sorted last: nothing after it would be read if it blocked
     out = tmp_path / "folder"
-    proc = run("folder", src, "--out", out, "--size", 32, "--frames", 4, "--codec", "pixel", "--text-encoder", "null")
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = run("folder", src, "--out", out, "--size", 32, "--fit", "buckets", "--frames", 4, "--codec", "pixel",
+               "--text-encoder", "null", timeout=120)
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     info = read_info(out)
-    assert info.counts["images"] == 3 and info.counts["videos"] == 1
+    assert info.counts["images"] == 5 and info.counts["videos"] == 1
+    from PIL import Image
+
     assert info.counts["skipped"] == {"no caption (no sidecar .txt and not in captions.jsonl)": 1,
-                                      "unreadable image (UnidentifiedImageError)": 1}
+                                      "unreadable image (UnidentifiedImageError)": 1,
+                                      "caption is not UTF-8 text": 1,
+                                      f"image over Pillow's limit of {Image.MAX_IMAGE_PIXELS} pixels": 1,
+                                      "not a regular file": 1}
+    for named in ("nocaption.png", "broken.png", "latin.txt", "bomb.png", "zz.png"):
+        assert named in proc.stdout, proc.stdout
+    # buckets of about 32² pixels, sides multiples of 8 (pixel codec factor 2 x patch 4, demo's): 24x48 and 48x24
+    # for the tall and wide pictures, 32x32 for the rest (in latent cells of 2 px)
+    assert info.counts["latent_shapes"] == {"12x1x16x16": 3, "12x1x24x12": 1, "12x1x12x24": 1, "12x4x16x16": 1}
     energon_accepts(out)
+    grids, skipped = set(), {}
+    for _, b in zip(range(8), build_loader(out, patch_size=4, patch_size_t=1, seq_length=64, batch_size=2)):
+        grids.update(g for row in b.grids for g in row)
+        skipped.update(b.skipped)
+    assert grids == {(1, 3, 6), (1, 4, 4), (1, 6, 3), (4, 4, 4)} and not skipped
 
 
 @pytest.mark.slow  # the default run prepares synthetic and folder datasets through the same writer
