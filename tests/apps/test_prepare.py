@@ -394,3 +394,26 @@ def test_own_photographs_with_default_settings_train_the_demo_model(tmp_path):
     assert len(losses) == 30 and sum(int(r["skipped"]) for r in rows) == 0
     untrained = sum(losses[:5]) / 5
     assert sum(losses[-5:]) / 5 < 0.5 * untrained, losses
+
+
+@pytest.mark.slow  # two processes under torchrun; the summary's code path is otherwise the one-process one
+def test_one_summary_under_torchrun(tmp_path):
+    """Every rank writes its own shards; rank 0 alone prints the summary, with every rank's samples counted."""
+    import imageio.v3 as iio
+
+    src = tmp_path / "media"
+    src.mkdir()
+    for i in range(5):
+        iio.imwrite(src / f"img{i}.png", generate(i, 5, 32, 1, 0.0)[0][0])
+        (src / f"img{i}.txt").write_text(f"picture {i}")
+    with __import__("socket").socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={port}",
+                           str(BIN / "dit-prepare"), "folder", str(src), "--out", str(tmp_path / "out"), "--size", "32",
+                           "--codec", "pixel", "--text-encoder", "null"],
+                          capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summaries = [ln for ln in proc.stdout.splitlines() if ln.startswith("samples ")]
+    assert summaries == ["samples   5 (5 images, 0 clips) in 2 shards, " + summaries[0].split(" shards, ")[1]]
+    assert proc.stdout.count("dataset ") == 1
