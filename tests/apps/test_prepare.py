@@ -224,21 +224,6 @@ def test_bad_inputs_give_one_clear_line(tmp_path, args, message):
     assert len([ln for ln in proc.stderr.splitlines() if ln.strip()]) == 1
 
 
-def test_pca_patch_and_one_latent_scale(tmp_path):
-    """--pca-patch 4 --latent-norm global: 4x4-pixel cells, and one std for every channel in ditcore.json."""
-    out = tmp_path / "pca4"
-    proc = run("synthetic", "--out", out, "--num", 8, "--size", 32, "--frames", 4, "--fit-samples", 8,
-               "--pca-patch", 4, "--pca-channels", 12, "--latent-norm", "global")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    info = read_info(out)
-    assert info.codec["patch"] == 4 and info.spatial_factor == 4 and info.latent_channels == 12
-    assert len(set(info.latent_stats["std"])) == 1 and len(set(info.latent_stats["mean"])) == 12
-    pixels, _, _ = generate(0, 0, 32, 4, 0.5)
-    original = torch.from_numpy(pixels).permute(3, 0, 1, 2)[None].float() / 127.5 - 1
-    assert decoded(out, "00000000").shape[-2:] == (32, 32)
-    assert psnr(decoded(out, "00000000"), original) > 24.0
-
-
 def test_existing_output_is_refused_without_overwrite(synthetic):
     out, _ = synthetic
     proc = run("mock", "--out", out, "--num", 2)
@@ -373,6 +358,17 @@ def test_own_photographs_with_default_settings_train_the_demo_model(tmp_path):
     assert "not writable" not in proc.stderr, proc.stderr[-3000:]  # torch's warning on read-only PIL pixels
     info = read_info(data)
     assert info.counts["samples"] == len(PHOTOGRAPHS) and info.counts["skipped"] == {}
+    # the demo's code (make demo's DEMO_PREPARE): 4x4-pixel cells, 16 channels, one scale for every channel
+    assert info.codec["patch"] == 4 and info.spatial_factor == 4 and info.latent_channels == 16
+    assert len(set(info.latent_stats["std"])) == 1 and len(set(info.latent_stats["mean"])) == 16
+    from PIL import Image
+
+    from dit_prepare.sources import Framing
+
+    with Image.open(photos / "astronaut.png") as img:  # the first file: key 00000000
+        original = torch.from_numpy(Framing("crop", 64, 16)(img).astype(np.float32)).permute(2, 0, 1)[None, :, None]
+    # bf16 latents of a 16-channel PCA of 4x4 patches: measured 30.0 dB (28.7 to 54.2 dB over the photographs)
+    assert psnr(decoded(data, "00000000"), original / 127.5 - 1) > 27.0
     demo = load_config(find_config("demo"))
     tokens = (64 // info.spatial_factor // demo.model.patch_size) ** 2  # default --size 64, centre-cropped
     assert info.counts["latent_shapes"] == {
