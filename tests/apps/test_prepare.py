@@ -1,5 +1,6 @@
 """dit-prepare as a user runs it: every source gives a dataset that Energon accepts and ditcore can load."""
 
+import csv
 import io
 import json
 import os
@@ -8,6 +9,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -126,7 +128,22 @@ def test_butterfly_without_network_fails_fast_with_the_alternatives(tmp_path):
     assert "Traceback" not in proc.stderr
 
 
-def test_folder_with_images_videos_and_captions(tmp_path):
+def png_claiming(width: int, height: int) -> bytes:
+    """A PNG whose header claims width x height RGB pixels, with a few bytes of data: a decompression bomb."""
+    import struct
+    import zlib
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0))
+            + chunk(b"IDAT", zlib.compress(b"\0" * 64)) + chunk(b"IEND", b""))
+
+
+def test_folder_with_images_videos_captions_buckets_and_odd_files(tmp_path):
+    """--fit buckets on square, wide and tall pictures and a clip; a file without caption, an unreadable one, a
+    non-UTF-8 caption, a decompression bomb (15000x15000 claimed) and a FIFO named zz.png are each skipped, counted
+    and named, without a hang or a traceback; the loader packs the buckets' different shapes, skipping nothing."""
     import imageio.v3 as iio
 
     src = tmp_path / "media"
@@ -134,20 +151,45 @@ def test_folder_with_images_videos_and_captions(tmp_path):
     for i in range(3):
         iio.imwrite(src / f"img{i}.png", generate(i, 5, 32, 1, 0.0)[0][0])
         (src / f"img{i}.txt").write_text(f"picture {i}\n")
+    for name, (h, w) in {"wide": (30, 64), "tall": (70, 33)}.items():
+        iio.imwrite(src / f"{name}.png", generate(7, 5, 72, 1, 0.0)[0][0][:h, :w])
+        (src / f"{name}.txt").write_text(f"a {name} picture")
     clip = generate(0, 5, 32, 6, 1.0)[0]
     iio.imwrite(src / "sub" / "clip.gif", clip, duration=125, loop=0)
     (src / "captions.jsonl").write_text(json.dumps({"file": "sub/clip.gif", "caption": "a flapping butterfly"}) + "\n")
     (src / "nocaption.png").write_bytes((src / "img0.png").read_bytes())
     (src / "broken.png").write_bytes(b"garbage")
     (src / "broken.txt").write_text("a broken file")
+    (src / "latin.png").write_bytes((src / "img0.png").read_bytes())
+    (src / "latin.txt").write_bytes("un papillon bleu, café".encode("latin-1"))
+    (src / "bomb.png").write_bytes(png_claiming(15000, 15000))
+    (src / "bomb.txt").write_text("too big")
+    os.mkfifo(src / "zz.png")  # sorted last: nothing after it would be read if it blocked
     out = tmp_path / "folder"
-    proc = run("folder", src, "--out", out, "--size", 32, "--frames", 4, "--codec", "pixel", "--text-encoder", "null")
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = run("folder", src, "--out", out, "--size", 32, "--fit", "buckets", "--frames", 4, "--codec", "pixel",
+               "--text-encoder", "null", timeout=120)
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     info = read_info(out)
-    assert info.counts["images"] == 3 and info.counts["videos"] == 1
+    assert info.counts["images"] == 5 and info.counts["videos"] == 1
+    from PIL import Image
+
     assert info.counts["skipped"] == {"no caption (no sidecar .txt and not in captions.jsonl)": 1,
-                                      "unreadable image (UnidentifiedImageError)": 1}
+                                      "unreadable image (UnidentifiedImageError)": 1,
+                                      "caption is not UTF-8 text": 1,
+                                      f"image over Pillow's limit of {Image.MAX_IMAGE_PIXELS} pixels": 1,
+                                      "not a regular file": 1}
+    for named in ("nocaption.png", "broken.png", "latin.txt", "bomb.png", "zz.png"):
+        assert named in proc.stdout, proc.stdout
+    # buckets of about 32² pixels, sides multiples of 8 (pixel codec factor 2 x patch 4, demo's): 24x48 and 48x24
+    # for the tall and wide pictures, 32x32 for the rest (in latent cells of 2 px)
+    assert info.counts["latent_shapes"] == {"12x1x16x16": 3, "12x1x24x12": 1, "12x1x12x24": 1, "12x4x16x16": 1}
     energon_accepts(out)
+    grids, skipped = set(), {}
+    batches = build_loader(out, patch_size=4, patch_size_t=1, seq_length=64, batch_size=2)
+    for _, b in zip(range(8), batches, strict=False):  # the loader repeats the dataset: 8 batches of it
+        grids.update(g for row in b.grids for g in row)
+        skipped.update(b.skipped)
+    assert grids == {(1, 3, 6), (1, 4, 4), (1, 6, 3), (4, 4, 4)} and not skipped
 
 
 @pytest.mark.slow  # the default run prepares synthetic and folder datasets through the same writer
@@ -171,6 +213,8 @@ def test_mock_dataset_for_throughput(tmp_path):
         (["synthetic", "--out", "{tmp}/o", "--pca-patch", "2", "--pca-channels", "16"],
          "--pca-channels 16 is more than a 2x2 patch holds (3·2² = 12)"),
         (["synthetic", "--out", "{tmp}/o", "--size", "36", "--pca-patch", "8"], "must be a multiple of --pca-patch 8"),
+        # 4-pixel PCA cells (folder's default) x the demo's patch 4
+        (["folder", "{tmp}", "--out", "{tmp}/o", "--size", "72"], "--size 72 is not a multiple of 16"),
     ],
 )
 def test_bad_inputs_give_one_clear_line(tmp_path, args, message):
@@ -178,21 +222,6 @@ def test_bad_inputs_give_one_clear_line(tmp_path, args, message):
     assert proc.returncode == 2
     assert message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-2000:]
     assert len([ln for ln in proc.stderr.splitlines() if ln.strip()]) == 1
-
-
-def test_pca_patch_and_one_latent_scale(tmp_path):
-    """--pca-patch 4 --latent-norm global: 4x4-pixel cells, and one std for every channel in ditcore.json."""
-    out = tmp_path / "pca4"
-    proc = run("synthetic", "--out", out, "--num", 8, "--size", 32, "--frames", 4, "--fit-samples", 8,
-               "--pca-patch", 4, "--pca-channels", 12, "--latent-norm", "global")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    info = read_info(out)
-    assert info.codec["patch"] == 4 and info.spatial_factor == 4 and info.latent_channels == 12
-    assert len(set(info.latent_stats["std"])) == 1 and len(set(info.latent_stats["mean"])) == 12
-    pixels, _, _ = generate(0, 0, 32, 4, 0.5)
-    original = torch.from_numpy(pixels).permute(3, 0, 1, 2)[None].float() / 127.5 - 1
-    assert decoded(out, "00000000").shape[-2:] == (32, 32)
-    assert psnr(decoded(out, "00000000"), original) > 24.0
 
 
 def test_existing_output_is_refused_without_overwrite(synthetic):
@@ -206,3 +235,183 @@ def test_existing_output_is_refused_without_overwrite(synthetic):
 def test_every_source_has_help(command):
     proc = run(command, "--help")
     assert proc.returncode == 0 and "--out" in proc.stdout
+
+
+@pytest.mark.parametrize(("fit", "width", "height", "expected"), [
+    ("crop", 451, 300, (64, 64)), ("crop", 40, 90, (64, 64)),
+    ("resize", 451, 300, (96, 64)),  # short side 64, long side 96.2 cropped to 96
+    ("resize", 300, 1000, (64, 208)),  # 213.3 → 208
+    ("buckets", 451, 300, (80, 48)),  # 1.50 → the 5:3 bucket (4:3, 3:2 and 16:9 round to it at unit 16)
+    ("buckets", 300, 640, (48, 96)),  # 0.47 → 1:2
+    ("buckets", 500, 520, (64, 64)),
+])
+def test_framing_gives_sides_that_every_shipped_patch_divides(fit, width, height, expected):
+    from PIL import Image
+
+    from dit_prepare.sources import Framing
+
+    framing = Framing(fit, 64, 16)
+    assert framing.target(width, height) == expected
+    pixels = framing(Image.new("RGB", (width, height)))
+    assert pixels.shape == (expected[1], expected[0], 3)
+    if fit == "buckets":
+        assert all(w % 16 == 0 and h % 16 == 0 and abs(w * h - 64**2) <= 0.25 * 64**2 for w, h in framing.buckets())
+
+
+def test_folder_source_reads_each_sample_once_without_numpy_warnings(tmp_path, monkeypatch):
+    """The codec's fitting samples are reused for writing (each file decoded once), and PIL's read-only pixels
+    reach torch without the "NumPy array is not writable" warning (warnings are errors here)."""
+    import warnings
+
+    import imageio.v3 as iio
+
+    from dit_prepare.pipeline import CodecChoice, prepare
+    from dit_prepare.sources import FolderSource, Framing
+    from ditcore.codecs.text import load_text_encoder
+
+    for i in range(4):
+        iio.imwrite(tmp_path / f"{i}.png", generate(i, 1, 40, 1, 0.0)[0][0])
+        (tmp_path / f"{i}.txt").write_text(f"picture {i}")
+    source = FolderSource(tmp_path, Framing("crop", 32, 8), 1, 0.0)
+    loads = []
+    monkeypatch.setattr(source, "load", lambda i, load=source.load: loads.append(i) or load(i))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        summary = prepare(source, tmp_path / "out", codec=CodecChoice("pixel", pixel_factor=2),
+                          text_encoder=load_text_encoder("null"), fit_samples=3, progress=False)
+    assert summary.samples == 4 and sorted(loads) == [0, 1, 2, 3]
+
+
+MAXRSS = """
+import resource, sys
+from pathlib import Path
+from dit_prepare.sources import FolderSource, Framing
+item = FolderSource(Path(sys.argv[1]), Framing("crop", 32, 8), 4, 0.0).load(0)
+assert item.pixels.shape == (4, 32, 32, 3), item.pixels.shape
+print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+"""
+
+
+def test_a_long_video_costs_the_memory_of_a_short_one(tmp_path):
+    """A 2-minute clip's peak memory is within 20% of a 4-second clip's when a sample takes its first 4 frames.
+
+    Peak resident memory (ru_maxrss) of a fresh process that only loads the clip: it counts every allocation of the
+    process, the decoder's C buffers included (tracemalloc sees only Python's allocator, so a decoder holding frames
+    in C would pass unseen). ffmpeg itself runs as a child process and streams; its memory does not grow with the
+    video. 64x64 frames at 25 fps: decoding all 3000 frames of the long clip held 37 MB more than the short one."""
+    from ditcore.media import write_sample
+
+    x = np.arange(64)
+    for name, seconds in (("short", 4), ("long", 120)):
+        (tmp_path / name).mkdir()
+        t = np.arange(25 * seconds)[:, None, None, None]
+        frames = ((x[None, None, :, None] + x[None, :, None, None] + 2 * t) % 256).astype(np.uint8).repeat(3, -1)
+        write_sample(frames, tmp_path / name / "clip.mp4", fps=25)
+        (tmp_path / name / "clip.txt").write_text("a gradient drifting")
+    peak = {}
+    for name in ("short", "long"):
+        proc = subprocess.run([sys.executable, "-c", MAXRSS, str(tmp_path / name)], capture_output=True, text=True,
+                              timeout=120)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        peak[name] = int(proc.stdout.split()[-1])
+    assert peak["long"] <= 1.2 * peak["short"], peak
+
+
+# Photographs bundled with scikit-image (skimage/data: no download), captioned here by what they show.
+PHOTOGRAPHS = {
+    "astronaut.png": "an astronaut in a white spacesuit in front of a flag", "brick.png": "a grey brick wall",
+    "camera.png": "a man with a camera on a tripod", "chelsea.png": "a ginger tabby cat",
+    "coffee.png": "a cup of coffee on a saucer", "coins.png": "old coins on a dark background",
+    "grass.png": "a close-up of green grass", "gravel.png": "a close-up of grey gravel",
+    "hubble_deep_field.jpg": "galaxies in deep space", "ihc.png": "a stained tissue sample under a microscope",
+    "moon.png": "the surface of the moon", "retina.jpg": "a photograph of a human retina",
+    "rocket.jpg": "a rocket on a launch pad", "motorcycle_left.png": "a motorcycle in a garage",
+    "clock_motion.png": "a clock on a wall, blurred by motion", "page.png": "a page of printed text",
+    "cell.png": "a cell under a microscope", "microaneurysms.png": "blood vessels of an eye",
+}
+
+
+def test_own_photographs_with_default_settings_train_the_demo_model(tmp_path):
+    """Photographs nobody here made, of many sizes and aspect ratios, grey and colour → `dit-prepare folder` with
+    its defaults → `dit-train --config demo`: every photograph is used (nothing skipped by either), the summary says
+    how many tokens a photograph makes at the demo's patch, and the loss falls to under half the untrained model's.
+
+    Overrides of the demo, for a ~30-step run on 2 cores: 30 steps, 4 rows a step (8), a 10-step warm-up (50: the
+    run would end before the demo's learning rate), one validation prompt, one seed, 2 sampler steps, no clip.
+    The threshold: half the untrained model's loss, measured in the same run as the mean of steps 1-5 (a mean: each
+    step draws its own noise levels, so single losses scatter by ±40%). Measured (seeded, repeatable): 3.08 → 1.08
+    over steps 26-30 (0.35x); with train.seed=1 and 2: 0.39x and 0.30x.
+    """
+    skimage = pytest.importorskip("skimage")
+    from dit_train.cli import find_config
+    from dit_train.config import load_config
+
+    photos = tmp_path / "photos"
+    photos.mkdir()
+    bundled = Path(skimage.__file__).parent / "data"
+    for name, caption in PHOTOGRAPHS.items():
+        (photos / name).write_bytes((bundled / name).read_bytes())
+        (photos / name).with_suffix(".txt").write_text(caption)
+    data = tmp_path / "data"
+    proc = run("folder", photos, "--out", data, env={"PYTHONWARNINGS": "default"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "not writable" not in proc.stderr, proc.stderr[-3000:]  # torch's warning on read-only PIL pixels
+    info = read_info(data)
+    assert info.counts["samples"] == len(PHOTOGRAPHS) and info.counts["skipped"] == {}
+    # the demo's code (make demo's DEMO_PREPARE): 4x4-pixel cells, 16 channels, one scale for every channel
+    assert info.codec["patch"] == 4 and info.spatial_factor == 4 and info.latent_channels == 16
+    assert len(set(info.latent_stats["std"])) == 1 and len(set(info.latent_stats["mean"])) == 16
+    from PIL import Image
+
+    from dit_prepare.sources import Framing
+
+    with Image.open(photos / "astronaut.png") as img:  # the first file: key 00000000
+        original = torch.from_numpy(Framing("crop", 64, 16)(img).astype(np.float32)).permute(2, 0, 1)[None, :, None]
+    # bf16 latents of a 16-channel PCA of 4x4 patches: measured 30.0 dB (28.7 to 54.2 dB over the photographs)
+    assert psnr(decoded(data, "00000000"), original / 127.5 - 1) > 27.0
+    demo = load_config(find_config("demo"))
+    tokens = (64 // info.spatial_factor // demo.model.patch_size) ** 2  # default --size 64, centre-cropped
+    assert info.counts["latent_shapes"] == {
+        f"16x1x{64 // info.spatial_factor}x{64 // info.spatial_factor}": len(PHOTOGRAPHS)}
+    demo_line = next(ln for ln in proc.stdout.splitlines() if ln.split()[:1] == ["demo"])
+    assert f"{tokens} tokens ({demo.data.seq_length}: {demo.data.seq_length // tokens} per row)" in demo_line
+
+    run_dir = tmp_path / "run"
+    train = subprocess.run(
+        [str(BIN / "dit-train"), "--config", "demo", f"data.path={data}", f"train.run_dir={run_dir}",
+         "train.steps=30", "checkpoint.every=30", "train.global_batch=4", "train.micro_batch=4",
+         "optim.warmup_steps=10", "data.num_workers=0", "logging.every=1", "logging.tensorboard=false",
+         "validation.prompts=[a cup of coffee on a saucer]", "validation.seeds=1", "validation.clip_frames=0",
+         "validation.steps=2"],
+        capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONWARNINGS": "ignore",
+                                                          "OMP_NUM_THREADS": "1"})
+    assert train.returncode == 0, train.stderr[-3000:]
+
+    rows = list(csv.DictReader(next((run_dir / "csv").glob("*/metrics.csv")).open()))
+    losses = [float(r["loss"]) for r in rows]
+    assert len(losses) == 30 and sum(int(r["skipped"]) for r in rows) == 0
+    untrained = sum(losses[:5]) / 5
+    assert sum(losses[-5:]) / 5 < 0.5 * untrained, losses
+
+
+@pytest.mark.slow  # two processes under torchrun; the summary's code path is otherwise the one-process one
+def test_one_summary_under_torchrun(tmp_path):
+    """Every rank writes its own shards; rank 0 alone prints the summary, with every rank's samples counted."""
+    import imageio.v3 as iio
+
+    src = tmp_path / "media"
+    src.mkdir()
+    for i in range(5):
+        iio.imwrite(src / f"img{i}.png", generate(i, 5, 32, 1, 0.0)[0][0])
+        (src / f"img{i}.txt").write_text(f"picture {i}")
+    with __import__("socket").socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={port}",
+                           str(BIN / "dit-prepare"), "folder", str(src), "--out", str(tmp_path / "out"), "--size", "32",
+                           "--codec", "pixel", "--text-encoder", "null"],
+                          capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summaries = [ln for ln in proc.stdout.splitlines() if ln.startswith("samples ")]
+    assert summaries == ["samples   5 (5 images, 0 clips) in 2 shards, " + summaries[0].split(" shards, ")[1]]
+    assert proc.stdout.count("dataset ") == 1

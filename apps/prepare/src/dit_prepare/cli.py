@@ -40,6 +40,12 @@ class LatentNorm(enum.StrEnum):
     global_ = "global"
 
 
+class Fit(enum.StrEnum):
+    crop = "crop"
+    resize = "resize"
+    buckets = "buckets"
+
+
 class VaeClass(enum.StrEnum):
     """The diffusers classes of ditcore.codecs.vae.VAE_CLASSES, spelled out so that --help need not import torch."""
 
@@ -95,8 +101,10 @@ def _codec(codec: CodecName, pca_channels: int, pca_patch: int, latent_norm: Lat
 
 def _run(source_factory, out: Path, choice, text_encoder: str, fit_samples: int, workers: int, shard_size: int,
          overwrite: bool, keep_partial: bool) -> None:
-    """Shared by the sources: build the source and text encoder, run the pipeline, print a summary."""
-    from dit_prepare.pipeline import prepare
+    """Shared by the sources: build the source and text encoder, run the pipeline, print one summary (rank 0's:
+    under torchrun it holds every rank's counts) with the tokens a sample makes at each dit-train config's patch."""
+    from dit_prepare.pipeline import dist_env, prepare
+    from dit_prepare.tokens import shipped_model_shapes, token_lines
 
     with _one_line_errors():
         from ditcore.codecs.text import load_text_encoder
@@ -105,8 +113,10 @@ def _run(source_factory, out: Path, choice, text_encoder: str, fit_samples: int,
         encoder = load_text_encoder(text_encoder)
         summary = prepare(source, out, codec=choice, text_encoder=encoder, fit_samples=fit_samples,
                           workers=workers, shard_size=shard_size, overwrite=overwrite, keep_partial=keep_partial)
+    if dist_env()[0] != 0:
+        return
     typer.echo(f"dataset   {out}")
-    for line in summary.lines():
+    for line in summary.lines() + token_lines(summary.latent_shapes, shipped_model_shapes()):
         typer.echo(line)
 
 
@@ -189,20 +199,39 @@ def butterfly(
 def folder(
     path: Path = typer.Argument(..., help="Folder of images (png/jpg/webp) and videos (mp4/webm/gif)."),
     out: Path = OUT,
-    size: int = typer.Option(64, min=8, help="Short side after resizing, in pixels."),
+    size: int = typer.Option(64, min=8, help="Pixels: the side of the square (--fit crop), the short side (resize) "
+                                             "or the square bucket's side (buckets). A multiple of the codec's "
+                                             "factor x the largest patch of dit-train's shipped configs (16 with "
+                                             "the default codec)."),
+    fit: Fit = typer.Option(Fit.crop, help="crop: centre crop to a square (every sample the same tokens); resize: "
+                                           "keep the aspect ratio, crop each side to that multiple; buckets: the "
+                                           "nearest of a few aspect ratios (1:2 to 2:1), each about size² pixels."),
     frames: int = typer.Option(8, min=1, help="Frames taken from each video."),
     fps: float = typer.Option(0.0, min=0.0, help="Sample video frames at this rate (0: every frame)."),
     num: int = typer.Option(None, min=1, help="Use at most this many files."),
-    codec: CodecName = CODEC, pca_channels: int = PCA_CHANNELS, pca_patch: int = PCA_PATCH,
-    latent_norm: LatentNorm = LATENT_NORM, pixel_factor: int = PIXEL_FACTOR, vae: str = VAE,
+    codec: CodecName = CODEC,
+    # the demo's recipe (make demo): a 64 px image is 16x16 latent cells, 16 tokens at dit-train --config demo's
+    # patch 4, 8 images per 128-token row; 8x8-pixel cells would give 4 tokens, 32 images a row, a loader-bound run
+    pca_channels: int = PCA_CHANNELS,
+    pca_patch: int = typer.Option(4, min=1, max=16, help=PCA_PATCH.help),
+    latent_norm: LatentNorm = typer.Option(LatentNorm.global_, help=LATENT_NORM.help),
+    pixel_factor: int = PIXEL_FACTOR, vae: str = VAE,
     vae_class: VaeClass = VAE_CLASS, text_encoder: str = TEXT, fit_samples: int = FIT, workers: int = WORKERS,
     shard_size: int = SHARD, overwrite: bool = OVERWRITE, keep_partial: bool = KEEP_PARTIAL,
 ) -> None:
     """Your own images and videos; captions from sidecar .txt files or a captions.jsonl ({"file", "caption"})."""
-    from dit_prepare.sources import FolderSource
+    from dit_prepare.sources import FolderSource, Framing
+    from dit_prepare.tokens import largest_patch, shipped_model_shapes
 
     choice = _codec(codec, pca_channels, pca_patch, latent_norm, pixel_factor, vae, vae_class)
-    _run(lambda factor: FolderSource(path, size, factor, frames, fps, limit=num), out, choice, text_encoder,
+    patch = largest_patch(shipped_model_shapes())
+    unit = choice.spatial_factor() * patch
+    if size % unit:
+        lower, upper = max(unit, size // unit * unit), (size // unit + 1) * unit
+        _fail(f"--size {size} is not a multiple of {unit} (the codec's {choice.spatial_factor()} pixels per latent "
+              f"cell x patch {patch}, the largest of dit-train's configs): use {lower} or {upper}")
+    framing = Framing(str(fit), size, unit)
+    _run(lambda factor: FolderSource(path, framing, frames, fps, limit=num), out, choice, text_encoder,
          fit_samples, workers, shard_size, overwrite, keep_partial)
 
 

@@ -8,6 +8,7 @@ the same first `fit_samples` samples on every rank, so all ranks agree without c
 from __future__ import annotations
 
 import functools
+import itertools
 import os
 import signal
 import time
@@ -62,7 +63,8 @@ class Summary:
     videos: int = 0
     shards: int = 0
     bytes: int = 0
-    skipped: Counter = field(default_factory=Counter)
+    skipped: Counter = field(default_factory=Counter)  # reason → samples
+    skipped_files: dict = field(default_factory=dict)  # reason → the first SHOWN_FILES files skipped for it
     latent_shapes: Counter = field(default_factory=Counter)
     seconds: float = 0.0
     fit_psnr: float | None = None
@@ -74,25 +76,50 @@ class Summary:
                f"time      {self.seconds:.1f} s ({rate:.1f} samples/s)"]
         if self.fit_psnr is not None:
             out.append(f"codec     round-trip PSNR {self.fit_psnr:.2f} dB on the fitting samples")
-        skipped = ", ".join(f"{n} {reason}" for reason, n in self.skipped.most_common()) or "none"
-        out.append(f"skipped   {skipped}")
+        if not self.skipped:
+            out.append("skipped   none")
+        for n, (reason, count) in enumerate(self.skipped.most_common()):
+            files = self.skipped_files.get(reason, [])
+            more = f" and {count - len(files)} more" if count > len(files) else ""
+            out.append(f"{'skipped' if n == 0 else '':9} {count} {reason}: {', '.join(files)}{more}")
         return out
+
+    def skip(self, reason: str, file: str | None) -> None:
+        self.skipped[reason] += 1
+        shown = self.skipped_files.setdefault(reason, [])
+        if file is not None and len(shown) < SHOWN_FILES:
+            shown.append(file)
+
+    def add(self, other: Summary) -> None:
+        """Another rank's counts into these."""
+        self.samples += other.samples
+        self.images += other.images
+        self.videos += other.videos
+        self.bytes += other.bytes
+        self.latent_shapes += other.latent_shapes
+        for reason, count in other.skipped.items():
+            self.skipped[reason] += count
+            shown = self.skipped_files.setdefault(reason, [])
+            shown.extend(other.skipped_files.get(reason, [])[:SHOWN_FILES - len(shown)])
+
+
+SHOWN_FILES = 5  # files named per skip reason in the summary; the rest are counted
 
 
 def dist_env() -> tuple[int, int]:
     return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
 
 
-def _load(args) -> Item | str:
+def _load(args) -> Item | Skip:
     source, i = args
     try:
         return source.load(i)
     except Skip as e:
-        return str(e)
+        return e
 
 
 def iterate(source, indices, workers: int):
-    """(index, Item or skip reason) in index order; `workers` processes load/render in parallel."""
+    """(index, Item or Skip) in index order; `workers` processes load/render in parallel."""
     if workers <= 1:
         for i in indices:
             yield i, _load((source, i))
@@ -107,8 +134,11 @@ def _ignore_sigint() -> None:
 
 
 def to_tensor(pixels: np.ndarray) -> torch.Tensor:
-    """(F, H, W, 3) uint8 → (1, 3, F, H, W) float in [-1, 1]."""
-    return torch.from_numpy(pixels).permute(3, 0, 1, 2)[None].float() / 127.5 - 1.0
+    """(F, H, W, 3) uint8 → (1, 3, F, H, W) float in [-1, 1].
+
+    Converted to float in NumPy: that copy is needed anyway and is writable, whereas the pixels may be a read-only
+    view of a PIL image (np.asarray), which torch.from_numpy would share and warn about."""
+    return torch.from_numpy(pixels.astype(np.float32)).permute(3, 0, 1, 2)[None] / 127.5 - 1.0
 
 
 def fit_codec(choice: CodecChoice, items: list[Item]) -> tuple[Codec, float | None]:
@@ -145,9 +175,10 @@ def _prepare(source, out: Path, *, codec: CodecChoice, text_encoder: TextEncoder
     t0 = time.perf_counter()
     summary = Summary()
 
-    # 1. Fit the codec (PCA) and measure latent statistics on the first fit_samples samples.
-    fit_items = [it for _, it in iterate(source, range(min(fit_samples, len(source))), workers)
-                 if isinstance(it, Item)]
+    # 1. Fit the codec (PCA) and measure latent statistics on the first fit_samples samples. They are kept for
+    #    step 2, so no sample is loaded (a video decoded) twice.
+    loaded = dict(iterate(source, range(min(fit_samples, len(source))), workers))
+    fit_items = [it for it in loaded.values() if isinstance(it, Item)]
     if not fit_items:
         raise SourceError(f"none of the first {min(fit_samples, len(source))} samples could be read (unreadable "
                           "files or missing captions): nothing to fit the codec on — check the input")
@@ -155,18 +186,22 @@ def _prepare(source, out: Path, *, codec: CodecChoice, text_encoder: TextEncoder
     stats = LatentStats.measure(the_codec.encode(to_tensor(it.pixels)) for it in fit_items)
     if codec.latent_norm == "global":
         stats = stats.pooled()
+    del fit_items
 
     # 2. Encode and write this rank's samples.
     mine = range(rank, len(source), world)
+    loaded = {i: it for i, it in loaded.items() if i % world == rank}  # the fitting samples this rank writes
     texts = CaptionCache(text_encoder)
     # closed however the loop ends, so an error message starts on its own line, not after the bar
     with tqdm(total=len(mine), desc=f"rank {rank} encoding" if world > 1 else "encoding", unit="sample",
               disable=not progress or rank != 0) as bar, ShardWriter(out, rank=rank, max_count=shard_size) as writer:
         pending: list[Item] = []
-        for _, item in iterate(source, mine, workers):
+        # the fitting samples come first in index order (they are the first ones), then the rest are loaded
+        rest = iterate(source, [i for i in mine if i not in loaded], workers)
+        for _, item in itertools.chain(((i, loaded.pop(i)) for i in list(loaded)), rest):
             bar.update()
-            if isinstance(item, str):
-                summary.skipped[item] += 1
+            if isinstance(item, Skip):
+                summary.skip(str(item), item.file)
                 continue
             pending.append(item)
             if len(pending) >= 32:
@@ -241,10 +276,5 @@ def _sum_over_ranks(summary: Summary, world: int) -> Summary:
     dist.all_gather_object(parts, summary)
     total = Summary()
     for s in parts:
-        total.samples += s.samples
-        total.images += s.images
-        total.videos += s.videos
-        total.bytes += s.bytes
-        total.skipped += s.skipped
-        total.latent_shapes += s.latent_shapes
+        total.add(s)
     return total

@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import io
 import json
+import math
 import os
 import socket
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -20,7 +22,11 @@ BUTTERFLY_HUB_ID = "huggan/smithsonian_butterflies_subset"
 
 
 class Skip(Exception):
-    """This raw sample cannot be used; the message is the reason counted in the summary."""
+    """This raw sample cannot be used; the message is the reason counted in the summary, `file` the file it names."""
+
+    def __init__(self, reason: str, file: str | None = None):
+        super().__init__(reason)
+        self.file = file
 
 
 class SourceError(Exception):
@@ -48,6 +54,60 @@ def fit_frame(img, size: int, factor: int) -> np.ndarray:
     cw, ch = w2 - w2 % factor, h2 - h2 % factor
     left, top = (w2 - cw) // 2, (h2 - ch) // 2
     return np.asarray(img.crop((left, top, left + cw, top + ch)))
+
+
+FITS = ("crop", "resize", "buckets")
+# Width/height ratios of the --fit buckets: portrait and landscape photo and video formats, and square.
+BUCKET_RATIOS = (1 / 2, 9 / 16, 2 / 3, 3 / 4, 1, 4 / 3, 3 / 2, 16 / 9, 2)
+
+
+@dataclass(frozen=True)
+class Framing:
+    """How a frame of any shape becomes one the model trains on, every side a multiple of `unit` pixels.
+
+    crop: centre crop to size x size (every sample the same token count: rows pack evenly); resize: the short side
+    to `size`, aspect kept, each side then cropped to a multiple of `unit`; buckets: the nearest of a few aspect
+    ratios, each about size² pixels (so about the same tokens per sample), every side a multiple of `unit`.
+    """
+
+    fit: str
+    size: int
+    unit: int
+
+    def buckets(self) -> list[tuple[int, int]]:
+        """(width, height) of each bucket, the ratios of BUCKET_RATIOS rounded to the unit (duplicates merged)."""
+        sides = {}
+        for r in BUCKET_RATIOS:
+            w, h = (max(self.unit, round(self.size * f / self.unit) * self.unit) for f in (r**0.5, r**-0.5))
+            sides[w, h] = None
+        return list(sides)
+
+    def target(self, width: int, height: int) -> tuple[int, int]:
+        """The (width, height) a width x height frame becomes."""
+        if self.fit == "crop":
+            return self.size, self.size
+        if self.fit == "resize":
+            scale = self.size / min(width, height)
+            return tuple(max(self.unit, round(side * scale) // self.unit * self.unit) for side in (width, height))
+        ratio = math.log(width / height)
+        return min(self.buckets(), key=lambda wh: abs(math.log(wh[0] / wh[1]) - ratio))
+
+    def __call__(self, img) -> np.ndarray:
+        """PIL image → (H, W, 3) uint8 of the target size: resized to cover it, aspect kept, then centre-cropped."""
+        return cover(img, *self.target(*img.size))
+
+
+def cover(img, width: int, height: int) -> np.ndarray:
+    """PIL image → (height, width, 3) uint8: scaled (aspect kept) to cover width x height, centre-cropped to it."""
+    from PIL import Image
+
+    img = img.convert("RGB")
+    w, h = img.size
+    scale = max(width / w, height / h)
+    w2, h2 = max(width, round(w * scale)), max(height, round(h * scale))
+    img = img.resize((w2, h2), Image.Resampling.BICUBIC)
+    left, top = (w2 - width) // 2, (h2 - height) // 2
+    return np.asarray(img.crop((left, top, left + width, top + height)))
 
 
 def frame_count_for(frames: int, temporal_factor: int) -> int:
@@ -156,14 +216,18 @@ def _load_parquet(path: Path):
 
 
 class FolderSource:
-    """A folder of images and videos; captions from sidecar .txt files or a captions.jsonl ({"file", "caption"})."""
+    """A folder of images and videos; captions from sidecar .txt files or a captions.jsonl ({"file", "caption"}).
 
-    def __init__(self, root: Path, size: int, factor: int, frames: int, fps: float, temporal_factor: int = 1,
+    Every frame is shaped by `framing` (Framing). A file that cannot be used (not a regular file, no caption or
+    one that is not UTF-8, an unreadable or oversized image, a short video) is a Skip naming the file.
+    """
+
+    def __init__(self, root: Path, framing: Framing, frames: int, fps: float, temporal_factor: int = 1,
                  limit: int | None = None):
         root = Path(root)
         if not root.is_dir():
             raise SourceError(f"input folder '{root}' does not exist or is not a folder")
-        self.root, self.size, self.factor, self.fps = root, size, factor, fps
+        self.root, self.framing, self.fps = root, framing, fps
         self.frames = frame_count_for(frames, temporal_factor)
         self.files = sorted(p for p in root.rglob("*") if p.suffix.lower() in IMAGE_EXTS | VIDEO_EXTS)
         if limit is not None:
@@ -174,7 +238,11 @@ class FolderSource:
         self.captions = {}
         jsonl = root / "captions.jsonl"
         if jsonl.is_file():
-            for n, line in enumerate(jsonl.read_text().splitlines(), 1):
+            try:
+                lines = jsonl.read_text(encoding="utf-8").splitlines()
+            except UnicodeDecodeError as e:
+                raise SourceError(f"{jsonl}: not UTF-8 text (byte {e.start}) — save it as UTF-8") from None
+            for n, line in enumerate(lines, 1):
                 if line.strip():
                     try:
                         rec = json.loads(line)
@@ -191,41 +259,63 @@ class FolderSource:
             return self.captions[rel]
         sidecar = path.with_suffix(".txt")
         if sidecar.is_file():
-            return sidecar.read_text().strip()
-        raise Skip("no caption (no sidecar .txt and not in captions.jsonl)")
+            try:
+                return sidecar.read_bytes().decode("utf-8-sig").strip()
+            except UnicodeDecodeError:
+                raise Skip("caption is not UTF-8 text", str(sidecar.relative_to(self.root))) from None
+        raise Skip("no caption (no sidecar .txt and not in captions.jsonl)", rel)
 
     def load(self, i: int) -> Item:
         path = self.files[i]
+        rel = str(path.relative_to(self.root))
+        if not path.is_file():  # a FIFO or device named like an image would block the first read forever
+            raise Skip("not a regular file", rel)
         caption = self.caption_of(path)
         if not caption:
-            raise Skip("empty caption")
-        rel = str(path.relative_to(self.root))
+            raise Skip("empty caption", rel)
         if path.suffix.lower() in IMAGE_EXTS:
-            from PIL import Image, UnidentifiedImageError
-
-            try:
-                with Image.open(path) as img:
-                    pixels = fit_frame(img, self.size, self.factor)[None]
-            except (UnidentifiedImageError, OSError) as e:
-                raise Skip(f"unreadable image ({type(e).__name__})") from None
-            return Item(f"{i:08d}", pixels, caption, 0.0, {"source": rel})
-        pixels, fps = self._read_video(path)
+            return Item(f"{i:08d}", self._read_image(path, rel)[None], caption, 0.0, {"source": rel})
+        pixels, fps = self._read_video(path, rel)
         return Item(f"{i:08d}", pixels, caption, fps, {"source": rel})
 
-    def _read_video(self, path: Path) -> tuple[np.ndarray, float]:
-        """`frames` frames sampled at `fps` (or every frame when fps is 0) from the start of the video."""
+    def _read_image(self, path: Path, rel: str) -> np.ndarray:
+        from PIL import Image, UnidentifiedImageError
+
+        # Pillow warns between MAX_IMAGE_PIXELS and twice that, and raises above: both are a file to skip, not a
+        # multi-gigabyte decode (a 15000x15000 PNG header alone claims 675 MB of pixels).
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            try:
+                with Image.open(path) as img:
+                    return self.framing(img)
+            except (Image.DecompressionBombError, Image.DecompressionBombWarning):
+                raise Skip(f"image over Pillow's limit of {Image.MAX_IMAGE_PIXELS} pixels", rel) from None
+            except (UnidentifiedImageError, OSError) as e:
+                raise Skip(f"unreadable image ({type(e).__name__})", rel) from None
+
+    def _read_video(self, path: Path, rel: str) -> tuple[np.ndarray, float]:
+        """`frames` frames sampled at `fps` (or every frame when fps is 0) from the start of the video.
+
+        Frames are decoded one at a time and decoding stops at the last one needed: memory is a few frames whatever
+        the video's length, and a long video costs no more time than its first seconds.
+        """
         import imageio.v3 as iio
         from PIL import Image
 
+        picked, seen = [], 0
         try:
-            meta = iio.immeta(path)
-            src_fps = float(meta.get("fps") or (1000.0 / meta["duration"] if meta.get("duration") else 0) or 0)
-            frames = list(iio.imiter(path))
-        except Exception as e:
-            raise Skip(f"unreadable video ({type(e).__name__})") from None
-        step = max(1, round(src_fps / self.fps)) if self.fps and src_fps else 1
-        picked = frames[::step][:self.frames]
+            with iio.imopen(path, "r") as video:
+                meta = video.metadata()
+                src_fps = float(meta.get("fps") or (1000.0 / meta["duration"] if meta.get("duration") else 0) or 0)
+                step = max(1, round(src_fps / self.fps)) if self.fps and src_fps else 1
+                for frame in video.iter():
+                    if seen % step == 0:
+                        picked.append(self.framing(Image.fromarray(frame[..., :3])))
+                    seen += 1
+                    if len(picked) == self.frames:
+                        break
+        except Exception as e:  # any decoder failure ends the same way: this file is skipped, named
+            raise Skip(f"unreadable video ({type(e).__name__})", rel) from None
         if len(picked) < self.frames:
-            raise Skip(f"video too short ({len(frames)} frames, need {self.frames} at step {step})")
-        out = np.stack([fit_frame(Image.fromarray(f[..., :3]), self.size, self.factor) for f in picked])
-        return out, (src_fps / step if src_fps else self.fps)
+            raise Skip(f"video too short (need {self.frames} frames at step {step})", rel)
+        return np.stack(picked), (src_fps / step if src_fps else self.fps)
