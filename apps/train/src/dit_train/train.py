@@ -23,6 +23,7 @@ from dit_train.config import TrainConfig, memory_layout
 from ditcore import durable, init_from, runs
 from ditcore.codecs import LatentStats, load_codec
 from ditcore.codecs.text import load_text_encoder
+from ditcore.data.fit import fit_report
 from ditcore.data.loader import build_loader, check_samples_fit, next_batch
 from ditcore.data.packing import PackedBatch
 from ditcore.data.schema import DatasetInfo, read_info
@@ -240,11 +241,12 @@ def setup(cfg: TrainConfig, resume: str = "auto", overwrite: bool = False) -> Se
     if on_gpu:
         gpu = torch.cuda.get_device_properties(fabric.device).total_memory
         check_memory_plan(cfg, model_cfg, fabric.world_size, gpu)
-    too_long = check_samples_fit(info, cfg.data.path, patch_size=model_cfg.patch_size,
-                                 patch_size_t=model_cfg.patch_size_t, seq_length=cfg.data.seq_length)
-    if too_long:
-        fabric.print(f"warning: {too_long} of {info.counts['samples']} samples do not fit data.seq_length="
-                     f"{cfg.data.seq_length} tokens (or the patch sizes) and will be skipped")
+    check_samples_fit(info, cfg.data.path, patch_size=model_cfg.patch_size, patch_size_t=model_cfg.patch_size_t,
+                      seq_length=cfg.data.seq_length)  # refuses a dataset none of whose samples fits
+    for line in fit_report(info, patch_size=model_cfg.patch_size, patch_size_t=model_cfg.patch_size_t,
+                           seq_length=cfg.data.seq_length, micro_batch=cfg.train.micro_batch,
+                           num_workers=cfg.data.num_workers):
+        fabric.print(line)
     accum = cfg.train.global_batch // (cfg.train.micro_batch * groups.dims.dp)
     if accum * cfg.train.micro_batch * groups.dims.dp != cfg.train.global_batch:
         raise ValueError(f"train.global_batch={cfg.train.global_batch} is not a multiple of train.micro_batch="

@@ -38,6 +38,8 @@ from megatron.energon import (
 from megatron.energon.errors import FatalSampleError
 from megatron.energon.flavors.base_dataset import Sample
 
+from ditcore import quiet
+from ditcore.data.fit import latent_shapes, tokens_of
 from ditcore.data.packing import PackedBatch, PackedRow, TokenSample, collate, first_fit_decreasing
 from ditcore.data.schema import INFO_FILE, DatasetError, crude_config, read_info, read_sample
 from ditcore.layout import grid_positions, patchify
@@ -352,9 +354,8 @@ def compare_fingerprints(saved: dict | None, now: dict, root: Path) -> tuple[str
 def check_samples_fit(info, root, *, patch_size: int, patch_size_t: int, seq_length: int) -> int:
     """Refuse a dataset none of whose samples fits a packed row (training would wait forever for a batch);
     return how many samples will be skipped. Uses the latent shapes dit-prepare records (older datasets: 0)."""
-    shapes = {tuple(int(v) for v in k.split("x")): n for k, n in info.counts.get("latent_shapes", {}).items()}
-    tokens = {s: (s[1] // patch_size_t) * (s[2] // patch_size) * (s[3] // patch_size) for s in shapes
-              if s[1] % patch_size_t == 0 and s[2] % patch_size == 0 and s[3] % patch_size == 0}
+    shapes = latent_shapes(info)
+    tokens = {s: n for s in shapes if (n := tokens_of(s, patch_size, patch_size_t)) is not None}
     fitting = sum(shapes[s] for s, n in tokens.items() if n <= seq_length)
     if shapes and not fitting:
         need = min(tokens.values(), default=None)
@@ -419,6 +420,7 @@ def build_loader(
     TooManySkipped. Iterate with `next_batch`, which turns the loader's failures into one DatasetError.
     """
     root = Path(root)
+    quiet.energon_buffer_bar()
     stamp = dataset_files(root)  # before anything is read: a later change is the dataset replaced under the run
     info = read_info(root)
     split_config = None
