@@ -25,7 +25,7 @@ def test_samples_the_patch_does_not_divide_are_counted_and_named():
                  "16x1x16x41": ["chelsea"]})
     lines = report(data)
     assert lines[0] == "data      21 samples; 3 will be skipped"
-    assert lines[1] == ("skipped   3 not divisible by patch (latent 16x1x16x18 by patch 1x4x4; e.g. coins, moon, "
+    assert lines[1] == ("skip      3 not divisible by patch (latent 16x1x16x18 by patch 1x4x4; e.g. coins, moon, "
                         "chelsea)")
     # 4 x 6 = 24 tokens each; 128 // 24 = 5 in a row, 8 of 128 tokens padding
     assert lines[2] == ("tokens    24 min, 24 median, 24 max a sample (patch 1x4x4); a row of data.seq_length=128 "
@@ -40,7 +40,7 @@ def test_tokens_quantiles_and_samples_per_row():
     assert fit.examples == {"longer_than_seq_length": ["16x4x32x32"]}  # no keys recorded: the shape is named
     assert (fit.quantile(0), fit.quantile(0.5), fit.quantile(1)) == (4, 4, 16)
     lines = report(info({"16x1x8x8": 10, "16x1x16x16": 5, "16x4x32x32": 2}))
-    assert lines[1] == ("skipped   2 longer than seq length (latent 16x4x32x32: 256 tokens > data.seq_length=128; "
+    assert lines[1] == ("skip      2 longer than seq length (latent 16x4x32x32: 256 tokens > data.seq_length=128; "
                         "e.g. 16x4x32x32)")
     # (10 x 4 + 5 x 16) / 15 = 8 tokens on average: 16 samples a row, both sizes fill rows exactly
     assert lines[2].endswith("holds ~16.0 samples (32 per micro-batch), padding up to ~0%")

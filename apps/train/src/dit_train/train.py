@@ -219,14 +219,7 @@ def setup(cfg: TrainConfig, resume: str = "auto", overwrite: bool = False) -> Se
     bf16 = cfg.train.precision == "bf16" or (cfg.train.precision == "auto" and on_gpu)
     prepare_run_dir(run_dir)
     claim = rundir.claim(run_dir, resume, overwrite)  # the lock, before anything is written into the run dir
-    loggers = []
-    if cfg.logging.csv:
-        # written at every log call (Lightning's default buffers 100 calls, so that any stop before train.steps
-        # lost them): each window is on disk when it is logged, whatever ends the run afterwards
-        loggers.append(CSVLogger(str(run_dir), name=runs.CSV, version=rundir.csv_version(run_dir),
-                                 flush_logs_every_n_steps=1))
-    if cfg.logging.tensorboard:
-        loggers.append(TensorBoardLogger(str(run_dir), name="tensorboard", version=""))
+    loggers = make_loggers(cfg, run_dir, rundir.csv_version(run_dir))
     strategy = MegatronStrategy(dims, fsdp=cfg.parallel.fsdp)
     num_nodes = int(os.environ.get("WORLD_SIZE", devices)) // devices  # torchrun on several nodes
     fabric = Fabric(accelerator="cuda" if on_gpu else "cpu", devices=devices, num_nodes=num_nodes, strategy=strategy,
@@ -252,6 +245,22 @@ def setup(cfg: TrainConfig, resume: str = "auto", overwrite: bool = False) -> Se
         raise ValueError(f"train.global_batch={cfg.train.global_batch} is not a multiple of train.micro_batch="
                          f"{cfg.train.micro_batch} x data-parallel size {groups.dims.dp}")
     return Setup(cfg, info, fabric, groups, model_cfg, accum, on_gpu, bf16, loggers)
+
+
+def make_loggers(cfg: TrainConfig, run_dir: Path, segment: str) -> list:
+    """The metrics loggers of this process's part of the run (`segment`: run-<start time>; a resume starts another)."""
+    loggers = []
+    if cfg.logging.csv:
+        # written at every log call (Lightning's default buffers 100 calls, so that any stop before train.steps
+        # lost them): each window is on disk when it is logged, whatever ends the run afterwards
+        loggers.append(CSVLogger(str(run_dir), name=runs.CSV, version=segment, flush_logs_every_n_steps=1))
+    if cfg.logging.tensorboard:
+        # TensorBoard names a run by its folder under --logdir: RUN_DIR/tensorboard/<run dir's name>/<segment> shows
+        # as "demo/run-20260101-120000" (with --logdir RUN_DIR/tensorboard, as `make demo` says), not "."; each
+        # resumed segment is a run of its own, so a branch that repeats steps is not drawn over its parent's curve
+        name = Path(run_dir).resolve().name or "run"  # train.run_dir=. names the current folder
+        loggers.append(TensorBoardLogger(str(run_dir), name=runs.TENSORBOARD, version=f"{name}/{segment}"))
+    return loggers
 
 
 def check_memory_plan(cfg: TrainConfig, model_cfg: DiTConfig, world_size: int, gpu: int) -> None:

@@ -84,7 +84,7 @@ def fit_report(info, *, patch_size: int, patch_size_t: int, seq_length: int, mic
     lines = [f"data      {fit.samples} samples; " + (
         "all fit" if not fit.dropped else f"{fit.dropped.total()} will be skipped")]
     for reason, n in fit.dropped.most_common():
-        lines.append(f"skipped   {n} {reason.replace('_', ' ')} ({fit.why[reason]}; e.g. "
+        lines.append(f"skip      {n} {reason.replace('_', ' ')} ({fit.why[reason]}; e.g. "
                      f"{', '.join(fit.examples[reason])})")
     if not fit.used:
         return lines  # check_samples_fit refuses the run and says what to change
