@@ -15,7 +15,7 @@ help:
 	@echo "make demo       synthetic butterflies -> train a small DiT on the CPU -> sample prompts (~12 min on 2 cores after set-up)"
 	@echo "make test       create .venv if needed, install the four packages, run ruff and the fast tests"
 	@echo "make test-slow  also run the tests marked slow"
-	@echo "make bench      benchmarks under bench/ (installs diffusers, the peer implementation)"
+	@echo "make bench      benchmarks under bench/ against a peer implementation (diffusers, a ditcore dependency)"
 	@echo "make clean      remove .venv and caches"
 
 $(BIN)/python:
