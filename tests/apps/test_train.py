@@ -18,10 +18,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from dit_train import checkpoint
+from dit_train import checkpoint, rundir
 from dit_train.cli import find_config
 from dit_train.config import SHIPPED_NAMES, load_config
-from ditcore import runs
+from ditcore import durable, runs
 from ditcore.media import read_video
 from ditcore.parallel import dist_checkpoint as dcp
 
@@ -267,6 +267,11 @@ def test_loss_decreases_and_outputs_are_written(dataset, tmp_path):
         assert (run / "export" / name).is_file()
     exported = json.loads((run / "export" / "model.json").read_text())
     assert exported["guidance"] == load_config(find_config("demo")).validation.guidance  # dit-sample's default
+    # every file of the run and of its dataset as the umask says (the export's and codec's safetensors were 0600)
+    mask = durable.umask()
+    wrong = {str(p): oct(p.stat().st_mode & 0o777) for p in [*run.rglob("*"), *dataset.rglob("*")]
+             if p.name != rundir.LOCK_FILE and p.stat().st_mode & 0o777 != (0o777 if p.is_dir() else 0o666) & ~mask}
+    assert not wrong, wrong  # the run dir's lock is 0644 less the umask, on purpose (dit_train.rundir)
 
 
 def test_skipped_samples_are_reported_per_window_and_in_total_across_a_resume(dataset, tmp_path):
