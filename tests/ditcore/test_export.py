@@ -12,7 +12,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from ditcore import disk, export
+from ditcore import disk, export, tensorfile
 from ditcore.codecs import PatchPCACodec
 from ditcore.data.schema import DatasetInfo
 from ditcore.data.writer import ShardWriter, start_dataset
@@ -140,7 +140,7 @@ def test_a_full_disk_during_the_export_keeps_the_old_one_and_leaves_no_partial_o
             f.write(b"\0" * 1000)
         raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
 
-    monkeypatch.setattr(export, "save_file", fills_the_disk)
+    monkeypatch.setattr(tensorfile, "save_file", fills_the_disk)  # what tensorfile.save calls
     changed = {k: v + 1 for k, v in model.state_dict().items()}
     with pytest.raises(disk.DiskFull) as caught:
         export_model(exported, changed, model.cfg, dataset)

@@ -132,9 +132,10 @@ def test_a_dataset_with_no_usable_sample_stops_after_a_bounded_run_of_skips(unus
     assert len([r for r in caplog.records if r.getMessage().startswith("skipping sample")]) <= 2 * LOGGED_PER_REASON
 
 
-def test_a_bad_sample_is_logged_once_across_workers_and_epochs(dataset, caplog):
+def test_a_bad_sample_is_logged_once_across_workers_and_epochs(dataset, caplog, capfd):
     """Before: each loader worker logged the samples it skipped, again in every epoch (3157 lines in a 300-step run).
-    Now the batches carry their skips to this process, which names each (key, reason) once and then only counts."""
+    Now the batches carry their skips to this process, which names each (key, reason) once and then only counts.
+    Energon's "Filling reading buffer" bars (every worker, every epoch) are gone too (ditcore.quiet)."""
     data = loader(dataset, num_workers=2)
     it, arrived = iter(data), 0
     for _ in range(60):  # 60 samples, 3 to 12 per batch: every sample comes round in several epochs
@@ -143,6 +144,7 @@ def test_a_bad_sample_is_logged_once_across_workers_and_epochs(dataset, caplog):
     lines = [r.getMessage() for r in caplog.records if NAN_KEY in r.getMessage()]
     assert arrived >= 3, arrived  # skipped in several epochs (and by both workers)
     assert lines == [f"skipping sample {NAN_KEY}: non finite latent"], lines
+    assert "Filling reading buffer" not in capfd.readouterr().err
 
 
 @pytest.mark.parametrize("workers", [0, 1])

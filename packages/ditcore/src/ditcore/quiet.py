@@ -22,9 +22,8 @@ WARNINGS = (
 )
 
 
-@functools.cache
 def third_party() -> None:
-    """Install the warning filters (once a process; loader workers fork with them)."""
+    """Install the warning filters (loader workers fork with them; installing them again changes nothing)."""
     for message, category, module in WARNINGS:
         warnings.filterwarnings("ignore", message=message, category=category, module=module)
 

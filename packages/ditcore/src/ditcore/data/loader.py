@@ -124,8 +124,6 @@ def next_batch(it, loader) -> PackedBatch:
     stretch, or Energon gave up on the data."""
     try:
         batch = next(it)
-        loader.skip_log.report(batch.skipped_samples)
-        return batch
     except Exception as e:
         root = loader.dataset_root
         changed = changed_files(root, loader.dataset_stamp)
@@ -144,6 +142,8 @@ def next_batch(it, loader) -> PackedBatch:
             raise DatasetError(f"reading dataset '{root}' failed: {last.strip()} — check it with "
                                "`energon lint`, or prepare it again with dit-prepare --overwrite") from None
         raise
+    loader.skip_log.report(batch.skipped_samples)
+    return batch
 
 
 @dataclass
