@@ -16,7 +16,7 @@ help:
 	@echo "make test       create .venv if needed, install the four packages, run ruff and the fast tests"
 	@echo "make test-slow  also run the tests marked slow"
 	@echo "make test-slurm train.sbatch on a one-node Slurm cluster on localhost (needs: apt-get install slurm-wlm munge)"
-	@echo "make bench      benchmarks under bench/ (installs diffusers, the peer implementation)"
+	@echo "make bench      benchmarks under bench/ against a peer implementation (diffusers, a ditcore dependency)"
 	@echo "make clean      remove .venv and caches"
 
 $(BIN)/python:

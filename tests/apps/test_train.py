@@ -18,10 +18,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from dit_train import checkpoint
+from dit_train import checkpoint, rundir
 from dit_train.cli import find_config
 from dit_train.config import SHIPPED_NAMES, load_config
-from ditcore import runs
+from ditcore import durable, runs
 from ditcore.media import read_video
 from ditcore.parallel import dist_checkpoint as dcp
 
@@ -36,9 +36,9 @@ def env():
     return {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
 
 
-def dit_train(*args, timeout=300):
+def dit_train(*args, timeout=300, warnings="ignore"):
     return subprocess.run([str(BIN / "dit-train"), *map(str, args)], capture_output=True, text=True,
-                          timeout=timeout, env=env())
+                          timeout=timeout, env=env() | {"PYTHONWARNINGS": warnings})
 
 
 def free_port() -> int:
@@ -267,15 +267,28 @@ def test_loss_decreases_and_outputs_are_written(dataset, tmp_path):
         assert (run / "export" / name).is_file()
     exported = json.loads((run / "export" / "model.json").read_text())
     assert exported["guidance"] == load_config(find_config("demo")).validation.guidance  # dit-sample's default
+    # every file of the run and of its dataset as the umask says (the export's and codec's safetensors were 0600)
+    mask = durable.umask()
+    wrong = {str(p): oct(p.stat().st_mode & 0o777) for p in [*run.rglob("*"), *dataset.rglob("*")]
+             if p.name != rundir.LOCK_FILE and p.stat().st_mode & 0o777 != (0o777 if p.is_dir() else 0o666) & ~mask}
+    assert not wrong, wrong  # the run dir's lock is 0644 less the umask, on purpose (dit_train.rundir)
 
 
 def test_skipped_samples_are_reported_per_window_and_in_total_across_a_resume(dataset, tmp_path):
     """Clips (16 tokens) do not fit rows of 8 tokens, images (4) do: the loader passes over every clip it meets. The
     metrics' skipped column counts them per window, and the run's total (kept in checkpoints) is printed at the end."""
     run, extra = tmp_path / "run", ("data.seq_length=8", "checkpoint.every=2", "validation.frames=1")
-    first = dit_train(*run_args(dataset, run, 2, *extra))
+    first = dit_train(*run_args(dataset, run, 2, *extra), warnings="default")  # every warning shows
     assert first.returncode == 0, first.stderr[-3000:]
-    assert "will be skipped" in first.stdout + first.stderr  # the warning at the start, from the recorded shapes
+    said = first.stdout + first.stderr
+    # at the start, from the shapes and keys dit-prepare recorded: which samples will be skipped, and why
+    clips = json.loads((dataset / "ditcore.json").read_text())["counts"]["latent_shape_keys"]["16x4x4x4"]
+    assert (f"skip      {said.split('samples; ')[1].split()[0]} longer than seq length (latent 16x4x4x4: 16 tokens > "
+            f"data.seq_length=8; e.g. {', '.join(clips)})") in said, said[-3000:]
+    named = [ln.split()[2] for ln in said.splitlines() if ln.startswith("skipping sample ")]
+    assert named and len(named) == len(set(named))  # each skipped sample named once
+    for noise in ("Transformer Engine and Apex are not installed", "'pin_memory' argument", "Filling reading buffer"):
+        assert noise not in said  # third-party notes that say nothing to a user (ditcore.quiet)
     again = dit_train(*run_args(dataset, run, 4, *extra), "--resume", "auto")
     assert again.returncode == 0, again.stderr[-3000:]
     totals = []
@@ -602,6 +615,24 @@ def test_a_window_s_throughput_mfu_and_step_time_and_no_memory_column_without_a_
     assert m["mfu"] == pytest.approx(4e9 / 2 / (1e10 * 2))  # the batch's FLOPs are shared by 2 TP ranks
     if not torch.cuda.is_initialized():
         assert "peak_mem_gib" not in m
+
+
+def test_tensorboard_names_a_run_after_its_folder_and_each_resumed_segment(tmp_path):
+    """Before: TensorBoard (--logdir RUN_DIR/tensorboard, as `make demo` prints it) showed the run as "."."""
+    from tensorboard.backend.event_processing.event_multiplexer import EventMultiplexer
+
+    from dit_train.train import make_loggers
+
+    cfg, run_dir = load_config(find_config("demo")), tmp_path / "demo"
+    for step, segment in enumerate(("run-20260101-120000", "run-20260101-130000")):  # a run, then its resume
+        for logger in make_loggers(cfg, run_dir, segment):
+            logger.log_metrics({"loss": 1.0 / (step + 1)}, step=step)
+            logger.finalize("success")
+    tb = EventMultiplexer().AddRunsFromDirectory(str(run_dir / runs.TENSORBOARD))
+    tb.Reload()
+    assert sorted(tb.Runs()) == ["demo/run-20260101-120000", "demo/run-20260101-130000"]
+    assert [e.value for e in tb.Scalars("demo/run-20260101-130000", "loss")] == [0.5]
+    assert (run_dir / runs.CSV / "run-20260101-130000" / "metrics.csv").is_file()  # the CSV log's segment alike
 
 
 @pytest.mark.gpu

@@ -4,6 +4,7 @@ half-written is left to pass for an export."""
 
 import errno
 import json
+import os
 import resource
 
 import pytest
@@ -11,8 +12,10 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from ditcore import disk, export
+from ditcore import disk, export, tensorfile
+from ditcore.codecs import PatchPCACodec
 from ditcore.data.schema import DatasetInfo
+from ditcore.data.writer import ShardWriter, start_dataset
 from ditcore.export import CONFIG, WEIGHTS, export_model, load_export
 from ditcore.models import DiT, preset
 
@@ -44,6 +47,34 @@ def edit_config(path, **changes):
 
 def peak_rss() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+@pytest.mark.parametrize("mask", [0o022, 0o027])
+def test_every_file_of_a_dataset_and_an_export_has_the_mode_the_umask_says(tmp_path, model, mask):
+    """Before: the export's weights and the PCA codec (safetensors' save_file, by way of a temporary file) were
+    written 0600 whatever the umask, everything else 0644: another user or a serving container could not read them.
+    (A whole dit-train run is checked under the test's umask in tests/apps/test_train.py.)"""
+    before = os.umask(mask)
+    try:
+        data = tmp_path / "data"
+        start_dataset(data, overwrite=False)
+        with ShardWriter(data) as w:
+            for i in range(2):
+                w.write(f"{i:08d}", torch.randn(16, 1, 4, 4), torch.randn(3, 8), {"caption": "c"})
+        codec = PatchPCACodec(torch.zeros(48), torch.eye(16, 48), torch.ones(16))  # 4x4 RGB patches, 16 components
+        # ditcore.json as finish_dataset writes it, without Energon's index (a subprocess: seconds; the dit-train
+        # run's check covers it)
+        DatasetInfo(codec=codec.save(data), latent_stats={}, text_encoder={"name": "t", "dim": 8}, latent_channels=16,
+                    spatial_factor=4, temporal_factor=1, counts={"samples": 2}).write(data)
+        export_model(tmp_path / "run" / "export", model.state_dict(), model.cfg, data)
+    finally:
+        os.umask(before)
+    modes = {p.relative_to(tmp_path).as_posix(): p.stat().st_mode & 0o777 for p in tmp_path.rglob("*")}
+    assert {"data/codec_pca.safetensors", "data/ditcore.json", "data/rank0-000000.tar", "run/export/model.safetensors",
+            "run/export/codec_pca.safetensors"} <= modes.keys()
+    wrong = {name: oct(mode) for name, mode in modes.items()
+             if mode != (0o777 if (tmp_path / name).is_dir() else 0o666) & ~mask}
+    assert not wrong, wrong
 
 
 def test_an_export_loads_with_the_weights_written(exported, model):
@@ -109,7 +140,7 @@ def test_a_full_disk_during_the_export_keeps_the_old_one_and_leaves_no_partial_o
             f.write(b"\0" * 1000)
         raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
 
-    monkeypatch.setattr(export, "save_file", fills_the_disk)
+    monkeypatch.setattr(tensorfile, "save_file", fills_the_disk)  # what tensorfile.save calls
     changed = {k: v + 1 for k, v in model.state_dict().items()}
     with pytest.raises(disk.DiskFull) as caught:
         export_model(exported, changed, model.cfg, dataset)

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ditcore.data.loader import LATENT_BOUND, build_loader, next_batch
+from ditcore.data.loader import LATENT_BOUND, LOGGED_PER_REASON, build_loader, next_batch
 from ditcore.data.schema import DatasetError, DatasetInfo, read_info
 from ditcore.data.writer import TYPED_CONFIG, ShardWriter, finish_dataset, start_dataset
 
@@ -129,8 +129,22 @@ def test_a_dataset_with_no_usable_sample_stops_after_a_bounded_run_of_skips(unus
     assert message.startswith(f"no usable sample in the last 50 samples of dataset '{unusable}' (")
     assert "\n" not in message
     assert "non finite latent" in message and "latent out of range" in message and "max_skipped_in_a_row" in message
-    if not workers:  # a worker's log records stay in its process
-        assert len([r for r in caplog.records if r.getMessage().startswith("skipping sample")]) <= 2 * 3
+    assert len([r for r in caplog.records if r.getMessage().startswith("skipping sample")]) <= 2 * LOGGED_PER_REASON
+
+
+def test_a_bad_sample_is_logged_once_across_workers_and_epochs(dataset, caplog, capfd):
+    """Before: each loader worker logged the samples it skipped, again in every epoch (3157 lines in a 300-step run).
+    Now the batches carry their skips to this process, which names each (key, reason) once and then only counts.
+    Energon's "Filling reading buffer" bars (every worker, every epoch) are gone too (ditcore.quiet)."""
+    data = loader(dataset, num_workers=2)
+    it, arrived = iter(data), 0
+    for _ in range(60):  # 60 samples, 3 to 12 per batch: every sample comes round in several epochs
+        batch = next_batch(it, data)
+        arrived += sum(key == NAN_KEY for key, _, _ in batch.skipped_samples)
+    lines = [r.getMessage() for r in caplog.records if NAN_KEY in r.getMessage()]
+    assert arrived >= 3, arrived  # skipped in several epochs (and by both workers)
+    assert lines == [f"skipping sample {NAN_KEY}: non finite latent"], lines
+    assert "Filling reading buffer" not in capfd.readouterr().err
 
 
 @pytest.mark.parametrize("workers", [0, 1])

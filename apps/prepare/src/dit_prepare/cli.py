@@ -284,7 +284,8 @@ def mock(
                                text_encoder={"name": "mock", "dim": text_dim},
                                latent_channels=C, spatial_factor=1, temporal_factor=1,
                                counts={"samples": num, "images": num - videos, "videos": videos, "skipped": {},
-                                       "latent_shapes": dict(writer.latent_shapes)})
+                                       "latent_shapes": dict(writer.latent_shapes),
+                                       "latent_shape_keys": writer.shape_keys})
             finish_dataset(out, info)
     typer.echo(f"dataset   {out}\nsamples   {num} ({num - videos} images, {videos} clips) in "
                f"{info.counts['shards']} shards, {writer.bytes / 2**20:.1f} MiB\n"

@@ -25,7 +25,7 @@ from dit_prepare.sources import Item, Skip, SourceError
 from ditcore.codecs import Codec, DiffusersVAECodec, LatentStats, PatchPCACodec, PixelCodec, psnr
 from ditcore.codecs.text import TextEncoder
 from ditcore.data.schema import DatasetInfo
-from ditcore.data.writer import ShardWriter, finish_dataset, removed_on_failure, start_dataset
+from ditcore.data.writer import ShardWriter, finish_dataset, merge_shape_keys, removed_on_failure, start_dataset
 
 
 @dataclass
@@ -66,6 +66,7 @@ class Summary:
     skipped: Counter = field(default_factory=Counter)  # reason → samples
     skipped_files: dict = field(default_factory=dict)  # reason → the first SHOWN_FILES files skipped for it
     latent_shapes: Counter = field(default_factory=Counter)
+    shape_keys: dict = field(default_factory=dict)  # latent shape → a few sample keys (ShardWriter.shape_keys)
     seconds: float = 0.0
     fit_psnr: float | None = None
 
@@ -209,6 +210,7 @@ def _prepare(source, out: Path, *, codec: CodecChoice, text_encoder: TextEncoder
                 pending = []
         _write(pending, the_codec, stats, texts, writer, summary)
         summary.bytes, summary.latent_shapes = writer.bytes, writer.latent_shapes
+        summary.shape_keys = writer.shape_keys
 
     # 3. Every rank done → rank 0 indexes and marks the dataset complete.
     totals = _sum_over_ranks(summary, world)
@@ -222,6 +224,7 @@ def _prepare(source, out: Path, *, codec: CodecChoice, text_encoder: TextEncoder
             counts={"samples": totals.samples, "images": totals.images, "videos": totals.videos,
                     "skipped": dict(totals.skipped), "latent_shapes": dict(totals.latent_shapes)},
         )
+        info.counts["latent_shape_keys"] = totals.shape_keys  # dit-train names the samples it will skip
         finish_dataset(out, info)
         totals.shards = info.counts["shards"]
     _barrier(world)
@@ -277,4 +280,5 @@ def _sum_over_ranks(summary: Summary, world: int) -> Summary:
     total = Summary()
     for s in parts:
         total.add(s)
+    total.shape_keys = merge_shape_keys(s.shape_keys for s in parts)
     return total

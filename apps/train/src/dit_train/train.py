@@ -23,6 +23,7 @@ from dit_train.config import TrainConfig, memory_layout
 from ditcore import durable, init_from, runs
 from ditcore.codecs import LatentStats, load_codec
 from ditcore.codecs.text import load_text_encoder
+from ditcore.data.fit import fit_report
 from ditcore.data.loader import build_loader, check_samples_fit, next_batch
 from ditcore.data.packing import PackedBatch
 from ditcore.data.schema import DatasetInfo, read_info
@@ -218,14 +219,7 @@ def setup(cfg: TrainConfig, resume: str = "auto", overwrite: bool = False) -> Se
     bf16 = cfg.train.precision == "bf16" or (cfg.train.precision == "auto" and on_gpu)
     prepare_run_dir(run_dir)
     claim = rundir.claim(run_dir, resume, overwrite)  # the lock, before anything is written into the run dir
-    loggers = []
-    if cfg.logging.csv:
-        # written at every log call (Lightning's default buffers 100 calls, so that any stop before train.steps
-        # lost them): each window is on disk when it is logged, whatever ends the run afterwards
-        loggers.append(CSVLogger(str(run_dir), name=runs.CSV, version=rundir.csv_version(run_dir),
-                                 flush_logs_every_n_steps=1))
-    if cfg.logging.tensorboard:
-        loggers.append(TensorBoardLogger(str(run_dir), name="tensorboard", version=""))
+    loggers = make_loggers(cfg, run_dir, rundir.csv_version(run_dir))
     strategy = MegatronStrategy(dims, fsdp=cfg.parallel.fsdp)
     num_nodes = int(os.environ.get("WORLD_SIZE", devices)) // devices  # torchrun on several nodes
     fabric = Fabric(accelerator="cuda" if on_gpu else "cpu", devices=devices, num_nodes=num_nodes, strategy=strategy,
@@ -240,16 +234,33 @@ def setup(cfg: TrainConfig, resume: str = "auto", overwrite: bool = False) -> Se
     if on_gpu:
         gpu = torch.cuda.get_device_properties(fabric.device).total_memory
         check_memory_plan(cfg, model_cfg, fabric.world_size, gpu)
-    too_long = check_samples_fit(info, cfg.data.path, patch_size=model_cfg.patch_size,
-                                 patch_size_t=model_cfg.patch_size_t, seq_length=cfg.data.seq_length)
-    if too_long:
-        fabric.print(f"warning: {too_long} of {info.counts['samples']} samples do not fit data.seq_length="
-                     f"{cfg.data.seq_length} tokens (or the patch sizes) and will be skipped")
+    check_samples_fit(info, cfg.data.path, patch_size=model_cfg.patch_size, patch_size_t=model_cfg.patch_size_t,
+                      seq_length=cfg.data.seq_length)  # refuses a dataset none of whose samples fits
+    for line in fit_report(info, patch_size=model_cfg.patch_size, patch_size_t=model_cfg.patch_size_t,
+                           seq_length=cfg.data.seq_length, micro_batch=cfg.train.micro_batch,
+                           num_workers=cfg.data.num_workers):
+        fabric.print(line)
     accum = cfg.train.global_batch // (cfg.train.micro_batch * groups.dims.dp)
     if accum * cfg.train.micro_batch * groups.dims.dp != cfg.train.global_batch:
         raise ValueError(f"train.global_batch={cfg.train.global_batch} is not a multiple of train.micro_batch="
                          f"{cfg.train.micro_batch} x data-parallel size {groups.dims.dp}")
     return Setup(cfg, info, fabric, groups, model_cfg, accum, on_gpu, bf16, loggers)
+
+
+def make_loggers(cfg: TrainConfig, run_dir: Path, segment: str) -> list:
+    """The metrics loggers of this process's part of the run (`segment`: run-<start time>; a resume starts another)."""
+    loggers = []
+    if cfg.logging.csv:
+        # written at every log call (Lightning's default buffers 100 calls, so that any stop before train.steps
+        # lost them): each window is on disk when it is logged, whatever ends the run afterwards
+        loggers.append(CSVLogger(str(run_dir), name=runs.CSV, version=segment, flush_logs_every_n_steps=1))
+    if cfg.logging.tensorboard:
+        # TensorBoard names a run by its folder under --logdir: RUN_DIR/tensorboard/<run dir's name>/<segment> shows
+        # as "demo/run-20260101-120000" (with --logdir RUN_DIR/tensorboard, as `make demo` says), not "."; each
+        # resumed segment is a run of its own, so a branch that repeats steps is not drawn over its parent's curve
+        name = Path(run_dir).resolve().name or "run"  # train.run_dir=. names the current folder
+        loggers.append(TensorBoardLogger(str(run_dir), name=runs.TENSORBOARD, version=f"{name}/{segment}"))
+    return loggers
 
 
 def check_memory_plan(cfg: TrainConfig, model_cfg: DiTConfig, world_size: int, gpu: int) -> None:

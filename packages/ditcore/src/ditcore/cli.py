@@ -9,6 +9,8 @@ from importlib.metadata import version
 import typer
 from typer._click import exceptions as click  # typer vendors its own click; its errors are these classes
 
+from ditcore import quiet
+
 
 def version_option(dist_name: str):
     """A Typer `--version` option that prints the app's and ditcore's versions and exits."""
@@ -30,6 +32,7 @@ def entry_point(app: typer.Typer) -> Callable[[], None]:
     """
 
     def run() -> None:
+        quiet.third_party()  # before the command imports the libraries whose warnings it silences
         try:
             code = app(standalone_mode=False)
         except click.NoArgsIsHelpError as e:

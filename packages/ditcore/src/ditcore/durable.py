@@ -34,6 +34,27 @@ def fsync_dir(path: str | Path) -> None:
         os.close(fd)
 
 
+def umask() -> int:
+    """This process's umask, read without setting it (os.umask can only set it: a thread creating a file meanwhile
+    would get the wrong mode)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except OSError:
+        pass
+    mask = os.umask(0o022)  # no /proc (macOS): set and restore at once
+    os.umask(mask)
+    return mask
+
+
+def mode_as_umask(path: str | Path) -> None:
+    """Give a file the mode open() gives a new one: 0666 less the umask (0644 under the usual 022). For writers that
+    create their file otherwise: safetensors' save_file writes a temporary file of mode 0600 and renames it, which
+    another user of the group, or a serving container, then cannot read."""
+    os.chmod(path, 0o666 & ~umask())
+
+
 def make_writable_dir(path: str | Path) -> None:
     """Create the folder (and parents) and prove a file can be written in it; OSError saying why not.
 

@@ -17,7 +17,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 
 from ditcore import disk, durable, tensorfile
 from ditcore.codecs import Codec, LatentStats, load_codec
@@ -45,12 +44,13 @@ def export_model(out: str | Path, state_dict: dict[str, torch.Tensor], cfg: DiTC
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         tmp.mkdir(parents=True)
-        save_file({k: v.contiguous() for k, v in state_dict.items()}, str(tmp / WEIGHTS))
+        tensorfile.save(state_dict, tmp / WEIGHTS)
         meta = {"model": dataclasses.asdict(cfg), "arch": arch_of(cfg), **(extra or {})}
         (tmp / CONFIG).write_text(json.dumps(meta, indent=1))
-        shutil.copy2(dataset / INFO_FILE, tmp / INFO_FILE)
+        # contents only: the copies' modes come from the umask (a codec an older dit-prepare wrote 0600 included)
+        shutil.copyfile(dataset / INFO_FILE, tmp / INFO_FILE)
         for codec_file in codec_files:
-            shutil.copy2(codec_file, tmp / codec_file.name)
+            shutil.copyfile(codec_file, tmp / codec_file.name)
         for f in tmp.iterdir():
             durable.fsync_file(f)
         durable.publish_dir(tmp, out)

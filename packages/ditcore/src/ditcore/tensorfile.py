@@ -11,7 +11,9 @@ from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
+
+from ditcore import durable
 
 
 class DamagedFile(ValueError):
@@ -45,6 +47,13 @@ def load(path: str | Path, what_to_do: str) -> dict[str, torch.Tensor]:
         raise _damaged(path, e, what_to_do) from None
 
 
+def save(tensors: dict[str, torch.Tensor], path: str | Path) -> None:
+    """safetensors' save_file, the file then given the mode the umask says (durable.mode_as_umask), like every
+    other file ditcore writes."""
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(path))
+    durable.mode_as_umask(path)
+
+
 def non_finite(state: dict[str, torch.Tensor]) -> list[str]:
     """Names of the tensors that hold a NaN or an infinity (floating-point ones; integers are always finite)."""
     return [name for name, t in state.items() if t.is_floating_point() and not torch.isfinite(t).all()]
@@ -58,4 +67,4 @@ _DTYPES = {
     "BOOL": torch.bool,
 }
 
-__all__ = ["DamagedFile", "header", "load", "non_finite"]
+__all__ = ["DamagedFile", "header", "load", "non_finite", "save"]

@@ -13,7 +13,6 @@ from collections.abc import Iterable
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 
 from ditcore import tensorfile
 from ditcore.codecs.base import Codec
@@ -87,7 +86,7 @@ class PatchPCACodec(Codec):
 
     def save(self, directory: Path) -> dict:
         tensors = {"mean": self.mean, "components": self.components, "variance": self.variance}
-        save_file({k: v.contiguous() for k, v in tensors.items()}, str(Path(directory) / PARAMETER_FILE))
+        tensorfile.save(tensors, Path(directory) / PARAMETER_FILE)
         return {"kind": self.kind, "patch": self.patch, "channels": self.latent_channels, "file": PARAMETER_FILE}
 
     @classmethod

@@ -38,6 +38,8 @@ from megatron.energon import (
 from megatron.energon.errors import FatalSampleError
 from megatron.energon.flavors.base_dataset import Sample
 
+from ditcore import quiet
+from ditcore.data.fit import latent_shapes, tokens_of
 from ditcore.data.packing import PackedBatch, PackedRow, TokenSample, collate, first_fit_decreasing
 from ditcore.data.schema import INFO_FILE, DatasetError, crude_config, read_info, read_sample
 from ditcore.layout import grid_positions, patchify
@@ -49,7 +51,9 @@ log = logging.getLogger(__name__)
 # overflow and the divergence would be blamed on the learning rate.
 LATENT_BOUND = 1e4
 MAX_SKIPPED_IN_A_ROW = 1000  # the default of data.max_skipped_in_a_row
-LOGGED_PER_REASON = 3  # skipped samples logged one by one, per reason and loader process; the rest are counted
+# Skipped samples named in the log per reason, in the whole run and each once (SkipLog); the rest are only counted. A
+# few examples say what is wrong; thousands of lines from a dataset with many bad samples would bury the progress.
+LOGGED_PER_REASON = 10
 
 
 class TooManySkipped(FatalSampleError):
@@ -92,11 +96,34 @@ def changed_files(root: Path, before: dict[str, tuple[int, int]]) -> list[str]:
     return sorted(name for name in before.keys() | now.keys() if before.get(name) != now.get(name))
 
 
+class SkipLog:
+    """The skipped samples a run has named in its log. Loader workers only record what they skip (each batch carries
+    its (key, reason, detail) triples, PackedBatch.skipped_samples); this process, which sees every worker's batches
+    in every epoch, logs a (key, reason) pair the first time it arrives, for the first LOGGED_PER_REASON keys of a
+    reason. Later skips are counted (PackedBatch.skipped → the metrics' skipped column and the run's total)."""
+
+    def __init__(self):
+        self.logged: set[tuple[str, str]] = set()  # bounded: LOGGED_PER_REASON pairs per reason
+        self.per_reason: Counter = Counter()
+
+    def report(self, samples) -> None:
+        for key, reason, detail in samples:
+            if (key, reason) in self.logged or self.per_reason[reason] >= LOGGED_PER_REASON:
+                continue
+            self.logged.add((key, reason))
+            self.per_reason[reason] += 1
+            more = (f" (the first {LOGGED_PER_REASON} {reason.replace('_', ' ')} samples are named; further ones are "
+                    "counted in the metrics' skipped column)") if self.per_reason[reason] == LOGGED_PER_REASON else ""
+            log.warning("skipping sample %s: %s%s%s", key, reason.replace("_", " "), f" ({detail})" if detail else "",
+                        more)
+
+
 def next_batch(it, loader) -> PackedBatch:
-    """The loader's next batch; a failure in the loader as one DatasetError that says what to do: the dataset
-    changed under the run, or no sample could be used in a long stretch, or Energon gave up on the data."""
+    """The loader's next batch, its skipped samples logged once each (loader.skip_log); a failure in the loader as one
+    DatasetError that says what to do: the dataset changed under the run, or no sample could be used in a long
+    stretch, or Energon gave up on the data."""
     try:
-        return next(it)
+        batch = next(it)
     except Exception as e:
         root = loader.dataset_root
         changed = changed_files(root, loader.dataset_stamp)
@@ -115,6 +142,8 @@ def next_batch(it, loader) -> PackedBatch:
             raise DatasetError(f"reading dataset '{root}' failed: {last.strip()} — check it with "
                                "`energon lint`, or prepare it again with dit-prepare --overwrite") from None
         raise
+    loader.skip_log.report(batch.skipped_samples)
+    return batch
 
 
 @dataclass
@@ -148,7 +177,8 @@ class PackingTaskEncoder(TaskEncoder):
     """Patchify with the model's own p and pt, skip bad samples (counted), pack into rows of seq_length.
 
     Skip counts travel with the batches (`batch.skipped`: counts since the worker's previous batch), so
-    they add up correctly however many loader workers there are. A run of `max_skipped_in_a_row` skipped
+    they add up correctly however many loader workers there are; so do the skipped samples' keys
+    (`batch.skipped_samples`), which the main process logs once each (SkipLog). A run of `max_skipped_in_a_row` skipped
     samples without a usable one raises TooManySkipped: a dataset that is all bad stops the run instead of
     being read forever. Unreadable samples (Energon's errors, `count_error`) count as skipped too.
     """
@@ -167,21 +197,20 @@ class PackingTaskEncoder(TaskEncoder):
         self.max_skipped_in_a_row = max_skipped_in_a_row
         self.root, self.dataset_stamp = root, dataset_stamp  # to tell a dataset replaced under the run
         self._skipped: Counter = Counter()  # since the last batch
+        self._skipped_samples: list[tuple[str, str, str]] = []  # (key, reason, detail) since the last batch
         self._in_a_row: Counter = Counter()  # since the last usable sample
-        self._logged: Counter = Counter()  # skips logged one by one, per reason (the rest are only counted)
 
     def _count(self, reason: str, sample_key: str, detail: str = "") -> None:
+        """A worker does not log the skip (it would, again, in every worker and epoch): the batch carries it to
+        the main process (SkipLog)."""
         self._skipped[reason] += 1
+        self._skipped_samples.append((sample_key, reason, detail))
         self._in_a_row[reason] += 1
-        self._logged[reason] += 1
-        if self._logged[reason] <= LOGGED_PER_REASON:
-            more = " (further ones are counted, not logged)" if self._logged[reason] == LOGGED_PER_REASON else ""
-            log.warning("skipping sample %s: %s%s%s", sample_key, reason, f": {detail}" if detail else "", more)
         if self._in_a_row.total() >= self.max_skipped_in_a_row:
             raise TooManySkipped(dict(self._in_a_row))
 
-    def _skip(self, sample: LatentSample, reason: str):
-        self._count(reason, sample.__key__)
+    def _skip(self, sample: LatentSample, reason: str, detail: str = ""):
+        self._count(reason, sample.__key__, detail)
         raise SkipSample()
 
     def count_error(self, exc: Exception, sample, sources=None) -> None:
@@ -208,11 +237,11 @@ class PackingTaskEncoder(TaskEncoder):
             self._skip(sample, "non_finite_text")
         _, T, H, W = z.shape
         if T % self.pt or H % self.p or W % self.p:
-            self._skip(sample, "not_divisible_by_patch")
+            self._skip(sample, "not_divisible_by_patch", f"latent {T}x{H}x{W}, patch {self.pt}x{self.p}x{self.p}")
         grid = (T // self.pt, H // self.p, W // self.p)
         n = grid[0] * grid[1] * grid[2]
         if n > self.seq_length:
-            self._skip(sample, "longer_than_seq_length")
+            self._skip(sample, "longer_than_seq_length", f"{n} tokens, data.seq_length={self.seq_length}")
         self._in_a_row.clear()
         meta = sample.meta
         item = TokenSample(
@@ -232,8 +261,9 @@ class PackingTaskEncoder(TaskEncoder):
 
     def batch(self, packs: list[PackedSample]) -> PackedBatch:
         batch = collate([p.row for p in packs], self.seq_length, self.text_multiple)
-        batch.skipped = dict(self._skipped)
+        batch.skipped, batch.skipped_samples = dict(self._skipped), self._skipped_samples
         self._skipped.clear()
+        self._skipped_samples = []
         return batch
 
 
@@ -324,9 +354,8 @@ def compare_fingerprints(saved: dict | None, now: dict, root: Path) -> tuple[str
 def check_samples_fit(info, root, *, patch_size: int, patch_size_t: int, seq_length: int) -> int:
     """Refuse a dataset none of whose samples fits a packed row (training would wait forever for a batch);
     return how many samples will be skipped. Uses the latent shapes dit-prepare records (older datasets: 0)."""
-    shapes = {tuple(int(v) for v in k.split("x")): n for k, n in info.counts.get("latent_shapes", {}).items()}
-    tokens = {s: (s[1] // patch_size_t) * (s[2] // patch_size) * (s[3] // patch_size) for s in shapes
-              if s[1] % patch_size_t == 0 and s[2] % patch_size == 0 and s[3] % patch_size == 0}
+    shapes = latent_shapes(info)
+    tokens = {s: n for s in shapes if (n := tokens_of(s, patch_size, patch_size_t)) is not None}
     fitting = sum(shapes[s] for s, n in tokens.items() if n <= seq_length)
     if shapes and not fitting:
         need = min(tokens.values(), default=None)
@@ -391,6 +420,7 @@ def build_loader(
     TooManySkipped. Iterate with `next_batch`, which turns the loader's failures into one DatasetError.
     """
     root = Path(root)
+    quiet.energon_buffer_bar()
     stamp = dataset_files(root)  # before anything is read: a later change is the dataset replaced under the run
     info = read_info(root)
     split_config = None
@@ -421,4 +451,5 @@ def build_loader(
     loader.skipped_at_start = {"broken_shard": _indexed_count(root, bad)} if bad else {}
     loader.fingerprint = dataset_fingerprint(root, bad)
     loader.dataset_root, loader.dataset_stamp = root, stamp
+    loader.skip_log = SkipLog()
     return loader

@@ -72,6 +72,7 @@ class PackedBatch:
     captions: list[list[str]]
     grids: list[list[tuple[int, int, int]]]
     skipped: dict = field(default_factory=dict)  # samples skipped (by reason) since this worker's last batch
+    skipped_samples: list = field(default_factory=list)  # ... and which: (key, reason, detail), logged once each
     whole_rows: bool = False  # every row is one sample without padding (known on the host, so no device sync)
     whole_text: bool = False  # ... and every text token belongs to its row's sample
 

@@ -16,6 +16,17 @@ from ditcore import durable
 from ditcore.data.schema import CRUDE_CONFIG, INFO_FILE, LATENT, META, TEXT, TYPED_CONFIG, DatasetInfo, to_record
 
 SHARD_PATTERN = "rank{rank}-%06d.tar"  # as the reference recipe: every rank writes its own shards
+SHAPE_KEYS = 3  # sample keys recorded per latent shape (ditcore.json counts.latent_shape_keys)
+
+
+def merge_shape_keys(parts) -> dict[str, list[str]]:
+    """The shape → keys records of several writers (ranks) as one, still SHAPE_KEYS keys a shape at most."""
+    merged: dict[str, list[str]] = {}
+    for part in parts:
+        for shape, keys in part.items():
+            have = merged.setdefault(shape, [])
+            have.extend(keys[:SHAPE_KEYS - len(have)])
+    return merged
 
 
 def start_dataset(root: Path, overwrite: bool) -> None:
@@ -80,10 +91,15 @@ class ShardWriter:
         self.count = 0
         self.bytes = 0
         self.latent_shapes: Counter = Counter()  # "CxTxHxW" → samples; dit-train checks them against seq_length
+        self.shape_keys: dict[str, list[str]] = {}  # "CxTxHxW" → its first samples' keys, which dit-train names
 
     def write(self, key: str, latent, text, meta: dict) -> None:
         record = to_record(key, latent, text, meta)
-        self.latent_shapes["x".join(map(str, latent.shape))] += 1
+        shape = "x".join(map(str, latent.shape))
+        self.latent_shapes[shape] += 1
+        keys = self.shape_keys.setdefault(shape, [])
+        if len(keys) < SHAPE_KEYS:
+            keys.append(key)
         self.bytes += sum(len(v) for k, v in record.items() if k != "__key__")
         self._writer.write(record)
         self.count += 1
