@@ -122,3 +122,25 @@ def test_bad_names_and_arguments():
         load_text_encoder("t5:")
     with pytest.raises(TypeError, match="wrap it in a list"):
         load_text_encoder("t5:x").encode("a caption")
+
+
+def test_minilm_loads_no_t5_code(tmp_path):
+    """Loading the MiniLM kind of encoder (a BERT) imports no T5 modules: their import took seconds of every
+    dit-sample start. Checked in a fresh process, since this one may have imported T5 already."""
+    import subprocess
+    import sys
+
+    words = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "a", "red", "butterfly"]
+    (tmp_path / "vocab.txt").write_text("\n".join(words) + "\n")
+    transformers.BertTokenizerFast(str(tmp_path / "vocab.txt")).save_pretrained(tmp_path)
+    config = transformers.BertConfig(vocab_size=len(words), hidden_size=16, num_hidden_layers=1,
+                                     num_attention_heads=2, intermediate_size=32)
+    transformers.BertModel(config).save_pretrained(tmp_path)
+    script = (  # the packaged MiniLM's folder swapped for the tiny one: the same class and loading path
+        "import sys; from ditcore.codecs.text import MiniLMTextEncoder\n"
+        f"encoder = MiniLMTextEncoder(); encoder.source = {str(tmp_path)!r}\n"
+        "assert encoder.encode(['a red butterfly'])[0].shape == (5, 16)\n"
+        "print(sorted(m for m in sys.modules if m.startswith('transformers.models.t5')))\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "[]"

@@ -39,10 +39,12 @@ class NullTextEncoder(TextEncoder):
 @functools.cache
 def _load(family: str, source: str, device: str):
     """(tokenizer, model) loaded once per process; several encoders with the same model share it."""
-    from transformers import AutoModel, AutoTokenizer, T5EncoderModel  # deferred: importing takes seconds
+    import transformers  # deferred: importing takes seconds
 
-    model_class = {"minilm": AutoModel, "t5": T5EncoderModel}[family]
-    tokenizer = from_pretrained(AutoTokenizer, source, what=f"{family} tokenizer")
+    # transformers imports a model's code on first access to its class: naming T5EncoderModel alone would import
+    # the T5 code (seconds) for MiniLM too
+    model_class = transformers.T5EncoderModel if family == "t5" else transformers.AutoModel
+    tokenizer = from_pretrained(transformers.AutoTokenizer, source, what=f"{family} tokenizer")
     model = from_pretrained(model_class, source, what=f"{family} text encoder")
     return tokenizer, model.to(device).eval().requires_grad_(False)  # eval: no dropout, so outputs are deterministic
 
