@@ -32,15 +32,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def tiny_export(run: Path, num_classes: int = 0) -> Path:
+def tiny_export(run: Path, num_classes: int = 0, prompts: list[str] | None = None,
+                latent_shapes: dict[str, int] | None = None) -> Path:
     """Export a small random DiT with a pixel codec to run/export (no training needed to test plumbing):
-    text-conditioned (minilm), or class-conditional when num_classes > 0. Returns the run directory."""
+    text-conditioned (minilm), or class-conditional when num_classes > 0. `prompts`: the validation prompts the
+    export records; `latent_shapes`: the dataset's sample shapes ("CxTxHxW": count). Returns the run directory."""
     data = run.parent / f"{run.name}-data"
     data.mkdir(parents=True)
     text = {"name": "null", "dim": 0} if num_classes else {"name": "minilm", "dim": 384}
     info = DatasetInfo(codec={"kind": "pixel", "factor": 4}, latent_stats={"mean": [0.0] * 48, "std": [0.5] * 48},
                        text_encoder=text, latent_channels=48, spatial_factor=4, temporal_factor=1,
-                       num_classes=num_classes)
+                       num_classes=num_classes, counts={"latent_shapes": latent_shapes} if latent_shapes else {})
     info.write(data)
     cfg = preset("DiT-Tiny", in_channels=48, text_dim=text["dim"], num_classes=num_classes, patch_size=2,
                  max_grid=(32, 16, 16))
@@ -49,19 +51,28 @@ def tiny_export(run: Path, num_classes: int = 0) -> Path:
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.05)
-    export_model(run / "export", model.state_dict(), cfg, data, extra={"step": 1})
+    export_model(run / "export", model.state_dict(), cfg, data,
+                 extra={"step": 1} | ({"prompts": prompts} if prompts else {}))
     return run
+
+
+PROMPTS = ["a green leaf on sand", "a grey stone"]  # the tiny run's validation prompts
 
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    """A run directory: the export of a tiny text-conditioned DiT, one validation sample image and a contact sheet."""
-    run = tiny_export(tmp_path_factory.mktemp("ckpt") / "run")
-    (run / "samples" / "step-0000001").mkdir(parents=True)
+    """A run directory: the export of a tiny text-conditioned DiT that trained on 32x48 pixels (most) and 32x32,
+    one validation sample image and a contact sheet (prompts x seeds, drawn as dit-train draws it)."""
     import imageio.v3 as iio
 
-    iio.imwrite(run / "samples" / "step-0000001" / "00-a-red-butterfly.png", np.zeros((32, 32, 3), np.uint8))
-    iio.imwrite(run / "samples" / "grid.png", np.full((40, 40, 3), 255, np.uint8))  # the contact sheet
+    from ditcore.media import contact_sheet
+
+    run = tiny_export(tmp_path_factory.mktemp("ckpt") / "run", prompts=PROMPTS,
+                      latent_shapes={"48x1x8x12": 20, "48x1x8x8": 5, "48x1x9x9": 2})  # 9x9: not a patch multiple
+    (run / "samples" / "step-0000001").mkdir(parents=True)
+    iio.imwrite(run / "samples" / "step-0000001" / "00-a-green-leaf-on-sand.png", np.zeros((32, 32, 3), np.uint8))
+    tiles = np.random.default_rng(0).integers(0, 256, (2, 2, 32, 32, 3), dtype=np.uint8)
+    iio.imwrite(run / "samples" / "grid.png", contact_sheet(tiles, PROMPTS, ["seed 0", "seed 1"]))
     return run
 
 

@@ -27,15 +27,20 @@ from ditcore.media import read_video
 
 BIN = Path(sys.executable).parent
 EXPORT = "export (final EMA weights)"
-FIELDS = ("choice", "prompt", "negative", "class_label", "steps", "guidance", "seed", "frames", "size", "solver")
+FIELDS = ("choice", "prompt", "negative", "class_label", "steps", "guidance", "seed", "frames", "height", "width",
+          "solver")
 GOOD = dict(choice=EXPORT, prompt="a red butterfly", negative="", class_label=0, steps=2, guidance=2.0, seed=3,
-            frames=4, size=32, solver="euler")
-QUICK = dict(GOOD, steps=1, guidance=1.0, frames=1, size=16)  # one denoiser evaluation: a cheap "still serving?"
+            frames=4, height=32, width=32, solver="euler")
+# one denoiser evaluation: a cheap "still serving?"
+QUICK = dict(GOOD, steps=1, guidance=1.0, frames=1, height=16, width=16)
 OFFERED_SIZES = "16, 24, 32, 40, 48, 56, 64, 72, 80, 88, 96, 104, 112, 120, 128"  # multiples of 8 up to 16 tokens
 TIMEOUT = 60  # seconds for any one request: a hang fails the test instead of stalling it
 
 
 def args(**changes) -> list:
+    if "size" in changes:  # a square: height and width
+        size = changes.pop("size")
+        changes |= {"height": size, "width": size}
     values = GOOD | changes
     return [values[f] for f in FIELDS]
 
@@ -118,9 +123,10 @@ BAD = [
     ({"frames": 0}, "frames=0 is out of range: expected 1..128"),
     ({"frames": 10**5}, "frames=100000 is out of range: expected 1..128"),
     ({"frames": True}, "frames=True is not an integer: expected 1..128"),
-    ({"size": 100000}, f"size=100000 is not offered: choose one of {OFFERED_SIZES}"),
-    ({"size": 36}, f"size=36 is not offered: choose one of {OFFERED_SIZES}"),  # not a multiple of 8
-    ({"size": "big"}, f"size='big' is not offered: choose one of {OFFERED_SIZES}"),
+    ({"height": 100000}, f"height=100000 is not offered: choose one of {OFFERED_SIZES}"),
+    ({"width": 36}, f"width=36 is not offered: choose one of {OFFERED_SIZES}"),  # not a multiple of 8
+    ({"height": "big"}, f"height='big' is not offered: choose one of {OFFERED_SIZES}"),
+    ({"width": True}, f"width=True is not offered: choose one of {OFFERED_SIZES}"),
     ({"seed": -1}, "seed=-1 is out of range: expected 0..18446744073709551615"),
     ({"seed": 2**80}, f"seed={2**80} is out of range: expected 0..18446744073709551615"),
     ({"seed": None}, "seed=None is not an integer: expected 0..18446744073709551615"),

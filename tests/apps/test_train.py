@@ -6,6 +6,7 @@ import functools
 import json
 import math
 import os
+import re
 import shutil
 import signal
 import socket
@@ -267,6 +268,10 @@ def test_loss_decreases_and_outputs_are_written(dataset, tmp_path):
         assert (run / "export" / name).is_file()
     exported = json.loads((run / "export" / "model.json").read_text())
     assert exported["guidance"] == load_config(find_config("demo")).validation.guidance  # dit-sample's default
+    assert exported["prompts"] == ["a red butterfly"] and exported["size"] == 32  # dit-sample's examples
+    shipped = load_config(find_config("demo")).validation
+    total = (shipped.seeds + (1 if shipped.clip_frames else 0)) * 2  # sample() calls x validation.steps=2
+    assert re.search(rf"validation samples, step 40: .*\| \d+/{total} ", proc.stderr)  # the sampler's progress bar
     # every file of the run and of its dataset as the umask says (the export's and codec's safetensors were 0600)
     mask = durable.umask()
     wrong = {str(p): oct(p.stat().st_mode & 0o777) for p in [*run.rglob("*"), *dataset.rglob("*")]

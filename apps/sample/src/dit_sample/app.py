@@ -23,6 +23,7 @@ import socket
 import sys
 import tempfile
 import threading
+import traceback
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -60,13 +61,18 @@ def checkpoint_choices(path: Path) -> dict[str, Path]:
     return choices
 
 
+def contact_sheet_of(run_dir: Path) -> Path | None:
+    """The run's newest contact sheet (samples/grid.png: validation prompts × seeds), or None."""
+    sheet = run_dir / runs.SAMPLES / runs.SHEET
+    return sheet if sheet.is_file() else None
+
+
 def validation_gallery(run_dir: Path, newest: int = 24) -> list[Path]:
-    """The run's contact sheet (samples/grid.png) first, then the newest validation images of each step."""
+    """The newest validation images of the run's steps (not their contact sheets)."""
     folder = run_dir / runs.SAMPLES
     if not folder.is_dir():
         return []
-    sheet = [folder / runs.SHEET] if (folder / runs.SHEET).is_file() else []
-    return sheet + [p for p in sorted(folder.glob("*/*.png")) if p.name != runs.SHEET][-newest:]
+    return [p for p in sorted(folder.glob("*/*.png")) if p.name != runs.SHEET][-newest:]
 
 
 def load_sampler(base: Sampler, folder: Path) -> Sampler:
@@ -209,9 +215,10 @@ def build_app(checkpoint: str | Path, concurrency: int = 1, queue_size: int = 64
     checkpoint = Path(checkpoint)
     models = Checkpoints(checkpoint)
     base = models.base
+    base.load_text()  # at start, not in the first request
     cfg = base.exported.model.cfg
-    sizes = base.sizes()
-    default_size = 64 if 64 in sizes else sizes[0]
+    heights, widths = base.sides()
+    height0, width0 = base.default_size()
     outputs = Outputs(keep=KEEP_OUTPUTS + concurrency)
     # Sampling runs on the app's own `concurrency` threads, not on whichever of Gradio's worker threads is free:
     # each new thread that runs torch gets its own OpenMP thread team and malloc arena, so memory crept up with
@@ -219,16 +226,19 @@ def build_app(checkpoint: str | Path, concurrency: int = 1, queue_size: int = 64
     # Grad mode is per thread, so it is switched off in each of them.
     sampling = ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="dit-sample",
                                   initializer=torch.set_grad_enabled, initargs=(False,))
-    gallery = validation_gallery(checkpoint)
+    sheet, gallery = contact_sheet_of(checkpoint), validation_gallery(checkpoint)
 
-    def check(choice, prompt, negative, class_label, steps, guidance, seed, frames, size, solver) -> dict:
+    def check(choice, prompt, negative, class_label, steps, guidance, seed, frames, height, width, solver) -> dict:
         """The request's sampler arguments; RequestError naming the first bad value. Nothing is allocated."""
         models.check(choice)
-        steps, seed, frames, size, class_label = map(_whole, (steps, seed, frames, size, class_label))
-        if size not in sizes:
-            raise RequestError(f"size={size!r} is not offered: choose one of {', '.join(map(str, sizes))} "
-                               "(pixels, square)")
-        kwargs = dict(steps=steps, guidance=guidance, seed=seed, frames=frames, height=size, width=size, solver=solver)
+        steps, seed, frames, height, width, class_label = map(_whole, (steps, seed, frames, height, width,
+                                                                       class_label))
+        for name, value, offered in (("height", height, heights), ("width", width, widths)):
+            if isinstance(value, bool) or value not in offered:
+                raise RequestError(f"{name}={value!r} is not offered: choose one of {', '.join(map(str, offered))} "
+                                   "(pixels)")
+        kwargs = dict(steps=steps, guidance=guidance, seed=seed, frames=frames, height=height, width=width,
+                      solver=solver)
         if base.class_conditional:
             kwargs["class_labels"] = [class_label]
         else:
@@ -237,15 +247,15 @@ def build_app(checkpoint: str | Path, concurrency: int = 1, queue_size: int = 64
         if frames > MAX_FRAMES:
             raise RequestError(f"frames={frames} is more than this app offers: expected 1..{MAX_FRAMES} "
                                "(longer clips: dit-sample generate --frames)")
-        tokens = math.prod(token_grid(base.exported.model, base.exported.codec, frames, size, size))
+        tokens = math.prod(token_grid(base.exported.model, base.exported.codec, frames, height, width))
         if tokens * steps > max_token_steps:
-            raise RequestError(f"{frames} frames of {size}x{size} pixels at {steps} steps is {tokens} tokens x {steps}"
-                               f" steps = {tokens * steps} token-steps, more than this server's {max_token_steps} "
-                               "(dit-sample serve --max-token-steps) — ask for fewer frames, a smaller size or "
-                               "fewer steps")
+            raise RequestError(f"{frames} frames of {height}x{width} pixels at {steps} steps is {tokens} tokens x "
+                               f"{steps} steps = {tokens * steps} token-steps, more than this server's "
+                               f"{max_token_steps} (dit-sample serve --max-token-steps) — ask for fewer frames, a "
+                               "smaller size or fewer steps")
         return kwargs
 
-    async def run(choice, prompt, negative, class_label, steps, guidance, seed, frames, size, solver,
+    async def run(choice, prompt, negative, class_label, steps, guidance, seed, frames, height, width, solver,
                   progress=gr.Progress()):
         # The event has preprocess=False: values arrive as the caller sent them (API callers can send anything), and
         # are all checked here, with messages that name the field, before a checkpoint loads or sampling starts.
@@ -271,11 +281,12 @@ def build_app(checkpoint: str | Path, concurrency: int = 1, queue_size: int = 64
                 print(f"error: {e}", file=sys.stderr)
                 raise gr.Error("the server's disk is full, so the sample could not be written — try again later",
                                print_exception=False) from None
-            info = f"NFE {result.nfe} · {seconds:.2f} s · seed {kwargs['seed']} · {kwargs['frames']}×{size}×{size}"
+            info = (f"NFE {result.nfe} · {seconds:.2f} s · seed {kwargs['seed']} · "
+                    f"{kwargs['frames']}×{kwargs['height']}×{kwargs['width']}")
             return str(video), pixels[0], info
 
         try:
-            kwargs = check(choice, prompt, negative, class_label, steps, guidance, seed, frames, size, solver)
+            kwargs = check(choice, prompt, negative, class_label, steps, guidance, seed, frames, height, width, solver)
             in_context = contextvars.copy_context().run  # progress() finds its request through context variables
             return await asyncio.wrap_future(sampling.submit(in_context, work, kwargs))
         except asyncio.CancelledError:
@@ -284,6 +295,21 @@ def build_app(checkpoint: str | Path, concurrency: int = 1, queue_size: int = 64
         except RequestError as e:
             raise gr.Error(str(e), print_exception=False) from None  # the caller's mistake, not a server fault
 
+    async def show(*values, progress=gr.Progress()):
+        """The page's Generate: a refused or failed request says why in a warning and leaves the last good result
+        (video, first frame, stats line) in place; raised to the page, the error would cover all three with "Error"
+        badges. API callers get the error itself (the "generate" endpoint runs `run`)."""
+        try:
+            return await run(*values, progress=progress)
+        except gr.Error as e:
+            gr.Warning(e.message)
+        except Exception as e:  # a server fault: the traceback for the operator, one line for the page
+            traceback.print_exc()
+            gr.Warning(f"sampling failed: {type(e).__name__}: {e}")
+        return gr.skip(), gr.skip(), gr.skip()
+
+    prompts, classes, trained = base.prompts(), base.example_classes(), base.trained_sizes()
+    stride = base.exported.codec.spatial_factor * cfg.patch_size  # sizes are multiples of it
     with gr.Blocks(title="ditcore sampler", delete_cache=CACHE_CLEANUP) as demo:
         conditioning = "class-conditional" if base.class_conditional else \
             f"text: {base.exported.info.text_encoder['name']}"
@@ -292,30 +318,59 @@ def build_app(checkpoint: str | Path, concurrency: int = 1, queue_size: int = 64
             with gr.Column():
                 choice = gr.Dropdown(list(models.folders), value=EXPORT, label="checkpoint", elem_id="checkpoint",
                                      visible=len(models.folders) > 1)
-                prompt = gr.Textbox(label="prompt", value="a red butterfly", elem_id="prompt",
-                                    visible=not base.class_conditional)
-                negative = gr.Textbox(label="negative prompt", elem_id="negative", visible=not base.class_conditional)
-                class_label = gr.Dropdown(list(range(max(1, cfg.num_classes))), value=0, label="class", elem_id="class",
-                                          visible=base.class_conditional)
-                steps = gr.Slider(*LIMITS["steps"], value=18, step=1, label="steps", elem_id="steps")
+                # the run's first validation prompt, or nothing: a default that names one subject would be wrong
+                # for every other model
+                prompt = gr.Textbox(label="prompt", value=prompts[0] if prompts else "", elem_id="prompt",
+                                    placeholder="describe what to draw", visible=not base.class_conditional)
+                negative = gr.Textbox(label="negative prompt", value="", elem_id="negative",
+                                      visible=not base.class_conditional)
+                # Numbers of precision 0, so the API schema says integer, as the checks require
+                class_label = gr.Number(classes[0] if classes else 0, precision=0, minimum=0,
+                                        maximum=max(0, cfg.num_classes - 1),
+                                        label=f"class (0..{cfg.num_classes - 1})" if cfg.num_classes else "class",
+                                        elem_id="class", visible=base.class_conditional)
+                if prompts and not base.class_conditional:
+                    gr.Examples([[p] for p in prompts], [prompt], label="the run's validation prompts",
+                                api_visibility="private")
+                if classes:
+                    gr.Examples([[c] for c in classes], [class_label], label="the classes the run validated",
+                                api_visibility="private")
+                steps = gr.Slider(*LIMITS["steps"], value=18, step=1, precision=0, label="steps", elem_id="steps")
                 guidance = gr.Slider(*LIMITS["guidance"], value=base.exported.guidance, step=0.1, label="guidance",
                                      elem_id="guidance")
                 with gr.Row():
                     seed = gr.Number(value=0, precision=0, label="seed", elem_id="seed")
                     shuffle = gr.Button("random seed", elem_id="random-seed")
-                frames = gr.Slider(1, MAX_FRAMES, value=8, step=1, label="frames", elem_id="frames")
-                size = gr.Dropdown(sizes, value=default_size, label="resolution (pixels, square)", elem_id="size")
+                frames = gr.Slider(1, MAX_FRAMES, value=8, step=1, precision=0, label="frames", elem_id="frames")
+                with gr.Row():
+                    height = gr.Number(height0, precision=0, minimum=heights[0], maximum=heights[-1], step=stride,
+                                       label="height (pixels)", info=f"multiples of {stride} up to {heights[-1]}",
+                                       elem_id="height")
+                    width = gr.Number(width0, precision=0, minimum=widths[0], maximum=widths[-1], step=stride,
+                                      label="width (pixels)", info=f"multiples of {stride} up to {widths[-1]}",
+                                      elem_id="width")
+                if trained:
+                    gr.Examples([list(s) for s in trained], [height, width],
+                                label="resolutions the run trained at (height, width)", api_visibility="private")
                 solver = gr.Radio(list(SOLVERS), value="heun", label="solver", elem_id="solver")
                 go = gr.Button("Generate", variant="primary", elem_id="generate")
             with gr.Column():
                 video = gr.Video(label="sample", elem_id="vid", autoplay=True, loop=True)
                 first = gr.Image(label="first frame", elem_id="first-frame", type="numpy")
-                info = gr.Markdown(elem_id="info")
+                info = gr.Markdown(label="stats", elem_id="info")
+        if sheet:
+            # its own full-width image: as a gallery thumbnail (a square crop) it lost the prompt labels on its left
+            gr.Image(str(sheet), label="contact sheet of the run's validation samples (prompts × seeds)",
+                     elem_id="sheet", interactive=False, show_label=True)
         if gallery:
-            gr.Gallery([str(p) for p in gallery], label="validation samples from training (first: the contact "
-                       "sheet, prompts × seeds)", columns=8, elem_id="gallery")
-        shuffle.click(lambda: random.randint(0, 2**31 - 1), outputs=seed)
-        go.click(run, [choice, prompt, negative, class_label, steps, guidance, seed, frames, size, solver],
-                 [video, first, info], concurrency_limit=concurrency, api_name="generate", preprocess=False)
+            gr.Gallery([str(p) for p in gallery], label="validation samples from training", columns=8,
+                       object_fit="contain", elem_id="gallery")
+        shuffle.click(lambda: random.randint(0, 2**31 - 1), outputs=seed, api_visibility="private")
+        inputs = [choice, prompt, negative, class_label, steps, guidance, seed, frames, height, width, solver]
+        # One queue slot count for both ways in (the page's button, the API): they share the sampling threads
+        common = dict(concurrency_limit=concurrency, concurrency_id="sample", preprocess=False)
+        go.click(show, inputs, [video, first, info], api_visibility="private", **common)
+        # The API endpoint has no trigger on the page: API callers get errors as errors
+        gr.on([], run, inputs, [video, first, info], api_name="generate", **common)
     demo.queue(default_concurrency_limit=concurrency, max_size=queue_size)
     return demo

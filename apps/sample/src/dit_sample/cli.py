@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import os
+import shlex
 import signal
 from pathlib import Path
 
@@ -54,8 +55,9 @@ def generate(
                                    show_default=False),
     seed: int = typer.Option(0, help="Random seed: the same seed gives the same output."),
     frames: int = typer.Option(1, help="Frames (1: an image → png; more: a clip → mp4)."),
-    height: int = typer.Option(64, help="Height in pixels."),
-    width: int = typer.Option(64, help="Width in pixels."),
+    height: int = typer.Option(None, help="Height in pixels. Default: the height (and width) the run trained at most; "
+                                          "else the size it validated at; else 64.", show_default=False),
+    width: int = typer.Option(None, help="Width in pixels. Default: see --height.", show_default=False),
     solver: Solver = typer.Option("heun", help="heun (2nd order) or euler."),
     fps: float = typer.Option(8.0, min=0.1, max=240.0,
                               help="Frame rate of the mp4 (and the model's fps condition, if it has one)."),
@@ -65,6 +67,7 @@ def generate(
     from dit_sample.generate import RequestError, Sampler
     from ditcore.disk import DiskFull
     from ditcore.media import write_sample
+    from ditcore.sampling import step_bar
 
     problem = output_problem(out)
     if problem:
@@ -72,11 +75,18 @@ def generate(
     try:
         sampler = Sampler.load(checkpoint)
         if not sampler.class_conditional and not prompt:
-            raise RequestError("--prompt is required: describe what to draw, e.g. --prompt 'a red butterfly'")
+            example = f", e.g. --prompt {shlex.quote(sampler.prompts()[0])}" if sampler.prompts() else ""
+            raise RequestError(f"--prompt is required: describe what to draw{example}")
         guidance = sampler.exported.guidance if guidance is None else guidance
-        result, seconds = sampler.run(prompts=prompt, negative_prompt=negative_prompt, class_labels=class_label,
-                                      steps=steps, guidance=guidance, seed=seed, frames=frames, height=height,
-                                      width=width, solver=str(solver), fps=fps)
+        trained_height, trained_width = sampler.default_size()
+        height = trained_height if height is None else height
+        width = trained_width if width is None else width
+        request = dict(prompts=prompt, negative_prompt=negative_prompt, class_labels=class_label, steps=steps,
+                       guidance=guidance, seed=seed, frames=frames, height=height, width=width, solver=str(solver))
+        sampler.check(**request)  # a bad request is refused before the text encoder loads (seconds)
+        sampler.load_text()  # before the bar starts: the bar counts sampling steps only
+        with step_bar(steps, "sampling") as bar:
+            result, seconds = sampler.run(**request, fps=fps, callback=bar)
     except (RequestError, FileNotFoundError, ValueError, KeyError) as e:
         _fail(str(e))
     n = result.pixels.shape[0]
@@ -90,7 +100,8 @@ def generate(
             _fail(f"could not write {target}: {e}")
         typer.echo(f"wrote {written}")
     typer.echo(f"{n} sample(s) of {frames}x{height}x{width}: {result.nfe} denoiser evaluations "
-               f"({'2x' if guidance != 1 else '1x'} batch for guidance), {seconds:.2f} s, seed {seed}")
+               f"({'2x' if guidance != 1 else '1x'} batch for guidance), seed {seed}: generated in {seconds:.2f} s, "
+               f"{sampler.loaded()}")
 
 
 @app.command()

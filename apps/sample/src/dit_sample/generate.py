@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from collections import Counter
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+import yaml
 
 from ditcore import runs
 from ditcore.codecs.text import MAX_TOKENS, TextEncoder, load_text_encoder
@@ -30,19 +32,55 @@ class Sampler:
     exported: Exported
     text: TextEncoder | None
     path: Path
+    load_seconds: dict[str, float] = field(default_factory=dict)  # model, codec, text encoder: apart from sampling
 
     @classmethod
     def load(cls, checkpoint: str | Path) -> Sampler:
         path = runs.find_export(checkpoint)
         exported = load_export(path)
         text = None
-        if exported.model.cfg.text_dim:
-            text = load_text_encoder(exported.info.text_encoder["name"])  # the encoder the dataset was made with
-        return cls(exported, text, path)
+        if exported.model.cfg.text_dim:  # the encoder the dataset was made with; its model loads in load_text()
+            text = load_text_encoder(exported.info.text_encoder["name"])
+        return cls(exported, text, path, dict(exported.load_seconds))
+
+    def load_text(self) -> None:
+        """Load the text encoder's model (seconds: it imports transformers), timed as loading. run() calls it after
+        checking the request, so a bad request is refused at once; the app calls it at start."""
+        if self.text is not None and "text encoder" not in self.load_seconds:
+            t0 = time.perf_counter()
+            self.text.load()
+            self.load_seconds["text encoder"] = time.perf_counter() - t0
 
     @property
     def class_conditional(self) -> bool:
         return self.exported.model.cfg.num_classes > 0
+
+    def loaded(self) -> str:
+        """How long loading took, by part: 'loading took 6.20 s (model 0.15 s, codec 0.01 s, text encoder 6.04 s)'."""
+        parts = ", ".join(f"{name} {s:.2f} s" for name, s in self.load_seconds.items())
+        return f"loading took {sum(self.load_seconds.values()):.2f} s ({parts})"
+
+    def prompts(self) -> list[str]:
+        """The prompts the run validated with: what to offer as examples (for a class-conditional model, the row
+        labels of its contact sheet). The export records them; older exports: the run's config beside export/."""
+        recorded = self.exported.extra.get("prompts")
+        if recorded is None:
+            try:
+                config = yaml.safe_load((self.path.parent / runs.CONFIG_FILE).read_text())
+                recorded = config["validation"]["prompts"]
+            except (OSError, yaml.YAMLError, UnicodeDecodeError, TypeError, KeyError):
+                return []  # an export on its own, or a config this version cannot read: no examples
+        return [p for p in recorded if isinstance(p, str) and p.strip()] if isinstance(recorded, list) else []
+
+    def example_classes(self) -> list[int]:
+        """The class labels the run validated with (one per validation prompt, as dit-train samples them)."""
+        n = self.exported.model.cfg.num_classes
+        return list(range(min(n, len(self.prompts()) or 1))) if n else []
+
+    def example(self) -> str:
+        """A hint for messages: ", e.g. '<the run's first validation prompt>'", or nothing when none is known."""
+        prompts = self.prompts()
+        return f", e.g. {prompts[0]!r}" if prompts else ""
 
     def check(self, *, prompts=None, steps, guidance, frames, height, width, seed=0, solver="heun",
               negative_prompt=None, class_labels=None) -> None:
@@ -69,7 +107,7 @@ class Sampler:
             for p in prompts or [""]:
                 _check_text("prompt", p)
                 if not p.strip():
-                    raise RequestError("the prompt is empty: describe what to draw, e.g. 'a red butterfly'")
+                    raise RequestError(f"the prompt is empty: describe what to draw{self.example()}")
             if negative_prompt is not None:
                 _check_text("negative prompt", negative_prompt)
         try:
@@ -77,17 +115,40 @@ class Sampler:
         except ValueError as e:
             raise RequestError(str(e)) from None
 
-    def sizes(self) -> list[int]:
-        """Square sizes (pixels) this model samples: multiples of codec factor × patch, within max_grid."""
+    def sides(self) -> tuple[list[int], list[int]]:
+        """Heights and widths (pixels) this model samples: multiples of codec factor × patch, within max_grid."""
         cfg, codec = self.exported.model.cfg, self.exported.codec
         step = codec.spatial_factor * cfg.patch_size
-        largest = min(cfg.max_grid[1], cfg.max_grid[2]) * step
-        return [s for s in range(step, min(largest, 512) + 1, step) if s >= 16]
+        return tuple([s for s in range(step, min(n * step, 512) + 1, step) if s >= 16] for n in cfg.max_grid[1:])
+
+    def trained_sizes(self) -> list[tuple[int, int]]:
+        """(height, width) in pixels of the run's training samples that this model samples, most common first:
+        from the latent shapes (C×T×H×W) that dit-prepare records in the dataset (older datasets: none)."""
+        heights, widths = self.sides()
+        factor, sizes = self.exported.codec.spatial_factor, Counter()
+        for shape, n in self.exported.info.counts.get("latent_shapes", {}).items():
+            try:
+                _, _, h, w = (int(v) for v in shape.split("x"))
+            except ValueError:
+                continue
+            if h * factor in heights and w * factor in widths:
+                sizes[(h * factor, w * factor)] += n
+        return [size for size, _ in sizes.most_common()]
+
+    def default_size(self) -> tuple[int, int]:
+        """The run's most common training size; else the size it validated at; else 64² (or the smallest)."""
+        heights, widths = self.sides()
+        validated = self.exported.extra.get("size")
+        for h, w in [*self.trained_sizes(), (validated, validated), (64, 64)]:
+            if h in heights and w in widths:
+                return h, w
+        return heights[0], widths[0]
 
     def run(self, *, prompts=None, negative_prompt=None, class_labels=None, steps=18, guidance=4.0, seed=0,
             frames=1, height=64, width=64, solver="heun", fps=8.0, callback=None) -> tuple[SampleResult, float]:
         self.check(prompts=prompts, steps=steps, guidance=guidance, frames=frames, height=height, width=width,
                    seed=seed, solver=solver, negative_prompt=negative_prompt, class_labels=class_labels)
+        self.load_text()  # not part of the generation time
         t0 = time.perf_counter()
         states = negative = None
         if self.text is not None:

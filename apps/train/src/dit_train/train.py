@@ -47,7 +47,7 @@ from ditcore.parallel import (
 from ditcore.parallel.consolidate import without_extra_state
 from ditcore.parallel.fabric import MegatronStrategy
 from ditcore.parallel.pipeline import PipelinedModel, one_f_one_b, reduce_grads
-from ditcore.sampling import sample, token_grid
+from ditcore.sampling import sample, step_bar, token_grid
 from ditcore.training import StepDraw, draw, stage_forward, step_generator
 
 
@@ -582,7 +582,10 @@ def export(run: Setup, t: Trainee, validator: Validator) -> list[Path]:
     if fabric.global_rank == 0:
         export_model(runs.export_dir(run.run_dir), full, run.model_cfg, run.cfg.data.path,
                      extra={"step": step, "prediction": run.cfg.edm.prediction,
-                            "guidance": run.cfg.validation.guidance})  # dit-sample's default for this model
+                            # dit-sample's defaults and examples for this model: the guidance, prompts and size
+                            # it validated with
+                            "guidance": run.cfg.validation.guidance, "prompts": list(run.cfg.validation.prompts),
+                            "size": run.cfg.validation.size})
         plot_losses(t.state["history"], run.run_dir / runs.LOSS_PLOT)
     fabric.barrier()
     return written
@@ -608,11 +611,18 @@ class Validator:
             self.labels = list(range(min(model_cfg.num_classes, len(self.cfg.prompts))))
 
     def run(self, model, step: int) -> list[Path]:
+        if not self.enabled:
+            return []
+        v = self.cfg
+        calls = v.seeds + (1 if v.clip_frames else 0)  # sample() calls of _sample, v.steps steps each
+        with step_bar(calls * v.steps, f"validation samples, step {step}", disable=self.fabric.global_rank != 0,
+                      leave=False) as bar:
+            return self._sample(model, step, bar)
+
+    def _sample(self, model, step: int, bar) -> list[Path]:
         """Sample every prompt as an image with `seeds` seeds (and as a clip with the first); write the first seed's
         samples one file each and a contact sheet of the images (prompts × seeds) to the step's folder and to
         samples/grid.png."""
-        if not self.enabled:
-            return []
         v = self.cfg
         written, sheet = [], []
         if self.groups.dims.pp > 1:  # every stage runs the sampler; the hidden states go through the stages
@@ -622,7 +632,7 @@ class Validator:
                 result = sample(model, self.codec, self.stats, text_states=self.states, class_labels=self.labels,
                                 num=len(v.prompts), frames=frames, height=v.size, width=v.size, steps=v.steps,
                                 guidance=v.guidance, solver=v.solver, seed=v.seed + k, fps=v.fps,
-                                prediction=self.prediction)
+                                prediction=self.prediction, callback=bar)
                 if self.fabric.global_rank != 0:
                     continue
                 if frames == v.frames:

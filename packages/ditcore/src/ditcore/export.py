@@ -13,7 +13,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import shutil
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -69,6 +70,7 @@ class Exported:
     stats: LatentStats
     info: DatasetInfo
     extra: dict
+    load_seconds: dict[str, float] = field(default_factory=dict)  # model, codec: what dit-sample reports as loading
 
     @property
     def prediction(self) -> str:
@@ -145,6 +147,7 @@ def check_finite(path: Path, state: dict[str, torch.Tensor]) -> None:
 def load_export(path: str | Path, device: str | torch.device = "cpu") -> Exported:
     """Load an export folder; errors say what is missing or which architecture does not fit."""
     path = Path(path)
+    t0 = time.perf_counter()
     if not (path / WEIGHTS).is_file() or not (path / CONFIG).is_file():
         raise FileNotFoundError(f"'{path}' is not a ditcore export: it needs {WEIGHTS} and {CONFIG} "
                                 "(dit-train writes them to RUN_DIR/export/)")
@@ -161,8 +164,12 @@ def load_export(path: str | Path, device: str | torch.device = "cpu") -> Exporte
     if meta.get("prediction", "edm") not in PREDICTIONS:
         raise ValueError(f"'{path / CONFIG}' says prediction={meta['prediction']!r}: this ditcore knows "
                          f"{', '.join(PREDICTIONS)} — sample it with the ditcore version that trained it")
-    return Exported(model.to(device).eval(), load_codec(info.codec, path), LatentStats.from_dict(info.latent_stats),
-                    info, {k: v for k, v in meta.items() if k != "model"})
+    model = model.to(device).eval()
+    t1 = time.perf_counter()
+    codec = load_codec(info.codec, path)  # a pretrained VAE loads here: seconds, as long as the model or longer
+    return Exported(model, codec, LatentStats.from_dict(info.latent_stats), info,
+                    {k: v for k, v in meta.items() if k != "model"},
+                    {"model": t1 - t0, "codec": time.perf_counter() - t1})
 
 
 __all__ = ["CONFIG", "DEFAULT_GUIDANCE", "WEIGHTS", "Exported", "export_model", "load_export"]

@@ -7,10 +7,12 @@ with under CFG dropout); for class-conditional models it is the null class.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
+from tqdm import tqdm
 
 from ditcore.codecs import Codec, LatentStats
 from ditcore.diffusion import EDMPrecond, edm_sampler, guided
@@ -43,6 +45,17 @@ def token_grid(model: DiT | DiTConfig, codec: Codec, frames: int, height: int, w
             what = ("frames", "height", "width")[axis]
             raise ValueError(f"{what} too large: {n} tokens along it, the model supports up to {limit}")
     return grid
+
+
+@contextlib.contextmanager
+def step_bar(total: int, desc: str = "sampling", disable: bool = False,
+             leave: bool = True) -> Iterator[Callable[[int, int], None]]:
+    """A progress bar over `total` sampler steps, as a callback for sample() (one bar may span several calls).
+
+    On stderr and drawn whether or not it is a terminal, as dit-train's and dit-prepare's bars are; closed however
+    the block ends, so an error message starts on its own line."""
+    with tqdm(total=total, desc=desc, unit="step", disable=disable, leave=leave, dynamic_ncols=True) as bar:
+        yield lambda i, n: bar.update()
 
 
 def _text_rows(states: list[torch.Tensor], dim: int, device) -> tuple[torch.Tensor, torch.Tensor]:

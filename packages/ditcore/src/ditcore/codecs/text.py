@@ -26,6 +26,10 @@ class TextEncoder(abc.ABC):
     def encode(self, captions: list[str]) -> list[torch.Tensor]:
         """One float32 CPU tensor [L_i, D] per caption: hidden states of its real tokens, no padding."""
 
+    def load(self) -> TextEncoder:
+        """Load the model now rather than at the first encode (so that loading can be timed apart from encoding)."""
+        return self
+
 
 class NullTextEncoder(TextEncoder):
     """For unconditional or class-conditional data: no tokens at all."""
@@ -70,6 +74,10 @@ class TransformersTextEncoder(TextEncoder):
 
     def _model(self):
         return _load(self.family, self.source, self.device)
+
+    def load(self) -> TextEncoder:
+        self._model()
+        return self
 
     @torch.no_grad()
     def encode(self, captions: list[str]) -> list[torch.Tensor]:
