@@ -14,6 +14,8 @@ from pathlib import Path
 
 import yaml
 
+from ditcore.data.fit import tokens_of
+
 
 @dataclass(frozen=True)
 class ModelShape:
@@ -65,12 +67,11 @@ def token_lines(latent_shapes: Counter | dict, shapes: list[ModelShape]) -> list
     width = max(len(s.name) for s in shapes)
     for s in shapes:
         tokens, undivisible, too_long = [], 0, 0
-        for (_, t, h, w), n in counts.items():
-            if t % s.patch_t or h % s.patch or w % s.patch:
+        for shape, n in counts.items():
+            k = tokens_of(shape, s.patch, s.patch_t)
+            if k is None:
                 undivisible += n
-                continue
-            k = (t // s.patch_t) * (h // s.patch) * (w // s.patch)
-            if k > s.seq_length:
+            elif k > s.seq_length:
                 too_long += n
             else:
                 tokens.append(k)
