@@ -14,7 +14,7 @@ from pathlib import Path
 
 import yaml
 
-from ditcore.data.fit import tokens_of
+from ditcore.data.fit import parse_shapes, tokens_of
 
 
 @dataclass(frozen=True)
@@ -60,7 +60,7 @@ def largest_patch(shapes: list[ModelShape]) -> int:
 def token_lines(latent_shapes: Counter | dict, shapes: list[ModelShape]) -> list[str]:
     """The summary's table: per config, tokens per sample (min-max over the dataset's latent shapes), how many
     samples a packed row of data.seq_length holds, and the samples that fit none of its rows (with why)."""
-    counts = {tuple(int(v) for v in k.split("x")): n for k, n in dict(latent_shapes).items()}
+    counts = parse_shapes(dict(latent_shapes))
     if not counts or not shapes:
         return []
     out = ["tokens    per sample at each dit-train config's patch (data.seq_length: samples per packed row)"]

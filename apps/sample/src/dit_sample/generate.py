@@ -12,6 +12,7 @@ import yaml
 
 from ditcore import runs
 from ditcore.codecs.text import MAX_TOKENS, TextEncoder, load_text_encoder
+from ditcore.data.fit import latent_shapes
 from ditcore.export import Exported, load_export
 from ditcore.sampling import SampleResult, sample, token_grid
 
@@ -126,11 +127,7 @@ class Sampler:
         from the latent shapes (C×T×H×W) that dit-prepare records in the dataset (older datasets: none)."""
         heights, widths = self.sides()
         factor, sizes = self.exported.codec.spatial_factor, Counter()
-        for shape, n in self.exported.info.counts.get("latent_shapes", {}).items():
-            try:
-                _, _, h, w = (int(v) for v in shape.split("x"))
-            except ValueError:
-                continue
+        for (_, _, h, w), n in latent_shapes(self.exported.info).items():
             if h * factor in heights and w * factor in widths:
                 sizes[(h * factor, w * factor)] += n
         return [size for size, _ in sizes.most_common()]

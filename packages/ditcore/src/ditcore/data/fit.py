@@ -18,9 +18,23 @@ WASTEFUL_DROPPED = 0.5  # most of the dataset never trains
 EXAMPLES = 3  # sample keys (or latent shapes) named per reason
 
 
+def parse_shapes(recorded: dict) -> dict[tuple[int, ...], int]:
+    """{"CxTxHxW": samples} as dit-prepare records them → {(C, T, H, W): samples}; a key that is no such shape (a
+    dataset or export from elsewhere) is left out."""
+    shapes = {}
+    for key, n in recorded.items():
+        try:
+            shape = tuple(int(v) for v in str(key).split("x"))
+        except ValueError:
+            continue
+        if len(shape) == 4:
+            shapes[shape] = int(n)
+    return shapes
+
+
 def latent_shapes(info) -> dict[tuple[int, ...], int]:
     """(C, T, H, W) → samples of that shape, as dit-prepare recorded them (older datasets: none)."""
-    return {tuple(int(v) for v in k.split("x")): n for k, n in info.counts.get("latent_shapes", {}).items()}
+    return parse_shapes(info.counts.get("latent_shapes", {}))
 
 
 def tokens_of(shape: tuple[int, ...], patch_size: int, patch_size_t: int) -> int | None:
