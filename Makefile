@@ -37,10 +37,6 @@ lint: install
 # time (pytest-xdist; a file's tests stay in one process, so its module fixtures are built once): much of a test's
 # time is a subprocess starting up (imports), which the second core overlaps. TEST_WORKERS=0 runs them in order.
 TEST_WORKERS ?= 2
-# Each worker, and each process its tests start, computes on one thread: two workers on two cores with torch's
-# default of a thread per core oversubscribe them (the default run took 883 s, 796 s with one thread each). An
-# OMP_NUM_THREADS from the environment wins: `OMP_NUM_THREADS=2 make test` checks the tolerances at two threads.
-test test-slow: export OMP_NUM_THREADS ?= 1
 test: lint
 	$(BIN)/pytest -m "not slow and not slurm" -n $(TEST_WORKERS) --dist loadfile --durations=5; rc=$$?; \
 		if [ $$rc -eq 5 ]; then echo "pytest collected no tests"; exit 0; fi; exit $$rc
