@@ -609,12 +609,12 @@ def test_resume_none_over_checkpoints_needs_overwrite_which_says_what_it_removes
 
 
 def test_a_window_s_throughput_mfu_and_step_time_and_no_memory_column_without_a_gpu():
-    from dit_train.train import Window
+    from dit_train.metrics import Window
     from ditcore.parallel import ParallelDims
 
     w = Window()
-    w.add(1.5, 0.4, 300, 3e9)
-    w.add(0.5, 0.2, 100, 1e9)
+    w.add(1.5, {"loss": 0.4}, 300, 3e9)
+    w.add(0.5, {"loss": 0.2}, 100, 1e9)
     m = w.metrics(1e10, ParallelDims(tp=2))
     assert m["loss"] == pytest.approx(0.3) and m["tokens_per_s"] == 200 and m["step_s"] == 1.0
     assert m["mfu"] == pytest.approx(4e9 / 2 / (1e10 * 2))  # the batch's FLOPs are shared by 2 TP ranks
@@ -642,13 +642,13 @@ def test_tensorboard_names_a_run_after_its_folder_and_each_resumed_segment(tmp_p
 
 @pytest.mark.gpu
 def test_a_window_reports_the_gpu_memory_peak():
-    from dit_train.train import Window
+    from dit_train.metrics import Window
     from ditcore.parallel import ParallelDims
 
     torch.cuda.reset_peak_memory_stats()
     x = torch.empty(2**28, dtype=torch.uint8, device="cuda")  # 0.25 GiB
     w = Window()
-    w.add(1.0, 0.1, 10, 1e6)
+    w.add(1.0, {"loss": 0.1}, 10, 1e6)
     assert w.metrics(1e12, ParallelDims())["peak_mem_gib"] >= 0.25
     del x
 
@@ -665,6 +665,7 @@ def test_a_training_step_never_waits_for_the_device(dataset, tmp_path, monkeypat
     step counters of a non-fused AdamW (on the host beside GPU parameters too; on a GPU dit-train's AdamW is fused)."""
     from dit_train import train
     from dit_train.config import load_config
+    from dit_train.metrics import Metrics
     from ditcore.models import dit
     from ditcore.parallel.dims import destroy
     from ditcore.testing import HostReads
@@ -684,15 +685,17 @@ def test_a_training_step_never_waits_for_the_device(dataset, tmp_path, monkeypat
     trainee = train.build(run)
     it = iter(trainee.loader)
     for step in range(3):  # warm-up: allocations, lazy initialisation, DDP rebuilding its buckets (step 2)
-        train.train_step(run, trainee, it, step)
+        train.train_step(run, trainee, it, step, Metrics())
     steps = [s["step"] for g in trainee.optimizer.param_groups if not (g["fused"] or g["capturable"])
              for s in map(trainee.optimizer.state.get, g["params"])]
     assert bool(steps) == (device == "cpu")
     watch = HostReads(device, host=steps)
     monkeypatch.setattr(train.MicroBatches, "_next_on_host", watch.unwatched(train.MicroBatches._next_on_host))
     monkeypatch.setattr(dit, "check_positions", watch.unwatched(dit.check_positions))
+    metrics = Metrics()
     with watched(watch, device):
-        loss, grad_norm, micro = train.train_step(run, trainee, it, 3)
+        micro = train.train_step(run, trainee, it, 3, metrics)
+    loss, grad_norm = metrics.recorded["loss"], metrics.recorded["grad_norm"]
     assert loss.device.type == device and grad_norm.device.type == device
     assert math.isfinite(loss.item()) and micro.tokens > 0 and micro.flops > 0
 
@@ -700,7 +703,7 @@ def test_a_training_step_never_waits_for_the_device(dataset, tmp_path, monkeypat
     clip = train.clip_grad_norm_
     monkeypatch.setattr(train, "clip_grad_norm_", lambda *args: torch.tensor(float(clip(*args))))
     with pytest.raises(RuntimeError, match=r"makes the host wait|synchronizing"), watched(watch, device):
-        train.train_step(run, trainee, it, 4)
+        train.train_step(run, trainee, it, 4, Metrics())
 
 
 @contextlib.contextmanager
@@ -721,20 +724,23 @@ def test_an_infinite_gradient_norm_diverges_like_a_nan_loss():
     """A finite loss with inf gradients (a bf16 overflow in backward) would write NaN weights: it stops too."""
     from tqdm import tqdm
 
-    from dit_train.train import Diverged, Pending, Window, read_back
+    from dit_train.metrics import Metrics
+    from dit_train.train import Diverged, check_finite
 
     class OneRank:
         def any_rank(self, flag: bool) -> bool:
             return flag
 
     norm = functools.partial(torch.tensor, dtype=torch.float64)
-    pending = [Pending(1, torch.tensor(0.5), norm(1.0), 0.1, 10, 1.0),
-               Pending(2, torch.tensor(0.25), norm(float("inf")), 0.1, 10, 1.0)]
+    metrics = Metrics()
+    for step, loss, grad_norm in ((1, 0.5, 1.0), (2, 0.25, float("inf"))):
+        metrics.record("loss", torch.tensor(loss))
+        metrics.record("grad_norm", norm(grad_norm))
+        metrics.end_step(step, 0.1, 10, 1.0, 0)
+    read = metrics.read_back()
     with pytest.raises(Diverged, match=r"the gradient norm is not finite at step 2 \(this rank: inf\)"):
-        read_back(pending, Window(), [], OneRank(), tqdm(disable=True), 1e-3)
-    history, window = [], Window()
-    read_back(pending[:1], window, history, OneRank(), tqdm(disable=True), 1e-3)
-    assert history == [[1, 0.5]] and (window.steps, window.tokens) == (1, 10)
+        check_finite(read, OneRank(), tqdm(disable=True), 1e-3)
+    check_finite(read[:1], OneRank(), tqdm(disable=True), 1e-3)
 
 
 @pytest.mark.slow

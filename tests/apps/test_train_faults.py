@@ -94,6 +94,34 @@ def test_a_run_stopped_at_stop_at_keeps_every_window(text_data, tmp_path, in_pro
     assert logged_steps(run) == [1, 2, 3]
 
 
+def test_a_metric_recorded_where_it_is_computed_is_logged_as_its_window_mean(text_data, tmp_path, in_process,
+                                                                            monkeypatch):
+    """A developer's new device metric (the weights' norm after each step) is one record() where it is computed; its
+    window mean is a column of metrics.csv, and so is grad_norm's. Before: a metric took five edits in train.py, and
+    grad_norm was logged as the last step's value."""
+    import torch
+
+    step = training.train_step
+    recorded = {"grad_norm": [], "weight_norm": []}
+
+    def step_and_weight_norm(run, t, it, i, metrics):
+        micro = step(run, t, it, i, metrics)
+        metrics.record("weight_norm", torch.linalg.vector_norm(torch.stack([p.detach().norm()
+                                                                            for p in t.model.parameters()])))
+        for name, values in recorded.items():
+            values.append(float(metrics.recorded[name]))  # the test reads them back; train() never does
+        return micro
+
+    monkeypatch.setattr(training, "train_step", step_and_weight_norm)
+    run = tmp_path / "run"
+    in_process(config(text_data, run, "train.steps=4", "train.stop_at=4", "logging.every=2", "checkpoint.every=100"))
+    rows = list(csv.DictReader(next((run / "csv").glob("*/metrics.csv")).open()))
+    assert [int(r["step"]) for r in rows] == [2, 4]
+    for name, values in recorded.items():
+        assert len(set(values)) == 4  # a mean that is no single step's value
+        assert [float(r[name]) for r in rows] == [(values[0] + values[1]) / 2, (values[2] + values[3]) / 2], name
+
+
 def test_divergence_keeps_every_window_and_names_the_data_this_early(text_data, tmp_path, in_process,
                                                                       monkeypatch):
     """A loss that is not finite at step 3: the windows of steps 1 and 2 are on disk, and the message names the
@@ -201,6 +229,7 @@ def test_ctrl_c_and_sighup_ask_for_a_stop_and_only_a_later_ctrl_c_exits_at_once(
 
 def test_a_validation_size_the_model_cannot_sample_is_refused_before_training(tmp_path):
     """Before: the sizes were first used after the last step, which then failed with no export."""
+    from dit_train.validation import Validator
     from ditcore.data.schema import DatasetInfo
     from ditcore.errors import ConfigError
     from ditcore.models import preset
@@ -219,7 +248,7 @@ def test_a_validation_size_the_model_cannot_sample_is_refused_before_training(tm
     ]:
         cfg = config(tmp_path, tmp_path / "run", override)
         with pytest.raises(ConfigError) as e:
-            training.Validator(cfg, info, model_cfg, fabric=None, groups=None)
+            Validator(cfg, info, model_cfg, fabric=None, groups=None)
         assert str(e.value).startswith(message), str(e.value)
 
 

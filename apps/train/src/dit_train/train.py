@@ -11,7 +11,6 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from lightning_fabric import Fabric
@@ -20,9 +19,10 @@ from tqdm import tqdm
 
 from dit_train import checkpoint, rundir
 from dit_train.config import TrainConfig, memory_layout
+from dit_train.metrics import Metrics, bar_postfix
+from dit_train.plots import plot_losses
+from dit_train.validation import Validator
 from ditcore import durable, init_from, runs
-from ditcore.codecs import LatentStats, load_codec
-from ditcore.codecs.text import load_text_encoder
 from ditcore.data.fit import fit_report
 from ditcore.data.loader import build_loader, check_samples_fit, next_batch
 from ditcore.data.packing import PackedBatch
@@ -31,7 +31,6 @@ from ditcore.diffusion import EMA, EDMLoss, EDMPrecond
 from ditcore.errors import ConfigError
 from ditcore.export import export_model
 from ditcore.flops import batch_flops, gpu_peak_flops, measure_cpu_peak_flops
-from ditcore.media import contact_sheet, write_sample
 from ditcore.models import DiTConfig, check_compiled, preset
 from ditcore.models.dit import check_positions
 from ditcore.parallel import (
@@ -46,8 +45,7 @@ from ditcore.parallel import (
 )
 from ditcore.parallel.consolidate import without_extra_state
 from ditcore.parallel.fabric import MegatronStrategy
-from ditcore.parallel.pipeline import PipelinedModel, one_f_one_b, reduce_grads
-from ditcore.sampling import sample, step_bar, token_grid
+from ditcore.parallel.pipeline import one_f_one_b, reduce_grads
 from ditcore.training import StepDraw, draw, stage_forward, step_generator
 
 
@@ -344,15 +342,14 @@ def fit(run: Setup, t: Trainee, validator: Validator, config_yaml: str, preempte
     bar = tqdm(total=cfg.train.steps, initial=step, desc="train", unit="step", disable=fabric.global_rank != 0,
                dynamic_ncols=True)
     it = iter(t.loader)
-    window, pending = Window(), []
+    metrics = Metrics()
     while step < cfg.train.steps:
         t0 = time.perf_counter()
-        loss, grad_norm, micro = train_step(run, t, it, step)
+        micro = train_step(run, t, it, step, metrics)
         step += 1
         t.state["step"] = step
-        pending.append(Pending(step, loss, grad_norm, time.perf_counter() - t0, micro.tokens, micro.flops))
+        metrics.end_step(step, time.perf_counter() - t0, micro.tokens, micro.flops, micro.skipped.total())
         t.state["skipped"].update(micro.skipped)
-        window.skipped += micro.skipped.total()
         bar.update()
         if cfg.model.compile and step == first + 1:  # the blocks were compiled in this process's first step
             for reason in check_compiled(t.model.module):
@@ -365,16 +362,13 @@ def fit(run: Setup, t: Trainee, validator: Validator, config_yaml: str, preempte
         validate = bool(cfg.validation.every) and step % cfg.validation.every == 0 and step != cfg.train.steps
         if not (log or save or validate):
             continue
-        read_back(pending, window, t.state["history"], preempted, bar, cfg.optim.lr,  # waits; may raise Diverged
-                  data=cfg.data.path)
-        pending = []
+        read = metrics.read_back()  # waits for the device
+        check_finite(read, preempted, bar, cfg.optim.lr, data=cfg.data.path)  # may raise Diverged
+        t.state["history"] += [[s, values["loss"]] for s, values in read]
         if log:
-            metrics = window.metrics(peak, run.groups.dims) | {"lr": t.scheduler.get_last_lr()[0],
-                                                               "grad_norm": float(grad_norm)}
-            fabric.log_dict(metrics, step=step)
-            bar.set_postfix(loss=f"{metrics['loss']:.4f}", lr=f"{metrics['lr']:.2e}",
-                            tok_s=f"{metrics['tokens_per_s']:.0f}", mfu=f"{metrics['mfu']:.1%}")
-            window = Window()
+            logged = metrics.close_window(peak, run.groups.dims) | {"lr": t.scheduler.get_last_lr()[0]}
+            fabric.log_dict(logged, step=step)
+            bar.set_postfix(**bar_postfix(logged))
         if save:
             checkpoint.save(fabric, run.run_dir, step, t.state, t.loader, config_yaml, cfg.checkpoint.keep)
         if validate:
@@ -401,49 +395,31 @@ def report_skipped(run: Setup, t: Trainee) -> dict:
     return total
 
 
-@dataclass
-class Pending:
-    """A step queued on the device whose loss has not been read back yet."""
-
-    step: int
-    loss: torch.Tensor  # 0-d, on the device
-    grad_norm: torch.Tensor  # 0-d, on the device: finite loss, inf gradients (a bf16 overflow) diverge too
-    seconds: float  # host time to queue it
-    tokens: int
-    flops: float
-
-
 EARLY_STEPS = 10  # a loss that is not finite this early may come from the data rather than the learning rate
+FINITE = {"loss": "loss", "grad_norm": "gradient norm"}  # finite loss, inf gradients (a bf16 overflow) diverge too
 
 
-def read_back(pending: list[Pending], window: Window, history: list, preempted: Preempted, bar, lr: float,
-              data: str | None = None) -> None:
-    """Wait for the queued steps, then record their losses (one transfer). A non-finite loss or gradient norm on
-    any rank stops every rank with Diverged (on the first EARLY_STEPS steps, its message names the dataset `data`
-    as a suspect too); the time spent waiting for the device is charged to the steps waited for."""
-    t0 = time.perf_counter()
-    values = torch.stack([torch.stack([p.loss.double(), p.grad_norm.double()]) for p in pending]).tolist()
-    waited = time.perf_counter() - t0
-    bad = next(((p.step, what, v[i]) for p, v in zip(pending, values, strict=True)
-                for i, what in enumerate(("loss", "gradient norm")) if not math.isfinite(v[i])), None)
+def check_finite(read: list[tuple[int, dict[str, float]]], preempted: Preempted, bar, lr: float,
+                 data: str | None = None) -> None:
+    """Steps' values as read back (Metrics.read_back): a non-finite loss or gradient norm on any rank stops every rank
+    with Diverged (on the first EARLY_STEPS steps, its message names the dataset `data` as a suspect too)."""
+    bad = next(((step, what, values[name]) for step, values in read for name, what in FINITE.items()
+                if not math.isfinite(values[name])), None)
     if preempted.any_rank(bad is not None):
         bar.close()
         step, what, value = bad or (None, "loss", None)
         where = f"at step {step} (this rank: {value})" if bad else "on another rank"
         early = (f"; this early it may also be the data: check dataset {data} for extreme latents or text states"
-                 if data is not None and pending[0].step <= EARLY_STEPS else "")
+                 if data is not None and read[0][0] <= EARLY_STEPS else "")
         raise Diverged(f"the {what} is not finite {where}: training diverged — lower optim.lr (now {lr:g}) or raise "
                        f"optim.warmup_steps{early}; no checkpoint was written for it, the newest one is kept for "
                        "--resume auto")
-    for i, (p, (loss, _)) in enumerate(zip(pending, values, strict=True)):
-        history.append([p.step, loss])
-        window.add(p.seconds + (waited if i == len(pending) - 1 else 0.0), loss, p.tokens, p.flops)
 
 
-def train_step(run: Setup, t: Trainee, it, step: int) -> tuple[torch.Tensor, torch.Tensor, MicroBatches]:
-    """One optimizer step over `accum` micro-batches: (mean loss, gradient norm) as device tensors, and the
-    micro-batches taken (their real tokens, FLOPs and skipped samples on this rank). Nothing here waits for the
-    device."""
+def train_step(run: Setup, t: Trainee, it, step: int, metrics: Metrics) -> MicroBatches:
+    """One optimizer step over `accum` micro-batches; records its mean loss and gradient norm (device values) in
+    `metrics` and returns the micro-batches taken (their real tokens, FLOPs and skipped samples on this rank).
+    Nothing here waits for the device."""
     cfg, fabric, groups = run.cfg, run.fabric, run.groups
     micro = MicroBatches(run, t, it, step)
     if groups.dims.pp == 1:
@@ -464,7 +440,9 @@ def train_step(run: Setup, t: Trainee, it, step: int) -> tuple[torch.Tensor, tor
     t.optimizer.zero_grad(set_to_none=True)
     t.scheduler.step()
     t.ema.update(t.model.module)
-    return loss_sum / run.accum, grad_norm, micro
+    metrics.record("loss", loss_sum / run.accum)
+    metrics.record("grad_norm", grad_norm)
+    return micro
 
 
 def pipeline_step(run: Setup, t: Trainee, micro: MicroBatches) -> torch.Tensor:
@@ -547,33 +525,6 @@ class MicroBatch:
     inputs: dict  # the model's keyword inputs: positions, segments, conditioning after CFG dropout
 
 
-@dataclass
-class Window:
-    """Steps since the last log line: their time, losses, tokens and FLOPs (and the GPU memory peak so far)."""
-
-    time: float = 0.0
-    loss: float = 0.0
-    steps: int = 0
-    tokens: int = 0
-    flops: float = 0.0
-    skipped: int = 0  # samples the loader passed over
-
-    def add(self, seconds: float, loss: float, tokens: int, flops: float) -> None:
-        self.time, self.loss, self.steps = self.time + seconds, self.loss + loss, self.steps + 1
-        self.tokens, self.flops = self.tokens + tokens, self.flops + flops
-
-    def metrics(self, peak: float, dims) -> dict:
-        # tokens and FLOPs of this rank's rows, whose work tp x cp x pp devices share; every data-parallel rank does
-        # the same work
-        # step_s weights the window's rates when windows of packed rows differ in tokens and FLOPs
-        out = {"loss": self.loss / self.steps, "tokens_per_s": self.tokens / self.time,
-               "mfu": self.flops / self.time / (peak * dims.tp * dims.cp * dims.pp), "step_s": self.time / self.steps,
-               "skipped": self.skipped}
-        if torch.cuda.is_initialized():  # on CPU the column is left out rather than written empty
-            out["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30  # this rank's GPU, since the start
-        return out
-
-
 def export(run: Setup, t: Trainee, validator: Validator) -> list[Path]:
     """Final validation samples, the consolidated EMA export and the loss curve; returns the samples written."""
     fabric, step = run.fabric, t.state["step"]
@@ -589,99 +540,3 @@ def export(run: Setup, t: Trainee, validator: Validator) -> list[Path]:
         plot_losses(t.state["history"], run.run_dir / runs.LOSS_PLOT)
     fabric.barrier()
     return written
-
-
-class Validator:
-    """Samples the validation prompts with the EMA weights and writes mp4/png under RUN_DIR/samples/."""
-
-    def __init__(self, cfg: TrainConfig, info, model_cfg, fabric, groups: ParallelGroups):
-        self.cfg, self.fabric, self.run_dir = cfg.validation, fabric, Path(cfg.train.run_dir)
-        self.prediction = cfg.edm.prediction
-        self.groups = groups
-        self.enabled = info.codec.get("kind") != "none"  # mock data has nothing to decode
-        if not self.enabled:
-            return
-        self.codec = load_codec(info.codec, Path(cfg.data.path))
-        check_validation(cfg.validation, self.codec, model_cfg)
-        self.stats = LatentStats.from_dict(info.latent_stats)
-        self.states = self.labels = None
-        if model_cfg.text_dim:
-            self.states = load_text_encoder(info.text_encoder["name"]).encode(list(self.cfg.prompts))
-        elif model_cfg.num_classes:
-            self.labels = list(range(min(model_cfg.num_classes, len(self.cfg.prompts))))
-
-    def run(self, model, step: int) -> list[Path]:
-        if not self.enabled:
-            return []
-        v = self.cfg
-        calls = v.seeds + (1 if v.clip_frames else 0)  # sample() calls of _sample, v.steps steps each
-        with step_bar(calls * v.steps, f"validation samples, step {step}", disable=self.fabric.global_rank != 0,
-                      leave=False) as bar:
-            return self._sample(model, step, bar)
-
-    def _sample(self, model, step: int, bar) -> list[Path]:
-        """Sample every prompt as an image with `seeds` seeds (and as a clip with the first); write the first seed's
-        samples one file each and a contact sheet of the images (prompts × seeds) to the step's folder and to
-        samples/grid.png."""
-        v = self.cfg
-        written, sheet = [], []
-        if self.groups.dims.pp > 1:  # every stage runs the sampler; the hidden states go through the stages
-            model = PipelinedModel(model, self.groups)
-        for frames in [v.frames] + ([v.clip_frames] if v.clip_frames else []):
-            for k in range(v.seeds if frames == v.frames else 1):  # the sheet shows images; one seed of clips
-                result = sample(model, self.codec, self.stats, text_states=self.states, class_labels=self.labels,
-                                num=len(v.prompts), frames=frames, height=v.size, width=v.size, steps=v.steps,
-                                guidance=v.guidance, solver=v.solver, seed=v.seed + k, fps=v.fps,
-                                prediction=self.prediction, callback=bar)
-                if self.fabric.global_rank != 0:
-                    continue
-                if frames == v.frames:
-                    sheet.append(result.pixels[:, 0].numpy())  # (prompts, H, W, 3): one column of the sheet
-                if k:
-                    continue
-                for i, (pixels, prompt) in enumerate(zip(result.pixels, v.prompts, strict=False)):
-                    slug = "".join(c if c.isalnum() else "-" for c in prompt.lower())[:48].strip("-")
-                    name = f"{i:02d}-{slug}" + (f"-{frames}f" if frames > 1 else "")
-                    written.append(write_sample(pixels.numpy(), runs.samples_dir(self.run_dir, step) / name,
-                                                fps=v.fps))
-        if sheet:
-            grid = contact_sheet(np.stack(sheet, 1), list(v.prompts)[:len(sheet[0])],
-                                 [f"seed {v.seed + k}" for k in range(v.seeds)])
-            for path in (runs.samples_dir(self.run_dir, step) / runs.SHEET, self.run_dir / runs.SAMPLES / runs.SHEET):
-                written.append(write_sample(grid[None], path))
-        return written
-
-
-def check_validation(v, codec, model_cfg: DiTConfig) -> None:
-    """Refuse validation sizes the sampler cannot take, before training rather than after its last step (which
-    would end the run with no export)."""
-    for frames_key in ("frames", "clip_frames"):
-        frames = getattr(v, frames_key)
-        if not frames:  # clip_frames 0: no clips
-            continue
-        try:
-            token_grid(model_cfg, codec, frames, v.size, v.size)
-        except ValueError as e:
-            key, value = (f"validation.{frames_key}", frames) if "frames" in str(e) else ("validation.size", v.size)
-            raise ConfigError(key, value, f"a size the model can sample: {e}") from None
-
-
-def plot_losses(history: list[list[float]], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    if not history:
-        return
-    steps, losses = zip(*history, strict=True)
-    fig, ax = plt.subplots(figsize=(7, 4))
-    ax.plot(steps, losses, lw=0.6, alpha=0.4, label="loss")
-    k = max(1, len(losses) // 50)
-    smooth = [sum(losses[max(0, i - k):i + 1]) / len(losses[max(0, i - k):i + 1]) for i in range(len(losses))]
-    ax.plot(steps, smooth, lw=1.5, label=f"mean of {k + 1}")
-    ax.set(xlabel="step", ylabel="EDM loss", yscale="log", title="training loss")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)

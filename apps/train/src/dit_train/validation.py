@@ -1,0 +1,95 @@
+"""Validation samples: the validation prompts sampled with the EMA weights during and at the end of training,
+written one file each and as a contact sheet (prompts x seeds) under RUN_DIR/samples/; and the check, before the
+first step, that the model can sample the validation sizes at all."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from dit_train.config import TrainConfig
+from ditcore import runs
+from ditcore.codecs import LatentStats, load_codec
+from ditcore.codecs.text import load_text_encoder
+from ditcore.errors import ConfigError
+from ditcore.media import contact_sheet, write_sample
+from ditcore.models import DiTConfig
+from ditcore.parallel import ParallelGroups
+from ditcore.parallel.pipeline import PipelinedModel
+from ditcore.sampling import sample, step_bar, token_grid
+
+
+class Validator:
+    """Samples the validation prompts with the EMA weights and writes mp4/png under RUN_DIR/samples/."""
+
+    def __init__(self, cfg: TrainConfig, info, model_cfg, fabric, groups: ParallelGroups):
+        self.cfg, self.fabric, self.run_dir = cfg.validation, fabric, Path(cfg.train.run_dir)
+        self.prediction = cfg.edm.prediction
+        self.groups = groups
+        self.enabled = info.codec.get("kind") != "none"  # mock data has nothing to decode
+        if not self.enabled:
+            return
+        self.codec = load_codec(info.codec, Path(cfg.data.path))
+        check_validation(cfg.validation, self.codec, model_cfg)
+        self.stats = LatentStats.from_dict(info.latent_stats)
+        self.states = self.labels = None
+        if model_cfg.text_dim:
+            self.states = load_text_encoder(info.text_encoder["name"]).encode(list(self.cfg.prompts))
+        elif model_cfg.num_classes:
+            self.labels = list(range(min(model_cfg.num_classes, len(self.cfg.prompts))))
+
+    def run(self, model, step: int) -> list[Path]:
+        if not self.enabled:
+            return []
+        v = self.cfg
+        calls = v.seeds + (1 if v.clip_frames else 0)  # sample() calls of _sample, v.steps steps each
+        with step_bar(calls * v.steps, f"validation samples, step {step}", disable=self.fabric.global_rank != 0,
+                      leave=False) as bar:
+            return self._sample(model, step, bar)
+
+    def _sample(self, model, step: int, bar) -> list[Path]:
+        """Sample every prompt as an image with `seeds` seeds (and as a clip with the first); write the first seed's
+        samples one file each and a contact sheet of the images (prompts × seeds) to the step's folder and to
+        samples/grid.png."""
+        v = self.cfg
+        written, sheet = [], []
+        if self.groups.dims.pp > 1:  # every stage runs the sampler; the hidden states go through the stages
+            model = PipelinedModel(model, self.groups)
+        for frames in [v.frames] + ([v.clip_frames] if v.clip_frames else []):
+            for k in range(v.seeds if frames == v.frames else 1):  # the sheet shows images; one seed of clips
+                result = sample(model, self.codec, self.stats, text_states=self.states, class_labels=self.labels,
+                                num=len(v.prompts), frames=frames, height=v.size, width=v.size, steps=v.steps,
+                                guidance=v.guidance, solver=v.solver, seed=v.seed + k, fps=v.fps,
+                                prediction=self.prediction, callback=bar)
+                if self.fabric.global_rank != 0:
+                    continue
+                if frames == v.frames:
+                    sheet.append(result.pixels[:, 0].numpy())  # (prompts, H, W, 3): one column of the sheet
+                if k:
+                    continue
+                for i, (pixels, prompt) in enumerate(zip(result.pixels, v.prompts, strict=False)):
+                    slug = "".join(c if c.isalnum() else "-" for c in prompt.lower())[:48].strip("-")
+                    name = f"{i:02d}-{slug}" + (f"-{frames}f" if frames > 1 else "")
+                    written.append(write_sample(pixels.numpy(), runs.samples_dir(self.run_dir, step) / name,
+                                                fps=v.fps))
+        if sheet:
+            grid = contact_sheet(np.stack(sheet, 1), list(v.prompts)[:len(sheet[0])],
+                                 [f"seed {v.seed + k}" for k in range(v.seeds)])
+            for path in (runs.samples_dir(self.run_dir, step) / runs.SHEET, self.run_dir / runs.SAMPLES / runs.SHEET):
+                written.append(write_sample(grid[None], path))
+        return written
+
+
+def check_validation(v, codec, model_cfg: DiTConfig) -> None:
+    """Refuse validation sizes the sampler cannot take, before training rather than after its last step (which
+    would end the run with no export)."""
+    for frames_key in ("frames", "clip_frames"):
+        frames = getattr(v, frames_key)
+        if not frames:  # clip_frames 0: no clips
+            continue
+        try:
+            token_grid(model_cfg, codec, frames, v.size, v.size)
+        except ValueError as e:
+            key, value = (f"validation.{frames_key}", frames) if "frames" in str(e) else ("validation.size", v.size)
+            raise ConfigError(key, value, f"a size the model can sample: {e}") from None
