@@ -332,9 +332,9 @@ def build_model(run: Setup, training: bool) -> torch.nn.Module:
 def fit(run: Setup, t: Trainee, validator: Validator, config_yaml: str, preempted: Preempted) -> dict:
     """Steps until train.steps (or a stop): log, checkpoint and validate on schedule. The state is updated in place.
 
-    Steps are queued on the device without waiting for it: losses stay on the device until a step that logs,
-    checkpoints or validates reads them back, all at once. That is where a non-finite loss is found, before any
-    checkpoint could keep the weights it broke.
+    Steps are queued on the device without waiting for it: their losses and other recorded values (dit_train.metrics)
+    stay on the device until a step that logs, checkpoints or validates reads them back, all at once. That is where a
+    non-finite loss is found, before any checkpoint could keep the weights it broke.
     """
     cfg, fabric = run.cfg, run.fabric
     peak = (gpu_peak_flops(torch.cuda.get_device_name()) if run.on_gpu else measure_cpu_peak_flops()) or float("nan")
