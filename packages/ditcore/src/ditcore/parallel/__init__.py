@@ -1,8 +1,8 @@
 """Parallelism, applied to a one-device model from the outside (as torchtitan's `parallelize_*`).
 
 - dims: topology (`ParallelDims`) and Megatron-Core process groups (`ParallelGroups`)
-- the plans they apply (how each parameter is laid out over TP ranks) are the architectures' own, registered
-  beside their models (ditcore.models.plan, ditcore.models.registry)
+- the TP plans applied here (how each parameter is laid out over TP ranks) are not here: each architecture's is
+  defined beside its model and registered with it (ditcore.models.plan, ditcore.models.registry)
 - tensor_parallel / context_parallel: the sharding itself; parallelize: both, in order; build_parallel_model:
   this rank's part of a model, built (meta → sharded → techniques → materialised) as dit-train builds it
 - materialize: initial weights for a model built on the meta device, each rank computing only its shards
