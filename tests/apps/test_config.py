@@ -143,6 +143,16 @@ def test_prepare_vae_class_choices_are_the_codec_s_classes():
     assert tuple(VaeClass) == VAE_CLASSES
 
 
+def test_model_arch_is_the_preset_s_unless_given():
+    """The preset names its architecture; model.arch, when given, must agree (its choices: ditcore.models.ARCHS)."""
+    assert load_config(DEMO, ["model.preset=MovieGen-Tiny"]).model.arch == "moviegen"
+    assert load_config(DEMO, ["model.arch=stdit", "model.preset=ST-DiT-Tiny"]).model.arch == "stdit"
+    e = error("model.arch=moviegen", "model.preset=ST-DiT-Tiny")
+    assert (e.key, e.allowed) == ("model.preset", "a size of model.arch=moviegen: one of MovieGen-1B, MovieGen-5B, "
+                                                  "MovieGen-30B, MovieGen-Tiny")
+    assert error("model.arch=llama").allowed.startswith("one of 'dit', 'stdit', 'moviegen' (dit: the DiT (adaLN-Zero);")
+
+
 def test_model_depth_overrides_the_preset_s_number_of_blocks():
     from dit_train.train import model_config
     from ditcore.data.schema import DatasetInfo

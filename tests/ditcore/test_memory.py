@@ -35,6 +35,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from ditcore import models
 from ditcore.diffusion import EMA, EDMLoss, EDMPrecond
 from ditcore.errors import ConfigError
 from ditcore.layout import grid_positions
@@ -294,7 +295,7 @@ CASES += [("text-2x48", mode, "bf16") for mode in ("none", "block", "selective")
 
 # The other architectures on the same batches: MovieGen (RMSNorm, grouped-query attention, SwiGLU) and ST-DiT (masks
 # and positions of frames and of time-lines, tokens regrouped in its temporal blocks)
-ARCHS = ["MovieGen-Tiny", "ST-DiT-Tiny"]
+ARCHS = [arch.tiny for arch in models.ARCHS.values() if arch.name != "dit"]  # every other registered one
 CASES += [(f"{shape}:{name}", mode, precision) for name in ARCHS for shape, mode, precision in CASES]
 
 

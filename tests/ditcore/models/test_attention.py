@@ -6,7 +6,7 @@ import torch
 
 from ditcore.errors import ConfigError
 from ditcore.layout import grid_positions
-from ditcore.models import DiT, build, preset
+from ditcore.models import ARCHS, DiT, build, preset
 from ditcore.models.attention import Mask, attend, resolve, segments
 from ditcore.testing import assert_close_fp32, dit_forward_work, dit_grad_work
 
@@ -119,16 +119,17 @@ def check_packed_equals_alone_with_gradients(attention: str, device: str, name: 
         assert_close_fp32(packed_grads[name], p.grad, work=work, msg=name)
 
 
-ARCHS = ["DiT-Tiny", "ST-DiT-Tiny", "MovieGen-Tiny"]  # ST-DiT: frames and time-lines as masks (packed) or rows (alone)
+# Every registered architecture. ST-DiT: frames and time-lines as masks (packed) or rows (alone)
+TINY = [arch.tiny for arch in ARCHS.values()]
 
 
-@pytest.mark.parametrize("name", ARCHS)
+@pytest.mark.parametrize("name", TINY)
 def test_packed_rows_equal_samples_alone_with_gradients_on_cpu(name):
     check_packed_equals_alone_with_gradients("sdpa", "cpu", name)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", ARCHS)
+@pytest.mark.parametrize("name", TINY)
 @pytest.mark.parametrize("attention", ["flex", "sdpa"])
 def test_packed_rows_equal_samples_alone_with_gradients_on_gpu(attention, name):
     torch.backends.cuda.matmul.allow_tf32 = False  # float32 all through, so the float32 bounds apply

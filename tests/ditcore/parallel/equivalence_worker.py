@@ -16,7 +16,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ditcore.diffusion import EDMLoss, EDMPrecond
 from ditcore.layout import grid_positions
-from ditcore.models import apply_activation_checkpointing, build, preset
+from ditcore.models import apply_activation_checkpointing, build, preset, register
 from ditcore.parallel import (
     ParallelDims,
     consolidated_state_dict,
@@ -276,6 +276,10 @@ CASES = {
 
 
 def main() -> None:
+    import fourth_arch  # this script's sibling (a relative import when the tests import this file)
+
+    register(fourth_arch.ARCH)  # the architecture that test_registry.py registers: "reglu:CASE" runs CASE on it
+    CONFIGS["reglu"] = preset(fourth_arch.ARCH.tiny, **DATA)
     dist.init_process_group("gloo")
     results = {}
     for name in sys.argv[2:] or CASES:

@@ -6,7 +6,8 @@ import pytest
 
 from ditcore.testing import dit_forward_work, dit_grad_work, fp32_tolerance
 
-from .equivalence_worker import CFG, CONFIGS, GRID, B
+from .equivalence_worker import CFG, CONFIGS, DATA, GRID, B
+from .fourth_arch import ARCH as FOURTH
 
 CASES = ["tp2", "tp2_sp", "cp2", "dp2", "tp2_packed", "tp2_sp_packed", "cp2_packed",
          "tp2_packed_selective", "tp2_sp_packed_block", "cp2_packed_selective",  # + activation checkpointing
@@ -18,7 +19,9 @@ CASES = ["tp2", "tp2_sp", "cp2", "dp2", "tp2_packed", "tp2_sp_packed", "cp2_pack
          # packed rows of images and clips; TP, TP + SP, FSDP over DP
          "stdit:cp2", "stdit:cp2_packed", "stdit:tp2_packed", "stdit:tp2_sp_packed", "stdit:fsdp_dp2",
          "stdit:cp2_packed_selective", "stdit:pp2_packed",  # the all-to-all outside the checkpoints; two stages
-         "stdit_cut:cp2_packed"]  # rows whose halves cut a frame: gathered instead
+         "stdit_cut:cp2_packed",  # rows whose halves cut a frame: gathered instead
+         # an architecture registered outside ditcore (fourth_arch.py, test_registry.py): its own TP plan, with SP
+         "reglu:tp2_sp_packed"]
 CASES_4 = ["fsdp_tp2_sp_dp2",  # 4 processes: TP=2 × FSDP over DP=2
            "pp2_tp2_sp_packed",  # two stages of TP=2 + SP
            "stdit:cp2_tp2_sp_packed"]  # ST-DiT: the all-to-all over CP=2 with each CP rank's slice split by SP
@@ -28,6 +31,7 @@ CASES_4_SLOW = ["pp2_dp2_selective", "pp2_cp2_packed"]  # two stages × DP=2, tw
 # batch's); EDMPrecond adds c_skip·x + c_out·F (+2) and the layouts split reductions over 2 ranks, then add the
 # partial results (+2).
 ROW = GRID[0] * GRID[1] * GRID[2]
+CONFIGS = CONFIGS | {"reglu": FOURTH.presets[FOURTH.tiny].replace(**DATA)}  # as the worker makes it, registered
 
 
 def work(cfg) -> dict[str, int]:

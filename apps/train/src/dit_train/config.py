@@ -67,10 +67,8 @@ class Section(BaseModel):
 
 
 class Model(Section):
-    arch: Literal["dit", "stdit", "moviegen"] = Field(
-        "dit", description="dit: the DiT (adaLN-Zero); stdit: the spatio-temporal DiT (blocks alternate attention "
-                           "within frames and within time-lines); moviegen: MovieGen's Llama-style DiT (RMSNorm, "
-                           "SwiGLU, grouped-query attention). The preset is one of its sizes")
+    arch: str | None = Field(None, description="a name from ditcore.models.ARCHS; default: the preset's "
+                                                "architecture")
     preset: str = Field("DiT-Demo", description="a name from ditcore.models.PRESETS; data-dependent fields come "
                                                 "from the dataset")
     patch_size: int | None = Field(None, ge=1, description="overrides the preset's spatial patch")
@@ -103,14 +101,26 @@ class Model(Section):
             raise ConfigError("model.preset", name, "one of " + ", ".join(PRESETS))
         return name
 
+    @field_validator("arch")
+    @classmethod
+    def _known_arch(cls, name: str | None) -> str | None:
+        from ditcore.models import ARCHS  # deferred, as for the preset
+
+        if name is not None and name not in ARCHS:
+            kinds = "; ".join(f"{arch.name}: {arch.summary}" for arch in ARCHS.values())
+            raise ConfigError("model.arch", name, "one of " + ", ".join(map(repr, ARCHS)) +
+                              f" ({kinds}). The preset is one of its sizes; default: the preset's architecture")
+        return name
+
     @model_validator(mode="after")
     def _preset_of_arch(self) -> Model:
-        from ditcore.models import PRESETS, arch_of
+        from ditcore.models import ARCHS, PRESETS, arch_of
 
-        if arch_of(PRESETS[self.preset]) != self.arch:
-            sizes = [name for name, cfg in PRESETS.items() if arch_of(cfg) == self.arch]
+        if self.arch is None:  # the preset names its architecture
+            self.arch = arch_of(PRESETS[self.preset])
+        elif arch_of(PRESETS[self.preset]) != self.arch:
             raise ConfigError("model.preset", self.preset,
-                              f"a size of model.arch={self.arch}: one of {', '.join(sizes)}")
+                              f"a size of model.arch={self.arch}: one of {', '.join(ARCHS[self.arch].presets)}")
         return self
 
 

@@ -90,7 +90,7 @@ def exported_config(path: str | Path) -> DiTConfig:
     if arch not in ARCHS:
         raise ValueError(f"'{Path(path) / CONFIG}' says arch={arch!r}: this ditcore knows {', '.join(ARCHS)} — sample "
                          "it with the ditcore version that trained it")
-    config_class = ARCHS[arch][0]
+    config_class = ARCHS[arch].config
     fields = {f.name for f in dataclasses.fields(config_class)}
     model_cfg = meta.get("model", {})
     if not isinstance(model_cfg, dict) or not {"hidden_size", "depth", "num_heads"} <= model_cfg.keys():

@@ -24,11 +24,10 @@ from torch import nn
 from ditcore import runs, tensorfile
 from ditcore.errors import ConfigError
 from ditcore.export import CONFIG, WEIGHTS
-from ditcore.models import DiTConfig, build
+from ditcore.models import DiTConfig, build, plan_for
 from ditcore.parallel.consolidate import without_extra_state
 from ditcore.parallel.dims import ParallelGroups
 from ditcore.parallel.fsdp import local, local_piece
-from ditcore.parallel.plan import plan_for
 from ditcore.parallel.tensor_parallel import full_shape, shard
 
 KEY = "model.init_from"

@@ -50,12 +50,11 @@ import torch
 from torch import nn
 
 from ditcore.errors import ConfigError
-from ditcore.models import build
-from ditcore.models.dit import DiTConfig, ScalarEmbedder
+from ditcore.models import build, plan_for
+from ditcore.models.dit import DIT_PLAN, DiTConfig, ScalarEmbedder
 from ditcore.models.techniques import ACTIVATION_CHECKPOINTING
 from ditcore.parallel.dims import ParallelDims
 from ditcore.parallel.pipeline import stage_blocks
-from ditcore.parallel.plan import DIT_PLAN, plan_for
 
 GiB = 2**30
 DTYPE_BYTES = {"fp32": 4, "bf16": 2}

@@ -9,7 +9,8 @@ and every sample attends only to its own tokens and its own text. Per-sample ten
 This file is the one-device model: no process groups, no collectives. ditcore.parallel shards it from the
 outside (tensor parallelism by its plan; context/sequence parallelism by replacing `DiT.rows`).
 
-Reads top to bottom: config → positions → embedders → attention → block → final layer → model → presets.
+Reads top to bottom: config → positions → embedders → attention → block → final layer → model → presets →
+tensor-parallel plan and registration.
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ from torch import nn
 from ditcore.errors import ConfigError
 from ditcore.layout import grid_positions, patchify, per_token, unpatchify
 from ditcore.models.attention import Mask, attend, check_backend, resolve, segments
+from ditcore.models.plan import ColumnParallel, PipelineSplit, Plan, Replicated, RowParallel
+from ditcore.models.registry import Architecture, register
 
 # --------------------------------------------------------------------------------------------------
 # Config
@@ -600,3 +603,33 @@ PRESETS |= {
 }
 
 
+# --------------------------------------------------------------------------------------------------
+# Tensor-parallel plan (ditcore.models.plan) and registration
+
+DIT_PLAN = Plan(
+    modules={
+        "x_embedder": Replicated(),
+        "t_embedder.*": Replicated(),
+        "y_embedder": Replicated(),
+        "fps_embedder.*": Replicated(),
+        # Feeds only the column-parallel cross-attention K/V, whose input gradient Megatron already sums over TP.
+        "text_embedder.*": Replicated(partial_grad="never"),
+        "blocks.*.adaLN.*": Replicated(),
+        "blocks.*.attn.qkv": ColumnParallel(),  # output features laid out (heads, 3, head_dim): a split by heads
+        "blocks.*.attn.[qk]_norm": Replicated(partial_grad="tp"),  # shared by all heads; a rank has some heads
+        "blocks.*.attn.proj": RowParallel(),
+        "blocks.*.norm_cross": Replicated(),
+        "blocks.*.cross.q": ColumnParallel(),
+        "blocks.*.cross.kv": ColumnParallel(sequence_parallel=False),  # reads text tokens, never sequence-split
+        "blocks.*.cross.[qk]_norm": Replicated(partial_grad="tp"),
+        "blocks.*.cross.proj": RowParallel(),
+        "blocks.*.mlp.0": ColumnParallel(),
+        "blocks.*.mlp.2": RowParallel(),
+        "final.*": Replicated(),
+    },
+    heads=("blocks.*.attn", "blocks.*.cross"),
+    pipeline=PipelineSplit(layers="blocks", first=("x_embedder",), last=("final",)),  # the embedders: every stage
+)
+
+register(Architecture("dit", DiTConfig, DiT, PRESETS, tiny="DiT-Tiny", plan=DIT_PLAN,
+                      summary="the DiT (adaLN-Zero)"))

@@ -22,7 +22,9 @@ from torch import nn
 
 from ditcore.errors import ConfigError
 from ditcore.models.attention import attend
-from ditcore.models.dit import AttentionInputs, DiT, DiTBlock, DiTConfig, RMSNorm, apply_rope, no_text
+from ditcore.models.dit import DIT_PLAN, AttentionInputs, DiT, DiTBlock, DiTConfig, RMSNorm, apply_rope, no_text
+from ditcore.models.plan import ColumnParallel, Plan, RowParallel
+from ditcore.models.registry import Architecture, register
 
 
 @dataclass(frozen=True)
@@ -168,4 +170,19 @@ PRESETS: dict[str, MovieGenConfig] = {
     "MovieGen-Tiny": MovieGenConfig(hidden_size=64, depth=2, num_heads=4, num_kv_heads=2, ffn_hidden_size=128),
 }
 
-__all__ = ["PRESETS", "MovieGen", "MovieGenBlock", "MovieGenConfig"]
+# The DiT's tensor-parallel plan with grouped-query attention and a SwiGLU MLP
+MOVIEGEN_PLAN = Plan(
+    modules={k: v for k, v in DIT_PLAN.modules.items() if not k.startswith("blocks.*.mlp.")} | {
+        # attn.qkv's output features are laid out (kv group, [queries, key, value], head_dim): a split by groups;
+        # cross.kv's (kv group, 2, head_dim), likewise; mlp.gate_up's (hidden, [gate, up]): a split by hidden units
+        "blocks.*.mlp.gate_up": ColumnParallel(),
+        "blocks.*.mlp.down": RowParallel(),
+    },
+    heads=DIT_PLAN.heads,
+    pipeline=DIT_PLAN.pipeline,
+)
+
+register(Architecture("moviegen", MovieGenConfig, MovieGen, PRESETS, tiny="MovieGen-Tiny", plan=MOVIEGEN_PLAN,
+                      summary="MovieGen's Llama-style DiT (RMSNorm, SwiGLU, grouped-query attention)"))
+
+__all__ = ["MOVIEGEN_PLAN", "PRESETS", "MovieGen", "MovieGenBlock", "MovieGenConfig"]

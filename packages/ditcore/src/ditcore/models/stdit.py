@@ -30,7 +30,8 @@ from torch import nn
 from ditcore.errors import ConfigError
 from ditcore.layout import grid_rows
 from ditcore.models.attention import Mask, segments
-from ditcore.models.dit import AttentionInputs, DiT, DiTBlock, DiTConfig, RowSplit
+from ditcore.models.dit import DIT_PLAN, AttentionInputs, DiT, DiTBlock, DiTConfig, RowSplit
+from ditcore.models.registry import Architecture, register
 
 
 @dataclass(frozen=True)
@@ -328,5 +329,10 @@ PRESETS: dict[str, STDiTConfig] = {
     "ST-DiT-XL/2": STDiTConfig(hidden_size=1152, depth=56, num_heads=16, patch_size=2),
     "ST-DiT-Tiny": STDiTConfig(hidden_size=64, depth=4, num_heads=4),
 }
+
+# DiT blocks throughout, so the DiT's tensor-parallel plan; its context parallelism differs (SwapRows)
+register(Architecture("stdit", STDiTConfig, STDiT, PRESETS, tiny="ST-DiT-Tiny", plan=DIT_PLAN,
+                      summary="the spatio-temporal DiT (blocks alternate attention within frames and within "
+                              "time-lines)"))
 
 __all__ = ["PRESETS", "HostRows", "STDiT", "STDiTConfig", "TemporalBlock", "check_grids", "factorise"]

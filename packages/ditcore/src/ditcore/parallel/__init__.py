@@ -1,7 +1,8 @@
 """Parallelism, applied to a one-device model from the outside (as torchtitan's `parallelize_*`).
 
 - dims: topology (`ParallelDims`) and Megatron-Core process groups (`ParallelGroups`)
-- plan: per architecture, how each parameter is laid out over TP ranks — the only place naming layers
+- the TP plans applied here (how each parameter is laid out over TP ranks) are not here: each architecture's is
+  defined beside its model and registered with it (ditcore.models.plan, ditcore.models.registry)
 - tensor_parallel / context_parallel: the sharding itself; parallelize: both, in order; build_parallel_model:
   this rank's part of a model, built (meta → sharded → techniques → materialised) as dit-train builds it
 - materialize: initial weights for a model built on the meta device, each rank computing only its shards

@@ -1,7 +1,7 @@
 """Consolidated (one-device) weights from a model of any TP layout, and back.
 
 CP and DP ranks hold copies (under FSDP, pieces: gathered over DP×CP first); the TP shards are gathered along
-the dimension the architecture's plan splits them (ditcore.parallel.plan).
+the dimension the architecture's plan splits them (ditcore.models.plan).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ this rank's part of a model built the way dit-train builds it (meta device, shar
 
 The model file knows nothing of ranks. This applies, in order: the pipeline split (this rank's stage only),
 tensor (and sequence) parallelism as the
-architecture's plan says (ditcore.parallel.plan), the row split for context/sequence parallelism, and the tags
+architecture's plan says (ditcore.models.plan), the row split for context/sequence parallelism, and the tags
 that gradient finalisation reads (which replicated parameters' gradients are partial over TP).
 """
 
@@ -12,13 +12,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ditcore.models import DiTConfig, apply_activation_checkpointing, apply_compile, build
+from ditcore.models import DiTConfig, apply_activation_checkpointing, apply_compile, build, plan_for
 from ditcore.parallel.context_parallel import SplitRows, SwapRows
 from ditcore.parallel.dims import ParallelGroups
 from ditcore.parallel.fsdp import apply_fsdp
 from ditcore.parallel.materialize import materialize
 from ditcore.parallel.pipeline import split_stages
-from ditcore.parallel.plan import plan_for
 from ditcore.parallel.tensor_parallel import apply_tensor_parallel, is_tp_sharded
 
 

@@ -27,9 +27,9 @@ import torch.distributed as dist
 from torch import nn
 
 from ditcore.errors import ConfigError
+from ditcore.models import plan_for
 from ditcore.parallel.dims import ParallelGroups
 from ditcore.parallel.fsdp import local
-from ditcore.parallel.plan import plan_for
 
 
 def stage_blocks(depth: int, pp: int, stage: int) -> range:
@@ -54,7 +54,7 @@ def split_stages(model: nn.Module, groups: ParallelGroups) -> nn.Module:
     pp, stage = groups.dims.pp, groups.pp_rank
     split = plan_for(model).pipeline
     if split is None:
-        raise ConfigError("parallel.pp", pp, f"1: {type(model).__name__}'s plan (ditcore/parallel/plan.py) does not "
+        raise ConfigError("parallel.pp", pp, f"1: {type(model).__name__}'s plan (its registration) does not "
                                              "say how it splits into pipeline stages")
     layers: nn.ModuleList = model.get_submodule(split.layers)
     held = stage_blocks(len(layers), pp, stage)

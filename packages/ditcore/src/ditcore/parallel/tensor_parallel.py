@@ -24,8 +24,8 @@ import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from torch import nn
 
+from ditcore.models.plan import ColumnParallel, Plan, RowParallel
 from ditcore.parallel.dims import ParallelGroups
-from ditcore.parallel.plan import ColumnParallel, Plan, RowParallel
 
 
 def is_tp_sharded(p: torch.Tensor) -> bool:

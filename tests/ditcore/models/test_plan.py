@@ -1,10 +1,13 @@
-"""The tensor-parallel plan covers every parameter of every architecture exactly once, and says what it should."""
+"""The tensor-parallel plan covers every parameter of every registered architecture exactly once, and says what it
+should."""
 
 import pytest
 from torch import nn
 
-from ditcore.models import DiT, MovieGen, build, preset
-from ditcore.parallel.plan import DIT_PLAN, MOVIEGEN_PLAN, ColumnParallel, plan_for
+from ditcore.models import ARCHS, DiT, MovieGen, build, plan_for, preset
+from ditcore.models.dit import DIT_PLAN
+from ditcore.models.moviegen import MOVIEGEN_PLAN
+from ditcore.models.plan import ColumnParallel, Plan
 
 FULL = dict(text_dim=24, num_classes=5, fps_cond=True)  # every optional layer of the DiT
 
@@ -56,6 +59,21 @@ def test_partition_dims_follow_megatron_layouts():
 def test_which_replicated_gradients_are_partial(name, tp_only, with_sp):
     assert DIT_PLAN.partial_over_tp(name, sequence_parallel=False) is tp_only
     assert DIT_PLAN.partial_over_tp(name, sequence_parallel=True) is with_sp
+
+
+def check_plan(plan: Plan, model: nn.Module) -> None:
+    """Every parameter of `model` covered by exactly one entry of `plan`, and every entry names layers that exist
+    (give a model with every optional layer)."""
+    for name, _ in model.named_parameters():
+        assert len(plan.matches(name.rpartition(".")[0])) == 1, name
+    plan.check(model)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_every_registered_architecture_is_covered_by_its_plan(arch):
+    model = build(preset(ARCHS[arch].tiny, **FULL))
+    assert plan_for(model) is ARCHS[arch].plan
+    check_plan(ARCHS[arch].plan, model)
 
 
 def test_every_architecture_has_a_plan():

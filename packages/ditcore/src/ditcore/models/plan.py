@@ -1,9 +1,11 @@
-"""Tensor-parallel plans: for each architecture, how every parameter is laid out over the TP ranks.
+"""Tensor-parallel plans: how every parameter of an architecture is laid out over the TP ranks.
 
 A plan maps module paths (fnmatch patterns over `model.named_modules()` names, where `*` also spans dots, so
-`t_embedder.*` covers every layer inside it) to a style. It is the only
-place that names a model's layers: sharding, gradient finalisation and offline consolidation all read it, and
-tests/ditcore/parallel/test_plan.py fails if a parameter of any architecture is covered by no entry or by two.
+`t_embedder.*` covers every layer inside it) to a style. Each architecture defines its plan beside its model and
+registers the two together (ditcore.models.registry); `plan_for(model)` finds it. The plan is the only place
+outside the model file that names a model's layers: sharding, gradient finalisation and offline consolidation
+(ditcore.parallel) all read it, and tests/ditcore/models/test_plan.py fails if a parameter of any registered
+architecture is covered by no entry or by two. It is a description only: nothing here touches process groups.
 
 It also says how the model splits into pipeline stages (`PipelineSplit`).
 
@@ -23,10 +25,6 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from torch import nn
-
-from ditcore.models.dit import DiT
-from ditcore.models.moviegen import MovieGen
-from ditcore.models.stdit import STDiT
 
 
 @dataclass(frozen=True)
@@ -72,7 +70,7 @@ class Plan:
         found = self.matches(module)
         if len(found) > 1:
             raise KeyError(f"the tensor-parallel plan has {len(found)} entries ({', '.join(found)}) for {module}: "
-                           "keep exactly one in the architecture's plan in ditcore/parallel/plan.py")
+                           "keep exactly one in the architecture's plan (beside its model)")
         return self.modules[found[0]] if found else None
 
     def style(self, param: str) -> Style:
@@ -80,7 +78,7 @@ class Plan:
         style = self.module_style(param.rpartition(".")[0])
         if style is None:
             raise KeyError(f"the tensor-parallel plan has no entry for parameter {param}: add exactly one to "
-                           "the architecture's plan in ditcore/parallel/plan.py")
+                           "the architecture's plan (beside its model)")
         return style
 
     def partition_dim(self, param: str) -> int | None:
@@ -109,57 +107,3 @@ class Plan:
             if not any(fnmatch.fnmatchcase(m, pattern) for m, _ in model.named_modules()):
                 raise KeyError(f"the tensor-parallel plan names {pattern}, which matches no module of "
                                f"{type(model).__name__}: remove or rename the entry")
-
-
-# --------------------------------------------------------------------------------------------------
-# DiT (ditcore.models.dit)
-
-DIT_PLAN = Plan(
-    modules={
-        "x_embedder": Replicated(),
-        "t_embedder.*": Replicated(),
-        "y_embedder": Replicated(),
-        "fps_embedder.*": Replicated(),
-        # Feeds only the column-parallel cross-attention K/V, whose input gradient Megatron already sums over TP.
-        "text_embedder.*": Replicated(partial_grad="never"),
-        "blocks.*.adaLN.*": Replicated(),
-        "blocks.*.attn.qkv": ColumnParallel(),  # output features laid out (heads, 3, head_dim): a split by heads
-        "blocks.*.attn.[qk]_norm": Replicated(partial_grad="tp"),  # shared by all heads; a rank has some heads
-        "blocks.*.attn.proj": RowParallel(),
-        "blocks.*.norm_cross": Replicated(),
-        "blocks.*.cross.q": ColumnParallel(),
-        "blocks.*.cross.kv": ColumnParallel(sequence_parallel=False),  # reads text tokens, never sequence-split
-        "blocks.*.cross.[qk]_norm": Replicated(partial_grad="tp"),
-        "blocks.*.cross.proj": RowParallel(),
-        "blocks.*.mlp.0": ColumnParallel(),
-        "blocks.*.mlp.2": RowParallel(),
-        "final.*": Replicated(),
-    },
-    heads=("blocks.*.attn", "blocks.*.cross"),
-    pipeline=PipelineSplit(layers="blocks", first=("x_embedder",), last=("final",)),  # the embedders: every stage
-)
-
-
-# --------------------------------------------------------------------------------------------------
-# MovieGen (ditcore.models.moviegen): the DiT's plan with grouped-query attention and a SwiGLU MLP
-
-MOVIEGEN_PLAN = Plan(
-    modules={k: v for k, v in DIT_PLAN.modules.items() if not k.startswith("blocks.*.mlp.")} | {
-        # attn.qkv's output features are laid out (kv group, [queries, key, value], head_dim): a split by groups;
-        # cross.kv's (kv group, 2, head_dim), likewise; mlp.gate_up's (hidden, [gate, up]): a split by hidden units
-        "blocks.*.mlp.gate_up": ColumnParallel(),
-        "blocks.*.mlp.down": RowParallel(),
-    },
-    heads=DIT_PLAN.heads,
-    pipeline=DIT_PLAN.pipeline,
-)
-
-
-# ST-DiT (ditcore.models.stdit): DiT blocks throughout, so the DiT's plan; its context parallelism differs (SwapRows)
-PLANS: dict[type[nn.Module], Plan] = {DiT: DIT_PLAN, STDiT: DIT_PLAN, MovieGen: MOVIEGEN_PLAN}
-
-
-def plan_for(model: nn.Module) -> Plan:
-    if type(model) not in PLANS:
-        raise TypeError(f"no tensor-parallel plan for {type(model).__name__}: add one to ditcore/parallel/plan.py")
-    return PLANS[type(model)]
