@@ -10,7 +10,7 @@ from pathlib import Path
 
 import typer
 
-from ditcore.cli import entry_point, version_option
+from ditcore.cli import entry_point, fail, version_option
 
 app = typer.Typer(
     name="dit-prepare",
@@ -92,9 +92,9 @@ def _codec(codec: CodecName, pca_channels: int, pca_patch: int, latent_norm: Lat
     from dit_prepare.pipeline import CodecChoice
 
     if codec == CodecName.vae and not vae:
-        _fail("--codec vae needs --vae HUB_ID_OR_FOLDER")
+        fail("--codec vae needs --vae HUB_ID_OR_FOLDER")
     if codec == CodecName.pca and pca_channels > 3 * pca_patch**2:
-        _fail(f"--pca-channels {pca_channels} is more than a {pca_patch}x{pca_patch} patch holds "
+        fail(f"--pca-channels {pca_channels} is more than a {pca_patch}x{pca_patch} patch holds "
               f"(3·{pca_patch}² = {3 * pca_patch**2}): lower it or raise --pca-patch")
     return CodecChoice(str(codec), pca_channels, pca_patch, str(latent_norm), pixel_factor, vae, str(vae_class))
 
@@ -132,18 +132,13 @@ def _one_line_errors():
         typer.echo(" — ".join(["error: interrupted", *getattr(e, "__notes__", [])]), err=True)
         raise typer.Exit(130) from None
     except (SourceError, FileExistsError, ValueError, OSError, RuntimeError) as e:
-        _fail(" — ".join([str(e), *getattr(e, "__notes__", [])]))
+        fail(" — ".join([str(e), *getattr(e, "__notes__", [])]))
     finally:
         signal.signal(signal.SIGTERM, previous)
 
 
 def _interrupt(signum, frame):
     raise KeyboardInterrupt  # SIGTERM (kill, Slurm) cleans up like Ctrl-C
-
-
-def _fail(message: str):
-    typer.echo(f"error: {message}", err=True)
-    raise typer.Exit(2)
 
 
 @app.command()
@@ -168,7 +163,7 @@ def synthetic(
     from dit_prepare.sources import SyntheticSource
 
     if size % pca_patch and codec == CodecName.pca:
-        _fail(f"--size {size} must be a multiple of --pca-patch {pca_patch} for the PCA codec")
+        fail(f"--size {size} must be a multiple of --pca-patch {pca_patch} for the PCA codec")
     choice = _codec(codec, pca_channels, pca_patch, latent_norm, pixel_factor, vae, vae_class)
     _run(lambda factor: SyntheticSource(num, size, frames, video_ratio, seed, fps, simple=simple), out, choice,
          text_encoder, fit_samples, workers, shard_size, overwrite, keep_partial)
@@ -228,7 +223,7 @@ def folder(
     unit = choice.spatial_factor() * patch
     if size % unit:
         lower, upper = max(unit, size // unit * unit), (size // unit + 1) * unit
-        _fail(f"--size {size} is not a multiple of {unit} (the codec's {choice.spatial_factor()} pixels per latent "
+        fail(f"--size {size} is not a multiple of {unit} (the codec's {choice.spatial_factor()} pixels per latent "
               f"cell x patch {patch}, the largest of dit-train's configs): use {lower} or {upper}")
     framing = Framing(str(fit), size, unit)
     _run(lambda factor: FolderSource(path, framing, frames, fps, limit=num), out, choice, text_encoder,
@@ -261,7 +256,7 @@ def mock(
         if any(len(s) != 4 or min(s) < 1 for s in shapes) or shapes[0][0] != shapes[1][0]:
             raise ValueError
     except ValueError:
-        _fail(f"--latent-shape {latent_shape!r} / --video-latent-shape {video_latent_shape!r}: expected four "
+        fail(f"--latent-shape {latent_shape!r} / --video-latent-shape {video_latent_shape!r}: expected four "
               "positive integers C,T,H,W each, with the same C")
     t0 = time.perf_counter()
     with _one_line_errors():
