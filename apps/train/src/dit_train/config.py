@@ -142,9 +142,10 @@ class Parallel(Section):
 
     @model_validator(mode="after")
     def _fsdp_without_pipeline(self) -> Parallel:
-        from ditcore.parallel.dims import ParallelDims  # deferred: imports torch, which `dit-train --help` need not
+        if self.fsdp:  # importing ditcore.parallel costs seconds (torch.distributed.tensor): only FSDP configs pay
+            from ditcore.parallel.dims import ParallelDims
 
-        ParallelDims(pp=self.pp).check_fsdp(self.fsdp)
+            ParallelDims(pp=self.pp).check_fsdp(self.fsdp)
         return self
 
 
