@@ -16,8 +16,12 @@ import socket
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    import torch
 
 IMAGE_EXTS = {".png", ".jpg", ".jpeg", ".webp"}
 VIDEO_EXTS = {".mp4", ".webm", ".gif"}
@@ -50,8 +54,8 @@ class Latents:
     """A sample as it is written: latents and text states (what the pipeline encodes an Item into)."""
 
     key: str
-    latent: object  # (C, T, H, W) torch.Tensor, std SIGMA_DATA
-    text: object  # (L, D) torch.Tensor of text states
+    latent: torch.Tensor  # (C, T, H, W), std SIGMA_DATA
+    text: torch.Tensor  # (L, D) text states
     meta: dict  # the sample's JSON metadata: caption, frames, fps, source, ...
     video: bool  # counted as a clip, not an image
 
