@@ -46,9 +46,10 @@ class ParallelDims:
         return ParallelDims(self.tp, self.cp, self.pp, dp, self.sequence_parallel)
 
     def check_fsdp(self, fsdp: bool) -> None:
-        """The one home of the rule "no FSDP with PP": dit-train's config, the memory planner and `apply_fsdp`
-        all ask here. A pipeline stage reduces its own gradients after the 1F1B schedule (ditcore.parallel.pipeline);
-        FSDP2's per-block reduce-scatters are not wired into that schedule."""
+        """The one home of the rule "no FSDP with PP", which dit-train's config and `apply_fsdp` ask. 1F1B runs
+        several forwards before their backwards and a stage's gradients are averaged after the schedule
+        (ditcore.parallel.pipeline.reduce_grads); FSDP2's per-block gathers and reduce-scatters are not wired into
+        that schedule."""
         if fsdp and self.pp > 1:
             raise ConfigError("parallel.fsdp", True, "false with parallel.pp > 1: FSDP over pipeline stages is not "
                                                      "available yet (use tp/dp with pp, or fsdp without it)")
