@@ -231,10 +231,51 @@ def test_existing_output_is_refused_without_overwrite(synthetic):
     assert read_info(out).counts["samples"] == 24  # untouched
 
 
-@pytest.mark.parametrize("command", ["synthetic", "butterfly", "folder", "mock"])
-def test_every_source_has_help(command):
-    proc = run(command, "--help")
-    assert proc.returncode == 0 and "--out" in proc.stdout
+def test_every_source_has_help_and_the_shared_options_declared_once():
+    """Each source command takes its option groups (dit_prepare.cli.option_groups) with their defaults; folder's
+    codec defaults differ on purpose (the demo's recipe); mock encodes nothing, so it takes only the writer's."""
+    import dataclasses
+
+    from typer.main import get_command
+    from typer.testing import CliRunner
+
+    from dit_prepare.cli import EncodeOptions, WriteOptions, app
+
+    def defaults(group) -> dict:
+        return {f.name: f.metadata["option"].default for f in dataclasses.fields(group)}
+
+    encode, write = defaults(EncodeOptions), defaults(WriteOptions)
+    expected = {"synthetic": encode | write, "butterfly": encode | write, "mock": write,
+                "folder": encode | {"pca_patch": 4, "latent_norm": "global"} | write}
+    commands = get_command(app).commands
+    assert set(commands) == set(expected)
+    for name, options in expected.items():
+        taken = {p.name: p.default for p in commands[name].params}
+        assert {k: taken.get(k) for k in options} == options, name
+        assert not (name == "mock" and set(encode) & set(taken))
+        shown = CliRunner().invoke(app, [name, "--help"], env={"COLUMNS": "200"})
+        assert shown.exit_code == 0 and "--out" in shown.output and "--shard-size" in shown.output, shown.output
+
+
+def test_mock_is_a_source_its_samples_the_same_in_any_reading_order():
+    """dit-prepare mock writes through the pipeline like the other sources (no writer of its own in the CLI); its
+    stream of samples reads the same forwards, backwards and from a fresh copy (a rank or a worker)."""
+    import copy
+
+    import dit_prepare.cli
+    from dit_prepare.sources import MockSource
+
+    assert "ShardWriter" not in Path(dit_prepare.cli.__file__).read_text()
+    source = MockSource(8, (4, 1, 8, 8), (4, 2, 4, 4), 0.5, 3, 16, seed=1)
+    forwards = [source.load(i) for i in range(8)]
+    backwards = [source.load(i) for i in reversed(range(8))][::-1]
+    again = [copy.deepcopy(source).load(i) for i in range(8)]
+    for a, b, c in zip(forwards, backwards, again, strict=True):
+        assert a.key == b.key == c.key and a.meta == b.meta == c.meta and a.video == b.video == c.video
+        assert torch.equal(a.latent, b.latent) and torch.equal(a.latent, c.latent) and torch.equal(a.text, c.text)
+        assert a.latent.shape == ((4, 2, 4, 4) if a.video else (4, 1, 8, 8)) and a.text.shape == (3, 16)
+        assert a.meta["frames"] == a.latent.shape[1] and a.meta["fps"] == (8.0 if a.video else 0.0)
+    assert {s.video for s in forwards} == {True, False}
 
 
 @pytest.mark.parametrize(("fit", "width", "height", "expected"), [

@@ -74,6 +74,17 @@ def test_the_model_files_have_no_process_groups_or_collectives():
         assert not collective, f"{f.name} uses {sorted(collective)}: parallelism belongs in ditcore.parallel"
 
 
+def test_the_files_the_sources_cite_are_in_the_repository():
+    """A comment that sends the reader to a note must send them somewhere they can read: a .md in the repository."""
+    import re
+
+    repo = SRC.parents[2]
+    cited = {(f.relative_to(repo).as_posix(), name) for f in [*SRC.rglob("*.py"), *repo.glob("apps/*/src/**/*.py")]
+             for name in re.findall(r"[\w./-]+\.md\b", f.read_text())}
+    missing = sorted(f"{f}: {name}" for f, name in cited if not (repo / name).is_file())
+    assert not missing, "cited files that are not in the repository:\n" + "\n".join(missing)
+
+
 if __name__ == "__main__":
     for module, deps in import_graph().items():
         print(f"{module:34s} -> {', '.join(sorted(deps)) or '-'}")

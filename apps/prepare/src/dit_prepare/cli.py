@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import contextlib
+import copy
+import dataclasses
 import enum
+import functools
+import inspect
 import signal
-import time
+import typing
 from pathlib import Path
 
 import typer
 
-from ditcore.cli import entry_point, version_option
+from ditcore.cli import entry_point, fail, version_option
 
 app = typer.Typer(
     name="dit-prepare",
@@ -86,21 +90,83 @@ KEEP_PARTIAL = typer.Option(False, help="On failure or Ctrl-C keep what was writ
 SEED = typer.Option(0, min=0, help="Random seed.")
 
 
-def _codec(codec: CodecName, pca_channels: int, pca_patch: int, latent_norm: LatentNorm, pixel_factor: int,
-           vae: str | None, vae_class: VaeClass):
-    """The codec options, checked together, as a dit_prepare.pipeline.CodecChoice."""
-    from dit_prepare.pipeline import CodecChoice
+# Option groups: dataclasses whose fields carry their typer.Option (flag, default, range, help) as metadata.
+@dataclasses.dataclass(frozen=True)
+class EncodeOptions:
+    """How pixels and captions become latents and text states: the options of the sources that encode pixels."""
 
-    if codec == CodecName.vae and not vae:
-        _fail("--codec vae needs --vae HUB_ID_OR_FOLDER")
-    if codec == CodecName.pca and pca_channels > 3 * pca_patch**2:
-        _fail(f"--pca-channels {pca_channels} is more than a {pca_patch}x{pca_patch} patch holds "
-              f"(3·{pca_patch}² = {3 * pca_patch**2}): lower it or raise --pca-patch")
-    return CodecChoice(str(codec), pca_channels, pca_patch, str(latent_norm), pixel_factor, vae, str(vae_class))
+    codec: CodecName = dataclasses.field(metadata={"option": CODEC})
+    pca_channels: int = dataclasses.field(metadata={"option": PCA_CHANNELS})
+    pca_patch: int = dataclasses.field(metadata={"option": PCA_PATCH})
+    latent_norm: LatentNorm = dataclasses.field(metadata={"option": LATENT_NORM})
+    pixel_factor: int = dataclasses.field(metadata={"option": PIXEL_FACTOR})
+    vae: str | None = dataclasses.field(metadata={"option": VAE})
+    vae_class: VaeClass = dataclasses.field(metadata={"option": VAE_CLASS})
+    text_encoder: str = dataclasses.field(metadata={"option": TEXT})
+    fit_samples: int = dataclasses.field(metadata={"option": FIT})
+    workers: int = dataclasses.field(metadata={"option": WORKERS})
+
+    def codec_choice(self):
+        """The codec options, checked together, as a dit_prepare.pipeline.CodecChoice."""
+        from dit_prepare.pipeline import CodecChoice
+
+        if self.codec == CodecName.vae and not self.vae:
+            fail("--codec vae needs --vae HUB_ID_OR_FOLDER")
+        if self.codec == CodecName.pca and self.pca_channels > 3 * self.pca_patch**2:
+            fail(f"--pca-channels {self.pca_channels} is more than a {self.pca_patch}x{self.pca_patch} patch holds "
+                 f"(3·{self.pca_patch}² = {3 * self.pca_patch**2}): lower it or raise --pca-patch")
+        return CodecChoice(str(self.codec), self.pca_channels, self.pca_patch, str(self.latent_norm),
+                           self.pixel_factor, self.vae, str(self.vae_class))
 
 
-def _run(source_factory, out: Path, choice, text_encoder: str, fit_samples: int, workers: int, shard_size: int,
-         overwrite: bool, keep_partial: bool) -> None:
+@dataclasses.dataclass(frozen=True)
+class WriteOptions:
+    """How the dataset is written: the options of every source."""
+
+    shard_size: int = dataclasses.field(metadata={"option": SHARD})
+    overwrite: bool = dataclasses.field(metadata={"option": OVERWRITE})
+    keep_partial: bool = dataclasses.field(metadata={"option": KEEP_PARTIAL})
+
+
+def option_groups(*groups: type, **defaults):
+    """Declare option groups once for several commands (as click apps share option decorators).
+
+    Typer reads a command's options from its signature: the decorated command lists its own parameters, then the
+    fields of each group in order, and receives one value per group in its keyword-only parameters (in the same
+    order). `defaults` replace a field's default by name, its help and range kept.
+    """
+
+    def decorate(command):
+        signature = inspect.signature(command)
+        own = [p for p in signature.parameters.values() if p.kind is not p.KEYWORD_ONLY]
+        slots = [p.name for p in signature.parameters.values() if p.kind is p.KEYWORD_ONLY]
+        if len(slots) != len(groups):
+            raise TypeError(f"{command.__name__} has {len(slots)} keyword-only parameters for {len(groups)} groups")
+        added = []
+        for group in groups:
+            hints = typing.get_type_hints(group)
+            for f in dataclasses.fields(group):
+                option = copy.copy(f.metadata["option"])
+                if f.name in defaults:
+                    option.default = defaults[f.name]
+                added.append(inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=option,
+                                               annotation=hints[f.name]))
+        if unknown := set(defaults) - {p.name for p in added}:
+            raise TypeError(f"{command.__name__}: no option group has {sorted(unknown)}")
+
+        @functools.wraps(command)
+        def run(**values):
+            for slot, group in zip(slots, groups, strict=True):
+                values[slot] = group(**{f.name: values.pop(f.name) for f in dataclasses.fields(group)})
+            return command(**values)
+
+        run.__signature__ = signature.replace(parameters=own + added)
+        return run
+
+    return decorate
+
+
+def _run(source_factory, out: Path, choice, encode: EncodeOptions, write: WriteOptions) -> None:
     """Shared by the sources: build the source and text encoder, run the pipeline, print one summary (rank 0's:
     under torchrun it holds every rank's counts) with the tokens a sample makes at each dit-train config's patch."""
     from dit_prepare.pipeline import dist_env, prepare
@@ -110,9 +176,10 @@ def _run(source_factory, out: Path, choice, text_encoder: str, fit_samples: int,
         from ditcore.codecs.text import load_text_encoder
 
         source = source_factory(choice.spatial_factor())
-        encoder = load_text_encoder(text_encoder)
-        summary = prepare(source, out, codec=choice, text_encoder=encoder, fit_samples=fit_samples,
-                          workers=workers, shard_size=shard_size, overwrite=overwrite, keep_partial=keep_partial)
+        encoder = load_text_encoder(encode.text_encoder)
+        summary = prepare(source, out, codec=choice, text_encoder=encoder, fit_samples=encode.fit_samples,
+                          workers=encode.workers, shard_size=write.shard_size, overwrite=write.overwrite,
+                          keep_partial=write.keep_partial)
     if dist_env()[0] != 0:
         return
     typer.echo(f"dataset   {out}")
@@ -132,7 +199,7 @@ def _one_line_errors():
         typer.echo(" — ".join(["error: interrupted", *getattr(e, "__notes__", [])]), err=True)
         raise typer.Exit(130) from None
     except (SourceError, FileExistsError, ValueError, OSError, RuntimeError) as e:
-        _fail(" — ".join([str(e), *getattr(e, "__notes__", [])]))
+        fail(" — ".join([str(e), *getattr(e, "__notes__", [])]))
     finally:
         signal.signal(signal.SIGTERM, previous)
 
@@ -141,12 +208,8 @@ def _interrupt(signum, frame):
     raise KeyboardInterrupt  # SIGTERM (kill, Slurm) cleans up like Ctrl-C
 
 
-def _fail(message: str):
-    typer.echo(f"error: {message}", err=True)
-    raise typer.Exit(2)
-
-
 @app.command()
+@option_groups(EncodeOptions, WriteOptions)
 def synthetic(
     out: Path = OUT,
     num: int = typer.Option(2000, min=1, help="Number of samples."),
@@ -159,22 +222,19 @@ def synthetic(
                                             "mid-clip), on a plain light background; wing colours, background "
                                             "tints, flapping and drift still vary."),
     seed: int = SEED,
-    codec: CodecName = CODEC, pca_channels: int = PCA_CHANNELS, pca_patch: int = PCA_PATCH,
-    latent_norm: LatentNorm = LATENT_NORM, pixel_factor: int = PIXEL_FACTOR, vae: str = VAE,
-    vae_class: VaeClass = VAE_CLASS, text_encoder: str = TEXT, fit_samples: int = FIT, workers: int = WORKERS,
-    shard_size: int = SHARD, overwrite: bool = OVERWRITE, keep_partial: bool = KEEP_PARTIAL,
+    *, encode: EncodeOptions, write: WriteOptions,
 ) -> None:
     """Procedurally drawn butterflies (images and wing-flapping clips) with exact captions; needs nothing."""
     from dit_prepare.sources import SyntheticSource
 
-    if size % pca_patch and codec == CodecName.pca:
-        _fail(f"--size {size} must be a multiple of --pca-patch {pca_patch} for the PCA codec")
-    choice = _codec(codec, pca_channels, pca_patch, latent_norm, pixel_factor, vae, vae_class)
-    _run(lambda factor: SyntheticSource(num, size, frames, video_ratio, seed, fps, simple=simple), out, choice,
-         text_encoder, fit_samples, workers, shard_size, overwrite, keep_partial)
+    if size % encode.pca_patch and encode.codec == CodecName.pca:
+        fail(f"--size {size} must be a multiple of --pca-patch {encode.pca_patch} for the PCA codec")
+    _run(lambda factor: SyntheticSource(num, size, frames, video_ratio, seed, fps, simple=simple), out,
+         encode.codec_choice(), encode, write)
 
 
 @app.command()
+@option_groups(EncodeOptions, WriteOptions)
 def butterfly(
     out: Path = OUT,
     from_: Path = typer.Option(None, "--from", help="A local parquet file or folder in the dataset's schema "
@@ -182,20 +242,18 @@ def butterfly(
     size: int = typer.Option(64, min=8, help="Short side after resizing, in pixels."),
     num: int = typer.Option(None, min=1, help="Use at most this many samples."),
     hub_id: str = typer.Option("huggan/smithsonian_butterflies_subset", help="Hugging Face dataset id."),
-    codec: CodecName = CODEC, pca_channels: int = PCA_CHANNELS, pca_patch: int = PCA_PATCH,
-    latent_norm: LatentNorm = LATENT_NORM, pixel_factor: int = PIXEL_FACTOR, vae: str = VAE,
-    vae_class: VaeClass = VAE_CLASS, text_encoder: str = TEXT, fit_samples: int = FIT, workers: int = WORKERS,
-    shard_size: int = SHARD, overwrite: bool = OVERWRITE, keep_partial: bool = KEEP_PARTIAL,
+    *, encode: EncodeOptions, write: WriteOptions,
 ) -> None:
     """The Smithsonian butterflies (huggan/smithsonian_butterflies_subset), captions from `name`."""
     from dit_prepare.sources import ButterflySource
 
-    choice = _codec(codec, pca_channels, pca_patch, latent_norm, pixel_factor, vae, vae_class)
-    _run(lambda factor: ButterflySource(size, factor, from_, hub_id, num), out, choice, text_encoder, fit_samples,
-         workers, shard_size, overwrite, keep_partial)
+    _run(lambda factor: ButterflySource(size, factor, from_, hub_id, num), out, encode.codec_choice(), encode, write)
 
 
 @app.command()
+# the demo's recipe (make demo): a 64 px image is 16x16 latent cells, 16 tokens at dit-train --config demo's
+# patch 4, 8 images per 128-token row; 8x8-pixel cells would give 4 tokens, 32 images a row, a loader-bound run
+@option_groups(EncodeOptions, WriteOptions, pca_patch=4, latent_norm=LatentNorm.global_)
 def folder(
     path: Path = typer.Argument(..., help="Folder of images (png/jpg/webp) and videos (mp4/webm/gif)."),
     out: Path = OUT,
@@ -209,33 +267,25 @@ def folder(
     frames: int = typer.Option(8, min=1, help="Frames taken from each video."),
     fps: float = typer.Option(0.0, min=0.0, help="Sample video frames at this rate (0: every frame)."),
     num: int = typer.Option(None, min=1, help="Use at most this many files."),
-    codec: CodecName = CODEC,
-    # the demo's recipe (make demo): a 64 px image is 16x16 latent cells, 16 tokens at dit-train --config demo's
-    # patch 4, 8 images per 128-token row; 8x8-pixel cells would give 4 tokens, 32 images a row, a loader-bound run
-    pca_channels: int = PCA_CHANNELS,
-    pca_patch: int = typer.Option(4, min=1, max=16, help=PCA_PATCH.help),
-    latent_norm: LatentNorm = typer.Option(LatentNorm.global_, help=LATENT_NORM.help),
-    pixel_factor: int = PIXEL_FACTOR, vae: str = VAE,
-    vae_class: VaeClass = VAE_CLASS, text_encoder: str = TEXT, fit_samples: int = FIT, workers: int = WORKERS,
-    shard_size: int = SHARD, overwrite: bool = OVERWRITE, keep_partial: bool = KEEP_PARTIAL,
+    *, encode: EncodeOptions, write: WriteOptions,
 ) -> None:
     """Your own images and videos; captions from sidecar .txt files or a captions.jsonl ({"file", "caption"})."""
     from dit_prepare.sources import FolderSource, Framing
     from dit_prepare.tokens import largest_patch, shipped_model_shapes
 
-    choice = _codec(codec, pca_channels, pca_patch, latent_norm, pixel_factor, vae, vae_class)
+    choice = encode.codec_choice()
     patch = largest_patch(shipped_model_shapes())
     unit = choice.spatial_factor() * patch
     if size % unit:
         lower, upper = max(unit, size // unit * unit), (size // unit + 1) * unit
-        _fail(f"--size {size} is not a multiple of {unit} (the codec's {choice.spatial_factor()} pixels per latent "
-              f"cell x patch {patch}, the largest of dit-train's configs): use {lower} or {upper}")
+        fail(f"--size {size} is not a multiple of {unit} (the codec's {choice.spatial_factor()} pixels per latent "
+             f"cell x patch {patch}, the largest of dit-train's configs): use {lower} or {upper}")
     framing = Framing(str(fit), size, unit)
-    _run(lambda factor: FolderSource(path, framing, frames, fps, limit=num), out, choice, text_encoder,
-         fit_samples, workers, shard_size, overwrite, keep_partial)
+    _run(lambda factor: FolderSource(path, framing, frames, fps, limit=num), out, choice, encode, write)
 
 
 @app.command()
+@option_groups(WriteOptions)
 def mock(
     out: Path = OUT,
     num: int = typer.Option(1000, min=1, help="Number of samples."),
@@ -245,51 +295,25 @@ def mock(
     text_len: int = typer.Option(32, min=0, help="Text tokens per sample."),
     text_dim: int = typer.Option(384, min=0, help="Width of the text states (0: no text)."),
     seed: int = SEED,
-    shard_size: int = SHARD,
-    overwrite: bool = OVERWRITE,
-    keep_partial: bool = KEEP_PARTIAL,
+    *, write: WriteOptions,
 ) -> None:
     """Random latents and text states of given shapes, for throughput work (nothing to decode)."""
-    import torch
-
-    from ditcore.data.schema import DatasetInfo
-    from ditcore.data.writer import ShardWriter, finish_dataset, removed_on_failure, start_dataset
-    from ditcore.layout import SIGMA_DATA
+    from dit_prepare.pipeline import dist_env, prepare
+    from dit_prepare.sources import MockSource
 
     try:
         shapes = [tuple(int(v) for v in s.split(",")) for s in (latent_shape, video_latent_shape)]
         if any(len(s) != 4 or min(s) < 1 for s in shapes) or shapes[0][0] != shapes[1][0]:
             raise ValueError
     except ValueError:
-        _fail(f"--latent-shape {latent_shape!r} / --video-latent-shape {video_latent_shape!r}: expected four "
-              "positive integers C,T,H,W each, with the same C")
-    t0 = time.perf_counter()
+        fail(f"--latent-shape {latent_shape!r} / --video-latent-shape {video_latent_shape!r}: expected four "
+             "positive integers C,T,H,W each, with the same C")
     with _one_line_errors():
-        created = not out.exists()
-        start_dataset(out, overwrite)
-        with removed_on_failure(out, created, keep_partial):
-            g = torch.Generator().manual_seed(seed)
-            videos = 0
-            with ShardWriter(out, max_count=shard_size) as writer:
-                for i in range(num):
-                    video = bool(torch.rand((), generator=g) < video_ratio)
-                    videos += video
-                    latent = torch.randn(shapes[video], generator=g) * SIGMA_DATA
-                    text = torch.randn(text_len if text_dim else 0, text_dim, generator=g)
-                    writer.write(f"{i:08d}", latent, text, {"caption": f"mock sample {i}", "frames": shapes[video][1],
-                                                            "fps": 8.0 if video else 0.0, "source": f"mock:{seed}:{i}"})
-            C = shapes[0][0]
-            info = DatasetInfo(codec={"kind": "none", "note": "mock data: random latents, nothing to decode"},
-                               latent_stats={"mean": [0.0] * C, "std": [1.0] * C},
-                               text_encoder={"name": "mock", "dim": text_dim},
-                               latent_channels=C, spatial_factor=1, temporal_factor=1,
-                               counts={"samples": num, "images": num - videos, "videos": videos, "skipped": {},
-                                       "latent_shapes": dict(writer.latent_shapes),
-                                       "latent_shape_keys": writer.shape_keys})
-            finish_dataset(out, info)
-    typer.echo(f"dataset   {out}\nsamples   {num} ({num - videos} images, {videos} clips) in "
-               f"{info.counts['shards']} shards, {writer.bytes / 2**20:.1f} MiB\n"
-               f"time      {time.perf_counter() - t0:.1f} s")
+        summary = prepare(MockSource(num, *shapes, video_ratio, text_len, text_dim, seed), out,
+                          shard_size=write.shard_size, overwrite=write.overwrite, keep_partial=write.keep_partial,
+                          progress=False)
+    if dist_env()[0] == 0:
+        typer.echo(f"dataset   {out}\n{summary.lines()[0]}\ntime      {summary.seconds:.1f} s")
 
 
 run = entry_point(app)  # the console script: usage errors are one line, exit code 2

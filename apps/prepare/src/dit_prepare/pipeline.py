@@ -1,5 +1,7 @@
 """Source → (fit codec) → latent statistics → encode → shards → Energon index → ditcore.json.
 
+A source of latents (`encoded`, the mock source) skips fitting and encoding: its samples are written as they are.
+
 Under torchrun every rank writes its own shards (`rank{r}-%06d.tar`) from every world-th sample; rank 0
 indexes and writes ditcore.json once all ranks are done. The codec is fitted and the statistics measured on
 the same first `fit_samples` samples on every rank, so all ranks agree without communicating.
@@ -21,7 +23,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from dit_prepare.sources import Item, Skip, SourceError
+from dit_prepare.sources import Item, Latents, Skip, SourceError
 from ditcore.codecs import Codec, DiffusersVAECodec, LatentStats, PatchPCACodec, PixelCodec, psnr
 from ditcore.codecs.text import TextEncoder
 from ditcore.data.schema import DatasetInfo
@@ -152,10 +154,12 @@ def fit_codec(choice: CodecChoice, items: list[Item]) -> tuple[Codec, float | No
     return codec, quality
 
 
-def prepare(source, out: Path, *, codec: CodecChoice, text_encoder: TextEncoder, fit_samples: int = 256,
-            workers: int = 0, shard_size: int = 1000, overwrite: bool = False, progress: bool = True,
-            num_classes: int = 0, keep_partial: bool = False) -> Summary:
-    """Write the dataset. On any failure or interrupt the partial output is removed unless keep_partial."""
+def prepare(source, out: Path, *, codec: CodecChoice | None = None, text_encoder: TextEncoder | None = None,
+            fit_samples: int = 256, workers: int = 0, shard_size: int = 1000, overwrite: bool = False,
+            progress: bool = True, num_classes: int = 0, keep_partial: bool = False) -> Summary:
+    """Write the dataset. On any failure or interrupt the partial output is removed unless keep_partial.
+
+    codec and text_encoder: how a source of pixels is encoded (a source of latents needs neither)."""
     rank, world = dist_env()
     if world > 1:
         import torch.distributed as dist
@@ -170,33 +174,27 @@ def prepare(source, out: Path, *, codec: CodecChoice, text_encoder: TextEncoder,
                         workers=workers, shard_size=shard_size, progress=progress, num_classes=num_classes)
 
 
-def _prepare(source, out: Path, *, codec: CodecChoice, text_encoder: TextEncoder, fit_samples: int, workers: int,
-             shard_size: int, progress: bool, num_classes: int) -> Summary:
+def _prepare(source, out: Path, *, codec: CodecChoice | None, text_encoder: TextEncoder | None, fit_samples: int,
+             workers: int, shard_size: int, progress: bool, num_classes: int) -> Summary:
     rank, world = dist_env()
     t0 = time.perf_counter()
     summary = Summary()
 
     # 1. Fit the codec (PCA) and measure latent statistics on the first fit_samples samples. They are kept for
-    #    step 2, so no sample is loaded (a video decoded) twice.
-    loaded = dict(iterate(source, range(min(fit_samples, len(source))), workers))
-    fit_items = [it for it in loaded.values() if isinstance(it, Item)]
-    if not fit_items:
-        raise SourceError(f"none of the first {min(fit_samples, len(source))} samples could be read (unreadable "
-                          "files or missing captions): nothing to fit the codec on — check the input")
-    the_codec, summary.fit_psnr = fit_codec(codec, fit_items)
-    stats = LatentStats.measure(the_codec.encode(to_tensor(it.pixels)) for it in fit_items)
-    if codec.latent_norm == "global":
-        stats = stats.pooled()
-    del fit_items
+    #    step 2, so no sample is loaded (a video decoded) twice. A source of latents has nothing to fit.
+    if getattr(source, "encoded", False):
+        loaded, encode, describe = {}, (lambda samples: samples), source.info
+    else:
+        loaded, encoder = _fit(source, codec, text_encoder, fit_samples, workers, summary)
+        encode, describe = encoder, functools.partial(encoder.info, out)
 
     # 2. Encode and write this rank's samples.
     mine = range(rank, len(source), world)
     loaded = {i: it for i, it in loaded.items() if i % world == rank}  # the fitting samples this rank writes
-    texts = CaptionCache(text_encoder)
     # closed however the loop ends, so an error message starts on its own line, not after the bar
     with tqdm(total=len(mine), desc=f"rank {rank} encoding" if world > 1 else "encoding", unit="sample",
               disable=not progress or rank != 0) as bar, ShardWriter(out, rank=rank, max_count=shard_size) as writer:
-        pending: list[Item] = []
+        pending: list[Item | Latents] = []
         # the fitting samples come first in index order (they are the first ones), then the rest are loaded
         rest = iterate(source, [i for i in mine if i not in loaded], workers)
         for _, item in itertools.chain(((i, loaded.pop(i)) for i in list(loaded)), rest):
@@ -206,21 +204,17 @@ def _prepare(source, out: Path, *, codec: CodecChoice, text_encoder: TextEncoder
                 continue
             pending.append(item)
             if len(pending) >= 32:
-                _write(pending, the_codec, stats, texts, writer, summary)
+                _write(encode(pending), writer, summary)
                 pending = []
-        _write(pending, the_codec, stats, texts, writer, summary)
+        _write(encode(pending), writer, summary)
         summary.bytes, summary.latent_shapes = writer.bytes, writer.latent_shapes
         summary.shape_keys = writer.shape_keys
 
     # 3. Every rank done → rank 0 indexes and marks the dataset complete.
     totals = _sum_over_ranks(summary, world)
     if rank == 0:
-        config = the_codec.save(out)
         info = DatasetInfo(
-            codec=config, latent_stats=stats.to_dict(),
-            text_encoder={"name": text_encoder.name, "dim": text_encoder.dim},
-            latent_channels=the_codec.latent_channels, spatial_factor=the_codec.spatial_factor,
-            temporal_factor=the_codec.temporal_factor, num_classes=num_classes,
+            **describe(), num_classes=num_classes,
             counts={"samples": totals.samples, "images": totals.images, "videos": totals.videos,
                     "skipped": dict(totals.skipped), "latent_shapes": dict(totals.latent_shapes)},
         )
@@ -231,6 +225,21 @@ def _prepare(source, out: Path, *, codec: CodecChoice, text_encoder: TextEncoder
     totals.seconds = time.perf_counter() - t0
     totals.fit_psnr = summary.fit_psnr
     return totals
+
+
+def _fit(source, choice: CodecChoice, text_encoder: TextEncoder, fit_samples: int, workers: int,
+         summary: Summary) -> tuple[dict, Encoder]:
+    """The first fit_samples samples (index → Item or Skip) and the encoder fitted and measured on them."""
+    loaded = dict(iterate(source, range(min(fit_samples, len(source))), workers))
+    fit_items = [it for it in loaded.values() if isinstance(it, Item)]
+    if not fit_items:
+        raise SourceError(f"none of the first {min(fit_samples, len(source))} samples could be read (unreadable "
+                          "files or missing captions): nothing to fit the codec on — check the input")
+    codec, summary.fit_psnr = fit_codec(choice, fit_items)
+    stats = LatentStats.measure(codec.encode(to_tensor(it.pixels)) for it in fit_items)
+    if choice.latent_norm == "global":
+        stats = stats.pooled()
+    return loaded, Encoder(codec, stats, text_encoder)
 
 
 class CaptionCache:
@@ -246,18 +255,39 @@ class CaptionCache:
         return [self.states[c] for c in captions]
 
 
-def _write(items: list[Item], codec: Codec, stats: LatentStats, texts: CaptionCache, writer: ShardWriter,
-           summary: Summary) -> None:
-    if not items:
-        return
-    for item, text in zip(items, texts([it.caption for it in items]), strict=True):
-        latent = stats.normalize(codec.encode(to_tensor(item.pixels)))[0]  # (C, T', H', W'), std SIGMA_DATA
-        frames, height, width = item.pixels.shape[:3]
-        meta = {"caption": item.caption, "height": height, "width": width, "frames": frames, "fps": item.fps,
-                **item.meta}
-        writer.write(item.key, latent, text, meta)
+class Encoder:
+    """Items → Latents: pixels through the fitted codec and the latent statistics, captions through the text
+    encoder."""
+
+    def __init__(self, codec: Codec, stats: LatentStats, text_encoder: TextEncoder):
+        self.codec, self.stats, self.text_encoder = codec, stats, text_encoder
+        self.texts = CaptionCache(text_encoder)
+
+    def __call__(self, items: list[Item]) -> list[Latents]:
+        if not items:
+            return []
+        samples = []
+        for item, text in zip(items, self.texts([it.caption for it in items]), strict=True):
+            latent = self.stats.normalize(self.codec.encode(to_tensor(item.pixels)))[0]  # (C, T', H', W')
+            frames, height, width = item.pixels.shape[:3]
+            meta = {"caption": item.caption, "height": height, "width": width, "frames": frames, "fps": item.fps,
+                    **item.meta}
+            samples.append(Latents(item.key, latent, text, meta, video=frames > 1))
+        return samples
+
+    def info(self, out: Path) -> dict:
+        """The DatasetInfo fields that describe the latents; saves the codec (a PCA basis) into `out`."""
+        return {"codec": self.codec.save(out), "latent_stats": self.stats.to_dict(),
+                "text_encoder": {"name": self.text_encoder.name, "dim": self.text_encoder.dim},
+                "latent_channels": self.codec.latent_channels, "spatial_factor": self.codec.spatial_factor,
+                "temporal_factor": self.codec.temporal_factor}
+
+
+def _write(samples: list[Latents], writer: ShardWriter, summary: Summary) -> None:
+    for sample in samples:
+        writer.write(sample.key, sample.latent, sample.text, sample.meta)
         summary.samples += 1
-        if frames > 1:
+        if sample.video:
             summary.videos += 1
         else:
             summary.images += 1

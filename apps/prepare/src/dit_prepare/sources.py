@@ -1,6 +1,9 @@
 """Where raw samples come from. A source is random-access (`len`, `load(i)`), so rank-sharded writing, worker
 pools and the codec's fitting subset all see the same samples; `load` returns pixels (F, H, W, 3) uint8
 already resized/cropped to what the codec can encode, or raises Skip with a reason.
+
+A source whose samples are latents already (`encoded = True`: the mock source) returns `Latents` from `load`
+and describes them with `info()`; the pipeline then fits and encodes nothing and writes them as they are.
 """
 
 from __future__ import annotations
@@ -13,8 +16,12 @@ import socket
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    import torch
 
 IMAGE_EXTS = {".png", ".jpg", ".jpeg", ".webp"}
 VIDEO_EXTS = {".mp4", ".webm", ".gif"}
@@ -40,6 +47,17 @@ class Item:
     caption: str
     fps: float = 0.0
     meta: dict = field(default_factory=dict)  # extra JSON metadata (source id, label, ...)
+
+
+@dataclass
+class Latents:
+    """A sample as it is written: latents and text states (what the pipeline encodes an Item into)."""
+
+    key: str
+    latent: torch.Tensor  # (C, T, H, W), std SIGMA_DATA
+    text: torch.Tensor  # (L, D) text states
+    meta: dict  # the sample's JSON metadata: caption, frames, fps, source, ...
+    video: bool  # counted as a clip, not an image
 
 
 def fit_frame(img, size: int, factor: int) -> np.ndarray:
@@ -133,6 +151,61 @@ class SyntheticSource:
         pixels, caption, meta = generate(i, self.seed, self.size, self.frames, self.video_ratio, self.simple)
         info = {"source": f"synthetic:{self.seed}:{i}", "colour": meta["colour"], "video": meta["video"]}
         return Item(f"{i:08d}", pixels, caption, self.fps if meta["video"] else 0.0, info)
+
+
+class MockSource:
+    """Random latents and text states of given shapes, for throughput work: nothing to fit, encode or decode.
+
+    The samples are one stream drawn from torch.Generator(seed), as `dit-prepare mock` has always written them.
+    `load(i)` moves the stream on to sample i, drawing and dropping the samples in between, and starts it again
+    only when asked for an earlier sample: reading in index order (one process, or a rank's every world-th
+    sample) costs one pass. (Worker pools would restart it per task: mock has no --workers.)
+    """
+
+    encoded = True
+
+    def __init__(self, num: int, image_shape: tuple[int, ...], video_shape: tuple[int, ...], video_ratio: float,
+                 text_len: int, text_dim: int, seed: int):
+        self.num, self.shapes, self.video_ratio, self.seed = num, (image_shape, video_shape), video_ratio, seed
+        self.text_shape = (text_len if text_dim else 0, text_dim)
+        self._stream, self._next = None, 0  # the generator and the index of the sample it draws next
+
+    def __len__(self) -> int:
+        return self.num
+
+    def load(self, i: int) -> Latents:
+        import torch
+
+        if self._stream is None or i < self._next:
+            self._stream, self._next = torch.Generator().manual_seed(self.seed), 0
+        while self._next <= i:
+            sample = self._draw(self._next)
+            self._next += 1
+        return sample
+
+    def _draw(self, i: int) -> Latents:
+        import torch
+
+        from ditcore.layout import SIGMA_DATA
+
+        video = bool(torch.rand((), generator=self._stream) < self.video_ratio)
+        shape = self.shapes[video]
+        latent = torch.randn(shape, generator=self._stream) * SIGMA_DATA
+        text = torch.randn(self.text_shape, generator=self._stream)
+        meta = {"caption": f"mock sample {i}", "frames": shape[1], "fps": 8.0 if video else 0.0,
+                "source": f"mock:{self.seed}:{i}"}
+        return Latents(f"{i:08d}", latent, text, meta, video)
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_stream": None, "_next": 0}  # a generator does not pickle: a copy starts afresh
+
+    def info(self) -> dict:
+        """The DatasetInfo fields that describe these latents (ditcore.data.schema)."""
+        channels = self.shapes[0][0]
+        return {"codec": {"kind": "none", "note": "mock data: random latents, nothing to decode"},
+                "latent_stats": {"mean": [0.0] * channels, "std": [1.0] * channels},
+                "text_encoder": {"name": "mock", "dim": self.text_shape[1]},
+                "latent_channels": channels, "spatial_factor": 1, "temporal_factor": 1}
 
 
 class ButterflySource:

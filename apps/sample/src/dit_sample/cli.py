@@ -10,7 +10,7 @@ from pathlib import Path
 
 import typer
 
-from ditcore.cli import entry_point, version_option
+from ditcore.cli import entry_point, fail, version_option
 
 app = typer.Typer(
     name="dit-sample",
@@ -71,7 +71,7 @@ def generate(
 
     problem = output_problem(out)
     if problem:
-        _fail(problem)
+        fail(problem)
     try:
         sampler = Sampler.load(checkpoint)
         if not sampler.class_conditional and not prompt:
@@ -88,16 +88,16 @@ def generate(
         with step_bar(steps, "sampling") as bar:
             result, seconds = sampler.run(**request, fps=fps, callback=bar)
     except (RequestError, FileNotFoundError, ValueError, KeyError) as e:
-        _fail(str(e))
+        fail(str(e))
     n = result.pixels.shape[0]
     for i, pixels in enumerate(result.pixels):
         target = out if n == 1 else out.with_name(f"{out.stem}-{i}{out.suffix}")
         try:
             written = write_sample(pixels.numpy(), target, fps=fps)
         except DiskFull as e:  # names the file and the space free
-            _fail(str(e))
+            fail(str(e))
         except (OSError, RuntimeError) as e:  # e.g. the disk filled up, or ffmpeg could not write there
-            _fail(f"could not write {target}: {e}")
+            fail(f"could not write {target}: {e}")
         typer.echo(f"wrote {written}")
     typer.echo(f"{n} sample(s) of {frames}x{height}x{width}: {result.nfe} denoiser evaluations "
                f"({'2x' if guidance != 1 else '1x'} batch for guidance), seed {seed}: generated in {seconds:.2f} s, "
@@ -120,7 +120,7 @@ def serve(
 
     problem = port_problem(host, port)  # before the model loads: a taken port should fail in seconds
     if problem:
-        _fail(problem)
+        fail(problem)
     warning = exposure_warning(host)
     if warning:
         typer.echo(warning, err=True)
@@ -128,7 +128,7 @@ def serve(
         demo = build_app(checkpoint, concurrency=concurrency, queue_size=queue_size,
                          max_token_steps=max_token_steps)
     except (FileNotFoundError, ValueError, KeyError) as e:
-        _fail(str(e))
+        fail(str(e))
     typer.echo(f"serving {checkpoint} on http://{host}:{port}")
     # `docker stop`, systemd and `kill` send SIGTERM: stop as on Ctrl-C, so that the server closes and the app's
     # temporary folder of request outputs is removed (by default SIGTERM ends Python without its exit handlers)
@@ -136,16 +136,11 @@ def serve(
     try:
         demo.launch(server_name=host, server_port=port, share=False, quiet=True, **launch_options())
     except OSError as e:  # the port was taken between the check and the launch
-        _fail(f"cannot serve on {host}:{port}: {e} — pass a free port with --port")
+        fail(f"cannot serve on {host}:{port}: {e} — pass a free port with --port")
 
 
 def _interrupt(signum, frame):
     raise KeyboardInterrupt
-
-
-def _fail(message: str):
-    typer.echo(f"error: {message}", err=True)
-    raise typer.Exit(2)
 
 
 run = entry_point(app)  # the console script: usage errors are one line, exit code 2

@@ -7,7 +7,7 @@ from pathlib import Path
 import typer
 
 from dit_train.config import SHIPPED_NAMES, shipped_configs
-from ditcore.cli import entry_point, version_option
+from ditcore.cli import entry_point, fail, version_option
 
 app = typer.Typer(name="dit-train", add_completion=False, pretty_exceptions_enable=False)
 
@@ -61,7 +61,7 @@ def main(
     try:
         cfg = load_config(find_config(config) if config else None, overrides or [])
     except ConfigError as e:
-        _fail(str(e))
+        fail(str(e))
     if print_config:
         typer.echo(cfg.to_yaml(), nl=False)
         raise typer.Exit()
@@ -72,7 +72,7 @@ def main(
             hint = ""
             if isinstance(e, ConfigError) and e.key == "parallel" and world_size is None:
                 hint = f" (the world size is parallel.devices={cfg.parallel.devices}: pass --world-size, the GPUs)"
-            _fail(f"{e}{hint}")
+            fail(f"{e}{hint}")
         raise typer.Exit(0 if fits else 2)
     from dit_train.rundir import RunDirInUse
     from dit_train.train import Diverged, Interrupted, train
@@ -83,7 +83,7 @@ def main(
         result = train(cfg, resume=resume, config_yaml=cfg.to_yaml(), overwrite=overwrite)
     except (ConfigError, DatasetError, runs.CheckpointError, Diverged, NotCompiled, FileNotFoundError, ValueError,
             RunDirInUse) as e:
-        _fail(str(e))
+        fail(str(e))
     except Interrupted as e:  # a second Ctrl-C
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(130) from None
@@ -91,7 +91,7 @@ def main(
         if not disk.is_disk_full(e):
             raise
         path = e.filename or Path(cfg.train.run_dir) / "."
-        _fail(str(e) if isinstance(e, disk.DiskFull) else str(disk.disk_full(f"could not write {path}", path)))
+        fail(str(e) if isinstance(e, disk.DiskFull) else str(disk.disk_full(f"could not write {path}", path)))
     if not result["stopped"] and result["rank"] == 0:  # one summary, not one per process
         run = Path(cfg.train.run_dir)
         typer.echo(f"done: {result['step']} steps; export {runs.export_dir(run)}; loss curve {run / runs.LOSS_PLOT}")
@@ -148,11 +148,6 @@ def print_plan(cfg, world_size: int, gpu_memory: float, text_len: int | None, te
         tried = f"even with {' '.join(changes)} it needs {better.total / GiB:.1f} GiB" if changes else "nothing helps"
         typer.echo(f"error: {need} — {tried}: use more GPUs (--world-size) or a smaller model", err=True)
     return False
-
-
-def _fail(message: str):
-    typer.echo(f"error: {message}", err=True)
-    raise typer.Exit(2)
 
 
 run = entry_point(app)  # the console script: usage errors are one line, exit code 2

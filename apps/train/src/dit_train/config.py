@@ -152,9 +152,10 @@ class Parallel(Section):
 
     @model_validator(mode="after")
     def _fsdp_without_pipeline(self) -> Parallel:
-        if self.fsdp and self.pp > 1:
-            raise ConfigError("parallel.fsdp", True, "false with parallel.pp > 1: FSDP over pipeline stages is not "
-                                                     "available yet (use tp/dp with pp, or fsdp without it)")
+        if self.fsdp:  # importing ditcore.parallel costs seconds (torch.distributed.tensor): only FSDP configs pay
+            from ditcore.parallel.dims import ParallelDims
+
+            ParallelDims(pp=self.pp).check_fsdp(self.fsdp)
         return self
 
 

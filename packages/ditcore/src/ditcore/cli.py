@@ -23,6 +23,12 @@ def version_option(dist_name: str):
     return typer.Option(False, "--version", callback=show, is_eager=True, help="Print the version and exit.")
 
 
+def fail(message: str):
+    """A problem a command found in what it was given: `error: <message>` on stderr, exit code 2, no traceback."""
+    typer.echo(f"error: {message}", err=True)
+    raise typer.Exit(2)
+
+
 def entry_point(app: typer.Typer) -> Callable[[], None]:
     """The console-script function for `app`: every usage error is one line on stderr and exit code 2.
 

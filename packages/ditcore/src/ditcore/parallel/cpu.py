@@ -1,9 +1,12 @@
 """Megatron-Core on a CPU-only machine (gloo): the shims, all in one place, applied only without CUDA.
 
-Measured failures and fixes are in shared/notes/megatron-on-cpu.md. What is shimmed here:
+What is shimmed here, with the failures it fixes (measured with megatron-core 0.16.1 and torch 2.13 on CPU):
 - `torch.cuda.current_device()` is Megatron's allocation device (global memory buffer, sequence-parallel
-  all-gathers, parameter allocation): make it "cpu".
-- The model-parallel RNG tracker stores CUDA generator states: a tracker that swaps the CPU generator.
+  all-gathers, parameter allocation, `DotProductAttention`), which fails with "AssertionError: Torch not
+  compiled with CUDA enabled": make it "cpu".
+- The model-parallel RNG tracker stores CUDA generator states: `model_parallel_cuda_manual_seed` fails with the
+  same assertion, then attention's `fork()` with "cuda rng state model-parallel-rng is not added". A tracker
+  that swaps the CPU generator's state instead, seeded as Megatron seeds (seed + 2718 + tp_rank).
 What is not needed: Megatron's SP-capable norm and its attention modules. ditcore's DiT uses its own norms
 (their gradients under SP are reduced by `finalize_grads`) and its own attention (SDPA with a block-diagonal
 mask for packed rows; K/V all-gathered over the context-parallel group), which run on CPU and GPU alike.

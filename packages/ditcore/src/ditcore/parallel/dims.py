@@ -45,6 +45,15 @@ class ParallelDims:
                 f"{dp}: tp*cp*pp*dp must equal the world size {world_size}, and tp*cp*pp = {model_parallel}")
         return ParallelDims(self.tp, self.cp, self.pp, dp, self.sequence_parallel)
 
+    def check_fsdp(self, fsdp: bool) -> None:
+        """The one home of the rule "no FSDP with PP", which dit-train's config and `apply_fsdp` ask. 1F1B runs
+        several forwards before their backwards and a stage's gradients are averaged after the schedule
+        (ditcore.parallel.pipeline.reduce_grads); FSDP2's per-block gathers and reduce-scatters are not wired into
+        that schedule."""
+        if fsdp and self.pp > 1:
+            raise ConfigError("parallel.fsdp", True, "false with parallel.pp > 1: FSDP over pipeline stages is not "
+                                                     "available yet (use tp/dp with pp, or fsdp without it)")
+
     def check_model(self, num_heads: int, seq_len: int | None = None, depth: int | None = None,
                     num_kv_heads: int | None = None) -> None:
         """Errors for a model/sequence that this layout cannot split. Call on every rank before any collective."""

@@ -26,7 +26,6 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from ditcore.errors import ConfigError
 from ditcore.models.techniques import held_blocks
 from ditcore.parallel.dims import ParallelGroups
 
@@ -57,9 +56,7 @@ def apply_fsdp(model: nn.Module, groups: ParallelGroups, device_type: str, param
     """
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    if groups.dims.pp > 1:
-        raise ConfigError("parallel.fsdp", True, "false with parallel.pp > 1: FSDP over pipeline stages is not "
-                                                 "available yet")
+    groups.dims.check_fsdp(True)
     tags = {name: dict(vars(p)) for name, p in model.named_parameters()}
     mesh = dp_cp_mesh(groups, device_type)
     # Inputs are left in their dtype (cast_forward_inputs=False): autocast decides the compute dtype per op, as
