@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ditcore.errors import ConfigError
-from ditcore.layout import grid_positions, patchify, per_token, unpatchify
+from ditcore.layout import grid_positions, on_host, patchify, per_token, unpatchify
 from ditcore.models.attention import Mask, attend, check_backend, resolve, segments
 
 # --------------------------------------------------------------------------------------------------
@@ -526,7 +526,7 @@ class DiT(nn.Module):
         """
         cfg = self.cfg
         B, N, _ = x.shape
-        if pos.device.type == "cpu":  # free on the host; on a GPU it would stall every forward (callers check)
+        if on_host(pos):  # free on the host; on a GPU it would stall every forward (callers check)
             check_positions(pos, cfg.max_grid)
         attn_span, local = self.rows.spans(N)  # tokens this rank's attention sees; tokens it holds
         seg_local = None if seg is None else seg[:, local]
