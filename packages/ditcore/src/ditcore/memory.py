@@ -52,13 +52,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from ditcore.diffusion import EDMLoss, EDMPrecond
 from ditcore.errors import ConfigError
 from ditcore.layout import grid_rows
-from ditcore.models import apply_activation_checkpointing, build
+from ditcore.models import apply_activation_checkpointing, attention, build
 from ditcore.models.dit import DiTConfig, RowSplit
 from ditcore.models.techniques import ACTIVATION_CHECKPOINTING
 from ditcore.parallel.dims import ParallelDims
@@ -325,7 +326,7 @@ def _stage_plan(cfg: DiTConfig, lay: Layout, params: list[Param], act: Activatio
         comm += lay.micro_batch * lay.seq_length // lay.cp * cfg.hidden_size * compute
     if stage < lay.pp - 1:  # the gradient of the hidden states it sent on, received from the next stage
         comm += act.hidden
-    saved, peak = _stage_activations(act, lay, stage_blocks(cfg.depth, lay.pp, stage), stage)
+    saved, peak = _stage_activations(act, lay, stage_blocks(cfg.depth, lay.pp, stage), cfg.depth, stage)
     return Plan(layout=lay, params=sum(p.full for p in params), params_local=sum(p.numel for p in mine),
                 weights=weights, grads=grads, optimizer=optimizer, ema=ema, autocast_cache=autocast_cache,
                 comm_buffers=comm, activations=peak, saved_activations=saved, stage=stage)
@@ -336,24 +337,26 @@ class Activations:
     """Bytes of activations that one micro-batch's forward keeps for backward on one rank, by where they are kept."""
 
     blocks: tuple[int, ...]  # each block's (with checkpointing: its checkpoint's), over one period of the blocks
+    final: tuple[int, ...]  # the same for the model's last period, whose last output only the head may keep
     recompute: int  # what a checkpointed block's backward brings back, beyond what its checkpoint kept
     shared: int  # outside the blocks, on every pipeline stage: the conditioning, positions, the text, masks
     embed: int  # the patch embedder's and the first block's input: the first stage
     head: int  # the final layer and the loss: the last stage, whose backward runs (and frees them) first
     hidden: int  # the hidden states of the tokens a rank holds: what a stage receives and keeps for backward
 
-    def of_blocks(self, blocks: list[int]) -> int:
-        return sum(self.blocks[i % len(self.blocks)] for i in blocks)
+    def of_blocks(self, blocks: list[int], depth: int) -> int:
+        period = len(self.blocks)
+        return sum((self.final if i >= depth - period else self.blocks)[i % period] for i in blocks)
 
 
-def _stage_activations(act: Activations, lay: Layout, blocks: list[int], stage: int) -> tuple[int, int]:
+def _stage_activations(act: Activations, lay: Layout, blocks: list[int], depth: int, stage: int) -> tuple[int, int]:
     """(bytes the forwards in flight keep for backward, peak bytes over forward and backward) on a rank of `stage`,
     which holds `blocks`. Each micro-batch in flight keeps its forward's: a block's record holds what it made, its
     output included, so a stage that does not embed the patches keeps the hidden states it received instead. With
     checkpointing the peak comes in the oldest one's backward, when its last block runs again (on the last stage,
     once the head is freed)."""
     first, last = stage == 0, stage == lay.pp - 1
-    kept = act.of_blocks(blocks) + act.shared + (act.embed if first else act.hidden) + (act.head if last else 0)
+    kept = act.of_blocks(blocks, depth) + act.shared + (act.embed if first else act.hidden) + (act.head if last else 0)
     kept *= lay.in_flight(stage)
     return kept, kept + max(0, act.recompute - (act.head if last else 0))
 
@@ -365,7 +368,7 @@ def _activations(cfg: DiTConfig, lay: Layout) -> Activations:
     kept = _record(cfg, _RecordKey.of(lay, lay.activation_checkpointing))
     whole = kept if lay.activation_checkpointing == "none" else _record(cfg, _RecordKey.of(lay, "none"))
     recompute = max(w - k for w, k in zip(whole.blocks, kept.blocks, strict=True))
-    return Activations(blocks=kept.blocks, recompute=recompute,
+    return Activations(blocks=kept.blocks, final=kept.final, recompute=recompute,
                        shared=kept.shared, embed=kept.embed, head=kept.head, hidden=kept.hidden)
 
 
@@ -384,25 +387,73 @@ class _RecordKey:
     precision: str
     checkpointing: str
     cuda: bool
+    flex: bool
 
     @classmethod
     def of(cls, lay: Layout, checkpointing: str) -> _RecordKey:
         return cls(lay.tp, lay.sequence_parallel and lay.tp > 1, lay.cp, lay.micro_batch, lay.seq_length,
-                   lay.text_len, lay.samples_per_row, lay.packed, lay.precision, checkpointing, lay.device == "cuda")
+                   lay.text_len, lay.samples_per_row, lay.packed, lay.precision, checkpointing, lay.device == "cuda",
+                   lay.attention == "flex")
 
 
 @dataclass(frozen=True)
 class _Record:
     blocks: tuple[int, ...]  # by block, one period of the model's blocks
+    final: tuple[int, ...]  # the last period's
     shared: int
     embed: int
     head: int
     hidden: int
 
 
-# What CUDA's kernels keep that the CPU's, which the record runs, keep otherwise: op → (index of an output, the
-# dtype CUDA keeps it in). LayerNorm's mean and rstd are fp32 on CUDA, in the input's dtype on the CPU.
+# What CUDA's kernels keep that the CPU's, which the record runs, keep otherwise.
+# - LayerNorm's mean and rstd: fp32 on CUDA, in the input's dtype on the CPU (op → its outputs' dtypes on CUDA).
 CUDA_KEEPS = {torch.ops.aten.native_layer_norm.default: ((1, torch.float32), (2, torch.float32))}
+
+
+class _FusedRMSNorm(torch.autograd.Function):
+    """- RMSNorm: CUDA's fused kernel (aten._fused_rms_norm) keeps its input and rstd (fp32); the CPU decomposes it,
+    in fp32, and keeps fp32 copies and the normalised values."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, shape, weight: torch.Tensor | None, eps: float | None) -> torch.Tensor:
+        with torch.no_grad():
+            out = F.rms_norm(x, shape, weight, eps)
+        ctx.save_for_backward(x, x.new_empty((*x.shape[:-len(shape)], *[1] * len(shape)), dtype=torch.float32),
+                              weight)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):  # never run: the record is a forward
+        raise NotImplementedError
+
+
+class _CudaNorms(TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is F.rms_norm:
+            x, shape, weight, eps = [*args, None, None][:4]
+            kwargs = kwargs or {}
+            return _FusedRMSNorm.apply(x, tuple(shape), kwargs.get("weight", weight), kwargs.get("eps", eps))
+        return func(*args, **(kwargs or {}))
+
+
+@contextlib.contextmanager
+def _flex_keeps():
+    """FlexAttention as CUDA runs it, for a record on fake CPU tensors (the CPU has no flex backward): its block
+    masks made by create_block_mask itself, its kernel one that keeps what flex's keeps, its output and logsumexp
+    (fp32), and no dense mask: the CPU's flash kernel without a mask. (Selective checkpointing then keeps that
+    output, as it does a compiled block's flex; an eager block's flex kernel it cannot see, and recomputes.)"""
+    create_block_mask, _ = attention._flex()
+    before = attention._KERNELS.get("cpu")
+    attention._KERNELS["cpu"] = attention._Kernels(
+        create_block_mask, lambda q, k, v, block_mask, enable_gqa: F.scaled_dot_product_attention(
+            q, k, v, enable_gqa=enable_gqa))
+    try:
+        yield
+    finally:
+        attention._KERNELS.pop("cpu")
+        if before is not None:
+            attention._KERNELS["cpu"] = before
 
 
 class _Meter(TorchDispatchMode):
@@ -412,19 +463,31 @@ class _Meter(TorchDispatchMode):
 
     def __init__(self, params: set, cuda: bool):
         super().__init__()
-        self.existing, self.params, self.cuda = set(params), params, cuda
-        self.made: dict[StorageWeakRef, list] = {}  # storage → [region, bytes]
+        self.params, self.cuda = params, cuda
+        self.existing: dict[StorageWeakRef, StorageWeakRef] = {ref: ref for ref in params}
+        self.made: dict[StorageWeakRef, tuple[StorageWeakRef, object, int]] = {}  # storage → (ref, region, bytes)
         self.region: object = "shared"
+
+    @staticmethod
+    def _live(table: dict, ref: StorageWeakRef) -> bool:
+        """Is ref in table, and not a freed storage whose address a new one took?"""
+        entry = table.get(ref)
+        held = entry if isinstance(entry, StorageWeakRef) else entry[0] if entry else None
+        if held is not None and held.expired():
+            del table[ref]
+            return False
+        return held is not None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         for t in inputs:
             ref = StorageWeakRef(t.untyped_storage())
-            if ref not in self.made:
-                self.existing.add(ref)
+            if not self._live(self.made, ref) and not self._live(self.existing, ref):
+                self.existing[ref] = ref
         out = func(*args, **(kwargs or {}))
         if func is torch.ops.aten._to_copy.default and StorageWeakRef(inputs[0].untyped_storage()) in self.params:
-            self.existing.add(StorageWeakRef(out.untyped_storage()))  # autocast's copy of a parameter
+            ref = StorageWeakRef(out.untyped_storage())  # autocast's copy of a parameter
+            self.existing[ref] = ref
             return out
         keeps = dict(CUDA_KEEPS.get(func, ())) if self.cuda else {}
         for i, t in enumerate(tree_leaves(out)):
@@ -433,14 +496,20 @@ class _Meter(TorchDispatchMode):
                 size = t.untyped_storage().nbytes()
                 if i in keeps:
                     size = size // t.element_size() * keeps[i].itemsize
-                if ref not in self.existing:
-                    self.made.setdefault(ref, [self.region, size])
+                if not self._live(self.existing, ref) and not self._live(self.made, ref):
+                    self.made[ref] = (ref, self.region, size)
         return out
+
+    def mark(self, t: torch.Tensor, region: object) -> None:
+        """Count a tensor's storage as made in `region`."""
+        ref = StorageWeakRef(t.untyped_storage())
+        if self._live(self.made, ref):
+            self.made[ref] = (self.made[ref][0], region, self.made[ref][2])
 
     def alive(self) -> dict[object, int]:
         by_region: dict[object, int] = {}
-        for ref, (region, size) in self.made.items():
-            if not ref.expired():
+        for held, region, size in self.made.values():
+            if not held.expired():
                 by_region[region] = by_region.get(region, 0) + size
         return by_region
 
@@ -453,7 +522,7 @@ def _record(cfg: DiTConfig, key: _RecordKey) -> _Record:
     included), the patch embedder (and the first block's input: the first pipeline stage's), the final layer and
     the loss (the last stage's), and everything else (the conditioning, positions, masks, text: every stage's).
 
-    The model is built with one period of its blocks (`_period`), as a rank holds it: the layers its TP plan splits
+    The model is built with two periods of its blocks (`_period`), as a rank holds it: the layers its TP plan splits
     cut to this rank's share, its heads divided; with sequence parallelism its tokens split outside the split
     layers; with context parallelism its rows split (an architecture that moves whole frames to ranks,
     `context_parallel = "all_to_all"`, is planned as rows of seq_length / cp tokens, as a rank holds them).
@@ -466,7 +535,9 @@ def _record(cfg: DiTConfig, key: _RecordKey) -> _Record:
     N = key.seq_length if key.cp == 1 or gather_cp else key.seq_length // key.cp
     cp = key.cp if gather_cp else 1
     sp = key.tp if key.sp and whole.context_parallel == "all_gather" else 1  # (ST-DiT's rows: whole, for now)
-    model = fake_model(cfg.replace(depth=period), change=lambda m: _rank_share(m, key.tp, sp, cp))
+    # two periods, of which the first is recorded: its last block's output is then kept (or not) as a block keeps it
+    model = fake_model(cfg.replace(depth=2 * period), "flex" if key.flex else "sdpa",
+                       change=lambda m: _rank_share(m, key.tp, sp, cp))
     apply_activation_checkpointing(model, key.checkpointing)
     meter = _Meter({StorageWeakRef(p.untyped_storage()) for p in model.parameters()}, key.cuda)
     hooks = [block.register_forward_pre_hook(lambda _, args, i=i: setattr(meter, "region", i))
@@ -476,11 +547,12 @@ def _record(cfg: DiTConfig, key: _RecordKey) -> _Record:
     hooks.append(model.final.register_forward_pre_hook(lambda *_: setattr(meter, "region", "head")))
 
     def first_input(_, args) -> None:  # the hidden states a stage receives: the first stage makes them
-        meter.made.get(StorageWeakRef(args[0].untyped_storage()), [None])[0:1] = ["embed"]
+        meter.mark(args[0], "embed")
 
     hooks.append(model.blocks[0].register_forward_pre_hook(first_input, prepend=True))
     autocast = torch.autocast("cpu", torch.bfloat16) if key.precision == "bf16" else contextlib.nullcontext()
-    with model.fake_mode:
+    with model.fake_mode, _flex_keeps() if key.flex else contextlib.nullcontext(), \
+            _CudaNorms() if key.cuda else contextlib.nullcontext():
         batch = _planned_batch(cfg, key.micro_batch, N, key.text_len if cfg.text_dim else 0, key.samples_per_row,
                                key.packed)
         with meter:
@@ -491,7 +563,8 @@ def _record(cfg: DiTConfig, key: _RecordKey) -> _Record:
     for hook in hooks:
         hook.remove()
     B, T = key.micro_batch, N // cp // sp
-    return _Record(blocks=tuple(alive.get(i, 0) for i in range(period)), shared=alive.get("shared", 0),
+    return _Record(blocks=tuple(alive.get(i, 0) for i in range(period)),
+                   final=tuple(alive.get(i, 0) for i in range(period, 2 * period)), shared=alive.get("shared", 0),
                    embed=alive.get("embed", 0), head=alive.get("head", 0),
                    hidden=B * T * cfg.hidden_size * DTYPE_BYTES[key.precision])
 
