@@ -21,13 +21,15 @@ One rank of a layout holds, in bytes:
   gradients are the plain fp32 ones counted above. With sequence parallelism, the all-gathered input of the running
   column-parallel linear (ditcore.parallel.tensor_parallel): a rank's whole slice of the rows. With pp > 1, on every
   stage but the last, the buffer that the gradient of its output arrives in: the hidden states (tokens it holds,
-  micro_batch, hidden_size) in the compute dtype. (The hidden states a stage receives are its first block's input,
-  counted in its activations.)
-- activations: the peak, over forward and backward, of what the forward keeps for backward (`_activations`). With
-  pp > 1 the non-interleaved 1F1B schedule keeps, at its peak, min(pp - s, micro_batches) micro-batches in flight on
-  stage s, each holding what its forward kept there: its blocks', the conditioning's (every stage), the patch
-  embedder's input (the first stage), the final layer's and the loss's (the last), and on every other stage the
-  hidden states it sent on, until their gradient comes back.
+  micro_batch, hidden_size) in the compute dtype.
+- activations: the peak, over forward and backward, of what the forward keeps for backward, recorded from the model
+  itself (`_record`): its training forward runs on fake tensors (shapes only: nothing is allocated, whatever the
+  width) at a rank's shapes, with the layout's checkpointing, and what is alive at its end is counted by where it was
+  made. CUDA's kernels keep some things otherwise than the CPU's that the record runs: flex attention, fused RMSNorm
+  and LayerNorm's statistics (`_flex_keeps`, `_CudaNorms`, `CUDA_KEEPS`). With pp > 1 the non-interleaved 1F1B
+  schedule keeps, at its peak, min(pp - s, micro_batches) micro-batches in flight on stage s, each holding what its
+  forward kept there: its blocks', the conditioning's (every stage), the patch embedder's (the first stage; the
+  others keep the hidden states they received instead), the final layer's and the loss's (the last).
 
 With pp > 1 the plan is computed for every stage and the most loaded one reported (`Plan.stage`): the first stage
 keeps the most micro-batches in flight, the last one holds the final layer and the loss.
@@ -388,12 +390,13 @@ class _RecordKey:
     checkpointing: str
     cuda: bool
     flex: bool
+    compile: bool
 
     @classmethod
     def of(cls, lay: Layout, checkpointing: str) -> _RecordKey:
         return cls(lay.tp, lay.sequence_parallel and lay.tp > 1, lay.cp, lay.micro_batch, lay.seq_length,
                    lay.text_len, lay.samples_per_row, lay.packed, lay.precision, checkpointing, lay.device == "cuda",
-                   lay.attention == "flex")
+                   lay.attention == "flex", lay.compile)
 
 
 @dataclass(frozen=True)
@@ -437,17 +440,36 @@ class _CudaNorms(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
+class _EagerFlex(torch.autograd.Function):
+    """What FlexAttention's autograd keeps: q, k, v, its output and logsumexp (fp32); made by ops that selective
+    checkpointing does not keep (an eager block calls a separately compiled kernel, which its policy cannot see)."""
+
+    @staticmethod
+    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        out, lse = torch.empty_like(q), q.new_empty(q.shape[:-1], dtype=torch.float32)
+        ctx.save_for_backward(q, k, v, out, lse)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):  # never run: the record is a forward
+        raise NotImplementedError
+
+
 @contextlib.contextmanager
-def _flex_keeps():
+def _flex_keeps(compiled: bool):
     """FlexAttention as CUDA runs it, for a record on fake CPU tensors (the CPU has no flex backward): its block
-    masks made by create_block_mask itself, its kernel one that keeps what flex's keeps, its output and logsumexp
-    (fp32), and no dense mask: the CPU's flash kernel without a mask. (Selective checkpointing then keeps that
-    output, as it does a compiled block's flex; an eager block's flex kernel it cannot see, and recomputes.)"""
+    masks made by create_block_mask itself (no dense mask), its kernel one that keeps what flex's keeps. In compiled
+    blocks selective checkpointing sees flex and keeps its output: the CPU's flash kernel without a mask, which keeps
+    the same and which the policy keeps too; in eager ones it is `_EagerFlex`."""
     create_block_mask, _ = attention._flex()
+
+    def flex(q, k, v, block_mask, enable_gqa):
+        if compiled:
+            return F.scaled_dot_product_attention(q, k, v, enable_gqa=enable_gqa)
+        return _EagerFlex.apply(q, k, v)
+
     before = attention._KERNELS.get("cpu")
-    attention._KERNELS["cpu"] = attention._Kernels(
-        create_block_mask, lambda q, k, v, block_mask, enable_gqa: F.scaled_dot_product_attention(
-            q, k, v, enable_gqa=enable_gqa))
+    attention._KERNELS["cpu"] = attention._Kernels(create_block_mask, flex)
     try:
         yield
     finally:
@@ -551,7 +573,7 @@ def _record(cfg: DiTConfig, key: _RecordKey) -> _Record:
 
     hooks.append(model.blocks[0].register_forward_pre_hook(first_input, prepend=True))
     autocast = torch.autocast("cpu", torch.bfloat16) if key.precision == "bf16" else contextlib.nullcontext()
-    with model.fake_mode, _flex_keeps() if key.flex else contextlib.nullcontext(), \
+    with model.fake_mode, _flex_keeps(key.compile) if key.flex else contextlib.nullcontext(), \
             _CudaNorms() if key.cuda else contextlib.nullcontext():
         batch = _planned_batch(cfg, key.micro_batch, N, key.text_len if cfg.text_dim else 0, key.samples_per_row,
                                key.packed)

@@ -82,10 +82,6 @@ class DiTConfig:
     def ffn(self) -> int:  # the MLP's hidden width
         return int(self.hidden_size * self.mlp_ratio)
 
-    gated_mlp = False  # a SwiGLU-style MLP: its input matrix is twice as tall (gate and up); not a config field
-    rms_norm = False  # the blocks' norms are RMSNorms (else LayerNorms); not a config field
-    factorised = False  # blocks attend within frames or within time-lines (ST-DiT), not over whole samples
-
     def attended(self, tokens: float, frames: float) -> float:
         """Keys each query attends over, on average over the blocks, in a sample of `tokens` tokens in `frames`
         frames: all of them (a factorised architecture's over fewer)."""

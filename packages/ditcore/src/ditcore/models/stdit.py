@@ -37,8 +37,6 @@ from ditcore.models.dit import AttentionInputs, DiT, DiTBlock, DiTConfig, RowSpl
 class STDiTConfig(DiTConfig):
     """`depth` counts blocks, spatial and temporal alike: depth 56 is 28 (spatial, temporal) pairs."""
 
-    factorised = True
-
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.depth % 2:
