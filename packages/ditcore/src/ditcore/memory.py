@@ -556,7 +556,7 @@ def _record(cfg: DiTConfig, key: _RecordKey) -> _Record:
     gather_cp = key.cp > 1 and whole.context_parallel == "all_gather"
     N = key.seq_length if key.cp == 1 or gather_cp else key.seq_length // key.cp
     cp = key.cp if gather_cp else 1
-    sp = key.tp if key.sp and whole.context_parallel == "all_gather" else 1  # (ST-DiT's rows: whole, for now)
+    sp = key.tp if key.sp else 1
     # two periods, of which the first is recorded: its last block's output is then kept (or not) as a block keeps it
     model = fake_model(cfg.replace(depth=2 * period), "flex" if key.flex else "sdpa",
                        change=lambda m: _rank_share(m, key.tp, sp, cp))
@@ -681,15 +681,16 @@ def _rank_share(model: nn.Module, tp: int, sp: int, cp: int) -> None:
                 parent, _, child = name.rpartition(".")
                 model.get_submodule(parent).register_module(child, _RankLinear(module, column, tp, gathers))
     if sp * cp > 1:
-        model.rows = _RankRows(sp, cp)
+        model.rows = _RankRows(model.rows, sp, cp)
 
 
 class _RankRows(RowSplit):
-    """A rank's slice of every row (ditcore.parallel.context_parallel's all-gather split): its queries are the row's
-    1/cp, the tokens it holds a 1/sp of those, the keys and values gathered whole (new tensors), the output too."""
+    """A rank's slice of every row, on one process (ditcore.parallel.context_parallel.SplitRows): its queries are
+    the row's 1/cp, the tokens it holds a 1/sp of those, the keys and values gathered whole (new tensors), the output
+    too. A model that regroups tokens between blocks (ST-DiT) gets its own `orders`, gathering its 1/sp first."""
 
-    def __init__(self, sp: int, cp: int):
-        self.sp, self.cp = sp, cp
+    def __init__(self, base: RowSplit, sp: int, cp: int):
+        self.base, self.sp, self.cp = base, sp, cp
 
     def spans(self, n: int) -> tuple[slice, slice]:
         return slice(0, n // self.cp), slice(0, n // (self.cp * self.sp))
@@ -699,6 +700,26 @@ class _RankRows(RowSplit):
 
     def gather(self, out: torch.Tensor) -> torch.Tensor:
         return out.repeat(self.cp * self.sp, 1, 1)
+
+    def orders(self, *args):
+        return _RankOrders(self.base.orders(*args), self.sp)
+
+
+class _RankOrders:
+    """ST-DiT's moves between frames and lines order under sequence parallelism (context_parallel.SwapRows): the
+    ranks' pieces gathered, moved, and this rank's piece kept."""
+
+    def __init__(self, whole, sp: int):
+        self.whole, self.sp, self.local = whole, sp, whole.local
+
+    def keys_values(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.whole.keys_values(k, v)
+
+    def to_lines(self, x: torch.Tensor) -> torch.Tensor:
+        return self.whole.to_lines(x.repeat(self.sp, 1, 1))[: x.shape[0]].clone()
+
+    def to_frames(self, x: torch.Tensor) -> torch.Tensor:
+        return self.whole.to_frames(x.repeat(self.sp, 1, 1))[: x.shape[0]].clone()
 
 
 # --------------------------------------------------------------------------------------------------
