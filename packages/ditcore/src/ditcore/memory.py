@@ -60,6 +60,7 @@ from torch.utils._pytree import tree_leaves
 
 from ditcore.diffusion import EDMLoss, EDMPrecond
 from ditcore.errors import ConfigError
+from ditcore.flops import fake_model
 from ditcore.layout import grid_rows
 from ditcore.models import apply_activation_checkpointing, attention, build
 from ditcore.models.dit import DiTConfig, RowSplit
@@ -409,14 +410,17 @@ class _Record:
     hidden: int
 
 
-# What CUDA's kernels keep that the CPU's, which the record runs, keep otherwise.
-# - LayerNorm's mean and rstd: fp32 on CUDA, in the input's dtype on the CPU (op → its outputs' dtypes on CUDA).
+# What CUDA's kernels keep that the CPU's, which the record runs, keep otherwise (a layout for CUDA records with them):
+# - LayerNorm: its mean and rstd in fp32; the CPU's in the input's dtype (CUDA_KEEPS: op → its outputs' dtypes);
+# - RMSNorm: the fused kernel keeps its input and rstd (fp32); the CPU decomposes it in fp32 and keeps fp32 copies and
+#   the normalised values (_FusedRMSNorm);
+# - FlexAttention: block masks, no dense (B, 1, Nq, Nk) mask; q, k, v, its output and logsumexp (fp32) (_flex_keeps).
+# SDPA's kernels keep the same on both: the output and logsumexp (flash, memory-efficient; the CPU's flash).
 CUDA_KEEPS = {torch.ops.aten.native_layer_norm.default: ((1, torch.float32), (2, torch.float32))}
 
 
 class _FusedRMSNorm(torch.autograd.Function):
-    """- RMSNorm: CUDA's fused kernel (aten._fused_rms_norm) keeps its input and rstd (fp32); the CPU decomposes it,
-    in fp32, and keeps fp32 copies and the normalised values."""
+    """RMSNorm as CUDA's fused kernel (aten._fused_rms_norm) keeps it: its input and rstd (fp32)."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, shape, weight: torch.Tensor | None, eps: float | None) -> torch.Tensor:
@@ -432,6 +436,8 @@ class _FusedRMSNorm(torch.autograd.Function):
 
 
 class _CudaNorms(TorchFunctionMode):
+    """F.rms_norm as on CUDA (`_FusedRMSNorm`)."""
+
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if func is F.rms_norm:
             x, shape, weight, eps = [*args, None, None][:4]
@@ -463,6 +469,8 @@ def _flex_keeps(compiled: bool):
     the same and which the policy keeps too; in eager ones it is `_EagerFlex`."""
     create_block_mask, _ = attention._flex()
 
+    # The kernels attend() calls for a device type are ditcore.models.attention's to choose; the record swaps the
+    # CPU's while it runs (fake tensors are CPU tensors), and puts them back.
     def flex(q, k, v, block_mask, enable_gqa):
         if compiled:
             return F.scaled_dot_product_attention(q, k, v, enable_gqa=enable_gqa)
@@ -536,6 +544,12 @@ class _Meter(TorchDispatchMode):
         return by_region
 
 
+# Elements (a period of blocks' parameters on a rank and its largest activation, B x N x max(D, N)) under which a
+# record runs on real tensors rather than fake ones: ~16 MB in fp32, which small models and the tests' layouts stay
+# under.
+REAL_BELOW = 2**22
+
+
 @functools.lru_cache(maxsize=256)
 def _record(cfg: DiTConfig, key: _RecordKey) -> _Record:
     """Run the model's training forward (EDM preconditioning and loss, as dit-train) on fake tensors at a rank's
@@ -544,34 +558,41 @@ def _record(cfg: DiTConfig, key: _RecordKey) -> _Record:
     included), the patch embedder (and the first block's input: the first pipeline stage's), the final layer and
     the loss (the last stage's), and everything else (the conditioning, positions, masks, text: every stage's).
 
-    The model is built with two periods of its blocks (`_period`), as a rank holds it: the layers its TP plan splits
+    The model is built with one period of its blocks (`_period`), as a rank holds it: the layers its TP plan splits
     cut to this rank's share, its heads divided; with sequence parallelism its tokens split outside the split
     layers; with context parallelism its rows split (an architecture that moves whole frames to ranks,
     `context_parallel = "all_to_all"`, is planned as rows of seq_length / cp tokens, as a rank holds them).
     """
-    from ditcore.flops import fake_model
-
     whole = _meta_model(cfg)
     period = _period(whole)
     gather_cp = key.cp > 1 and whole.context_parallel == "all_gather"
     N = key.seq_length if key.cp == 1 or gather_cp else key.seq_length // key.cp
     cp = key.cp if gather_cp else 1
     sp = key.tp if key.sp else 1
-    # two periods, of which the first is recorded: its last block's output is then kept (or not) as a block keeps it
-    model = fake_model(cfg.replace(depth=2 * period), "flex" if key.flex else "sdpa",
-                       change=lambda m: _rank_share(m, key.tp, sp, cp))
+    # A small rank runs for real: much faster, the same storages (REAL_BELOW). Not with flex, which attend() would
+    # give dense copies of q, k and v on a real CPU tensor (for the CPU's flex kernel).
+    B, D, held = key.micro_batch, cfg.hidden_size, sum(p.numel() for p in whole.blocks[:period].parameters())
+    real = not key.flex and held // key.tp + B * N * max(D, N // cp) // cp < REAL_BELOW
+    model = fake_model(cfg.replace(depth=period), "flex" if key.flex else "sdpa",
+                       change=lambda m: _rank_share(m, key.tp, sp, cp), real=real)
     apply_activation_checkpointing(model, key.checkpointing)
     meter = _Meter({StorageWeakRef(p.untyped_storage()) for p in model.parameters()}, key.cuda)
     hooks = [block.register_forward_pre_hook(lambda _, args, i=i: setattr(meter, "region", i))
              for i, block in enumerate(model.blocks)]
     hooks.append(model.x_embedder.register_forward_pre_hook(lambda *_: setattr(meter, "region", "embed")))
     hooks.append(model.x_embedder.register_forward_hook(lambda *_: setattr(meter, "region", "shared")))
-    hooks.append(model.final.register_forward_pre_hook(lambda *_: setattr(meter, "region", "head")))
+    ends = {}  # the hidden states going into the first block and out of the last one (into the final layer)
 
     def first_input(_, args) -> None:  # the hidden states a stage receives: the first stage makes them
         meter.mark(args[0], "embed")
+        ends["in"] = StorageWeakRef(args[0].untyped_storage())
+
+    def last_output(_, args) -> None:
+        meter.region = "head"
+        ends["out"], ends["bytes"] = StorageWeakRef(args[0].untyped_storage()), args[0].untyped_storage().nbytes()
 
     hooks.append(model.blocks[0].register_forward_pre_hook(first_input, prepend=True))
+    hooks.append(model.final.register_forward_pre_hook(last_output))
     autocast = torch.autocast("cpu", torch.bfloat16) if key.precision == "bf16" else contextlib.nullcontext()
     with model.fake_mode, _flex_keeps(key.compile) if key.flex else contextlib.nullcontext(), \
             _CudaNorms() if key.cuda else contextlib.nullcontext():
@@ -581,12 +602,14 @@ def _record(cfg: DiTConfig, key: _RecordKey) -> _Record:
             with autocast:
                 loss = EDMLoss()(EDMPrecond(model), batch.pop("x"), **batch)
             alive = meter.alive()
+            # Another period's first block would keep the last one's output as the first block kept its input
+            handed_on = ends["bytes"] if not ends["in"].expired() and ends["out"].expired() else 0
         del loss
     for hook in hooks:
         hook.remove()
-    B, T = key.micro_batch, N // cp // sp
-    return _Record(blocks=tuple(alive.get(i, 0) for i in range(period)),
-                   final=tuple(alive.get(i, 0) for i in range(period, 2 * period)), shared=alive.get("shared", 0),
+    T = N // cp // sp
+    final = tuple(alive.get(i, 0) for i in range(period))
+    return _Record(blocks=(*final[:-1], final[-1] + handed_on), final=final, shared=alive.get("shared", 0),
                    embed=alive.get("embed", 0), head=alive.get("head", 0),
                    hidden=B * T * cfg.hidden_size * DTYPE_BYTES[key.precision])
 
