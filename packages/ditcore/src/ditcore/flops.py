@@ -23,6 +23,8 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from ditcore.layout import grid_positions
+from ditcore.models import build
 from ditcore.models.dit import DiTConfig
 
 
@@ -42,8 +44,6 @@ def fake_model(cfg: DiTConfig, attention: str = "sdpa", change=None, real: bool 
     real: the same model on real, uninitialised CPU tensors (`fake_mode` then does nothing), for a small one: a fake
     op costs about 0.3 ms of Python, a real one on small tensors a few µs, and the shapes and storages are the same.
     """
-    from ditcore.models import build
-
     with torch.random.fork_rng(devices=[]), torch.device("meta"):  # the constructor draws a seed: leave it be
         model = build(cfg, attention=attention)
     if change is not None:
@@ -62,11 +62,26 @@ _PROBE_GRID, _PROBE_TEXT = (1, 2, 3), 5
 
 @functools.lru_cache(maxsize=64)
 def count_params(cfg: DiTConfig) -> FlopCount:
-    """The model's linear weights by what they are applied to, read from the model itself: one forward of its meta
+    """The model's linear weights by what they are applied to, read from the model itself: a forward of its fake
     model (shapes only, nothing allocated) on a probe sample, in which every nn.Linear reports the rows it
-    multiplies: the sample's tokens, its text tokens or the sample once."""
-    from ditcore.layout import grid_positions
+    multiplies: the sample's tokens, its text tokens or the sample once. The blocks repeat every `period` blocks, so
+    the model is probed with one period and with two: the second period's weights are every later one's."""
+    with torch.random.fork_rng(devices=[]), torch.device("meta"):  # the constructor draws a seed: leave it be
+        period = block_period(build(cfg))
+    one, two = (_probe(cfg.replace(depth=k * period)) for k in (1, 2))
+    repeats = cfg.depth // period - 1
+    return FlopCount(*(a + repeats * (b - a) for a, b in zip(one, two, strict=True)))
 
+
+def block_period(model: nn.Module) -> int:
+    """The fewest blocks after which the model's blocks repeat (1: all alike; ST-DiT: 2, spatial and temporal)."""
+    kinds = [type(block) for block in model.blocks]
+    return next(k for k in range(1, len(kinds) + 1)
+                if len(kinds) % k == 0 and all(kind is kinds[i % k] for i, kind in enumerate(kinds)))
+
+
+def _probe(cfg: DiTConfig) -> tuple[int, int, int]:
+    """(per-token, per-text-token, per-sample) weights of the model of cfg, from one forward of its fake model."""
     model = fake_model(cfg)
     n = _PROBE_GRID[0] * _PROBE_GRID[1] * _PROBE_GRID[2]
     rows = {n: 0, _PROBE_TEXT: 0, 1: 0}  # rows a linear multiplies → its weights' total
@@ -87,7 +102,7 @@ def count_params(cfg: DiTConfig) -> FlopCount:
               **cond)
     for hook in hooks:
         hook.remove()
-    return FlopCount(rows[n], rows[_PROBE_TEXT], rows[1])
+    return rows[n], rows[_PROBE_TEXT], rows[1]
 
 
 def training_flops_per_token(cfg: DiTConfig, seq_len: int, text_len: int = 0, frames: int = 1) -> float:

@@ -60,7 +60,7 @@ from torch.utils._pytree import tree_leaves
 
 from ditcore.diffusion import EDMLoss, EDMPrecond
 from ditcore.errors import ConfigError
-from ditcore.flops import fake_model
+from ditcore.flops import block_period, fake_model
 from ditcore.layout import grid_rows
 from ditcore.models import apply_activation_checkpointing, attention, build
 from ditcore.models.dit import DiTConfig, RowSplit
@@ -558,13 +558,13 @@ def _record(cfg: DiTConfig, key: _RecordKey) -> _Record:
     included), the patch embedder (and the first block's input: the first pipeline stage's), the final layer and
     the loss (the last stage's), and everything else (the conditioning, positions, masks, text: every stage's).
 
-    The model is built with one period of its blocks (`_period`), as a rank holds it: the layers its TP plan splits
+    The model is built with one period of its blocks (`block_period`), as a rank holds it: the layers its TP plan splits
     cut to this rank's share, its heads divided; with sequence parallelism its tokens split outside the split
     layers; with context parallelism its rows split (an architecture that moves whole frames to ranks,
     `context_parallel = "all_to_all"`, is planned as rows of seq_length / cp tokens, as a rank holds them).
     """
     whole = _meta_model(cfg)
-    period = _period(whole)
+    period = block_period(whole)
     gather_cp = key.cp > 1 and whole.context_parallel == "all_gather"
     N = key.seq_length if key.cp == 1 or gather_cp else key.seq_length // key.cp
     cp = key.cp if gather_cp else 1
@@ -612,13 +612,6 @@ def _record(cfg: DiTConfig, key: _RecordKey) -> _Record:
     return _Record(blocks=(*final[:-1], final[-1] + handed_on), final=final, shared=alive.get("shared", 0),
                    embed=alive.get("embed", 0), head=alive.get("head", 0),
                    hidden=B * T * cfg.hidden_size * DTYPE_BYTES[key.precision])
-
-
-def _period(model: nn.Module) -> int:
-    """The fewest blocks after which the model's blocks repeat (1: all alike; ST-DiT: 2, spatial and temporal)."""
-    kinds = [type(block) for block in model.blocks]
-    return next(k for k in range(1, len(kinds) + 1)
-                if len(kinds) % k == 0 and all(kind is kinds[i % k] for i, kind in enumerate(kinds)))
 
 
 def _planned_batch(cfg: DiTConfig, B: int, N: int, L: int, S: int, packed: bool) -> dict:
