@@ -55,6 +55,9 @@ def fake_model(cfg: DiTConfig, attention: str = "sdpa", change=None, real: bool 
     return model
 
 
+# Parameters under which count_params probes a model on real (uninitialised) tensors: 128 MB in fp32.
+REAL_BELOW = 2**25
+
 # The rows of the probe forward of `count_params`: one sample of a (1, 2, 3) token grid and 5 text tokens, so that a
 # linear applied to every token sees 6 rows, to every text token 5, once per sample 1.
 _PROBE_GRID, _PROBE_TEXT = (1, 2, 3), 5
@@ -67,8 +70,12 @@ def count_params(cfg: DiTConfig) -> FlopCount:
     multiplies: the sample's tokens, its text tokens or the sample once. The blocks repeat every `period` blocks, so
     the model is probed with one period and with two: the second period's weights are every later one's."""
     with torch.random.fork_rng(devices=[]), torch.device("meta"):  # the constructor draws a seed: leave it be
-        period = block_period(build(cfg))
-    one, two = (_probe(cfg.replace(depth=k * period)) for k in (1, 2))
+        whole = build(cfg)
+    period = block_period(whole)
+    blocks = sum(p.numel() for p in whole.blocks.parameters())
+    probed = sum(p.numel() for p in whole.parameters()) - blocks + 2 * period * blocks // cfg.depth
+    real = probed < REAL_BELOW  # a small model's probe runs faster on real tensors (`fake_model`)
+    one, two = (_probe(cfg.replace(depth=k * period), real) for k in (1, 2))
     repeats = cfg.depth // period - 1
     return FlopCount(*(a + repeats * (b - a) for a, b in zip(one, two, strict=True)))
 
@@ -80,9 +87,9 @@ def block_period(model: nn.Module) -> int:
                 if len(kinds) % k == 0 and all(kind is kinds[i % k] for i, kind in enumerate(kinds)))
 
 
-def _probe(cfg: DiTConfig) -> tuple[int, int, int]:
+def _probe(cfg: DiTConfig, real: bool) -> tuple[int, int, int]:
     """(per-token, per-text-token, per-sample) weights of the model of cfg, from one forward of its fake model."""
-    model = fake_model(cfg)
+    model = fake_model(cfg, real=real)
     n = _PROBE_GRID[0] * _PROBE_GRID[1] * _PROBE_GRID[2]
     rows = {n: 0, _PROBE_TEXT: 0, 1: 0}  # rows a linear multiplies → its weights' total
 
