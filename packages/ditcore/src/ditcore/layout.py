@@ -25,7 +25,8 @@ SIGMA_DATA = 0.5  # std of the (normalised) latents; datasets are normalised per
 def on_host(t: torch.Tensor) -> bool:
     """Can the host read t's values without waiting for a device? A CPU tensor, unless it is a fake one, which has
     none (ditcore.memory runs the model on fake tensors to record what it keeps for backward)."""
-    return t.device.type == "cpu" and not is_fake(t)
+    # (a compiled block holds no fake tensor; is_fake is a function dynamo does not trace)
+    return t.device.type == "cpu" and (torch.compiler.is_compiling() or not is_fake(t))
 
 
 def patchify(x: torch.Tensor, p: int, pt: int = 1) -> torch.Tensor:
