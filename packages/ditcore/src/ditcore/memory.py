@@ -252,7 +252,7 @@ class Param:
         return math.ceil(self.shape[0] / shards) * math.prod(self.shape[1:])
 
 
-@functools.lru_cache(maxsize=8)
+@functools.lru_cache(maxsize=32)
 def _meta_model(cfg: DiTConfig) -> nn.Module:
     """The model of cfg on the meta device: shapes only. (Cached: planning a layout and its alternatives reads it
     several times; nothing may change it.)"""
