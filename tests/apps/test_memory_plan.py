@@ -145,7 +145,7 @@ def test_a_run_is_checked_against_the_same_headroom_as_plan(tmp_path):
         "--world-size 1 --gpu-memory 79.0 with the same config to see where it goes and what to change")
     plan = ("--plan", "--world-size", 1, "--gpu-memory", 79, "--text-dim", 0)
     code, out, err = invoke("--config", "mock", *rows(8), *plan)
-    assert code == 2 and gib(out)["total"] == 75.31
+    assert code == 2 and gib(out)["total"] == 75.30
     assert "does NOT fit in 79 GiB: 71.0 GiB usable after headroom 4.0 GiB + 5% of the card" in out
     assert err.startswith("error: needs 75.3 GiB per GPU, more than the 71.0 GiB usable of 79 GiB — set ")
     code, out, _ = invoke("--config", "mock", *rows(6), *plan)

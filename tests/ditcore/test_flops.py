@@ -3,7 +3,7 @@ import torch
 from torch import nn
 
 from ditcore.flops import batch_flops, count_params, forward_macs, training_flops_per_token
-from ditcore.models import DiT, preset
+from ditcore.models import ARCHS, DiT, preset
 
 # DiT paper, Table 4 (Gflops = forward multiply-accumulates at 256×256, i.e. 32×32×4 latents)
 PAPER_GFLOPS = {"DiT-S/2": 6.06, "DiT-B/2": 23.01, "DiT-L/2": 80.71, "DiT-XL/2": 118.64, "DiT-XL/4": 29.05,
@@ -61,7 +61,7 @@ def test_batch_flops_counts_every_sample_at_its_own_length():
     assert batch_flops(cfg, b) == pytest.approx(want)
 
 
-@pytest.mark.parametrize("name", ["DiT-Tiny", "ST-DiT-Tiny", "MovieGen-Tiny"])
+@pytest.mark.parametrize("name", [arch.tiny for arch in ARCHS.values()])
 @pytest.mark.parametrize("text_dim", [0, 16])
 def test_weight_counts_match_the_matmuls_of_a_forward(name, text_dim):
     """torch's FLOP counter over one forward of one sample (N tokens, L text tokens): its matmuls with weights are

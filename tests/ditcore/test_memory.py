@@ -22,15 +22,18 @@ What is measured, and how:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import socket
 import subprocess
 import sys
 from types import SimpleNamespace
+from unittest.mock import patch
 
 import pytest
 import torch
+from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
@@ -40,7 +43,8 @@ from ditcore.diffusion import EMA, EDMLoss, EDMPrecond
 from ditcore.errors import ConfigError
 from ditcore.layout import grid_positions
 from ditcore.memory import HEADROOM, GiB, Headroom, Layout, advise, measured_state_bytes, parameters, plan_from
-from ditcore.models import DiT, apply_activation_checkpointing, build, preset
+from ditcore.models import DiT, DiTConfig, apply_activation_checkpointing, build, preset
+from ditcore.models.dit import DIT_PLAN, DiTBlock
 from ditcore.parallel.dims import ParallelDims
 from ditcore.parallel.pipeline import split_stages, stage_blocks
 from ditcore.training import stage_forward
@@ -330,6 +334,69 @@ def test_activations_of_whole_rows(mode, name):
                                      activation_checkpointing=mode))
     assert plan.saved_activations == pytest.approx(kept, rel=TOLERANCE)
     assert plan.activations == pytest.approx(peak, rel=TOLERANCE)
+
+
+# An architecture the library has never seen, defined here: a DiT whose MLP is three times as wide as its config's ffn
+# says and keeps one activation more (a SiLU after the GELU). Its memory plan and FLOP count must come from its own
+# modules: nothing in its config tells them apart from the DiT's.
+
+
+@dataclasses.dataclass(frozen=True)
+class WideConfig(DiTConfig):
+    pass
+
+
+class WideBlock(DiTBlock):
+    def __init__(self, cfg: WideConfig):
+        super().__init__(cfg)
+        D, M = cfg.hidden_size, 3 * cfg.ffn  # mlp.0 and mlp.2 keep their names: the DiT's TP plan covers them
+        self.mlp = nn.Sequential(nn.Linear(D, M), nn.Sequential(nn.GELU(approximate="tanh"), nn.SiLU()),
+                                 nn.Linear(M, D))
+
+
+class WideDiT(DiT):
+    block_class = WideBlock
+
+
+@pytest.fixture
+def wide():
+    cfg = WideConfig(hidden_size=64, depth=2, num_heads=4, text_dim=16, num_classes=5)
+    with patch.dict(models.ARCHS):  # registered for this test only
+        models.register(models.Architecture("wide", WideConfig, WideDiT, {"Wide-Tiny": cfg}, tiny="Wide-Tiny",
+                                            plan=DIT_PLAN, summary="the DiT with a 3x MLP (a test's)"))
+        yield cfg
+
+
+@pytest.mark.parametrize("mode", ["none", "selective"])
+def test_a_new_architecture_is_planned_from_its_own_modules(wide, mode):
+    _, rows, N, L = SHAPES["text-2x48"]
+    batch, S = packed_batch(wide, rows, N, L, torch.Generator().manual_seed(1))
+    kept, peak = measure(wide, mode, batch, "fp32")
+    layout = cpu_layout(micro_batch=len(rows), seq_length=N, text_len=L, samples_per_row=S, precision="fp32",
+                        activation_checkpointing=mode)
+    plan = plan_from(wide, layout)
+    assert plan.saved_activations == pytest.approx(kept, rel=TOLERANCE)
+    assert plan.activations == pytest.approx(peak, rel=TOLERANCE)
+    dit = plan_from(DiTConfig(**{f.name: getattr(wide, f.name) for f in dataclasses.fields(wide)}), layout)
+    assert plan.saved_activations > dit.saved_activations  # the wider MLP and the SiLU's input, not the DiT's
+    assert plan.params == sum(p.numel() for p in WideDiT(wide).parameters())
+
+
+def test_a_new_architecture_is_counted_from_its_own_linears(wide):
+    """FLOPs: its weights by what they multiply, against torch's FLOP counter over a real forward of one sample."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from ditcore.flops import count_params
+
+    model, N, T = build(wide), 32, 5
+    with FlopCounterMode(display=False) as counter, torch.no_grad():
+        model(torch.randn(1, N, wide.patch_dim), torch.zeros(1, 1), grid_positions((2, 4, 4)),
+              text=torch.randn(1, T, wide.text_dim), class_labels=torch.zeros(1, 1, dtype=torch.long))
+    macs = sum(int(v) for op, v in counter.get_flop_counts()["Global"].items()
+               if str(op) in ("aten.mm", "aten.addmm", "aten.bmm")) // 2
+    c = count_params(wide)
+    assert macs == c.per_token_params * N + c.per_text_token_params * T + c.per_sample_params
+    assert c.per_token_params - count_params(preset("DiT-Tiny", text_dim=16)).per_token_params == 2 * 2 * 64 * 256 * 2
 
 
 def test_checkpointing_orders_the_activations():

@@ -64,7 +64,7 @@ def test_fsdp_with_a_pipeline_is_refused_by_one_rule():
         Layout(world_size=4, pp=2, fsdp=True)
     assert str(planner.value) == str(e.value)
     root = Path(__file__).resolve().parents[3]
-    sources = [*root.glob("apps/*/src/**/*.py"), *root.glob("packages/ditcore/src/ditcore/parallel/*.py")]
+    sources = [*root.glob("apps/*/src/**/*.py"), *root.glob("packages/ditcore/src/ditcore/**/*.py")]
     assert sources
     worded = [f.relative_to(root).as_posix() for f in sources if "over pipeline stages is not" in f.read_text()]
     assert worded == ["packages/ditcore/src/ditcore/parallel/dims.py"]

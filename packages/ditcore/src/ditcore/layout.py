@@ -17,8 +17,16 @@ reading it never waits for a device, is `grids`: per row, the (T, H, W) token gr
 from __future__ import annotations
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 
 SIGMA_DATA = 0.5  # std of the (normalised) latents; datasets are normalised per channel to this scale
+
+
+def on_host(t: torch.Tensor) -> bool:
+    """Can the host read t's values without waiting for a device? A CPU tensor, unless it is a fake one, which has
+    none (ditcore.memory runs the model on fake tensors to record what it keeps for backward)."""
+    # (a compiled block holds no fake tensor; is_fake is a function dynamo does not trace)
+    return t.device.type == "cpu" and (torch.compiler.is_compiling() or not is_fake(t))
 
 
 def patchify(x: torch.Tensor, p: int, pt: int = 1) -> torch.Tensor:

@@ -4,7 +4,7 @@ One rank of a layout holds, in bytes:
 
 - weights, grads, optimizer, ema: fp32 master weights (4 B a parameter), fp32 gradients (4 B), AdamW's exp_avg and
   exp_avg_sq (8 B, and a 4-byte step counter per parameter tensor), the fp32 EMA copy (4 B). A rank holds its
-  tensor-parallel share of every parameter: the layers that the TP plan (ditcore.parallel.plan.DIT_PLAN) splits
+  tensor-parallel share of every parameter: the layers that the TP plan (ditcore.models.plan) splits
   divided by tp, the rest whole. With fsdp, FSDP2 shards each again over the dp x cp ranks along dim 0, padded up to a
   multiple of that count: a rank holds ceil(rows / (dp*cp)) rows of each. With pp > 1 a rank holds its pipeline
   stage's parameters only (ditcore.parallel.pipeline): its blocks (`stage_blocks`), the conditioning embedders (on
@@ -21,13 +21,15 @@ One rank of a layout holds, in bytes:
   gradients are the plain fp32 ones counted above. With sequence parallelism, the all-gathered input of the running
   column-parallel linear (ditcore.parallel.tensor_parallel): a rank's whole slice of the rows. With pp > 1, on every
   stage but the last, the buffer that the gradient of its output arrives in: the hidden states (tokens it holds,
-  micro_batch, hidden_size) in the compute dtype. (The hidden states a stage receives are its first block's input,
-  counted in its activations.)
-- activations: the peak, over forward and backward, of what the forward keeps for backward (`_activations`). With
-  pp > 1 the non-interleaved 1F1B schedule keeps, at its peak, min(pp - s, micro_batches) micro-batches in flight on
-  stage s, each holding what its forward kept there: its blocks', the conditioning's (every stage), the patch
-  embedder's input (the first stage), the final layer's and the loss's (the last), and on every other stage the
-  hidden states it sent on, until their gradient comes back.
+  micro_batch, hidden_size) in the compute dtype.
+- activations: the peak, over forward and backward, of what the forward keeps for backward, recorded from the model
+  itself (`_record`): its training forward runs on fake tensors (shapes only: nothing is allocated, whatever the
+  width) at a rank's shapes, with the layout's checkpointing, and what is alive at its end is counted by where it was
+  made. CUDA's kernels keep some things otherwise than the CPU's that the record runs: flex attention, fused RMSNorm
+  and LayerNorm's statistics (`_flex_keeps`, `_CudaNorms`, `CUDA_KEEPS`). With pp > 1 the non-interleaved 1F1B
+  schedule keeps, at its peak, min(pp - s, micro_batches) micro-batches in flight on stage s, each holding what its
+  forward kept there: its blocks', the conditioning's (every stage), the patch embedder's (the first stage; the
+  others keep the hidden states they received instead), the final layer's and the loss's (the last).
 
 With pp > 1 the plan is computed for every stage and the most loaded one reported (`Plan.stage`): the first stage
 keeps the most micro-batches in flight, the last one holds the final layer and the loss.
@@ -40,28 +42,38 @@ torch.compile usually keeps less, as its partitioner recomputes cheap elementwis
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-import inspect
+import fnmatch
+import functools
 import math
 from dataclasses import dataclass
 from typing import Literal
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
+from ditcore.diffusion import EDMLoss, EDMPrecond
 from ditcore.errors import ConfigError
-from ditcore.models import build, plan_for
-from ditcore.models.dit import DIT_PLAN, DiTConfig, ScalarEmbedder
+from ditcore.flops import block_period, fake_model
+from ditcore.layout import grid_rows
+from ditcore.models import apply_activation_checkpointing, attention, build, plan_for
+from ditcore.models.dit import DiTConfig, RowSplit
+from ditcore.models.plan import ColumnParallel, RowParallel
 from ditcore.models.techniques import ACTIVATION_CHECKPOINTING
 from ditcore.parallel.dims import ParallelDims
 from ditcore.parallel.pipeline import stage_blocks
 
 GiB = 2**30
 DTYPE_BYTES = {"fp32": 4, "bf16": 2}
-FP32, INT64 = 4, 8
+FP32 = 4
 ADAM_STATES = 2  # exp_avg, exp_avg_sq
 ADAM_STEP_BYTES = 4  # AdamW's step counter: a float32 tensor per parameter tensor
-FREQ_DIM = inspect.signature(ScalarEmbedder).parameters["freq_dim"].default  # sinusoidal features of a scalar
 
 
 @dataclass(frozen=True)
@@ -93,10 +105,8 @@ class Layout:
     def __post_init__(self) -> None:
         if not isinstance(self.world_size, int) or self.world_size < 1:
             raise ConfigError("world_size", self.world_size, "an integer >= 1 (processes, one per GPU)")
-        ParallelDims(self.tp, self.cp, self.pp, sequence_parallel=self.sequence_parallel).resolve(self.world_size)
-        if self.fsdp and self.pp > 1:
-            raise ConfigError("parallel.fsdp", True, "false with parallel.pp > 1: FSDP over pipeline stages is not "
-                                                     "available yet (use tp/dp with pp, or fsdp without it)")
+        dims = ParallelDims(self.tp, self.cp, self.pp, sequence_parallel=self.sequence_parallel)
+        dims.resolve(self.world_size).check_fsdp(self.fsdp)
         for key, value in (("train.micro_batch", self.micro_batch), ("data.seq_length", self.seq_length),
                            ("samples_per_row", self.samples_per_row), ("micro_batches", self.micro_batches)):
             if not isinstance(value, int) or value < 1:
@@ -240,10 +250,17 @@ class Param:
         return math.ceil(self.shape[0] / shards) * math.prod(self.shape[1:])
 
 
+@functools.lru_cache(maxsize=32)
+def _meta_model(cfg: DiTConfig) -> nn.Module:
+    """The model of cfg on the meta device: shapes only. (Cached: planning a layout and its alternatives reads it
+    several times; nothing may change it.)"""
+    with torch.random.fork_rng(devices=[]), torch.device("meta"):  # the constructor draws a seed: leave it be
+        return build(cfg)
+
+
 def parameters(cfg: DiTConfig, tp: int = 1) -> list[Param]:
-    """Every parameter of the DiT, counted on a meta-device model, with its shape on one tensor-parallel rank."""
-    with torch.random.fork_rng(devices=[]), torch.device("meta"):  # DiT() draws a seed: leave the caller's RNG be
-        model = build(cfg)
+    """Every parameter of the model, counted on a meta-device model, with its shape on one tensor-parallel rank."""
+    model = _meta_model(cfg)
     params, plan = [], plan_for(model)
     for name, p in model.named_parameters():
         shape = list(p.shape)
@@ -257,13 +274,14 @@ def parameters(cfg: DiTConfig, tp: int = 1) -> list[Param]:
     return params
 
 
-def on_stage(name: str, depth: int, pp: int, stage: int) -> bool:
+def on_stage(name: str, cfg: DiTConfig, pp: int, stage: int) -> bool:
     """Does pipeline stage `stage` of `pp` hold the parameter `name`? Its blocks (`stage_blocks`), the modules of the
-    first or the last stage (DIT_PLAN.pipeline), and every other module: the conditioning embedders."""
-    split = DIT_PLAN.pipeline
+    first or the last stage (the pipeline split of the model's plan), and every other module: the conditioning
+    embedders."""
+    split = plan_for(_meta_model(cfg)).pipeline
     within = lambda module: name.startswith(module + ".")
     if within(split.layers):
-        return int(name[len(split.layers) + 1:].partition(".")[0]) in stage_blocks(depth, pp, stage)
+        return int(name[len(split.layers) + 1:].partition(".")[0]) in stage_blocks(cfg.depth, pp, stage)
     if any(map(within, split.first)):
         return stage == 0
     if any(map(within, split.last)):
@@ -291,7 +309,7 @@ def plan_from(cfg: DiTConfig, layout: Layout, stage: int | None = None) -> Plan:
 
 def _stage_plan(cfg: DiTConfig, lay: Layout, params: list[Param], act: Activations, stage: int) -> Plan:
     """The plan of a rank of pipeline stage `stage`: its parameters' state, buffers and activations."""
-    mine = [p for p in params if on_stage(p.name, cfg.depth, lay.pp, stage)]
+    mine = [p for p in params if on_stage(p.name, cfg, lay.pp, stage)]
     held = sum(p.shard(lay.shards) for p in mine)  # elements of this rank's (TP, then FSDP) shards
     weights = grads = ema = FP32 * held
     optimizer = ADAM_STATES * FP32 * held + ADAM_STEP_BYTES * len(mine)
@@ -309,7 +327,7 @@ def _stage_plan(cfg: DiTConfig, lay: Layout, params: list[Param], act: Activatio
         comm += lay.micro_batch * lay.seq_length // lay.cp * cfg.hidden_size * compute
     if stage < lay.pp - 1:  # the gradient of the hidden states it sent on, received from the next stage
         comm += act.hidden
-    saved, peak = _stage_activations(act, lay, len(stage_blocks(cfg.depth, lay.pp, stage)), stage)
+    saved, peak = _stage_activations(act, lay, stage_blocks(cfg.depth, lay.pp, stage), cfg.depth, stage)
     return Plan(layout=lay, params=sum(p.full for p in params), params_local=sum(p.numel for p in mine),
                 weights=weights, grads=grads, optimizer=optimizer, ema=ema, autocast_cache=autocast_cache,
                 comm_buffers=comm, activations=peak, saved_activations=saved, stage=stage)
@@ -319,173 +337,403 @@ def _stage_plan(cfg: DiTConfig, lay: Layout, params: list[Param], act: Activatio
 class Activations:
     """Bytes of activations that one micro-batch's forward keeps for backward on one rank, by where they are kept."""
 
-    block: int  # each transformer block's (with checkpointing: its checkpoint's)
-    recompute: int  # what a checkpointed block's backward brings back, less the cached outputs it releases
-    shared: int  # outside the blocks, on every pipeline stage: the conditioning, RoPE, the text, masks
-    embed: int  # the patch embedder's input: the first stage
+    blocks: tuple[int, ...]  # each block's (with checkpointing: its checkpoint's), over one period of the blocks
+    final: tuple[int, ...]  # the same for the model's last period, whose last output only the head may keep
+    recompute: int  # what a checkpointed block's backward brings back, beyond what its checkpoint kept
+    shared: int  # outside the blocks, on every pipeline stage: the conditioning, positions, the text, masks
+    embed: int  # the patch embedder's and the first block's input: the first stage
     head: int  # the final layer and the loss: the last stage, whose backward runs (and frees them) first
-    hidden: int  # the hidden states of the tokens a rank holds: what a stage sends on and keeps for backward
+    hidden: int  # the hidden states of the tokens a rank holds: what a stage receives and keeps for backward
+
+    def of_blocks(self, blocks: list[int], depth: int) -> int:
+        period = len(self.blocks)
+        return sum((self.final if i >= depth - period else self.blocks)[i % period] for i in blocks)
 
 
-def _stage_activations(act: Activations, lay: Layout, blocks: int, stage: int) -> tuple[int, int]:
+def _stage_activations(act: Activations, lay: Layout, blocks: list[int], depth: int, stage: int) -> tuple[int, int]:
     """(bytes the forwards in flight keep for backward, peak bytes over forward and backward) on a rank of `stage`,
-    which holds `blocks` blocks. Each micro-batch in flight keeps its forward's. With checkpointing the peak comes
-    in the oldest one's backward, when its last block runs again (on the last stage, once the head is freed)."""
+    which holds `blocks`. Each micro-batch in flight keeps its forward's: a block's record holds what it made, its
+    output included, so a stage that does not embed the patches keeps the hidden states it received instead. With
+    checkpointing the peak comes in the oldest one's backward, when its last block runs again (on the last stage,
+    once the head is freed)."""
     first, last = stage == 0, stage == lay.pp - 1
-    kept = blocks * act.block + act.shared + (act.embed if first else 0) + (act.head if last else act.hidden)
+    kept = act.of_blocks(blocks, depth) + act.shared + (act.embed if first else act.hidden) + (act.head if last else 0)
     kept *= lay.in_flight(stage)
     return kept, kept + max(0, act.recompute - (act.head if last else 0))
 
 
 def _activations(cfg: DiTConfig, lay: Layout) -> Activations:
-    """What one micro-batch's forward keeps for backward on one rank, block by block and outside the blocks.
+    """What one micro-batch's forward keeps for backward on one rank, recorded from the model itself (`_record`):
+    the layout's checkpointing kept per block, and what a checkpointed block's backward brings back, which is what
+    it keeps without checkpointing less what its checkpoint kept."""
+    kept = _record(cfg, _RecordKey.of(lay, lay.activation_checkpointing))
+    whole = kept if lay.activation_checkpointing == "none" else _record(cfg, _RecordKey.of(lay, "none"))
+    recompute = max(w - k for w, k in zip(whole.blocks, kept.blocks, strict=True))
+    return Activations(blocks=kept.blocks, final=kept.final, recompute=recompute,
+                       shared=kept.shared, embed=kept.embed, head=kept.head, hidden=kept.hidden)
 
-    `saved` lists, op by op in DiTBlock.forward's order, what each op keeps for its backward without checkpointing:
-    a linear keeps its input, LayerNorm its input, mean and rstd, RMSNorm its input and rstd, addcmul the factor the
-    other's gradient needs (so a gate keeps the per-token modulations it is a view of; per_token's one-hot matmul
-    keeps its one-hot, which its backward multiplies by, and in fp32 its gather the index), GELU its input,
-    attention q, k, v, its output and logsumexp (fp32), SDPA its float mask; RoPE keeps only cos/sin, shared by all
-    blocks.
-    `cached` is what selective checkpointing keeps: the block's input and the outputs of its matmuls and attention
-    kernels (models.techniques.SAVED_OPS). A name in both is one tensor, which backward reads from the cache. A
-    matmul's output is the layer's output only for nn.Linear (tp = 1, or a replicated layer) on a contiguous input:
-    one addmm. On a strided input (the modulated activations, the transposed text), or in a tensor-parallel linear,
-    which adds its bias after the matmul (ditcore.parallel.tensor_parallel), it is a tensor of its own; a
-    row-parallel one is whole before its reduction.
 
-    The other architectures differ where their config says so: RMSNorms (`rms_norm`), fewer key/value heads
-    (`kv_heads`: smaller keys and values, which attention reads for each query head of their group, without
-    copies), a SwiGLU MLP (`gated_mlp`: gate_up's output, twice as wide, SiLU's, their product), and factorised
-    attention (`factorised`: two sets of masks, positions and token orders; rows of one sample attend as batches of
-    frames or lines, with copies of q, k and v).
+@dataclass(frozen=True)
+class _RecordKey:
+    """What a record depends on: a rank's shapes and the kernels it runs."""
+
+    tp: int
+    sp: bool
+    cp: int
+    micro_batch: int
+    seq_length: int
+    text_len: int
+    samples_per_row: int
+    packed: bool
+    precision: str
+    checkpointing: str
+    cuda: bool
+    flex: bool
+    compile: bool
+
+    @classmethod
+    def of(cls, lay: Layout, checkpointing: str) -> _RecordKey:
+        return cls(lay.tp, lay.sequence_parallel and lay.tp > 1, lay.cp, lay.micro_batch, lay.seq_length,
+                   lay.text_len, lay.samples_per_row, lay.packed, lay.precision, checkpointing, lay.device == "cuda",
+                   lay.attention == "flex", lay.compile)
+
+
+@dataclass(frozen=True)
+class _Record:
+    blocks: tuple[int, ...]  # by block, one period of the model's blocks
+    final: tuple[int, ...]  # the last period's
+    shared: int
+    embed: int
+    head: int
+    hidden: int
+
+
+# What CUDA's kernels keep that the CPU's, which the record runs, keep otherwise (a layout for CUDA records with them):
+# - LayerNorm: its mean and rstd in fp32; the CPU's in the input's dtype (CUDA_KEEPS: op → its outputs' dtypes);
+# - RMSNorm: the fused kernel keeps its input and rstd (fp32); the CPU decomposes it in fp32 and keeps fp32 copies and
+#   the normalised values (_FusedRMSNorm);
+# - FlexAttention: block masks, no dense (B, 1, Nq, Nk) mask; q, k, v, its output and logsumexp (fp32) (_flex_keeps).
+# SDPA's kernels keep the same on both: the output and logsumexp (flash, memory-efficient; the CPU's flash).
+CUDA_KEEPS = {torch.ops.aten.native_layer_norm.default: ((1, torch.float32), (2, torch.float32))}
+
+
+class _FusedRMSNorm(torch.autograd.Function):
+    """RMSNorm as CUDA's fused kernel (aten._fused_rms_norm) keeps it: its input and rstd (fp32)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, shape, weight: torch.Tensor | None, eps: float | None) -> torch.Tensor:
+        with torch.no_grad():
+            out = F.rms_norm(x, shape, weight, eps)
+        ctx.save_for_backward(x, x.new_empty((*x.shape[:-len(shape)], *[1] * len(shape)), dtype=torch.float32),
+                              weight)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):  # never run: the record is a forward
+        raise NotImplementedError
+
+
+class _CudaNorms(TorchFunctionMode):
+    """F.rms_norm as on CUDA (`_FusedRMSNorm`)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is F.rms_norm:
+            x, shape, weight, eps = [*args, None, None][:4]
+            kwargs = kwargs or {}
+            return _FusedRMSNorm.apply(x, tuple(shape), kwargs.get("weight", weight), kwargs.get("eps", eps))
+        return func(*args, **(kwargs or {}))
+
+
+class _EagerFlex(torch.autograd.Function):
+    """What FlexAttention's autograd keeps: q, k, v, its output and logsumexp (fp32); made by ops that selective
+    checkpointing does not keep (an eager block calls a separately compiled kernel, which its policy cannot see)."""
+
+    @staticmethod
+    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        out, lse = torch.empty_like(q), q.new_empty(q.shape[:-1], dtype=torch.float32)
+        ctx.save_for_backward(q, k, v, out, lse)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):  # never run: the record is a forward
+        raise NotImplementedError
+
+
+@contextlib.contextmanager
+def _flex_keeps(compiled: bool):
+    """FlexAttention as CUDA runs it, for a record on fake CPU tensors (the CPU has no flex backward): its block
+    masks made by create_block_mask itself (no dense mask), its kernel one that keeps what flex's keeps. In compiled
+    blocks selective checkpointing sees flex and keeps its output: the CPU's flash kernel without a mask, which keeps
+    the same and which the policy keeps too; in eager ones it is `_EagerFlex`."""
+    create_block_mask, _ = attention._flex()
+
+    # The kernels attend() calls for a device type are ditcore.models.attention's to choose; the record swaps the
+    # CPU's while it runs (fake tensors are CPU tensors), and puts them back.
+    def flex(q, k, v, block_mask, enable_gqa):
+        if compiled:
+            return F.scaled_dot_product_attention(q, k, v, enable_gqa=enable_gqa)
+        return _EagerFlex.apply(q, k, v)
+
+    before = attention._KERNELS.get("cpu")
+    attention._KERNELS["cpu"] = attention._Kernels(create_block_mask, flex)
+    try:
+        yield
+    finally:
+        attention._KERNELS.pop("cpu")
+        if before is not None:
+            attention._KERNELS["cpu"] = before
+
+
+class _Meter(TorchDispatchMode):
+    """The storages the ops of a forward make, each once (views share theirs), with the region of the forward that
+    made it: `region`, which module hooks move along. Storages that existed before (parameters, the batch) and
+    autocast's copies of parameters (`Plan.autocast_cache`) are not counted."""
+
+    def __init__(self, params: set, cuda: bool):
+        super().__init__()
+        self.params, self.cuda = params, cuda
+        self.existing: dict[StorageWeakRef, StorageWeakRef] = {ref: ref for ref in params}
+        self.made: dict[StorageWeakRef, tuple[StorageWeakRef, object, int]] = {}  # storage → (ref, region, bytes)
+        self.region: object = "shared"
+
+    @staticmethod
+    def _live(table: dict, ref: StorageWeakRef) -> bool:
+        """Is ref in table, and not a freed storage whose address a new one took?"""
+        entry = table.get(ref)
+        held = entry if isinstance(entry, StorageWeakRef) else entry[0] if entry else None
+        if held is not None and held.expired():
+            del table[ref]
+            return False
+        return held is not None
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        for t in inputs:
+            ref = StorageWeakRef(t.untyped_storage())
+            if not self._live(self.made, ref) and not self._live(self.existing, ref):
+                self.existing[ref] = ref
+        out = func(*args, **(kwargs or {}))
+        if func is torch.ops.aten._to_copy.default and StorageWeakRef(inputs[0].untyped_storage()) in self.params:
+            ref = StorageWeakRef(out.untyped_storage())  # autocast's copy of a parameter
+            self.existing[ref] = ref
+            return out
+        keeps = dict(CUDA_KEEPS.get(func, ())) if self.cuda else {}
+        for i, t in enumerate(tree_leaves(out)):
+            if isinstance(t, torch.Tensor):
+                ref = StorageWeakRef(t.untyped_storage())
+                size = t.untyped_storage().nbytes()
+                if i in keeps:
+                    size = size // t.element_size() * keeps[i].itemsize
+                if not self._live(self.existing, ref) and not self._live(self.made, ref):
+                    self.made[ref] = (ref, self.region, size)
+        return out
+
+    def mark(self, t: torch.Tensor, region: object) -> None:
+        """Count a tensor's storage as made in `region`."""
+        ref = StorageWeakRef(t.untyped_storage())
+        if self._live(self.made, ref):
+            self.made[ref] = (self.made[ref][0], region, self.made[ref][2])
+
+    def alive(self) -> dict[object, int]:
+        by_region: dict[object, int] = {}
+        for held, region, size in self.made.values():
+            if not held.expired():
+                by_region[region] = by_region.get(region, 0) + size
+        return by_region
+
+
+# Elements (a period of blocks' parameters on a rank and its largest activation, B x N x max(D, N)) under which a
+# record runs on real tensors rather than fake ones: ~16 MB in fp32, which small models and the tests' layouts stay
+# under.
+REAL_BELOW = 2**22
+
+
+@functools.lru_cache(maxsize=256)
+def _record(cfg: DiTConfig, key: _RecordKey) -> _Record:
+    """Run the model's training forward (EDM preconditioning and loss, as dit-train) on fake tensors at a rank's
+    shapes, with the layout's activation checkpointing (ditcore.models.techniques), and sort what is alive at its
+    end by where it was made: in each block (from its start to the next one's: ST-DiT's regrouping between blocks
+    included), the patch embedder (and the first block's input: the first pipeline stage's), the final layer and
+    the loss (the last stage's), and everything else (the conditioning, positions, masks, text: every stage's).
+
+    The model is built with one period of its blocks (`block_period`), as a rank holds it: the layers its TP plan splits
+    cut to this rank's share, its heads divided; with sequence parallelism its tokens split outside the split
+    layers; with context parallelism its rows split (an architecture that moves whole frames to ranks,
+    `context_parallel = "all_to_all"`, is planned as rows of seq_length / cp tokens, as a rank holds them).
     """
-    a = DTYPE_BYTES[lay.precision]  # under autocast every activation is bf16, but statistics and logsumexp
-    D, H, F, hd = cfg.hidden_size, cfg.num_heads, cfg.patch_dim, cfg.head_dim
-    B, N, S, tp = lay.micro_batch, lay.seq_length, lay.samples_per_row, lay.tp
-    L = lay.text_len if cfg.text_dim else 0
-    sp = lay.sequence_parallel and tp > 1
-    Ta = B * N // lay.cp  # tokens a rank's attention queries: its context-parallel slice of every row
-    T = Ta // (tp if sp else 1)  # tokens a rank holds outside attention: sequence parallelism splits them again
-    Dl, Hl, M = D // tp, H // tp, cfg.ffn // tp  # a rank's share of features, heads, MLP columns
-    tok = T if lay.packed else B  # modulations: per token in packed rows, else one per row (broadcast)
-    cpu, qk, nn_linear = lay.device == "cpu", cfg.qk_norm, tp == 1
-    views = 2 if cfg.factorised else 1  # ST-DiT's blocks attend within frames or within time-lines: two sets of masks
-    keys = Ta if cfg.factorised else N  # ... over keys of this rank only (whole frames and lines are local)
-    sdpa_mask = lay.attention == "sdpa" and lay.packed  # a dense (B, 1, Nq, Nk) float mask for every call
-    # ST-DiT on rows of one sample: frames (lines) become rows of their own, so attention keeps copies of q, k and v
-    batched_runs = cfg.factorised and not lay.packed
-    kernel_cached = lay.attention == "sdpa" or lay.compile  # eager flex calls a kernel compiled apart: unseen
+    whole = _meta_model(cfg)
+    period = block_period(whole)
+    gather_cp = key.cp > 1 and whole.context_parallel == "all_gather"
+    N = key.seq_length if key.cp == 1 or gather_cp else key.seq_length // key.cp
+    cp = key.cp if gather_cp else 1
+    sp = key.tp if key.sp else 1
+    # A small rank runs for real: much faster, the same storages (REAL_BELOW). Not with flex, which attend() would
+    # give dense copies of q, k and v on a real CPU tensor (for the CPU's flex kernel).
+    B, D, held = key.micro_batch, cfg.hidden_size, sum(p.numel() for p in whole.blocks[:period].parameters())
+    real = not key.flex and held // key.tp + B * N * max(D, N // cp) // cp < REAL_BELOW
+    model = fake_model(cfg.replace(depth=period), "flex" if key.flex else "sdpa",
+                       change=lambda m: _rank_share(m, key.tp, sp, cp), real=real)
+    apply_activation_checkpointing(model, key.checkpointing)
+    meter = _Meter({StorageWeakRef(p.untyped_storage()) for p in model.parameters()}, key.cuda)
+    hooks = [block.register_forward_pre_hook(lambda _, args, i=i: setattr(meter, "region", i))
+             for i, block in enumerate(model.blocks)]
+    hooks.append(model.x_embedder.register_forward_pre_hook(lambda *_: setattr(meter, "region", "embed")))
+    hooks.append(model.x_embedder.register_forward_hook(lambda *_: setattr(meter, "region", "shared")))
+    ends = {}  # the hidden states going into the first block and out of the last one (into the final layer)
 
-    def norm(tokens: int) -> int:
-        """A LayerNorm's output (the next op keeps it), its mean and rstd (CUDA keeps the statistics in fp32); an
-        RMSNorm's output and its rstd (fp32), and on the CPU, whose decomposition computes in fp32, an fp32 copy of
-        a bf16 input instead of the input (the residual, which is kept anyway: only the difference counts)."""
-        if not cfg.rms_norm:
-            return tokens * D * a + 2 * tokens * (a if cpu else FP32)
-        return tokens * D * a + tokens * FP32 + (tokens * D * (FP32 - a) if cpu else 0)
+    def first_input(_, args) -> None:  # the hidden states a stage receives: the first stage makes them
+        meter.mark(args[0], "embed")
+        ends["in"] = StorageWeakRef(args[0].untyped_storage())
 
-    def rms(tokens: int) -> int:
-        """QK-RMSNorm: CUDA's fused kernel keeps its input (a projection's output) and rstd (fp32); the CPU's
-        decomposition computes in fp32 and keeps the normalised values (and the fp32 copy of a bf16 input)."""
-        if not qk:
-            return 0
-        return tokens * Hl * FP32 + (tokens * Dl * (FP32 if a == FP32 else 2 * FP32) if cpu else 0)
+    def last_output(_, args) -> None:
+        meter.region = "head"
+        ends["out"], ends["bytes"] = StorageWeakRef(args[0].untyped_storage()), args[0].untyped_storage().nbytes()
 
-    spread = T * S * a if a < FP32 else T * INT64  # per_token: a bf16 one-hot (T, S) for its matmul, or fp32's index
-    KVl = cfg.kv_heads * hd // tp  # a rank's key (or value) features: fewer than Dl under grouped-query attention
-    gated = 2 if cfg.gated_mlp else 1  # the MLP's input matrix: gate and up in one, or one
-    made = cfg.pos_embed == "rope" or qk  # attention's q and k are made by RoPE or the norm (else views)
-    q = Ta * Dl * a if made else 0
-    k = B * N * 2 * KVl * a if lay.cp > 1 else Ta * KVl * a if made else 0  # under CP: k and v of the whole row
-    if batched_runs:
-        k = Ta * 2 * KVl * a  # k and v (else a view of the projection)
-    saved = {
-        "adaLN_in": B * S * D * a,  # SiLU(c)
-        "adaLN": B * S * 6 * D * a,  # per_token's input
-        "modulations": T * 6 * D * a + spread if lay.packed else 0,  # per token, and how per_token spread them
-        "x": T * D * a,  # the block's input
-        "norm1": norm(T),
-        "scale_attn": tok * D * a,  # 1 + scale
-        "qkv_in": T * D * a,  # modulated (sequence parallel: this rank's tokens, gathered again in backward)
-        "qkv": Ta * (Dl + 2 * KVl) * a,  # the norms' input, and v
-        "qk_norm": 2 * rms(Ta),
-        "q_k": q + k,
-        "attn_kernel": Ta * Dl * a + Ta * Hl * FP32,
-        "attn_mask": Ta * keys * a if sdpa_mask else 0,
-        "proj_in": Ta * Dl * a,  # heads back to features: a copy
-        "proj": T * D * a,  # for the gate's gradient
-        "x1": T * D * a,  # the residual after attention: the next norm's input
-    }
-    if L:
-        saved |= {
-            # an RMSNorm with a scale keeps its normalised input for the scale's gradient (fp32 on the CPU)
-            "norm_cross": norm(T) + (T * D * (FP32 if cpu else a) if cfg.rms_norm else 0),
-            "text_in": B * L * D * a if nn_linear else 0,  # kv's input: a contiguous copy of the text in each block
-            "cross_q": Ta * Dl * a,
-            "cross_kv": B * L * 2 * KVl * a,
-            "cross_qk_norm": rms(Ta) + rms(B * L) * KVl // Dl,
-            "cross_q_k": (Ta * Dl * a + B * L * KVl * a) if qk else 0,
-            "cross_kernel": Ta * Dl * a + Ta * Hl * FP32,
-            "cross_mask": Ta * (L * a + 1) if sdpa_mask else 0,  # and which queries have keys (bool)
-            "cross_proj_in": Ta * Dl * a,
-            "x2": T * D * a,  # the residual after cross-attention: norm2's input
-        }
-    saved |= {
-        "norm2": norm(T),
-        "scale_mlp": tok * D * a,
-        "mlp_in": T * D * a,
-        "mlp0": Ta * M * gated * a,  # GELU's input (SwiGLU: gate_up's output, whose views are SiLU's input and up)
-        "gelu": Ta * M * a,  # mlp.2's input (SwiGLU: SiLU's output)
-        "mlp2": T * D * a,  # for the gate's gradient
-    }
-    if cfg.gated_mlp:
-        saved["glu"] = Ta * M * a  # SiLU's output times up: down's input
+    hooks.append(model.blocks[0].register_forward_pre_hook(first_input, prepend=True))
+    hooks.append(model.final.register_forward_pre_hook(last_output))
+    autocast = torch.autocast("cpu", torch.bfloat16) if key.precision == "bf16" else contextlib.nullcontext()
+    with model.fake_mode, _flex_keeps(key.compile) if key.flex else contextlib.nullcontext(), \
+            _CudaNorms() if key.cuda else contextlib.nullcontext():
+        batch = _planned_batch(cfg, key.micro_batch, N, key.text_len if cfg.text_dim else 0, key.samples_per_row,
+                               key.packed)
+        with meter:
+            with autocast:
+                loss = EDMLoss()(EDMPrecond(model), batch.pop("x"), **batch)
+            alive = meter.alive()
+            # Another period's first block would keep the last one's output as the first block kept its input
+            handed_on = ends["bytes"] if not ends["in"].expired() and ends["out"].expired() else 0
+        del loss
+    for hook in hooks:
+        hook.remove()
+    T = N // cp // sp
+    final = tuple(alive.get(i, 0) for i in range(period))
+    return _Record(blocks=(*final[:-1], final[-1] + handed_on), final=final, shared=alive.get("shared", 0),
+                   embed=alive.get("embed", 0), head=alive.get("head", 0),
+                   hidden=B * T * cfg.hidden_size * DTYPE_BYTES[key.precision])
 
-    if lay.activation_checkpointing == "none":
-        cached = saved
-    elif lay.activation_checkpointing == "block":
-        cached = {"x": saved["x"]}
-    else:
-        cached = {
-            "x": saved["x"],
-            "adaLN": saved["adaLN"],  # a replicated nn.Linear on SiLU's output: the same tensor
-            "qkv_mm": Ta * (Dl + 2 * KVl) * a,
-            "proj" if nn_linear else "proj_mm": Ta * D * a,
-            "mlp0_mm": Ta * M * gated * a,
-            "mlp2" if nn_linear else "mlp2_mm": Ta * D * a,
-        }
-        if L:
-            cached |= {"cross_q" if nn_linear else "cross_q_mm": Ta * Dl * a, "cross_kv_mm": B * L * 2 * KVl * a,
-                       "cross_proj_mm": Ta * D * a}
-        if kernel_cached:
-            cached |= {k: saved[k] for k in ("attn_kernel", "cross_kernel") if k in saved}
-    # A checkpointed block runs again in its backward: what its backward reads and the cache lacks comes back, and
-    # the cached matmul outputs that only fed a recomputed op (a bias add) are released as they are replayed.
-    recompute = sum(v for name, v in saved.items() if name not in cached)
-    released = sum(v for name, v in cached.items() if name not in saved)
 
-    # Kept outside the blocks until the end of backward: each scalar embedder's sinusoids and MLP hidden values (x 2),
-    # c (fp32 when it adds a class embedding: autocast leaves embeddings in fp32), RoPE's cos and sin (B, 1, seq,
-    # hd/2), and the text embedder's input (a bf16 copy under autocast) and hidden values: on every pipeline stage.
-    shared = (1 + cfg.fps_cond) * B * S * (FREQ_DIM + 2 * D) * a + B * S * D * (FP32 if cfg.num_classes else a)
-    shared += views * Ta * hd * a if cfg.pos_embed == "rope" else 0
-    if cfg.factorised:  # the two orders (B, N) and the frame and line ids, the positions and samples in lines order
-        shared += 4 * B * N * INT64 + B * N * (3 + lay.packed) * INT64
-    if L:
-        shared += B * L * ((cfg.text_dim if a != FP32 else 0) + 2 * D) * a
-        shared += 0 if nn_linear else B * L * D * a  # under TP every block's kv keeps the projected text itself
-    if cached is not saved:  # checkpoints keep their arguments: the projected text, the boolean masks
-        shared += (B * L * D * a if nn_linear else 0) + (views * Ta * (keys + (L + 1 if L else 0)) if sdpa_mask else 0)
-    # The final layer and the loss, whose backward runs (and frees them) first. Final layer: SiLU(c), adaLN's output
-    # and per_token's one-hot (or index), its input, norm, 1 + scale and linear's input. The loss (fp32, on whole
-    # rows): D - x and, per token, c_out, the loss weight and the mask.
-    head = B * S * D * a + (B * S * 2 * D * a + spread if lay.packed else 0) + T * D * a + norm(T)
-    head += tok * D * a + T * D * a
-    head += B * N * (F + (3 if lay.packed else 1)) * FP32
+def _planned_batch(cfg: DiTConfig, B: int, N: int, L: int, S: int, packed: bool) -> dict:
+    """A training batch of the planned shapes (fake tensors: make it under the model's fake mode): B rows of N tokens,
+    each packing S samples of equal grids (then padding) with L text tokens shared among them; or, not packed, one
+    sample filling each row, without masks."""
+    n = N // S if packed else N
+    grid = _grid(n, cfg.max_grid)
+    seg, pos = grid_rows([[grid] * (S if packed else 1)] * B, N)
+    text_seg = torch.arange(L) // max(1, -(-L // S)) if packed else None
+    cond = {"pos": pos, "seg": seg if packed else None, "mask": seg >= 0, "grids": [[grid] * (S if packed else 1)] * B,
+            "text_seg": None if text_seg is None else text_seg.expand(B, -1),
+            "class_labels": torch.zeros(B, S, dtype=torch.long) if cfg.num_classes else None,
+            "fps": torch.ones(B, S) if cfg.fps_cond else None}
+    if cfg.text_dim:
+        cond["text"] = torch.empty(B, L, cfg.text_dim)
+    return {"x": torch.empty(B, N, cfg.patch_dim), "sigma": torch.ones(B, S), "noise": torch.empty(B, N, cfg.patch_dim),
+            **cond}
 
-    return Activations(block=sum(cached.values()), recompute=recompute - released, shared=shared,
-                       embed=T * F * a,  # the patch embedding's input
-                       head=head, hidden=T * D * a)
+
+def _grid(n: int, max_grid: tuple[int, int, int]) -> tuple[int, int, int]:
+    """A (T, H, W) token grid of at most n tokens within max_grid: as wide, then as tall, as divides n."""
+    for tokens in range(n, 0, -1):
+        W = max(w for w in range(1, min(tokens, max_grid[2]) + 1) if tokens % w == 0)
+        H = max(h for h in range(1, min(tokens // W, max_grid[1]) + 1) if tokens // W % h == 0)
+        if tokens // (W * H) <= max_grid[0]:
+            return tokens // (W * H), H, W
+    raise ValueError(f"no token grid of {n} tokens fits max_grid={max_grid}")
+
+
+class _Gathered(torch.autograd.Function):
+    """A sequence-parallel column-parallel matmul's memory (ditcore.parallel.tensor_parallel._GatheredLinear): the
+    rank's tokens gathered tp times, and only its own kept for backward."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, tp: int) -> torch.Tensor:
+        ctx.save_for_backward(x, weight)
+        return F.linear(x.repeat(tp, *[1] * (x.ndim - 1)), weight)
+
+    @staticmethod
+    def backward(ctx, grad):  # never run: the record is a forward
+        raise NotImplementedError
+
+
+class _RankLinear(nn.Module):
+    """A tensor-parallel rank's linear as ditcore.parallel.tensor_parallel makes it, on one process: its share of the
+    weight, the matmul's output a tensor of its own (the bias added after it), a row-parallel output summed (a new
+    tensor), or under sequence parallelism reduce-scattered to the rank's tokens."""
+
+    def __init__(self, linear: nn.Linear, column: bool, tp: int, sp: int):
+        super().__init__()
+        out_f, in_f = linear.weight.shape
+        self.column, self.sp = column, sp
+        self.weight = nn.Parameter(torch.empty(out_f // tp if column else out_f, in_f if column else in_f // tp,
+                                               device=linear.weight.device))
+        self.bias = None if linear.bias is None else nn.Parameter(
+            torch.empty(out_f // tp if column else out_f, device=linear.weight.device))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.column:
+            y = _Gathered.apply(x, self.weight, self.sp) if self.sp > 1 else F.linear(x, self.weight)
+        else:
+            y = F.linear(x, self.weight)
+            y = y[: y.shape[0] // self.sp].clone()  # summed over the ranks: a tensor of its own (its tokens)
+        return y if self.bias is None else y + self.bias.to(y.dtype)
+
+
+def _rank_share(model: nn.Module, tp: int, sp: int, cp: int) -> None:
+    """Make a meta model one rank's: the layers its TP plan splits cut to their share and its attention modules'
+    heads divided (as ditcore.parallel.tensor_parallel does), and its rows split over sequence- and context-parallel
+    ranks (`_RankRows`)."""
+    if tp > 1:
+        plan = plan_for(model)
+        for name, module in list(model.named_modules()):
+            if any(fnmatch.fnmatchcase(name, pattern) for pattern in plan.heads):
+                module.num_heads //= tp
+                if hasattr(module, "num_kv_heads"):
+                    module.num_kv_heads //= tp
+            style = plan.module_style(name)
+            if isinstance(style, ColumnParallel | RowParallel):
+                column = isinstance(style, ColumnParallel)
+                gathers = sp if not column or style.sequence_parallel else 1
+                parent, _, child = name.rpartition(".")
+                model.get_submodule(parent).register_module(child, _RankLinear(module, column, tp, gathers))
+    if sp * cp > 1:
+        model.rows = _RankRows(model.rows, sp, cp)
+
+
+class _RankRows(RowSplit):
+    """A rank's slice of every row, on one process (ditcore.parallel.context_parallel.SplitRows): its queries are
+    the row's 1/cp, the tokens it holds a 1/sp of those, the keys and values gathered whole (new tensors), the output
+    too. A model that regroups tokens between blocks (ST-DiT) gets its own `orders`, gathering its 1/sp first."""
+
+    def __init__(self, base: RowSplit, sp: int, cp: int):
+        self.base, self.sp, self.cp = base, sp, cp
+
+    def spans(self, n: int) -> tuple[slice, slice]:
+        return slice(0, n // self.cp), slice(0, n // (self.cp * self.sp))
+
+    def keys_values(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return (k, v) if self.cp == 1 else (k.repeat(1, 1, self.cp, 1), v.repeat(1, 1, self.cp, 1))
+
+    def gather(self, out: torch.Tensor) -> torch.Tensor:
+        return out.repeat(self.cp * self.sp, 1, 1)
+
+    def orders(self, *args):
+        return _RankOrders(self.base.orders(*args), self.sp)
+
+
+class _RankOrders:
+    """ST-DiT's moves between frames and lines order under sequence parallelism (context_parallel.SwapRows): the
+    ranks' pieces gathered, moved, and this rank's piece kept."""
+
+    def __init__(self, whole, sp: int):
+        self.whole, self.sp, self.local = whole, sp, whole.local
+
+    def keys_values(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.whole.keys_values(k, v)
+
+    def to_lines(self, x: torch.Tensor) -> torch.Tensor:
+        return self.whole.to_lines(x.repeat(self.sp, 1, 1))[: x.shape[0]].clone()
+
+    def to_frames(self, x: torch.Tensor) -> torch.Tensor:
+        return self.whole.to_frames(x.repeat(self.sp, 1, 1))[: x.shape[0]].clone()
 
 
 # --------------------------------------------------------------------------------------------------

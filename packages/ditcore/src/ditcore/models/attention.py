@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from ditcore.errors import ConfigError
-from ditcore.layout import segment_mask
+from ditcore.layout import on_host, segment_mask
 
 BACKENDS = ("auto", "sdpa", "flex")
 
@@ -137,7 +137,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask, enable
     if mask.attn is None or isinstance(mask.attn, torch.Tensor):
         out = _sdpa(q, k, v, mask.attn, enable_gqa)
         return out if mask.has_keys is None else out * mask.has_keys[:, None]
-    if q.device.type == "cpu":  # torch 2.13's compiled CPU flex kernel misreads strided views: give it dense ones
+    if on_host(q):  # torch 2.13's compiled CPU flex kernel misreads strided views: give it dense ones
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     return _kernels(q.device.type).flex_attention(q, k, v, block_mask=mask.attn,  # CUDA: strided views, no copies
                                                   enable_gqa=enable_gqa)

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ditcore.errors import ConfigError
-from ditcore.layout import grid_positions, patchify, per_token, unpatchify
+from ditcore.layout import grid_positions, on_host, patchify, per_token, unpatchify
 from ditcore.models.attention import Mask, attend, check_backend, resolve, segments
 from ditcore.models.plan import ColumnParallel, PipelineSplit, Plan, Replicated, RowParallel
 from ditcore.models.registry import Architecture, register
@@ -84,10 +84,6 @@ class DiTConfig:
     @property
     def ffn(self) -> int:  # the MLP's hidden width
         return int(self.hidden_size * self.mlp_ratio)
-
-    gated_mlp = False  # a SwiGLU-style MLP: its input matrix is twice as tall (gate and up); not a config field
-    rms_norm = False  # the blocks' norms are RMSNorms (else LayerNorms); not a config field
-    factorised = False  # blocks attend within frames or within time-lines (ST-DiT), not over whole samples
 
     def attended(self, tokens: float, frames: float) -> float:
         """Keys each query attends over, on average over the blocks, in a sample of `tokens` tokens in `frames`
@@ -529,7 +525,7 @@ class DiT(nn.Module):
         """
         cfg = self.cfg
         B, N, _ = x.shape
-        if pos.device.type == "cpu":  # free on the host; on a GPU it would stall every forward (callers check)
+        if on_host(pos):  # free on the host; on a GPU it would stall every forward (callers check)
             check_positions(pos, cfg.max_grid)
         attn_span, local = self.rows.spans(N)  # tokens this rank's attention sees; tokens it holds
         seg_local = None if seg is None else seg[:, local]

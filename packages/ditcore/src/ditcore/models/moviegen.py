@@ -32,8 +32,6 @@ class MovieGenConfig(DiTConfig):
     num_kv_heads: int = 0  # key/value heads (grouped-query attention); 0: as many as query heads
     ffn_hidden_size: int = 0  # SwiGLU width; 0: Llama's 8/3 · hidden_size, rounded up to a multiple of 256
     norm_eps: float = 1e-5
-    gated_mlp = True  # SwiGLU
-    rms_norm = True
 
     def __post_init__(self) -> None:
         super().__post_init__()

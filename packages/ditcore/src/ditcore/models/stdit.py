@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from ditcore.errors import ConfigError
-from ditcore.layout import grid_rows
+from ditcore.layout import grid_rows, on_host
 from ditcore.models.attention import Mask, segments
 from ditcore.models.dit import DIT_PLAN, AttentionInputs, DiT, DiTBlock, DiTConfig, RowSplit
 from ditcore.models.registry import Architecture, register
@@ -37,8 +37,6 @@ from ditcore.models.registry import Architecture, register
 @dataclass(frozen=True)
 class STDiTConfig(DiTConfig):
     """`depth` counts blocks, spatial and temporal alike: depth 56 is 28 (spatial, temporal) pairs."""
-
-    factorised = True
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -163,9 +161,9 @@ class HostRows:
         """From `grids`, or without them from seg and pos when they are CPU tensors. Rows on another device without
         grids are refused: reading them would make the host wait for the device."""
         N = pos.shape[-2]
-        on_host = pos.device.type == "cpu" and (seg is None or seg.device.type == "cpu")
+        host = on_host(pos) and (seg is None or on_host(seg))
         if grids is None:
-            if not on_host:
+            if not host:
                 raise ValueError(
                     f"ST-DiT regroups tokens by frames and time-lines, which it reads on the host, not from the "
                     f"{pos.device.type} device: pass grids (per row, the (T, H, W) token grids of its samples in "
@@ -174,7 +172,7 @@ class HostRows:
         if len(grids) != B or (seg is None and any(len(r) != 1 or r[0][0] * r[0][1] * r[0][2] != N for r in grids)):
             raise ValueError(f"grids {grids} are not the layout of {B} rows of {N} tokens"
                              + (", each one sample without padding (seg is None)" if seg is None else ""))
-        if on_host:
+        if host:
             check_grids(grids, seg, pos)
         return cls(grids, N)
 
