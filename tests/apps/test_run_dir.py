@@ -60,10 +60,10 @@ def test_a_branch_keeps_its_branch_point_until_it_has_newer_checkpoints_and_auto
 
 def test_next_lineage_continues_the_run_of_the_checkpoint_resumed(tmp_path):
     a5 = fake_checkpoint(tmp_path, "step-0000005", "A", 1)
-    assert checkpoint.next_lineage(a5) == {"run": "A", "parent": {"name": "step-0000005", "run": "A", "seq": 1,
+    assert runs.next_lineage(a5) == {"run": "A", "parent": {"name": "step-0000005", "run": "A", "seq": 1,
                                                                    "path": str(a5.absolute())}}
-    fresh = checkpoint.next_lineage(None)
-    assert fresh["parent"] is None and fresh["run"] != checkpoint.next_lineage(None)["run"]
+    fresh = runs.next_lineage(None)
+    assert fresh["parent"] is None and fresh["run"] != runs.next_lineage(None)["run"]
 
 
 def outputs_of_a_run(run_dir):
