@@ -19,7 +19,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from dit_train import checkpoint, rundir
+from dit_train import checkpoint
 from dit_train.cli import find_config
 from dit_train.config import SHIPPED_NAMES, load_config
 from ditcore import durable, runs
@@ -274,7 +274,7 @@ def test_loss_decreases_and_outputs_are_written(dataset, tmp_path):
     # every file of the run and of its dataset as the umask says (the export's and codec's safetensors were 0600)
     mask = durable.umask()
     wrong = {str(p): oct(p.stat().st_mode & 0o777) for p in [*run.rglob("*"), *dataset.rglob("*")]
-             if p.name != rundir.LOCK_FILE and p.stat().st_mode & 0o777 != (0o777 if p.is_dir() else 0o666) & ~mask}
+             if p.name != runs.LOCK_FILE and p.stat().st_mode & 0o777 != (0o777 if p.is_dir() else 0o666) & ~mask}
     assert not wrong, wrong  # the run dir's lock is 0644 less the umask, on purpose (dit_train.rundir)
 
 

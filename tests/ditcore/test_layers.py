@@ -81,7 +81,7 @@ def reached_from(roots: set[str], graph: dict[str, set[str]]) -> set[str]:
     while todo:
         dep = todo.pop()
         for module in graph:
-            if module not in reached and (module == dep or dep != "ditcore" and module.startswith(dep + ".")):
+            if module not in reached and (module == dep or (dep != "ditcore" and module.startswith(dep + "."))):
                 reached.add(module)
                 todo.extend(graph[module])
     return reached

@@ -93,8 +93,7 @@ def save(fabric, run_dir: Path, step: int, state: dict, loader, config_yaml: str
         raise CheckpointError(f"{problem} — nothing was published; the newest complete checkpoint is kept")
     files = {k: v for part in parts for k, v in part.items()}
     if rank == 0:
-        config = runs.write_config(tmp, config_yaml)
-        files[config] = durable.digest(tmp / config)
+        files |= runs.seal(tmp, [runs.write_config(tmp, config_yaml)])
         # state["lineage"] is current on rank 0 only, the one rank that writes it
         state["lineage"] = runs.publish(tmp, final, step, layout(fabric), files, state.get("lineage"))
         rotate(run_dir, final, keep)
@@ -128,9 +127,7 @@ def _write_rank_files(tmp: Path, fabric, loader) -> dict[str, dict]:
     mine = [*runs.files_of_rank(tmp, rank), runs.write_rng(tmp, rank)]
     if groups.tp_rank == groups.cp_rank == groups.pp_rank == 0:  # one writer per data-parallel rank: its peers read it
         mine.append(runs.write_loader_state(tmp, groups.dp_rank, loader.save_state_rank()))
-    for name in mine:  # every rank makes its own files durable and measures them, in parallel
-        durable.fsync_file(tmp / name)
-    return {name: durable.digest(tmp / name) for name in mine}
+    return runs.seal(tmp, mine)  # every rank makes its own files durable and measures them, in parallel
 
 
 def resume(fabric, run_dir: Path, resume_arg: str, state: dict, loader, cfg) -> Path | None:

@@ -15,6 +15,9 @@ LOSS_PLOT = "loss.png"
 SHEET = "grid.png"  # the contact sheet of validation samples: prompts × seeds
 MARKER = "COMPLETE"  # the manifest (ditcore.runs.manifest): its presence is what makes a checkpoint complete
 TMP_PREFIX = ".tmp-"
+LOCK_FILE = ".lock"  # held by the training run that writes in the run dir (dit_train.rundir)
+OUTPUTS = (CHECKPOINTS, EXPORT, SAMPLES, CSV, TENSORBOARD, LOSS_PLOT)  # what dit-train writes in a run dir, and all
+# --overwrite removes
 _STEP = re.compile(r"^step-(\d{7})(?:-(\d+))?$")  # -N: the N-th checkpoint of that step in the folder (a branch)
 
 

@@ -32,6 +32,14 @@ def write_manifest(ckpt: Path, step: int, layout: dict, files: dict[str, dict], 
     durable.write_text(ckpt / MARKER, json.dumps(manifest, indent=1) + "\n")
 
 
+def seal(ckpt: Path, names: list[str]) -> dict[str, dict]:
+    """Make files of a checkpoint durable (fsynced) and measure them for its manifest: {name: {bytes, crc32}}.
+    Each rank seals its own files, in parallel."""
+    for name in names:
+        durable.fsync_file(Path(ckpt) / name)
+    return {name: durable.digest(Path(ckpt) / name) for name in names}
+
+
 def read_manifest(ckpt: Path) -> dict:
     """The manifest, or {} for a marker from before manifests (then loading is the only check)."""
     try:
