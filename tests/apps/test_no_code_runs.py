@@ -22,7 +22,6 @@ from ditcore import durable, runs
 from ditcore.data import loader_state
 from ditcore.data.schema import LATENT, TEXT, DatasetInfo, to_record
 from ditcore.data.writer import SHARD_PATTERN, finish_dataset, start_dataset
-from ditcore.parallel import dist_checkpoint
 from ditcore.testing import Payload
 
 BIN = Path(sys.executable).parent
@@ -96,21 +95,21 @@ def test_training_on_a_planted_dataset_skips_the_payloads_without_running_them(t
     assert "unreadable sample" in out and "posix.system" in out  # the payload samples: skipped, counted, named
     ckpt = runs.step_dir(run, STEPS)
     assert (ckpt / runs.loader_file(0)).name == "loader-dp00000.json" and not list(ckpt.glob("*.pkl"))
-    meta = dist_checkpoint.SafeReader(ckpt).read_metadata().state_dict_metadata
+    meta = runs.SafeReader(ckpt).read_metadata().state_dict_metadata
     assert not any(isinstance(m, dcp.metadata.BytesStorageMetadata) for m in meta.values())  # nothing DCP unpickles
 
 
 def as_main_wrote_it(ckpt: Path, values_pickle: bytes | None = None, loader_pickle: bytes | None = None) -> None:
     """Rewrite a checkpoint in main's format: one-device tensors and pickled values in DCP, the loader state pickled
     in loader-dp00000.pkl (or the given pickles in their place); the manifest rewritten."""
-    tensors = {f"{p}.{k}": v for p in (runs.MODEL, runs.EMA, dist_checkpoint.OPTIM)
-               for k, v in dist_checkpoint.read_full(ckpt, p).items()}
-    values = dist_checkpoint.read_values(ckpt)
+    tensors = {f"{p}.{k}": v for p in (runs.MODEL, runs.EMA, runs.OPTIM)
+               for k, v in runs.read_full(ckpt, p).items()}
+    values = runs.read_values(ckpt)
     state = loader_state.state_from_json((ckpt / runs.loader_file(0)).read_bytes())
     for p in ckpt.glob("*distcp"):
         p.unlink()
     (ckpt / runs.loader_file(0)).unlink()
-    dcp.save({**tensors, dist_checkpoint.VALUES: values_pickle or pickle.dumps(values)}, no_dist=True,
+    dcp.save({**tensors, runs.VALUES: values_pickle or pickle.dumps(values)}, no_dist=True,
              storage_writer=dcp.FileSystemWriter(str(ckpt), single_file_per_rank=True))
     (ckpt / "loader-dp00000.pkl").write_bytes(loader_pickle or pickle.dumps(state))
     rewrite_manifest(ckpt)
@@ -130,7 +129,7 @@ def test_resume_refuses_each_planted_checkpoint_and_continues_exactly_from_one_m
     def step(n: int) -> Path:
         return runs.step_dir(run, n)
 
-    (step(4) / dist_checkpoint.METADATA).write_bytes(pickle.dumps(Payload(marker)))  # DCP's index
+    (step(4) / runs.METADATA).write_bytes(pickle.dumps(Payload(marker)))  # DCP's index
     rewrite_manifest(step(4))
     as_main_wrote_it(step(3), values_pickle=pickle.dumps(Payload(marker)))  # the values entry
     as_main_wrote_it(step(2), loader_pickle=pickle.dumps(Payload(marker)))  # the loader state
@@ -145,9 +144,9 @@ def test_resume_refuses_each_planted_checkpoint_and_continues_exactly_from_one_m
     # the resumed run's step 4 is a second checkpoint of that step (lineage: the planted one is never replaced)
     newest = runs.newest(run)
     assert runs.step_of(newest) == 4 and newest != step(4)
-    resumed, straight = dist_checkpoint.read_values(newest), dist_checkpoint.read_values(runs.step_dir(original, 4))
+    resumed, straight = runs.read_values(newest), runs.read_values(runs.step_dir(original, 4))
     assert resumed["history"] == straight["history"]
-    a, b = (dist_checkpoint.read_full(d, runs.EMA) for d in (newest, runs.step_dir(original, 4)))
+    a, b = (runs.read_full(d, runs.EMA) for d in (newest, runs.step_dir(original, 4)))
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
@@ -164,10 +163,10 @@ def test_serve_refuses_a_planted_checkpoint_index_and_loads_a_clean_one(checkpoi
     ema = {k: v + 1.0 for k, v in load_file(run / "export" / "model.safetensors").items()}
     for step in (2, 3):
         ckpt = runs.step_dir(run, step)
-        dist_checkpoint.save(ckpt, {f"{runs.EMA}.{k}": v for k, v in ema.items()}, {"step": step})
+        runs.save_tensors(ckpt, {f"{runs.EMA}.{k}": v for k, v in ema.items()}, {"step": step})
         runs.write_manifest(ckpt, step, {"world_size": 1}, {})  # rewritten with every file's CRC below
         rewrite_manifest(ckpt)
-    (runs.step_dir(run, 3) / dist_checkpoint.METADATA).write_bytes(pickle.dumps(Payload(marker)))
+    (runs.step_dir(run, 3) / runs.METADATA).write_bytes(pickle.dumps(Payload(marker)))
     rewrite_manifest(runs.step_dir(run, 3))
     models = Checkpoints(run)
     with pytest.raises(RequestError, match=r"names posix\.system, which ditcore never loads .* pick another"):

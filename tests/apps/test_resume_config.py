@@ -25,7 +25,6 @@ from ditcore.data.loader import compare_fingerprints, dataset_fingerprint
 from ditcore.data.schema import DatasetInfo
 from ditcore.data.writer import ShardWriter, finish_dataset, start_dataset
 from ditcore.models import DiT, preset
-from ditcore.parallel import dist_checkpoint as dcp
 from ditcore.parallel.dims import destroy
 from ditcore.runs import CheckpointError
 
@@ -158,7 +157,7 @@ def test_new_optimizer_hyperparameters_win_over_the_checkpoint_s(base, data, tmp
     new = ["optim.lr=1e-3", "optim.weight_decay=0.05", "optim.betas=[0.8,0.99]", "optim.eps=1e-6"]
     result = resume(base, tmp_path, data, *new)
     assert result["step"] == 5
-    values = dcp.read_values(runs.step_dir(tmp_path / "run", 5))
+    values = runs.read_values(runs.step_dir(tmp_path / "run", 5))
     (group,) = values["optim_groups"]
     cfg = load_config(find_config("demo"), [*TINY, "train.steps=5", *new])
     assert group["lr"] == 1e-3 * train.lr_lambda(cfg)(5)  # the schedule at step 5 from the new base rate, exactly
@@ -198,16 +197,16 @@ def test_strict_shapes_name_the_difference():
         return {f"{p}.{k}": tuple(v.shape) for p in ("model", "ema") for k, v in model.state_dict().items()}
 
     two = shapes()
-    assert dcp.model_mismatch(two, two) is None
-    assert dcp.model_mismatch(two, shapes(depth=1)) == ("the checkpoint's model has 2 blocks, this one 1 "
+    assert runs.model_mismatch(two, two) is None
+    assert runs.model_mismatch(two, shapes(depth=1)) == ("the checkpoint's model has 2 blocks, this one 1 "
                                                         "(model.depth, model.preset)")
-    no_norm = dcp.model_mismatch(two, shapes(qk_norm=False))
+    no_norm = runs.model_mismatch(two, shapes(qk_norm=False))
     one_line(no_norm, "the checkpoint has", "tensors this model lacks (e.g. ema.blocks.0.")
     assert "norm" in no_norm
 
 
 def test_stored_shapes_read_the_checkpoint_s_index(base):
-    stored = dcp.stored_shapes(runs.step_dir(base, 3))
+    stored = runs.stored_shapes(runs.step_dir(base, 3))
     model, ema = ({k.split(".", 1)[1]: v for k, v in stored.items() if k.startswith(f"{p}.")} for p in ("model", "ema"))
     assert model == ema and model["blocks.1.attn.qkv.weight"] == (3 * 64, 64)  # DiT-Tiny: 64 wide, 2 blocks
     assert stored["optim.blocks.1.attn.qkv.weight.exp_avg"] == (3 * 64, 64)
@@ -216,7 +215,7 @@ def test_stored_shapes_read_the_checkpoint_s_index(base):
 def test_dcp_s_checkpoint_exception_becomes_its_first_error():
     error = ValueError("Size mismatch between saved torch.Size([384]) and current: torch.Size([2304])\nsecond line")
     wrapped = CheckpointException("failed", {0: (error, traceback.StackSummary())})
-    assert dcp.checkpoint_error(wrapped) == ("ValueError: Size mismatch between saved torch.Size([384]) and current: "
+    assert runs.checkpoint_error(wrapped) == ("ValueError: Size mismatch between saved torch.Size([384]) and current: "
                                              "torch.Size([2304])")
 
 
@@ -244,16 +243,16 @@ def test_init_from_starts_a_new_run_from_a_checkpoint_s_weights(base, deeper):
     fresh = DiT(preset("DiT-Tiny", in_channels=4, text_dim=8, patch_size=2, depth=3))
     fresh.init_weights(5)
     fresh = fresh.state_dict()
-    for which in (dcp.MODEL, dcp.EMA):
-        got = dcp.read_full(ckpt, which)
+    for which in (runs.MODEL, runs.EMA):
+        got = runs.read_full(ckpt, which)
         assert got.keys() == fresh.keys()
         for k, v in got.items():
             start = source[k] if k.startswith(("blocks.0.", "blocks.1.")) or not k.startswith("blocks.") else fresh[k]
             assert (v - start).abs().max() <= 1.1e-6, (which, k)  # lr, and the rounding of weights < 1
     k = "blocks.0.attn.qkv.weight"
     assert (source[k] - fresh[k]).abs().max() > 1e-2  # the fresh init is far from the source: the check means it
-    assert float(dcp.read_full(ckpt, dcp.OPTIM)[f"{k}.step"]) == 1  # the optimizer state starts fresh
-    assert dcp.read_values(ckpt)["step"] == 1
+    assert float(runs.read_full(ckpt, runs.OPTIM)[f"{k}.step"]) == 1  # the optimizer state starts fresh
+    assert runs.read_values(ckpt)["step"] == 1
 
 
 def test_init_from_names_what_it_took_in_one_line(base, deeper):

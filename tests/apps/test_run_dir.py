@@ -60,10 +60,10 @@ def test_a_branch_keeps_its_branch_point_until_it_has_newer_checkpoints_and_auto
 
 def test_next_lineage_continues_the_run_of_the_checkpoint_resumed(tmp_path):
     a5 = fake_checkpoint(tmp_path, "step-0000005", "A", 1)
-    assert checkpoint.next_lineage(a5) == {"run": "A", "parent": {"name": "step-0000005", "run": "A", "seq": 1,
+    assert runs.next_lineage(a5) == {"run": "A", "parent": {"name": "step-0000005", "run": "A", "seq": 1,
                                                                    "path": str(a5.absolute())}}
-    fresh = checkpoint.next_lineage(None)
-    assert fresh["parent"] is None and fresh["run"] != checkpoint.next_lineage(None)["run"]
+    fresh = runs.next_lineage(None)
+    assert fresh["parent"] is None and fresh["run"] != runs.next_lineage(None)["run"]
 
 
 def outputs_of_a_run(run_dir):
@@ -133,10 +133,10 @@ def test_the_lock_names_its_holder_and_kill_9_frees_it_even_with_a_forked_child_
         assert "wait for it to end or stop it, or use another train.run_dir" in str(e.value)
         holder.kill()  # kill -9: no chance to clean up, and its record stays in the file
         holder.wait(timeout=30)
-        assert f'"pid": {holder.pid}' in (tmp_path / rundir.LOCK_FILE).read_text()
+        assert f'"pid": {holder.pid}' in (tmp_path / runs.LOCK_FILE).read_text()
         os.kill(worker, 0)  # the forked worker lives on (ProcessLookupError if not) ...
         lock = rundir.RunDirLock.acquire(tmp_path)  # ... and holds nothing
-        assert f'"pid": {os.getpid()}' in (tmp_path / rundir.LOCK_FILE).read_text()
+        assert f'"pid": {os.getpid()}' in (tmp_path / runs.LOCK_FILE).read_text()
         lock.release()
     finally:
         holder.kill()
@@ -149,7 +149,7 @@ def test_a_lock_file_planted_as_a_link_is_refused_not_followed(tmp_path):
     target = tmp_path / "elsewhere"
     target.write_text("not ours")
     (tmp_path / "run").mkdir()
-    (tmp_path / "run" / rundir.LOCK_FILE).symlink_to(target)
+    (tmp_path / "run" / runs.LOCK_FILE).symlink_to(target)
     with pytest.raises(rundir.ConfigError, match=r"train.run_dir=.* is invalid: .*\.lock"):
         rundir.RunDirLock.acquire(tmp_path / "run")
     assert target.read_text() == "not ours"

@@ -19,12 +19,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from dit_train import checkpoint, rundir
+from dit_train import checkpoint
 from dit_train.cli import find_config
 from dit_train.config import SHIPPED_NAMES, load_config
 from ditcore import durable, runs
 from ditcore.media import read_video
-from ditcore.parallel import dist_checkpoint as dcp
 
 BIN = Path(sys.executable).parent
 TINY = ["model.preset=DiT-Tiny", "model.patch_size=2", "data.seq_length=32", "data.num_workers=0",
@@ -71,14 +70,14 @@ def run_args(dataset, run_dir, steps, *extra):
 def final_state(run_dir: Path, step: int) -> dict:
     """A checkpoint's one-device tensors (model, EMA, AdamW state) and its loss history, whatever layout wrote it."""
     ckpt = runs.step_dir(run_dir, step)
-    state = {part: dcp.read_full(ckpt, part) for part in (dcp.MODEL, dcp.EMA, dcp.OPTIM)}
-    return state | {"history": dcp.read_values(ckpt)["history"]}
+    state = {part: runs.read_full(ckpt, part) for part in (runs.MODEL, runs.EMA, runs.OPTIM)}
+    return state | {"history": runs.read_values(ckpt)["history"]}
 
 
 def assert_same_training(a: Path, b: Path, step: int):
     x, y = final_state(a, step), final_state(b, step)
     assert x["history"] == y["history"]  # every step's loss, exactly
-    for part in (dcp.MODEL, dcp.EMA, dcp.OPTIM):
+    for part in (runs.MODEL, runs.EMA, runs.OPTIM):
         assert x[part].keys() == y[part].keys()
         for k in x[part]:
             assert torch.equal(x[part][k], y[part][k]), f"{part}.{k}"
@@ -205,7 +204,7 @@ def test_pipeline_of_two_stages_trains_like_one_process(dataset, straight, tmp_p
     assert [s for s, _ in b["history"]] == [1, 2, 3, 4, 5, 6]
     for (_, x), (_, y) in zip(a["history"], b["history"], strict=True):
         assert abs(x - y) <= 1e-6 * abs(x), (x, y)
-    for part in (dcp.MODEL, dcp.EMA):  # every block, from both stages, and the embedders once
+    for part in (runs.MODEL, runs.EMA):  # every block, from both stages, and the embedders once
         assert a[part].keys() == b[part].keys()
         for k in a[part]:
             scale = a[part][k].abs().max().clamp(min=1e-30)
@@ -275,7 +274,7 @@ def test_loss_decreases_and_outputs_are_written(dataset, tmp_path):
     # every file of the run and of its dataset as the umask says (the export's and codec's safetensors were 0600)
     mask = durable.umask()
     wrong = {str(p): oct(p.stat().st_mode & 0o777) for p in [*run.rglob("*"), *dataset.rglob("*")]
-             if p.name != rundir.LOCK_FILE and p.stat().st_mode & 0o777 != (0o777 if p.is_dir() else 0o666) & ~mask}
+             if p.name != runs.LOCK_FILE and p.stat().st_mode & 0o777 != (0o777 if p.is_dir() else 0o666) & ~mask}
     assert not wrong, wrong  # the run dir's lock is 0644 less the umask, on purpose (dit_train.rundir)
 
 
@@ -578,7 +577,7 @@ def test_a_branch_keeps_the_other_trajectory_and_auto_follows_the_branch(two_che
     assert three["run"] == branch4["run"] == runs.lineage(runs.step_dir(run, 4))["run"]  # one run, two trajectories
     assert branch4["seq"] > three["seq"] > runs.lineage(runs.step_dir(run, 4))["seq"]
     assert [p.name for p in checkpoint.resolve_resume(run, "auto")] == ["step-0000004-2", "step-0000003"]
-    assert dcp.read_values(run / "checkpoints" / "step-0000004-2")["step"] == 4
+    assert runs.read_values(run / "checkpoints" / "step-0000004-2")["step"] == 4
 
 
 def test_resume_none_over_checkpoints_needs_overwrite_which_says_what_it_removes(two_checkpoints, dataset, tmp_path):

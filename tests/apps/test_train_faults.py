@@ -183,9 +183,9 @@ def test_a_second_ctrl_c_during_a_checkpoint_exits_at_once_and_publishes_nothing
     """The first Ctrl-C asks for a checkpoint; one pressed again (more than Preempted.REPEAT_S later) while it is
     written raises Interrupted, which no `except Exception` on the way swallows: the half-written folder is never
     published (a .tmp-step-* folder, which resolve_resume ignores and the next save removes)."""
-    from ditcore.parallel import dist_checkpoint
+    from ditcore import runs
 
-    save, saves = dist_checkpoint.save, []
+    save, saves = runs.save_tensors, []
 
     def pressed_twice_during_second_save(*args, **kwargs):
         saves.append(1)
@@ -195,7 +195,7 @@ def test_a_second_ctrl_c_during_a_checkpoint_exits_at_once_and_publishes_nothing
             os.kill(os.getpid(), signal.SIGINT)
         return save(*args, **kwargs)
 
-    monkeypatch.setattr(dist_checkpoint, "save", pressed_twice_during_second_save)
+    monkeypatch.setattr(runs, "save_tensors", pressed_twice_during_second_save)
     run = tmp_path / "run"
     before = signal.getsignal(signal.SIGINT)
     with pytest.raises(training.Interrupted, match="second Ctrl-C: nothing half-written was published"):

@@ -85,6 +85,31 @@ def test_the_files_the_sources_cite_are_in_the_repository():
     assert not missing, "cited files that are not in the repository:\n" + "\n".join(missing)
 
 
+def reached_from(roots: set[str], graph: dict[str, set[str]]) -> set[str]:
+    """Every ditcore module that importing `roots` may import. `from ditcore.data import loader_state` records only
+    ditcore.data: a reached subpackage counts with all its modules."""
+    reached, todo = set(), list(roots)
+    while todo:
+        dep = todo.pop()
+        for module in graph:
+            if module not in reached and (module == dep or (dep != "ditcore" and module.startswith(dep + "."))):
+                reached.add(module)
+                todo.extend(graph[module])
+    return reached
+
+
+def test_dit_sample_reads_checkpoints_without_ditcore_parallel():
+    """dit-sample loads a training checkpoint's weights on one device: neither its modules nor ditcore.runs (the
+    owner of the checkpoint format, and of reading it) may need process groups or their shims for that."""
+    sample = import_graph(SRC.parents[2] / "apps" / "sample" / "src")
+    assert {"dit_sample.app", "dit_sample.cli", "dit_sample.generate"} <= sample.keys()
+    roots = set().union(*sample.values()) | {"ditcore.runs"}
+    reached = reached_from(roots, import_graph())
+    parallel = sorted(m for m in reached if unit(m) == "ditcore.parallel")
+    assert not parallel, f"dit-sample or ditcore.runs imports {parallel}"
+    assert "ditcore.runs.weights" in reached  # the walk reaches the reader it vouches for
+
+
 if __name__ == "__main__":
     for module, deps in import_graph().items():
         print(f"{module:34s} -> {', '.join(sorted(deps)) or '-'}")

@@ -31,6 +31,36 @@ def test_load_weights_reads_the_ema_or_the_model(tmp_path, full):
     assert all(torch.equal(v, full[k]) for k, v in runs.load_weights(ckpt, runs.MODEL).items())
 
 
+
+def test_the_owner_alone_writes_the_files_dit_train_writes_and_every_reader_takes_them(tmp_path):
+    """dit_train.checkpoint's save sequence, on one process and with no process group: ditcore.runs names, writes,
+    seals and publishes every file. The names and keys are those of checkpoints already on disk (they must never
+    change: old run dirs resume and sample), and sampling's, resume's and lineage's readers take them."""
+    weights = {"blocks.0.w": torch.randn(4, 3), "final.b": torch.randn(3)}
+    final = runs.begin_step(tmp_path, 7)
+    tmp = runs.tmp_dir(final)
+    moments = {"final.b.exp_avg": weights["final.b"] / 3}
+    tensors = runs.checkpoint_tensors(weights, {k: 2 * v for k, v in weights.items()}, moments)
+    runs.save_tensors(tmp, tensors, {"step": 7})
+    rng = torch.get_rng_state()
+    files = runs.seal(tmp, [*runs.files_of_rank(tmp, 0), runs.write_rng(tmp, 0)])
+    files |= runs.seal(tmp, [runs.write_config(tmp, "train:\n  steps: 7\n")])
+    after = runs.publish(tmp, final, 7, {"world_size": 1}, files, None)
+
+    assert final.name == "step-0000007" and not tmp.exists()
+    assert sorted(p.name for p in final.iterdir()) == [".metadata", "COMPLETE", "__0_0.distcp", "config.yaml",
+                                                       "rng-00000.pt"]
+    assert sorted(runs.read_manifest(final)["files"]) == [".metadata", "__0_0.distcp", "config.yaml", "rng-00000.pt"]
+    assert sorted(runs.stored_shapes(final)) == ["ema.blocks.0.w", "ema.final.b", "model.blocks.0.w", "model.final.b",
+                                                 "optim.final.b.exp_avg", "values"]
+    assert all(torch.equal(v, 2 * weights[k]) for k, v in runs.load_weights(final).items())
+    assert runs.read_values(final) == {"step": 7} and runs.read_config(final) == {"train": {"steps": 7}}
+    torch.rand(5)
+    runs.restore_rng(final, 0)
+    assert torch.equal(torch.get_rng_state(), rng)
+    assert runs.newest(tmp_path) == final and runs.lineage(final)["seq"] == 1
+    assert after["run"] == runs.lineage(final)["run"] and after["parent"]["name"] == final.name
+
 def test_complete_checkpoints_are_found_oldest_first_and_unfinished_ones_ignored(tmp_path, full):
     for step in (10, 2):
         write_checkpoint(tmp_path, step, full)

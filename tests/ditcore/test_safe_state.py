@@ -18,7 +18,6 @@ from megatron.energon.state import FlexState
 from ditcore import durable, runs
 from ditcore.data import loader_state
 from ditcore.data.schema import LATENT, META, TEXT, read_sample, to_record
-from ditcore.parallel import dist_checkpoint
 from ditcore.safe_state import UnsafeFileError, from_json, restricted_loads, to_json
 from ditcore.testing import Payload
 
@@ -99,9 +98,9 @@ def test_a_planted_pickle_is_refused_in_one_line_and_never_runs(marker):
 def write_checkpoint(ckpt, values_entry) -> dict:
     """A one-process checkpoint with a given `values` entry (a uint8 JSON tensor today, pickled bytes before)."""
     tensors = {"model.w": torch.randn(3, 4), "ema.w": torch.randn(3, 4)}
-    dcp.save({**tensors, dist_checkpoint.VALUES: values_entry},
+    dcp.save({**tensors, runs.VALUES: values_entry},
              storage_writer=dcp.FileSystemWriter(str(ckpt), single_file_per_rank=True), no_dist=True)
-    files = {name: durable.digest(ckpt / name) for name in ["__0_0.distcp", dist_checkpoint.METADATA]}
+    files = {name: durable.digest(ckpt / name) for name in ["__0_0.distcp", runs.METADATA]}
     runs.write_manifest(ckpt, runs.step_of(ckpt), {"world_size": 1}, files)  # a planted file gets a fresh manifest
     return tensors
 
@@ -112,18 +111,18 @@ VALUES = {"step": 3, "history": [[1, 0.5]], "optim_groups": [{"lr": 1e-3, "betas
 def test_new_checkpoints_hold_json_values_and_no_byte_entries(tmp_path):
     ckpt = tmp_path / "checkpoints" / "step-0000003"
     tensors = {"model.w": torch.randn(3, 4)}
-    dist_checkpoint.save(ckpt, tensors, VALUES)  # one process here; dit-train's tests cover the collective save
-    meta = dist_checkpoint.SafeReader(ckpt).read_metadata().state_dict_metadata
+    runs.save_tensors(ckpt, tensors, VALUES)  # one process here; dit-train's tests cover the collective save
+    meta = runs.SafeReader(ckpt).read_metadata().state_dict_metadata
     assert not any(isinstance(m, dcp.metadata.BytesStorageMetadata) for m in meta.values())
-    assert same(dist_checkpoint.read_values(ckpt), VALUES)
+    assert same(runs.read_values(ckpt), VALUES)
     loaded = {"model.w": torch.zeros(3, 4)}
-    assert same(dist_checkpoint.load(ckpt, loaded), VALUES) and torch.equal(loaded["model.w"], tensors["model.w"])
+    assert same(runs.load_tensors(ckpt, loaded), VALUES) and torch.equal(loaded["model.w"], tensors["model.w"])
 
 
 def test_old_checkpoints_with_pickled_values_still_read(tmp_path):
     ckpt = tmp_path / "checkpoints" / "step-0000003"
     tensors = write_checkpoint(ckpt, pickle.dumps(VALUES))  # as main's dist_checkpoint.save wrote them
-    assert same(dist_checkpoint.read_values(ckpt), VALUES)
+    assert same(runs.read_values(ckpt), VALUES)
     assert torch.equal(runs.load_weights(ckpt)["w"], tensors["ema.w"])
 
 
@@ -136,11 +135,11 @@ def test_a_payload_in_a_checkpoint_never_runs(tmp_path, marker, where):
         write_checkpoint(ckpt, Payload(marker))
     else:
         write_checkpoint(ckpt, torch.frombuffer(bytearray(to_json(VALUES)), dtype=torch.uint8))
-        (ckpt / dist_checkpoint.METADATA).write_bytes(pickle.dumps(Payload(marker)))
+        (ckpt / runs.METADATA).write_bytes(pickle.dumps(Payload(marker)))
     files = {p.name: durable.digest(p) for p in ckpt.iterdir() if p.name != runs.MARKER}
     runs.write_manifest(ckpt, 3, {"world_size": 1}, files)  # the manifest's CRC is no defence: it is rewritten too
     with pytest.raises(UnsafeFileError, match=r"names posix\.system|GLOBAL posix\.system"):
-        dist_checkpoint.read_values(ckpt)
+        runs.read_values(ckpt)
     if where == "metadata":  # what dit-sample serve reads when a web user picks the checkpoint (not the values)
         with pytest.raises(runs.CheckpointError, match=f"checkpoint {ckpt} does not load") as caught:
             runs.load_weights(ckpt)
@@ -151,11 +150,11 @@ def test_a_payload_in_a_checkpoint_never_runs(tmp_path, marker, where):
 def test_an_index_pointing_outside_the_checkpoint_is_refused(tmp_path):
     ckpt = tmp_path / "checkpoints" / "step-0000003"
     write_checkpoint(ckpt, torch.frombuffer(bytearray(to_json(VALUES)), dtype=torch.uint8))
-    meta = dist_checkpoint.SafeReader(ckpt).read_metadata()
+    meta = runs.SafeReader(ckpt).read_metadata()
     next(iter(meta.storage_data.values())).relative_path = "../../../etc/passwd"
-    (ckpt / dist_checkpoint.METADATA).write_bytes(pickle.dumps(meta))
+    (ckpt / runs.METADATA).write_bytes(pickle.dumps(meta))
     with pytest.raises(UnsafeFileError, match=r"points outside its folder \('../../../etc/passwd'\)"):
-        dist_checkpoint.read_values(ckpt)
+        runs.read_values(ckpt)
 
 
 # ---------------------------------------------------------------- dataset samples

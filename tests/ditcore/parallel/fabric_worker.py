@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 from lightning_fabric import Fabric
 
+from ditcore import runs
 from ditcore.diffusion import EMA, EDMLoss, EDMPrecond
 from ditcore.layout import grid_positions
 from ditcore.memory import measured_state_bytes
@@ -66,7 +67,7 @@ def train_step(fabric, model, opt, ema, groups, step: int) -> float:
     return fabric.all_reduce(loss.detach(), group=groups.dp_group, reduce_op="mean").item()
 
 
-hyper = dcp.optimizer_hyperparameters
+hyper = runs.optimizer_hyperparameters
 
 
 def main() -> None:
@@ -83,19 +84,19 @@ def main() -> None:
     model, opt = fabric.setup(model, opt, move_to_device=not fsdp)  # as dit-train: a sharded model is not moved
 
     def tensors():
-        return dcp.state_tensors(model.module, ema.module, opt, groups, "cpu")
+        return runs.checkpoint_tensors(*dcp.state_tensors(model.module, ema.module, opt, groups, "cpu"))
 
     losses, start = [], 0
     if mode in ("resume", "load"):
-        values = dcp.load(out / ("checkpoint" if mode == "resume" else "checkpoint-fsdp"), tensors())
-        dcp.load_optimizer_hyperparameters(opt, values["optim_groups"])
+        values = runs.load_tensors(out / ("checkpoint" if mode == "resume" else "checkpoint-fsdp"), tensors())
+        runs.load_optimizer_hyperparameters(opt, values["optim_groups"])
         start = values["step"]
     for step in range(start, STEPS):
         losses.append(train_step(fabric, model, opt, ema, groups, step))
         if mode == "straight" and step + 1 == SAVE_AT:
-            dcp.save(out / "checkpoint", tensors(), {"step": SAVE_AT, "optim_groups": hyper(opt)})
+            runs.save_tensors(out / "checkpoint", tensors(), {"step": SAVE_AT, "optim_groups": hyper(opt)})
     if mode == "resume" and layout == "fsdp":
-        dcp.save(out / "checkpoint-fsdp", tensors(), {"step": STEPS, "optim_groups": hyper(opt)})
+        runs.save_tensors(out / "checkpoint-fsdp", tensors(), {"step": STEPS, "optim_groups": hyper(opt)})
 
     held = measured_state_bytes(model.module, opt, ema.module)  # this rank's real tensors, gradients still there
     most = fabric.all_gather(torch.tensor(list(held.values()))).reshape(-1, len(held)).amax(0)  # the largest rank's

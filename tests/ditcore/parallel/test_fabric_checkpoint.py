@@ -12,8 +12,8 @@ import torch
 from ditcore.diffusion import EDMPrecond
 from ditcore.memory import Layout, plan_from
 from ditcore.models import DiT
-from ditcore.parallel import dist_checkpoint as dcp
 from ditcore.parallel import load_consolidated
+from ditcore.runs import tensors
 from ditcore.testing import assert_close_fp32, dit_forward_work, dit_grad_work, fp32_tolerance
 
 from .conftest import HERE, free_port
@@ -44,13 +44,13 @@ def result(runs, name):
 
 def test_checkpoint_holds_one_device_tensors_written_in_pieces(runs):
     ckpt = runs / "checkpoint"
-    assert dcp.files_of_rank(ckpt, 0) == ["__0_0.distcp", dcp.METADATA]
-    assert dcp.files_of_rank(ckpt, 1) == ["__1_0.distcp"]
+    assert tensors.files_of_rank(ckpt, 0) == ["__0_0.distcp", tensors.METADATA]
+    assert tensors.files_of_rank(ckpt, 1) == ["__1_0.distcp"]
     assert all((ckpt / name).stat().st_size > 1000 for name in ["__0_0.distcp", "__1_0.distcp"])  # both wrote
-    model = dcp.read_full(ckpt, dcp.MODEL)  # no process group: consolidated from the TP=2 pieces
+    model = tensors.read_full(ckpt, tensors.MODEL)  # no process group: consolidated from the TP=2 pieces
     assert model.keys() == DiT(CFG).state_dict().keys()
     assert model["blocks.0.attn.qkv.weight"].shape == (3 * CFG.hidden_size, CFG.hidden_size)
-    moments = dcp.read_full(ckpt, dcp.OPTIM)
+    moments = tensors.read_full(ckpt, tensors.OPTIM)
     assert moments["final.linear.weight.exp_avg"].abs().sum() > 0  # AdamW state is there, whole
     assert float(moments["blocks.0.attn.qkv.weight.step"]) == SAVE_AT
 

@@ -1,4 +1,6 @@
-"""Saving and resuming training checkpoints (the layout: ditcore.runs; the tensors: ditcore.parallel.dist_checkpoint).
+"""When to save and what to resume: dit-train's orchestration of its checkpoints, whose files ditcore.runs owns
+(names, writing, reading, manifest and lineage) and whose tensors ditcore.parallel.dist_checkpoint gives as layout-free
+views of the live state.
 
 A checkpoint is written into `.tmp-step-XXXXXXX/`: every rank writes its pieces of the model, EMA and optimizer
 state (torch.distributed.checkpoint, in parallel), its RNG states, and one rank per data-parallel rank the data
@@ -30,7 +32,6 @@ from __future__ import annotations
 
 import shutil
 import sys
-import time
 from collections import Counter
 from pathlib import Path
 
@@ -40,7 +41,6 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from dit_train import resume_config
 from ditcore import disk, durable, runs
-from ditcore.data import loader_state
 from ditcore.data.loader import compare_fingerprints
 from ditcore.parallel import dist_checkpoint
 from ditcore.runs import CheckpointError
@@ -73,16 +73,13 @@ def save(fabric, run_dir: Path, step: int, state: dict, loader, config_yaml: str
     rank = fabric.global_rank
     name = None
     if rank == 0:
-        root = Path(run_dir) / runs.CHECKPOINTS
-        durable.remove_leftovers(root, (runs.TMP_PREFIX, durable.TRASH_PREFIX))  # from an interrupted save
-        name = runs.free_step_dir(run_dir, step).name
-        runs.tmp_dir(root / name).mkdir(parents=True)
+        name = runs.begin_step(run_dir, step).name
     final = Path(run_dir) / runs.CHECKPOINTS / all_ranks(fabric, name)[0]  # rank 0's choice, once its folder exists
     tmp = runs.tmp_dir(final)
     values = _values(state) | {"skipped": dict(skipped_total(fabric, state["skipped"])),
                                "dataset": getattr(loader, "fingerprint", None)}
     try:
-        dist_checkpoint.save(tmp, _tensors(fabric, state), values)  # each rank its pieces, fsynced
+        runs.save_tensors(tmp, _tensors(fabric, state), values)  # each rank its pieces, fsynced
         mine = _write_rank_files(tmp, fabric, loader)
     # e.g. the disk filled up: every rank must hear of it, or the others would wait forever. DCP's own failures
     # (CheckpointException, a BaseException) reach every rank at once.
@@ -96,24 +93,12 @@ def save(fabric, run_dir: Path, step: int, state: dict, loader, config_yaml: str
         raise CheckpointError(f"{problem} — nothing was published; the newest complete checkpoint is kept")
     files = {k: v for part in parts for k, v in part.items()}
     if rank == 0:
-        durable.write_text(tmp / runs.CONFIG_FILE, config_yaml)
-        files[runs.CONFIG_FILE] = durable.digest(tmp / runs.CONFIG_FILE)
+        files |= runs.seal(tmp, [runs.write_config(tmp, config_yaml)])
         # state["lineage"] is current on rank 0 only, the one rank that writes it
-        lineage = state.get("lineage") or next_lineage(None)
-        runs.write_manifest(tmp, step, layout(fabric), files, lineage | {
-            "seq": runs.next_seq(run_dir), "written": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
-        durable.publish_dir(tmp, final)
-        state["lineage"] = next_lineage(final)
+        state["lineage"] = runs.publish(tmp, final, step, layout(fabric), files, state.get("lineage"))
         rotate(run_dir, final, keep)
     fabric.barrier()
     return final
-
-
-def next_lineage(ckpt: Path | None) -> dict:
-    """The run and parent that the next checkpoint records, when it continues `ckpt` (None: a run from scratch)."""
-    if ckpt is None:
-        return {"run": runs.new_run_id(), "parent": None}
-    return {"run": runs.lineage(ckpt).get("run") or runs.new_run_id(), "parent": runs.parent_ref(ckpt)}
 
 
 def rotate(run_dir: Path, newest: Path, keep: int) -> list[Path]:
@@ -139,15 +124,10 @@ def _write_rank_files(tmp: Path, fabric, loader) -> dict[str, dict]:
     """This rank's RNG states (and, for one rank per data-parallel rank, the loader's position), beside its DCP
     file; every one fsynced and measured: {file name: its size and CRC-32}."""
     groups, rank = fabric.strategy.groups, fabric.global_rank
-    mine = [*dist_checkpoint.files_of_rank(tmp, rank), runs.rng_file(rank)]
-    torch.save({"torch": torch.get_rng_state(),
-                "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}, tmp / mine[-1])
+    mine = [*runs.files_of_rank(tmp, rank), runs.write_rng(tmp, rank)]
     if groups.tp_rank == groups.cp_rank == groups.pp_rank == 0:  # one writer per data-parallel rank: its peers read it
-        mine.append(runs.loader_file(groups.dp_rank))
-        (tmp / mine[-1]).write_bytes(loader_state.state_to_json(loader.save_state_rank()))
-    for name in mine:  # every rank makes its own files durable and measures them, in parallel
-        durable.fsync_file(tmp / name)
-    return {name: durable.digest(tmp / name) for name in mine}
+        mine.append(runs.write_loader_state(tmp, groups.dp_rank, loader.save_state_rank()))
+    return runs.seal(tmp, mine)  # every rank makes its own files durable and measures them, in parallel
 
 
 def resume(fabric, run_dir: Path, resume_arg: str, state: dict, loader, cfg) -> Path | None:
@@ -164,7 +144,7 @@ def resume(fabric, run_dir: Path, resume_arg: str, state: dict, loader, cfg) -> 
     for i, ckpt in enumerate(candidates):
         problem = _agree(fabric, _verify(fabric, ckpt))  # before loading, which is collective
         if problem is None:
-            changes = resume_config.compare(resume_config.read_saved_config(ckpt, runs.CONFIG_FILE), cfg, ckpt)
+            changes = resume_config.compare(runs.read_config(ckpt), cfg, ckpt)
             refusal = _agree(fabric, _refusal(fabric, ckpt, changes, state, loader, cfg))
             if refusal:  # not damage: an older checkpoint of the same run would be refused alike
                 raise CheckpointError(refusal)
@@ -172,7 +152,7 @@ def resume(fabric, run_dir: Path, resume_arg: str, state: dict, loader, cfg) -> 
                 print(changes.summary(), file=sys.stderr, flush=True)
             problem = _agree(fabric, _load(fabric, ckpt, state, loader, changes, cfg))
         if problem is None:
-            state["lineage"] = next_lineage(ckpt)
+            state["lineage"] = runs.next_lineage(ckpt)
             if fabric.global_rank == 0:
                 note_branch(run_dir, ckpt)
             return ckpt
@@ -187,7 +167,7 @@ def resume(fabric, run_dir: Path, resume_arg: str, state: dict, loader, cfg) -> 
         raise CheckpointError(f"none of the {len(candidates)} complete checkpoints in {where} "
                               f"loads (newest: {newest_problem}) — restore them from a copy, or pass --resume none "
                               "--overwrite to start over (deleting them)")
-    state["lineage"] = next_lineage(None)
+    state["lineage"] = runs.next_lineage(None)
     return None
 
 
@@ -210,9 +190,9 @@ def _verify(fabric, ckpt: Path) -> str | None:
     files = sorted(manifest.get("files") or {})
     if not files:
         return f"checkpoint {ckpt} is damaged: its {runs.MARKER} manifest does not list its files"
-    if dist_checkpoint.METADATA not in files:
+    if runs.METADATA not in files:
         return (f"checkpoint {ckpt} was written by an older dit-train (per-shard files, no "
-                f"{dist_checkpoint.METADATA}): start a new run from that run's export/")
+                f"{runs.METADATA}): start a new run from that run's export/")
     try:
         for name in files[fabric.global_rank::fabric.world_size]:
             problem = runs.verify(ckpt, name, manifest)
@@ -233,11 +213,11 @@ def _refusal(fabric, ckpt: Path, changes: resume_config.Comparison, state: dict,
     for part in all_ranks(fabric, {k: tuple(v.shape) for k, v in _tensors(fabric, state).items()}):
         wanted |= part
     try:
-        stored = dist_checkpoint.stored_shapes(ckpt)
-        saved_data = dist_checkpoint.read_values(ckpt).get("dataset")
+        stored = runs.stored_shapes(ckpt)
+        saved_data = runs.read_values(ckpt).get("dataset")
     except Exception:  # unreadable: _load reports it as damage, and --resume auto tries an older checkpoint
         return None
-    mismatch = dist_checkpoint.model_mismatch(stored, wanted)
+    mismatch = runs.model_mismatch(stored, wanted)
     if mismatch:
         return (f"checkpoint {ckpt} holds another model than this config and dataset build: {mismatch} — resume "
                 f"with the config and dataset it was trained with (its {runs.CONFIG_FILE}), or start a new run in "
@@ -249,13 +229,13 @@ def _refusal(fabric, ckpt: Path, changes: resume_config.Comparison, state: dict,
 def _load(fabric, ckpt: Path, state: dict, loader, changes: resume_config.Comparison, cfg) -> str | None:
     """Collective: load the checkpoint into `state` and the loader; what went wrong, or None."""
     try:
-        values = dist_checkpoint.load(ckpt, _tensors(fabric, state))
+        values = runs.load_tensors(ckpt, _tensors(fabric, state))
         state["step"], state["history"] = values["step"], values["history"]
         # the run's total goes to one rank, so that adding every data-parallel rank's counts keeps it
         state["skipped"] = Counter(values.get("skipped", {}) if fabric.global_rank == 0 else {})
         _restore_schedule(state["optimizer"], state["scheduler"], values["scheduler"])
-    except (Exception, dist_checkpoint.CheckpointException) as e:  # verified, yet unreadable; DCP's is no Exception
-        return f"checkpoint {ckpt} does not load: {dist_checkpoint.checkpoint_error(e)}"
+    except (Exception, CheckpointException) as e:  # verified, yet unreadable; DCP's is no Exception
+        return f"checkpoint {ckpt} does not load: {runs.checkpoint_error(e)}"
     written, now = runs.read_manifest(ckpt).get("layout", {}), layout(fabric)
     groups, rank = fabric.strategy.groups, fabric.global_rank
     # The loader's saved position fits only a loader like the one that saved it, over the same data
@@ -273,10 +253,7 @@ def _load(fabric, ckpt: Path, state: dict, loader, changes: resume_config.Compar
                   "loader's saved position does not carry over, so it starts a fresh pass over the data (samples "
                   "of the current pass may be seen twice)", file=sys.stderr, flush=True)
         if written == now:
-            rng = torch.load(ckpt / runs.rng_file(rank), weights_only=True)
-            torch.set_rng_state(rng["torch"])
-            if torch.cuda.is_available() and rng["cuda"]:
-                torch.cuda.set_rng_state_all(rng["cuda"])
+            runs.restore_rng(ckpt, rank)
     except Exception as e:
         return f"checkpoint {ckpt} does not load: {_first_line(e)}"
     return None
@@ -294,13 +271,14 @@ def _restore_schedule(optimizer, scheduler, saved: dict) -> None:
 
 def _tensors(fabric, state: dict) -> dict[str, torch.Tensor]:
     model = state[runs.MODEL]
-    return dist_checkpoint.state_tensors(getattr(model, "module", model), state[runs.EMA], state["optimizer"],
-                                         fabric.strategy.groups, fabric.device.type)
+    return runs.checkpoint_tensors(*dist_checkpoint.state_tensors(
+        getattr(model, "module", model), state[runs.EMA], state["optimizer"], fabric.strategy.groups,
+        fabric.device.type))
 
 
 def _values(state: dict) -> dict:
     return {"step": state["step"], "history": state["history"], "scheduler": state["scheduler"].state_dict(),
-            "optim_groups": dist_checkpoint.optimizer_hyperparameters(state["optimizer"])}
+            "optim_groups": runs.optimizer_hyperparameters(state["optimizer"])}
 
 
 def _first_line(e: Exception) -> str:

@@ -200,15 +200,6 @@ def compare(saved: dict | None, cfg: TrainConfig, ckpt: Path) -> Comparison:
     return Comparison(Path(ckpt), changes)
 
 
-def read_saved_config(ckpt: Path, name: str) -> dict | None:
-    """The config a checkpoint was written with (its file `name`), as a dict; None if it has none."""
-    path = Path(ckpt) / name
-    if not path.is_file():
-        return None
-    config = yaml.safe_load(path.read_text())  # verified against the manifest before this is called
-    return config if isinstance(config, dict) else None
-
-
 def _same(a, b) -> bool:
     if isinstance(a, list | tuple) and isinstance(b, list | tuple):
         return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))

@@ -29,10 +29,6 @@ from ditcore import durable, runs
 from ditcore.errors import ConfigError
 from ditcore.runs import CheckpointError
 
-LOCK_FILE = ".lock"
-OUTPUTS = (runs.CHECKPOINTS, runs.EXPORT, runs.SAMPLES, runs.CSV, runs.TENSORBOARD, runs.LOSS_PLOT)  # what dit-train
-# writes in a run dir, and all --overwrite removes
-
 
 class RunDirInUse(RuntimeError):
     """Another training run holds the run directory."""
@@ -47,12 +43,12 @@ class RunDirLock:
     @classmethod
     def acquire(cls, run_dir: str | Path) -> RunDirLock:
         """Lock run_dir and record this process as its holder; RunDirInUse naming the holder if another has it."""
-        path = Path(run_dir) / LOCK_FILE
+        path = Path(run_dir) / runs.LOCK_FILE
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)  # a planted link is refused, not followed
         except OSError as e:
-            raise ConfigError("train.run_dir", str(run_dir), f"a folder whose {LOCK_FILE} file dit-train can open and "
-                                                             f"lock ({e.strerror}: remove {path})") from None
+            raise ConfigError("train.run_dir", str(run_dir), f"a folder whose {runs.LOCK_FILE} file dit-train can open "
+                                                             f"and lock ({e.strerror}: remove {path})") from None
         try:
             fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as e:
@@ -107,9 +103,10 @@ def start_over(run_dir: Path, resume: str, overwrite: bool) -> None:
 
 
 def remove_outputs(run_dir: Path) -> list[str]:
-    """Remove what dit-train writes in run_dir (OUTPUTS; nothing else, the lock neither); returns what was there."""
+    """Remove what dit-train writes in run_dir (runs.OUTPUTS; nothing else, the lock neither); returns what was
+    there."""
     removed = []
-    for name in OUTPUTS:
+    for name in runs.OUTPUTS:
         path = Path(run_dir) / name
         if not (path.exists() or path.is_symlink()):
             continue

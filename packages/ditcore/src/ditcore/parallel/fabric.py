@@ -11,7 +11,8 @@ keeps Fabric's launching, device handling and precision and changes exactly that
   as much memory as the unsharded weights);
 - with pipeline stages (pp > 1) the module is not wrapped either: ditcore.parallel.pipeline reduces the gradients.
 
-Checkpoints do not go through Fabric: ditcore.parallel.dist_checkpoint writes them in a layout-free form.
+Checkpoints do not go through Fabric: ditcore.runs writes them in a layout-free form (ditcore.parallel.dist_checkpoint's
+views of the live tensors).
 """
 
 from __future__ import annotations
