@@ -38,11 +38,11 @@ lint: install
 # time is a subprocess starting up (imports), which the second core overlaps. TEST_WORKERS=0 runs them in order.
 TEST_WORKERS ?= 2
 test: lint
-	$(BIN)/pytest -m "not slow and not slurm" -n $(TEST_WORKERS) --dist loadfile --durations=5; rc=$$?; \
+	$(BIN)/pytest -m "not slow and not slurm" -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=5; rc=$$?; \
 		if [ $$rc -eq 5 ]; then echo "pytest collected no tests"; exit 0; fi; exit $$rc
 
 test-slow: lint
-	$(BIN)/pytest -m "not slurm" -n $(TEST_WORKERS) --dist loadfile --durations=10
+	$(BIN)/pytest -m "not slurm" -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=10
 
 # Starts slurmctld, slurmd and munged on localhost under pytest's tmp folder (own config, key, ports), runs
 # prepare.sbatch and train.sbatch (2 CPU processes, a SIGUSR1 preemption, requeue, resume) and selftest.sh. Skipped
