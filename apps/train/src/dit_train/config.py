@@ -146,6 +146,14 @@ class Parallel(Section):
                                          "x context-parallel ranks (FSDP2), on top of tp/cp")
     reduce_dtype: Literal["fp32", "bf16"] = Field("fp32", description="with fsdp: the dtype gradients are "
                                                                        "reduce-scattered in")
+    fsdp_shard: int | None = Field(None, ge=1, description="with fsdp: ranks each parameter is sharded over, a divisor "
+                                                            "of dp x cp; the groups of that many ranks replicate "
+                                                            "each other (HSDP: shard within a node, replicate "
+                                                            "across nodes); null: all dp x cp ranks")
+    fsdp_sync: Literal["auto", "micro_batch", "step"] = Field(
+        "auto", description="with fsdp: gather the parameters and reduce the gradients every micro-batch, or once per "
+                            "optimizer step (keeps the unsharded parameters and gradients between micro-batches); "
+                            "auto: once per step when the memory plan says it fits")
     devices: int = Field(1, ge=1, description="processes per node when not launched by torchrun (Fabric starts "
                                               "them)")
     accelerator: Literal["auto", "cpu", "gpu"] = "auto"

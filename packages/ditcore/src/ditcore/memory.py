@@ -90,6 +90,8 @@ class Layout:
     sequence_parallel: bool = False
     fsdp: bool = False
     reduce_dtype: Literal["fp32", "bf16"] = "fp32"  # with fsdp: the dtype gradients are reduce-scattered in
+    fsdp_shard: int | None = None  # with fsdp: ranks each parameter is sharded over (HSDP); None: all dp x cp ranks
+    fsdp_sync: Literal["micro_batch", "step"] = "micro_batch"  # with fsdp: gather/reduce every micro-batch or once
     micro_batch: int = 1  # packed rows per forward on one rank
     micro_batches: int = 1  # per optimizer step on one rank (gradient accumulation): global_batch / (micro_batch*dp)
     seq_length: int = 256  # tokens per row

@@ -30,6 +30,7 @@ from torch import nn
 @dataclass(frozen=True)
 class ColumnParallel:
     sequence_parallel: bool = True  # False: the input is never sequence-split (e.g. it reads text tokens)
+    gather_output: bool = False  # True: the ranks' output features are all-gathered (small per-sample outputs)
 
 
 @dataclass(frozen=True)
