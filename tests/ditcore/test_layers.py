@@ -19,6 +19,8 @@ LAYERS = [
     {"ditcore.models", "ditcore.codecs", "ditcore.data", "ditcore.diffusion"},
     {"ditcore.parallel", "ditcore.flops", "ditcore.testing", "ditcore.export", "ditcore.sampling", "ditcore.training"},
     {"ditcore.runs", "ditcore.memory"},
+    {"ditcore.traffic"},  # communication per step: counted (ditcore.parallel.counting) and modelled
+    {"ditcore.speed"},  # step time, tokens/s and MFU predicted from FLOPs, memory and traffic; layout search
     {"ditcore.init_from"},
 ]
 
