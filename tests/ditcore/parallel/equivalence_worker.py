@@ -327,8 +327,7 @@ def hsdp_checkpoints(folder: Path) -> dict:
 
     def whole(model, opt) -> dict | None:  # the one-device weights and AdamW moments (rank 0; None elsewhere)
         params = dict(model.named_parameters())
-        parts = {"weights": params} | {s: {k: opt.state[p][s] for k, p in params.items()}
-                                       for s in ("exp_avg", "exp_avg_sq")}
+        parts = {"weights": params, "exp_avg": {k: opt.state[p]["exp_avg"] for k, p in params.items()}}
         return {part: gather_full(model, tensors, groups) for part, tensors in parts.items()}
 
     hsdp, opt = sharded(2, 5)
@@ -348,7 +347,7 @@ def hsdp_checkpoints(folder: Path) -> dict:
         return {}
     optim = runs.read_full(folder / "hsdp", runs.OPTIM)
     one = {"weights": runs.read_full(folder / "hsdp", runs.MODEL)}
-    one |= {s: {k: optim[f"{k}.{s}"] for k in one["weights"]} for s in ("exp_avg", "exp_avg_sq")}
+    one["exp_avg"] = {k: optim[f"{k}.exp_avg"] for k in one["weights"]}
 
     def same(a: dict, b: dict) -> bool:
         return all(a[part].keys() == b[part].keys() and all(torch.equal(a[part][k], b[part][k]) for k in a[part])
