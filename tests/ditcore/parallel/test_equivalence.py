@@ -149,7 +149,7 @@ def test_hsdp_shards_within_groups_of_consecutive_ranks(results_4):
 
 
 def test_hsdp_checkpoints_reshard_to_fsdp_one_process_and_back(results_4):
-    """Weights and AdamW moments written by HSDP (shard 2 x replicate 2) are, exactly, what FSDP over 4 ranks
-    resumes and one process reads; FSDP's checkpoint resumes with HSDP exactly too."""
+    """Weights and AdamW moments written by HSDP (shard 2 x replicate 2) are, exactly, what one process reads and
+    FSDP over 4 ranks resumes; FSDP's checkpoint resumes with HSDP exactly too (other weights do not pass)."""
     r = results_4["hsdp_checkpoints"]
-    assert r == {"hsdp_to_fsdp": True, "fsdp_to_hsdp": True, "hsdp_to_one": True, "trained": True}
+    assert r == {"hsdp_to_one": True, "hsdp_to_fsdp": True, "fsdp_to_hsdp": True, "not_vacuous": True}

@@ -74,14 +74,23 @@ def _mesh(group: dist.ProcessGroup, device_type: str):
     return DeviceMesh.from_group(group, device_type, mesh=torch.tensor(ranks), mesh_dim_names=("dp_cp",))
 
 
-@functools.cache
 def _hsdp_mesh(groups: ParallelGroups, device_type: str, shard: int):
+    world, tp, pp = dist.get_world_size(), groups.dims.tp, groups.dims.pp
+    mesh = _hsdp_groups(world, tp, pp, shard, device_type)
+    if mesh.mesh.reshape(-1).tolist() != dist.get_process_group_ranks(groups.dp_cp_group):
+        raise RuntimeError(f"rank {dist.get_rank()}: HSDP's mesh {mesh.mesh.tolist()} is not Megatron's DP×CP group "
+                           f"{dist.get_process_group_ranks(groups.dp_cp_group)}")
+    return mesh
+
+
+@functools.cache
+def _hsdp_groups(world: int, tp: int, pp: int, shard: int, device_type: str):
+    """Created once per layout of the world (new communicators; Megatron's groups may be created again meanwhile)."""
     from torch.distributed.device_mesh import DeviceMesh
 
     # Every DP×CP group of the world (one per TP rank and pipeline stage), its ranks in Megatron's order
     # (rank = tp_rank + tp·dp_cp_rank + tp·dp_cp·pp_rank), cut into rows of `shard`: the rows shard, the columns
     # replicate. new_group is collective over the world: every rank creates every group, in the same order.
-    world, tp, pp = dist.get_world_size(), groups.dims.tp, groups.dims.pp
     everyone = torch.arange(world).reshape(pp, world // (tp * pp), tp).permute(0, 2, 1).reshape(tp * pp, -1)
     me = dist.get_rank()
     for dp_cp in everyone:
@@ -92,9 +101,6 @@ def _hsdp_mesh(groups: ParallelGroups, device_type: str, shard: int):
             mine = grid
             shard_group = next(g for ranks, g in shard_groups.items() if me in ranks)
             replicate_group = next(g for ranks, g in replicate_groups.items() if me in ranks)
-    if mine.reshape(-1).tolist() != dist.get_process_group_ranks(groups.dp_cp_group):
-        raise RuntimeError(f"rank {me}: HSDP's mesh {mine.tolist()} is not Megatron's DP×CP group "
-                           f"{dist.get_process_group_ranks(groups.dp_cp_group)}")
     return DeviceMesh.from_group([replicate_group, shard_group], device_type, mesh=mine,
                                  mesh_dim_names=("replicate", "shard"))
 
