@@ -665,6 +665,13 @@ def test_layouts_that_cannot_run_are_refused(layout, message):
         plan_from(CONFIGS["tiny"], Layout(**layout))
 
 
+def test_a_tp_that_splits_the_query_heads_but_not_the_key_value_groups_is_refused():
+    # MovieGen-Tiny: 4 query heads in 2 groups; tp=4 (which --plan's advice tries) gave each rank 0 groups and a
+    # ZeroDivisionError in the record
+    with pytest.raises(ConfigError, match=r"parallel.tp=4 is invalid: .* num_kv_heads=2"):
+        plan_from(preset("MovieGen-Tiny"), Layout(world_size=4, tp=4))
+
+
 def test_total_fits_and_table():
     plan = plan_from(CONFIGS["everything"], Layout(world_size=2, micro_batch=2, seq_length=64, text_len=16))
     parts = (plan.weights, plan.grads, plan.optimizer, plan.ema, plan.autocast_cache, plan.comm_buffers,

@@ -313,7 +313,7 @@ def plan_from(cfg: DiTConfig, layout: Layout, stage: int | None = None) -> Plan:
     pipeline stage `stage`, or by default of the most loaded stage (with pp = 1, the only one)."""
     lay = layout
     ParallelDims(lay.tp, lay.cp, lay.pp, sequence_parallel=lay.sequence_parallel).check_model(
-        cfg.num_heads, lay.seq_length, cfg.depth)
+        cfg.num_heads, lay.seq_length, cfg.depth, cfg.kv_heads)
     if stage is not None and not (isinstance(stage, int) and 0 <= stage < lay.pp):
         raise ValueError(f"stage={stage!r} is invalid: expected a pipeline stage in [0, {lay.pp})")
     params = parameters(cfg, lay.tp)
