@@ -98,6 +98,8 @@ def test_rules_across_fields_and_presets_name_their_key():
     e = error("parallel.pp=2", "parallel.fsdp=true")
     assert (e.key, e.value) == ("parallel.fsdp", True) and e.allowed.startswith("false with parallel.pp > 1")
     assert error("model.preset=DiT-XXL").allowed.startswith("one of DiT-S/2, ")
+    e = error("parallel.fsdp_shard=2")  # HSDP's groups say how FSDP shards: nothing without it
+    assert (e.key, e.value) == ("parallel.fsdp_shard", 2) and e.allowed.startswith("null without parallel.fsdp=true")
 
 
 def test_only_the_first_error_is_reported():

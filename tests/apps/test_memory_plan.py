@@ -104,6 +104,16 @@ def test_without_a_dataset_the_text_width_is_an_option(tmp_path):
     assert gib(wide)["total"] > gib(out)["total"]
 
 
+def test_hsdp_groups_divide_the_data_parallel_ranks_and_auto_sync_is_planned(tmp_path):
+    args = ["--config", "demo", f"data.path={tmp_path / 'absent'}", "parallel.fsdp=true", "--plan", "--world-size", 4]
+    code, _, err = invoke(*args, "parallel.fsdp_shard=3")
+    assert code == 2 and err.strip() == ("error: parallel.fsdp_shard=3 is invalid: expected a divisor of dp x cp = "
+                                         "4 x 1: one of 1, 2, 4, or null to shard over all 4")
+    code, out, _ = invoke(*args, "parallel.fsdp_shard=2")  # fsdp_sync=auto: the demo fits 80 GiB once per step
+    assert code == 0 and "HSDP: FSDP2 over 2 ranks, replicated x 2, reduce in fp32, gathered and reduced once per " \
+                         "step" in out
+
+
 def test_the_world_size_defaults_to_parallel_devices(tmp_path):
     args = ["--config", "demo", f"data.path={tmp_path / 'absent'}", "parallel.tp=2", "--plan"]
     code, _, err = invoke(*args)

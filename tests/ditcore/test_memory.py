@@ -42,7 +42,17 @@ from ditcore import models
 from ditcore.diffusion import EMA, EDMLoss, EDMPrecond
 from ditcore.errors import ConfigError
 from ditcore.layout import grid_positions
-from ditcore.memory import HEADROOM, GiB, Headroom, Layout, advise, measured_state_bytes, parameters, plan_from
+from ditcore.memory import (
+    HEADROOM,
+    GiB,
+    Headroom,
+    Layout,
+    advise,
+    choose_fsdp_sync,
+    measured_state_bytes,
+    parameters,
+    plan_from,
+)
 from ditcore.models import DiT, DiTConfig, apply_activation_checkpointing, build, preset
 from ditcore.models.dit import DIT_PLAN, DiTBlock
 from ditcore.parallel.dims import ParallelDims
@@ -152,6 +162,50 @@ def test_fsdp_buffers_and_autocast_copies():
         # bf16: the root's and two blocks' parameters, the root's and one block's gradients, a reduce-scatter input
         assert plan.comm_buffers == 2 * (root + 2 * block) + 2 * (root + block) + reduce_bytes * block
         assert plan.autocast_cache == 0
+
+
+def test_hsdp_shards_each_parameter_over_its_group():
+    """fsdp_shard=2 of dp=4: each rank holds what FSDP over 2 ranks holds, the groups replicating each other."""
+    cfg = CONFIGS["everything"]
+    hsdp, fsdp2 = (plan_from(cfg, Layout(world_size=w, fsdp=True, fsdp_shard=k)) for w, k in ((4, 2), (2, None)))
+    assert hsdp.layout.shards == 2
+    parts = ("weights", "grads", "optimizer", "ema", "comm_buffers")
+    assert [getattr(hsdp, k) for k in parts] == [getattr(fsdp2, k) for k in parts]
+    assert "HSDP: FSDP2 over 2 ranks, replicated x 2, reduce in fp32, every micro-batch" in hsdp.layout.describe()
+    with pytest.raises(ConfigError, match=r"parallel.fsdp_shard=3 is invalid: expected a divisor of dp x cp = 4 x 1: "
+                                          r"one of 1, 2, 4, or null"):
+        Layout(world_size=4, fsdp=True, fsdp_shard=3)
+
+
+def test_fsdp_sync_once_per_step_keeps_the_stage_gathered_and_its_gradients_unsharded():
+    cfg = CONFIGS["everything"]
+    params = dict(DiT(cfg).named_parameters())
+    every = sum(p.numel() for p in params.values())
+    block = sum(p.numel() for n, p in params.items() if n.startswith("blocks.0."))
+    root = sum(p.numel() for n, p in params.items() if not n.startswith("blocks."))
+    for reduce, reduce_bytes in (("fp32", 4), ("bf16", 2)):
+        layout = Layout(world_size=4, fsdp=True, reduce_dtype=reduce, fsdp_sync="step")
+        # bf16: every parameter gathered; the running micro-batch's gradients of the root and a block; its scatter input
+        one = plan_from(cfg, layout)
+        assert one.comm_buffers == 2 * every + 2 * (root + block) + reduce_bytes * block
+        # with 2 micro-batches, every gradient too, summed in the reduce dtype until the last one reduces them
+        two = plan_from(cfg, layout.replace(micro_batches=2))
+        assert two.comm_buffers == one.comm_buffers + reduce_bytes * every
+        assert "gathered and reduced once per step" in layout.describe()
+
+
+def test_auto_fsdp_sync_is_step_where_it_fits():
+    cfg = CONFIGS["everything"]
+    layout = Layout(world_size=4, fsdp=True, micro_batches=2)
+    micro, step = (plan_from(cfg, layout.replace(fsdp_sync=s)).total for s in ("micro_batch", "step"))
+    assert step > micro
+    none = Headroom(fixed=0, fraction=0)
+    assert choose_fsdp_sync(cfg, layout, None).fsdp_sync == "step"  # a CPU
+    assert choose_fsdp_sync(cfg, layout, step, none).fsdp_sync == "step"
+    assert choose_fsdp_sync(cfg, layout.replace(fsdp_sync="step"), step - 1, none).fsdp_sync == "micro_batch"
+    assert choose_fsdp_sync(cfg, layout.replace(fsdp=False), None) == layout.replace(fsdp=False)
+    changes, plan = advise(cfg, layout.replace(fsdp_sync="step"), step - 1, none)
+    assert changes == ["parallel.fsdp_sync=micro_batch"] and plan.total == micro
 
 
 def test_autocast_copies_of_parameters_are_counted_exactly():
@@ -609,6 +663,13 @@ def test_activations_of_each_pipeline_stage(mode):
 def test_layouts_that_cannot_run_are_refused(layout, message):
     with pytest.raises(ConfigError, match=message):
         plan_from(CONFIGS["tiny"], Layout(**layout))
+
+
+def test_a_tp_that_splits_the_query_heads_but_not_the_key_value_groups_is_refused():
+    # MovieGen-Tiny: 4 query heads in 2 groups; tp=4 (which --plan's advice tries) gave each rank 0 groups and a
+    # ZeroDivisionError in the record
+    with pytest.raises(ConfigError, match=r"parallel.tp=4 is invalid: .* num_kv_heads=2"):
+        plan_from(preset("MovieGen-Tiny"), Layout(world_size=4, tp=4))
 
 
 def test_total_fits_and_table():

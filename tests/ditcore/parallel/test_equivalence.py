@@ -12,6 +12,7 @@ from .fourth_arch import ARCH as FOURTH
 CASES = ["tp2", "tp2_sp", "cp2", "dp2", "tp2_packed", "tp2_sp_packed", "cp2_packed",
          "tp2_packed_selective", "tp2_sp_packed_block", "cp2_packed_selective",  # + activation checkpointing
          "fsdp_dp2", "fsdp_tp2_sp_packed", "fsdp_cp2_packed_selective",  # + sharded data parallel (FSDP2)
+         "fsdp_dp2_accumulate", "fsdp_dp2_accumulate_step",  # 2 micro-batches: synced each one, or once a step
          "pp2", "pp2_packed",  # + pipeline parallel (1F1B over a micro-batch per row)
          # MovieGen's blocks (ditcore.models.moviegen): TP, TP + SP, CP and FSDP over DP, packed rows
          "moviegen:tp2_packed", "moviegen:tp2_sp_packed", "moviegen:cp2_packed", "moviegen:fsdp_dp2",
@@ -23,9 +24,11 @@ CASES = ["tp2", "tp2_sp", "cp2", "dp2", "tp2_packed", "tp2_sp_packed", "cp2_pack
          # an architecture registered outside ditcore (fourth_arch.py, test_registry.py): its own TP plan, with SP
          "reglu:tp2_sp_packed"]
 CASES_4 = ["fsdp_tp2_sp_dp2",  # 4 processes: TP=2 × FSDP over DP=2
+           "hsdp_dp4",  # HSDP: sharded over 2 ranks, replicated twice
            "pp2_tp2_sp_packed",  # two stages of TP=2 + SP
            "stdit:cp2_tp2_sp_packed"]  # ST-DiT: the all-to-all over CP=2 with each CP rank's slice split by SP
-CASES_4_SLOW = ["pp2_dp2_selective", "pp2_cp2_packed"]  # two stages × DP=2, two stages of CP=2: make test-slow
+CASES_4_SLOW = ["pp2_dp2_selective", "pp2_cp2_packed",  # two stages × DP=2, two stages of CP=2: make test-slow
+                "hsdp_cp2_dp2_step"]  # HSDP over each CP pair, replicated over DP=2, gathered once per step
 
 # Float32 work of each compared value (ditcore.testing): rows of 32 tokens with at most 12 text tokens (the packed
 # batch's); EDMPrecond adds c_skip·x + c_out·F (+2) and the layouts split reductions over 2 ranks, then add the
@@ -65,7 +68,8 @@ def results_4(tmp_path_factory, run_torchrun):
 
 @pytest.fixture(scope="module")
 def results_4_slow(tmp_path_factory, run_torchrun):
-    return run_cases(tmp_path_factory, run_torchrun, CASES_4_SLOW, nproc=4)
+    # and HSDP's checkpoints resumed with FSDP over 4, read on one process, and back (~8 s on 2 cores)
+    return run_cases(tmp_path_factory, run_torchrun, [*CASES_4_SLOW, "hsdp_checkpoints"], nproc=4)
 
 
 def case_results(request, case):
@@ -105,7 +109,7 @@ def test_reduce_grads_is_what_makes_pipeline_gradients_right(request, case):
     assert rel_diff > 1e-2, f"{case}: gradients were already right before reduce_grads ({rel_diff:.1e})"
 
 
-@pytest.mark.parametrize("case", params([c for c in ALL if c.rpartition(":")[2].startswith(("fsdp", "pp"))]))
+@pytest.mark.parametrize("case", params([c for c in ALL if c.rpartition(":")[2].startswith(("fsdp", "hsdp", "pp"))]))
 def test_materialised_on_the_meta_device_is_the_one_device_init(request, case):
     """Each rank allocates and fills only its piece of its TP shard (FSDP), or of its stage (PP); gathered, they are
     the one-device weights."""
@@ -121,3 +125,32 @@ def test_st_dit_context_parallelism_swaps_tokens_by_all_to_all(results):
     assert results["stdit:cp2"]["all_to_all_tokens"] == temporal_blocks * 2 * (cp - 1) * ROW * B // cp**2
     assert results["stdit:cp2_packed"]["all_to_all_tokens"] > 0
     assert results["cp2"]["all_to_all_tokens"] == results["stdit_cut:cp2_packed"]["all_to_all_tokens"] == 0
+
+
+@pytest.mark.parametrize("case, sync", [("fsdp_dp2_accumulate", "micro_batch"), ("fsdp_dp2_accumulate_step", "step")])
+def test_fsdp_sync_once_per_step_keeps_the_gathered_parameters_and_unreduced_gradients(results, case, sync):
+    """Between a step's 2 micro-batches (through Fabric's backward-sync control, as dit-train): with sync="step" every
+    parameter is still gathered and no gradient reduce-scattered yet; with "micro_batch" all are resharded and
+    reduced. Both then give one process's weights (test_layout_matches_one_process)."""
+    between = results[case]["between"]
+    n = between["params"]
+    assert n > 40
+    if sync == "step":
+        assert (between["gathered_between"], between["reduced_between"]) == (n, 0)
+    else:
+        assert (between["gathered_between"], between["reduced_between"]) == (0, n)
+
+
+def test_hsdp_shards_within_groups_of_consecutive_ranks(results_4):
+    """fsdp_shard=2 of dp×cp=4: rank 0's replicate group is {0, 2}, its shard group {0, 1} (consecutive ranks: one
+    node); its gradient norm (summed over the shard group only) is one process's (test_layout_matches_one_process)."""
+    assert results_4["hsdp_dp4"]["mesh"] == [[0, 2], [0, 1]]
+    assert results_4["fsdp_tp2_sp_dp2"]["mesh"] == [[0, 2]]  # FSDP over dp×cp: TP rank 0's DP peers
+
+
+@pytest.mark.slow
+def test_hsdp_checkpoints_reshard_to_fsdp_one_process_and_back(results_4_slow):
+    """Weights and AdamW moments written by HSDP (shard 2 x replicate 2) are, exactly, what one process reads and
+    FSDP over 4 ranks resumes; FSDP's checkpoint resumes with HSDP exactly too (other weights do not pass)."""
+    r = results_4_slow["hsdp_checkpoints"]
+    assert r == {"hsdp_to_one": True, "hsdp_to_fsdp": True, "fsdp_to_hsdp": True, "not_vacuous": True}

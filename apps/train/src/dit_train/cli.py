@@ -109,7 +109,7 @@ def print_plan(cfg, world_size: int, gpu_memory: float, text_len: int | None, te
     from dit_train.train import model_config
     from ditcore.codecs.text import MAX_TOKENS
     from ditcore.data.schema import DatasetInfo, read_info
-    from ditcore.memory import HEADROOM, GiB, advise, plan_from
+    from ditcore.memory import HEADROOM, GiB, advise, choose_fsdp_sync, plan_from
 
     if Path(cfg.data.path).exists():
         info, source = read_info(cfg.data.path), f"dataset {cfg.data.path}"
@@ -121,8 +121,10 @@ def print_plan(cfg, world_size: int, gpu_memory: float, text_len: int | None, te
         source = f"data.path {cfg.data.path} does not exist yet: assumed"
     model_cfg = model_config(cfg, info)
     layout = memory_layout(cfg, world_size, (MAX_TOKENS if text_len is None else text_len) if model_cfg.text_dim else 0)
-    result = plan_from(model_cfg, layout)
     gpu = gpu_memory * GiB
+    if cfg.parallel.fsdp_sync == "auto":  # as dit-train chooses on a GPU of gpu_memory
+        layout = choose_fsdp_sync(model_cfg, layout, gpu)
+    result = plan_from(model_cfg, layout)
     text = f"text states of width {model_cfg.text_dim}" if model_cfg.text_dim else "no text"
     classes = f"{model_cfg.num_classes} classes" if model_cfg.num_classes else "no classes"
     text_tokens = f" + {layout.text_len} text" if layout.text_len else ""

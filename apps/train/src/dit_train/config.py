@@ -149,7 +149,9 @@ class Parallel(Section):
     fsdp_shard: int | None = Field(None, ge=1, description="with fsdp: ranks each parameter is sharded over, a divisor "
                                                             "of dp x cp; the groups of that many ranks replicate "
                                                             "each other (HSDP: shard within a node, replicate "
-                                                            "across nodes); null: all dp x cp ranks")
+                                                            "across nodes). A group is tp x fsdp_shard consecutive "
+                                                            "ranks (Megatron's order tp-cp-dp-pp): one node when "
+                                                            "that divides the GPUs per node; null: all dp x cp ranks")
     fsdp_sync: Literal["auto", "micro_batch", "step"] = Field(
         "auto", description="with fsdp: gather the parameters and reduce the gradients every micro-batch, or once per "
                             "optimizer step (keeps the unsharded parameters and gradients between micro-batches); "
@@ -160,6 +162,9 @@ class Parallel(Section):
 
     @model_validator(mode="after")
     def _fsdp_without_pipeline(self) -> Parallel:
+        if self.fsdp_shard is not None and not self.fsdp:
+            raise ConfigError("parallel.fsdp_shard", self.fsdp_shard, "null without parallel.fsdp=true (it says how "
+                                                                      "FSDP shards)")
         if self.fsdp:  # importing ditcore.parallel costs seconds (torch.distributed.tensor): only FSDP configs pay
             from ditcore.parallel.dims import ParallelDims
 
@@ -374,14 +379,18 @@ def _without_none(annotation) -> tuple:
     return annotation, False
 
 
-def memory_layout(cfg: TrainConfig, world_size: int, text_len: int):
-    """The ditcore.memory.Layout of a training config on world_size GPUs (bf16 unless train.precision=fp32)."""
+def memory_layout(cfg: TrainConfig, world_size: int, text_len: int, fsdp_sync: str | None = None):
+    """The ditcore.memory.Layout of a training config on world_size GPUs (bf16 unless train.precision=fp32).
+    fsdp_sync: what parallel.fsdp_sync=auto was resolved to (ditcore.memory.choose_fsdp_sync); unresolved, auto is
+    planned as micro_batch."""
     from ditcore.memory import Layout
 
     p, m = cfg.parallel, cfg.model
+    sync = fsdp_sync or (p.fsdp_sync if p.fsdp_sync != "auto" else "micro_batch")
     dp = max(1, world_size // (p.tp * p.cp * p.pp))  # a world size that does not fit is refused by Layout
     return Layout(world_size=world_size, tp=p.tp, cp=p.cp, pp=p.pp, sequence_parallel=p.sequence_parallel,
-                  fsdp=p.fsdp, reduce_dtype=p.reduce_dtype, micro_batch=cfg.train.micro_batch,
+                  fsdp=p.fsdp, reduce_dtype=p.reduce_dtype, fsdp_shard=p.fsdp_shard, fsdp_sync=sync,
+                  micro_batch=cfg.train.micro_batch,
                   micro_batches=max(1, cfg.train.global_batch // (cfg.train.micro_batch * dp)),
                   seq_length=cfg.data.seq_length, text_len=text_len,
                   precision="fp32" if cfg.train.precision == "fp32" else "bf16",

@@ -60,6 +60,8 @@ RULES: dict[str, str] = {
     "parallel.sequence_parallel": APPLY,
     "parallel.fsdp": APPLY,
     "parallel.reduce_dtype": APPLY,
+    "parallel.fsdp_shard": APPLY,  # checkpoints are layout-free: HSDP resumes FSDP's and back
+    "parallel.fsdp_sync": APPLY,
     "parallel.devices": APPLY,
     "parallel.accelerator": APPLY,
     "optim.lr": APPLY,

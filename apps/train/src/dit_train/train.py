@@ -155,6 +155,7 @@ class Setup:
     on_gpu: bool
     bf16: bool
     loggers: list
+    fsdp_sync: str = "micro_batch"  # parallel.fsdp_sync, auto resolved (`choose_fsdp_sync`)
 
     @property
     def run_dir(self) -> Path:
@@ -229,9 +230,12 @@ def setup(cfg: TrainConfig, resume: str = "auto", overwrite: bool = False) -> Se
     groups = strategy.groups
     model_cfg = model_config(cfg, info)
     dims.check_model(model_cfg.num_heads, cfg.data.seq_length, model_cfg.depth, model_cfg.kv_heads)
+    if cfg.parallel.fsdp:
+        groups.dims.check_fsdp_shard(cfg.parallel.fsdp_shard)
+    gpu = torch.cuda.get_device_properties(fabric.device).total_memory if on_gpu else None
+    fsdp_sync = choose_fsdp_sync(cfg, model_cfg, fabric, gpu)
     if on_gpu:
-        gpu = torch.cuda.get_device_properties(fabric.device).total_memory
-        check_memory_plan(cfg, model_cfg, fabric.world_size, gpu)
+        check_memory_plan(cfg, model_cfg, fabric.world_size, gpu, fsdp_sync)
     check_samples_fit(info, cfg.data.path, patch_size=model_cfg.patch_size, patch_size_t=model_cfg.patch_size_t,
                       seq_length=cfg.data.seq_length)  # refuses a dataset none of whose samples fits
     for line in fit_report(info, patch_size=model_cfg.patch_size, patch_size_t=model_cfg.patch_size_t,
@@ -242,7 +246,7 @@ def setup(cfg: TrainConfig, resume: str = "auto", overwrite: bool = False) -> Se
     if accum * cfg.train.micro_batch * groups.dims.dp != cfg.train.global_batch:
         raise ValueError(f"train.global_batch={cfg.train.global_batch} is not a multiple of train.micro_batch="
                          f"{cfg.train.micro_batch} x data-parallel size {groups.dims.dp}")
-    return Setup(cfg, info, fabric, groups, model_cfg, accum, on_gpu, bf16, loggers)
+    return Setup(cfg, info, fabric, groups, model_cfg, accum, on_gpu, bf16, loggers, fsdp_sync)
 
 
 def make_loggers(cfg: TrainConfig, run_dir: Path, segment: str) -> list:
@@ -261,13 +265,32 @@ def make_loggers(cfg: TrainConfig, run_dir: Path, segment: str) -> list:
     return loggers
 
 
-def check_memory_plan(cfg: TrainConfig, model_cfg: DiTConfig, world_size: int, gpu: int) -> None:
+def choose_fsdp_sync(cfg: TrainConfig, model_cfg: DiTConfig, fabric: Fabric, gpu: int | None) -> str:
+    """parallel.fsdp_sync, with auto resolved (ditcore.memory.choose_fsdp_sync: once per step where the memory plan
+    with it fits the GPU's `gpu` bytes; on a CPU, None, always) and said once."""
+    from ditcore.codecs.text import MAX_TOKENS
+    from ditcore.memory import GiB
+    from ditcore.memory import choose_fsdp_sync as choose
+
+    if not cfg.parallel.fsdp or cfg.parallel.fsdp_sync != "auto":
+        return "micro_batch" if cfg.parallel.fsdp_sync == "auto" else cfg.parallel.fsdp_sync
+    layout = memory_layout(cfg, fabric.world_size, MAX_TOKENS if model_cfg.text_dim else 0)
+    sync = choose(model_cfg, layout, gpu).fsdp_sync
+    why = (f"the memory plan with step sync {'fits' if sync == 'step' else 'does not fit'} {gpu / GiB:.1f} GiB"
+           if gpu is not None else "on a CPU")
+    fabric.print(f"parallel.fsdp_sync=auto: {sync} ({why}): FSDP gathers the parameters and reduces the gradients "
+                 + ("once per optimizer step" if sync == "step" else "every micro-batch"))
+    return sync
+
+
+def check_memory_plan(cfg: TrainConfig, model_cfg: DiTConfig, world_size: int, gpu: int,
+                      fsdp_sync: str | None = None) -> None:
     """Refuse, before any weight is allocated, a layout whose memory plan (ditcore.memory) exceeds a GPU of `gpu` bytes
     after the headroom that `dit-train --plan` keeps (ditcore.memory.HEADROOM)."""
     from ditcore.codecs.text import MAX_TOKENS
     from ditcore.memory import HEADROOM, GiB, plan_from
 
-    layout = memory_layout(cfg, world_size, MAX_TOKENS if model_cfg.text_dim else 0)
+    layout = memory_layout(cfg, world_size, MAX_TOKENS if model_cfg.text_dim else 0, fsdp_sync)
     plan = plan_from(model_cfg, layout)
     if not plan.fits(gpu, HEADROOM):
         raise ConfigError("parallel", layout.describe(),
@@ -326,6 +349,7 @@ def build_model(run: Setup, training: bool) -> torch.nn.Module:
         run.model_cfg, run.groups, run.fabric.device, seed=cfg.train.seed, attention=cfg.model.attention,
         checkpointing=cfg.model.activation_checkpointing if training else "none", fsdp=cfg.parallel.fsdp,
         param_dtype=torch.bfloat16 if run.bf16 else None, reduce_dtype=fsdp.DTYPES[cfg.parallel.reduce_dtype],
+        fsdp_shard=cfg.parallel.fsdp_shard, fsdp_sync=run.fsdp_sync if training else "micro_batch",
         compile=training and cfg.model.compile)
 
 
@@ -426,10 +450,12 @@ def train_step(run: Setup, t: Trainee, it, step: int, metrics: Metrics) -> Micro
         loss_sum = torch.zeros((), device=fabric.device)
         for i in range(run.accum):
             m = micro.take(i)
-            with fabric.no_backward_sync(t.model, enabled=i < run.accum - 1), fabric.autocast():
-                loss = t.loss_fn(t.denoiser, m.batch.x, mask=m.batch.mask, sigma=m.draw.sigma, noise=m.draw.noise,
-                                 **m.inputs)
-            fabric.backward(loss / run.accum)
+            # around the backward too: FSDP2 reads it there (fsdp_sync=step: ditcore.parallel.fsdp.accumulating)
+            with fabric.no_backward_sync(t.model, enabled=i < run.accum - 1):
+                with fabric.autocast():
+                    loss = t.loss_fn(t.denoiser, m.batch.x, mask=m.batch.mask, sigma=m.draw.sigma,
+                                     noise=m.draw.noise, **m.inputs)
+                fabric.backward(loss / run.accum)
             loss_sum += loss.detach()
             del m, loss  # this micro-batch's tensors go before the next one is loaded
     else:

@@ -6,22 +6,27 @@ One rank of a layout holds, in bytes:
   exp_avg_sq (8 B, and a 4-byte step counter per parameter tensor), the fp32 EMA copy (4 B). A rank holds its
   tensor-parallel share of every parameter: the layers that the TP plan (ditcore.models.plan) splits
   divided by tp, the rest whole. With fsdp, FSDP2 shards each again over the dp x cp ranks along dim 0, padded up to a
-  multiple of that count: a rank holds ceil(rows / (dp*cp)) rows of each. With pp > 1 a rank holds its pipeline
-  stage's parameters only (ditcore.parallel.pipeline): its blocks (`stage_blocks`), the conditioning embedders (on
-  every stage), the patch embedder on the first stage and the final layer on the last.
+  multiple of that count: a rank holds ceil(rows / (dp*cp)) rows of each (HSDP: over fsdp_shard of them, `shards`).
+  With pp > 1 a rank holds its pipeline stage's parameters only (ditcore.parallel.pipeline): its blocks
+  (`stage_blocks`), the conditioning embedders (on every stage), the patch embedder on the first stage and the final
+  layer on the last.
 - autocast_cache: under bf16 autocast without fsdp, the bf16 copies of the parameters that the forward makes and
   keeps for backward (autocast's cached casts of linear weights and biases; the norms cast their scales themselves;
   embedding tables are not cast). Counted whole: all of them are alive at the end of the forward. With fsdp the
   gathered parameters are bf16 already.
 - comm_buffers: with fsdp (ditcore.parallel.fsdp: one FSDP unit per block, the root holds the embedders and the final
-  layer), what is unsharded in the compute dtype: the parameters of the root (gathered again for the whole backward),
-  of the running block and of the next one (prefetched), the gradients of the root (they accumulate until the end of
+  layer), what is unsharded in the compute dtype: the parameters of the root (not resharded from its forward to the
+  end of backward), of the running block and of the next one (prefetched; the last block, not resharded between its
+  forward and backward, is the running one then), the gradients of the root (they accumulate until the end of
   backward) and of the running block; and that block's reduce-scatter input in the reduce dtype. Without fsdp, DDP's
   buckets are the gradients themselves (gradient_as_bucket_view=True); with pp > 1 there is no DDP, and the
   gradients are the plain fp32 ones counted above. With sequence parallelism, the all-gathered input of the running
   column-parallel linear (ditcore.parallel.tensor_parallel): a rank's whole slice of the rows. With pp > 1, on every
   stage but the last, the buffer that the gradient of its output arrives in: the hidden states (tokens it holds,
   micro_batch, hidden_size) in the compute dtype.
+  With fsdp_sync "step" every block stays gathered from its forward to the step's last backward: the stage's
+  parameters in the compute dtype instead of the root's and two blocks'; and with several micro-batches their
+  unsharded gradients, summed in the reduce dtype (FSDP2's accumulation), besides the running micro-batch's.
 - activations: the peak, over forward and backward, of what the forward keeps for backward, recorded from the model
   itself (`_record`): its training forward runs on fake tensors (shapes only: nothing is allocated, whatever the
   width) at a rank's shapes, with the layout's checkpointing, and what is alive at its end is counted by where it was
@@ -109,6 +114,8 @@ class Layout:
             raise ConfigError("world_size", self.world_size, "an integer >= 1 (processes, one per GPU)")
         dims = ParallelDims(self.tp, self.cp, self.pp, sequence_parallel=self.sequence_parallel)
         dims.resolve(self.world_size).check_fsdp(self.fsdp)
+        if self.fsdp:
+            dims.resolve(self.world_size).check_fsdp_shard(self.fsdp_shard)
         for key, value in (("train.micro_batch", self.micro_batch), ("data.seq_length", self.seq_length),
                            ("samples_per_row", self.samples_per_row), ("micro_batches", self.micro_batches)):
             if not isinstance(value, int) or value < 1:
@@ -116,6 +123,7 @@ class Layout:
         if not isinstance(self.text_len, int) or self.text_len < 0:
             raise ConfigError("text_len", self.text_len, "an integer >= 0 (text tokens per row)")
         choices = {"parallel.reduce_dtype": ("reduce_dtype", ("fp32", "bf16")),
+                   "parallel.fsdp_sync": ("fsdp_sync", ("micro_batch", "step")),
                    "train.precision": ("precision", ("bf16", "fp32")),
                    "model.activation_checkpointing": ("activation_checkpointing", ACTIVATION_CHECKPOINTING),
                    "device": ("device", ("cuda", "cpu")), "model.attention": ("attention", ("flex", "sdpa"))}
@@ -131,8 +139,9 @@ class Layout:
 
     @property
     def shards(self) -> int:
-        """Ranks that FSDP2 shards each parameter over: data parallel x context parallel (1 without fsdp)."""
-        return self.dp * self.cp if self.fsdp else 1
+        """Ranks that FSDP2 shards each parameter over: data parallel x context parallel, or HSDP's fsdp_shard of them
+        (1 without fsdp)."""
+        return (self.fsdp_shard or self.dp * self.cp) if self.fsdp else 1
 
     def in_flight(self, stage: int) -> int:
         """Micro-batches whose activations pipeline stage `stage` keeps at once at its peak (1F1B; 1 without pp)."""
@@ -144,7 +153,11 @@ class Layout:
     def describe(self) -> str:
         sp = " + sequence parallel" if self.sequence_parallel and self.tp > 1 else ""
         if self.fsdp:
-            wrap = f"FSDP2 over dp x cp = {self.shards}, reduce in {self.reduce_dtype}"
+            replicas = self.dp * self.cp // self.shards
+            wrap = (f"HSDP: FSDP2 over {self.shards} ranks, replicated x {replicas}" if replicas > 1 else
+                    f"FSDP2 over dp x cp = {self.shards}")
+            wrap += f", reduce in {self.reduce_dtype}, " + ("gathered and reduced once per step"
+                                                           if self.fsdp_sync == "step" else "every micro-batch")
         elif self.pp > 1:
             n = self.micro_batches
             wrap = f"1F1B pipeline, {n} micro-batch{'es' if n > 1 else ''} a step; no DDP, no FSDP"
@@ -300,7 +313,7 @@ def plan_from(cfg: DiTConfig, layout: Layout, stage: int | None = None) -> Plan:
     pipeline stage `stage`, or by default of the most loaded stage (with pp = 1, the only one)."""
     lay = layout
     ParallelDims(lay.tp, lay.cp, lay.pp, sequence_parallel=lay.sequence_parallel).check_model(
-        cfg.num_heads, lay.seq_length, cfg.depth)
+        cfg.num_heads, lay.seq_length, cfg.depth, cfg.kv_heads)
     if stage is not None and not (isinstance(stage, int) and 0 <= stage < lay.pp):
         raise ValueError(f"stage={stage!r} is invalid: expected a pipeline stage in [0, {lay.pp})")
     params = parameters(cfg, lay.tp)
@@ -318,11 +331,7 @@ def _stage_plan(cfg: DiTConfig, lay: Layout, params: list[Param], act: Activatio
     compute = DTYPE_BYTES[lay.precision]  # the forward's weights and activations
     autocast_cache = comm = 0
     if lay.fsdp:  # one stage: Layout refuses fsdp with pp > 1
-        block = sum(p.numel for p in mine if p.name.startswith("blocks.0."))
-        root = sum(p.numel for p in mine if not p.name.startswith("blocks."))
-        gathered = root + 2 * block  # parameters: the root's, the running block's and the next one's (prefetched)
-        unsharded_grads = root + block  # the root's accumulate through backward; a block's until reduce-scattered
-        comm = compute * (gathered + unsharded_grads) + DTYPE_BYTES[lay.reduce_dtype] * block  # + its scatter input
+        comm = _fsdp_buffers(lay, mine)
     elif lay.precision == "bf16":
         autocast_cache = compute * sum(p.numel for p in mine if p.cast)
     if lay.sequence_parallel and lay.tp > 1:  # the all-gathered input of the running column-parallel matmul
@@ -333,6 +342,32 @@ def _stage_plan(cfg: DiTConfig, lay: Layout, params: list[Param], act: Activatio
     return Plan(layout=lay, params=sum(p.full for p in params), params_local=sum(p.numel for p in mine),
                 weights=weights, grads=grads, optimizer=optimizer, ema=ema, autocast_cache=autocast_cache,
                 comm_buffers=comm, activations=peak, saved_activations=saved, stage=stage)
+
+
+def _fsdp_buffers(lay: Layout, mine: list[Param]) -> int:
+    """FSDP2's unsharded parameters and gradients on a rank (the module docstring's comm_buffers)."""
+    compute, reduce = DTYPE_BYTES[lay.precision], DTYPE_BYTES[lay.reduce_dtype]
+    block = sum(p.numel for p in mine if p.name.startswith("blocks.0."))
+    root = sum(p.numel for p in mine if not p.name.startswith("blocks."))
+    unsharded_grads = root + block  # the root's accumulate through backward; a block's until reduce-scattered
+    comm = compute * unsharded_grads + reduce * block  # + the block's reduce-scatter input
+    if lay.fsdp_sync == "micro_batch":
+        return comm + compute * (root + 2 * block)  # the root's, the running block's and the next one's parameters
+    comm += compute * sum(p.numel for p in mine)  # every parameter, gathered for the whole step
+    if lay.micro_batches > 1:  # and every gradient, summed over the micro-batches until the last one reduces them
+        comm += reduce * sum(p.numel for p in mine)
+    return comm
+
+
+def choose_fsdp_sync(cfg: DiTConfig, layout: Layout, gpu_bytes: float | None, headroom: Headroom = HEADROOM) -> Layout:
+    """parallel.fsdp_sync=auto: gather and reduce once per step where the plan with it fits a GPU of gpu_bytes (None:
+    on a CPU, whose memory the plan does not bound), else every micro-batch. Without fsdp, the layout as it is."""
+    if not layout.fsdp:
+        return layout
+    step = layout.replace(fsdp_sync="step")
+    if gpu_bytes is None or plan_from(cfg, step).fits(gpu_bytes, headroom):
+        return step
+    return layout.replace(fsdp_sync="micro_batch")
 
 
 @dataclass(frozen=True)
@@ -745,11 +780,13 @@ class _RankOrders:
 def advise(cfg: DiTConfig, layout: Layout, gpu_bytes: float, headroom: Headroom = HEADROOM) -> tuple[list[str], Plan]:
     """Config overrides that make the plan fit, and the plan they give (which may still not fit).
 
-    Changes are tried in order of what they cost in speed: sharding the state (fsdp: communication only), recomputing
-    (selective, then block), a larger tensor-parallel degree, one row per micro-batch. One is kept when it lowers the
-    total; trying stops as soon as the plan fits.
+    Changes are tried in order of what they cost in speed: FSDP's gathers and reductions every micro-batch rather than
+    once per step, sharding the state (fsdp: communication only), recomputing (selective, then block), a larger
+    tensor-parallel degree, one row per micro-batch. One is kept when it lowers the total; trying stops as soon as the
+    plan fits.
     """
-    candidates = [("fsdp", "parallel.fsdp=true", {"fsdp": True})]
+    candidates = [("fsdp_sync", "parallel.fsdp_sync=micro_batch", {"fsdp_sync": "micro_batch"})]
+    candidates += [("fsdp", "parallel.fsdp=true", {"fsdp": True})]
     candidates += [("checkpointing", f"model.activation_checkpointing={mode}", {"activation_checkpointing": mode})
                    for mode in ("selective", "block")]
     tp = layout.tp * 2
