@@ -7,7 +7,6 @@ dict, do the same, consolidate, and record the largest differences. Rank 0 write
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import sys
@@ -126,7 +125,7 @@ def micro_batches(batch, micro: int) -> list[dict]:
     return [rows(batch, slice(i * n, (i + 1) * n)) for i in range(micro)]
 
 
-def pipeline_step(model, batch, groups, micro: int, counter=contextlib.nullcontext()):
+def pipeline_step(model, batch, groups, micro: int, counter):
     """`step` through the pipeline stages (1F1B): every stage gets the output and the loss, from the last one. The
     schedule runs inside `counter` (the broadcasts after it are this test's, not training's)."""
     parts = micro_batches(batch, micro)
