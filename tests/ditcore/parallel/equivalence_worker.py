@@ -262,6 +262,32 @@ def run_case(arch: str, dims: ParallelDims, packed: bool, checkpointing: str = "
     return result
 
 
+def count_bf16(arch: str, dims: ParallelDims, packed: bool, checkpointing: str = "none", fsdp: bool = False) -> dict:
+    """Only the traffic of a training step under bf16 autocast (what dit-train runs on a GPU), with FSDP gathering in
+    bf16: the dtypes each collective moves (ditcore.traffic's dtype rule). No reference: bf16 is not compared."""
+    cfg, g = CONFIGS[arch], torch.Generator().manual_seed(7)
+    batch = packed_batch(g, PACKED.get(arch, PACKED["dit"])) if packed else unpacked_batch(g)
+    groups = dims.initialize()
+    torch.manual_seed(0)
+    model = parallelize(build(cfg), groups)
+    apply_activation_checkpointing(model, checkpointing)
+    wrapper = None
+    if fsdp:
+        apply_fsdp(model, groups, "cpu", param_dtype=torch.bfloat16)
+    else:
+        wrapper = DistributedDataParallel(model, process_group=groups.dp_cp_group)
+    per_rank = batch["x"].shape[0] // groups.dims.dp
+    counter = CollectiveCounter(groups, fsdp=fsdp)
+    with counter, torch.autocast("cpu", torch.bfloat16):
+        step(model, rows(batch, slice(groups.dp_rank * per_rank, (groups.dp_rank + 1) * per_rank)), wrapper)
+    with counter, counter.during("step"):
+        finalize_grads(model, groups)
+        grad_norm(model, groups)
+    traffic = [None] * dist.get_world_size()
+    dist.all_gather_object(traffic, [dataclasses.asdict(c) for c in counter.traffic().collectives])
+    return {"traffic": traffic}
+
+
 CASES = {
     "tp2": (ParallelDims(tp=2), False),
     "tp2_sp": (ParallelDims(tp=2, sequence_parallel=True), False),
@@ -297,7 +323,8 @@ def main() -> None:
     results = {}
     for name in sys.argv[2:] or CASES:
         arch, _, case = name.rpartition(":")
-        results[name] = run_case(arch or "dit", *CASES[case])
+        case, bf16, _ = case.partition("@bf16")  # "CASE@bf16": only its traffic, under bf16 autocast
+        results[name] = (count_bf16 if bf16 else run_case)(arch or "dit", *CASES[case])
     if dist.get_rank() == 0:
         with open(sys.argv[1], "w") as f:
             json.dump(results, f, indent=1)
