@@ -22,13 +22,13 @@ tests/ditcore/parallel/test_equivalence.py). Learned from the model, not written
   scalars, DDP's all-reduce of every gradient (fp32) over DP x CP, the pipeline's all-reduce of the gradients over
   DP x CP and of the stage-shared embedders' over the stages;
 - FSDP2 (one unit per block, the root holding the rest): per micro-batch each block's parameters all-gathered in
-  forward and again in backward (reshard_after_forward), the root's likewise, in the param dtype (bf16 under bf16
-  precision), padded along dim 0 to a multiple of the shard count; their gradients reduce-scattered in
-  `reduce_dtype`. HSDP (`fsdp_shard`): the same over the shard group, and an all-reduce of the sharded gradients over
-  the replicate group. `fsdp_sync="step"`: the gathers and the reductions once per step instead;
+  forward and again in backward (resharded after forward), but the last block's and the root's once (kept), in the
+  param dtype (bf16 under bf16 precision), padded along dim 0 to a multiple of the shard count; their gradients
+  reduce-scattered in `reduce_dtype`. HSDP (`fsdp_shard`): the same over the shard group, and an all-reduce of the
+  sharded gradients over the replicate group. `fsdp_sync="step"`: the gathers and the reductions once per step;
 - the pipeline: per micro-batch the hidden states sent on and their gradient sent back, in the compute dtype.
 
-With pp > 1 the stage that sends the most bytes is reported (`stage` in `traffic_by_stage`).
+With pp > 1 the stage that sends the most bytes is reported (`traffic_by_stage` gives every stage's).
 """
 
 from __future__ import annotations
@@ -203,8 +203,10 @@ def _stage_params(cfg: DiTConfig, lay: Layout, stage: int) -> list[_Param]:
 
 
 def _fsdp(lay: Layout, params: list[_Param], add, compute: int) -> None:
-    """FSDP2's collectives: per unit (each block; the root, everything else) a gather of its parameters and a
-    reduce-scatter of its gradients."""
+    """FSDP2's collectives (ditcore.parallel.fsdp): per unit (each block; the root, everything else) a gather of its
+    parameters and a reduce-scatter of its gradients, then under HSDP their all-reduce across the replicas. Every
+    micro-batch, a block but the last is resharded after forward and gathered again for backward; the last block
+    and the root stay gathered. With fsdp_sync="step" each unit is gathered and reduced once per step."""
     shards = lay.fsdp_shard or lay.dp * lay.cp
     replicas = lay.dp * lay.cp // shards
     units: dict[str, list[_Param]] = defaultdict(list)
@@ -213,9 +215,11 @@ def _fsdp(lay: Layout, params: list[_Param], add, compute: int) -> None:
     reduce = FP32 if lay.reduce_dtype == "fp32" else 2
     once = lay.fsdp_sync == "step"
     when: When = "step" if once else "micro_batch"
-    for unit in units.values():
+    last = max((u for u in units if u != "root"), key=lambda u: int(u.split(".")[1]), default=None)
+    for name, unit in units.items():
         gathered = sum(p.padded(shards) for p in unit)
-        add("fsdp", "all_gather", when, compute * gathered, shards, 1 if once else 2)
+        kept = once or name in ("root", last)  # not resharded after forward
+        add("fsdp", "all_gather", when, compute * gathered, shards, 1 if kept else 2)
         add("fsdp", "reduce_scatter", when, reduce * gathered, shards)
         add("replicate", "all_reduce", when, reduce * gathered // shards, replicas)
 

@@ -107,11 +107,12 @@ class CollectiveCounter(TorchDispatchMode):
                 finalize_grads(model, groups)
         counter.traffic()
 
-    It sees what reaches the dispatcher, on gloo and NCCL alike: functional collectives (TP/SP/CP, compiled graphs
-    call them as ops too), FSDP2's and DDP's c10d collectives and the pipeline's sends (all of which go through
-    c10d's dispatcher ops, tests/ditcore/parallel/test_counting.py). The tensors' sizes are read from their
-    metadata: nothing waits for a device. Entered, it is a dispatch mode (every op passes through it, so it slows a
-    step a little); not entered, it does nothing.
+    It sees what reaches the dispatcher, on gloo and NCCL alike: functional collectives (TP/SP/CP), and FSDP2's and
+    DDP's c10d collectives, dist.all_reduce and the pipeline's sends, which c10d's ProcessGroup issues as dispatcher
+    ops even from DDP's reducer and FSDP2's hooks (tests/ditcore/parallel/test_equivalence.py counts each kind).
+    Compiled blocks are not checked: their graphs call the same functional ops, but no test counts one yet. The
+    tensors' sizes are read from their metadata: nothing waits for a device. Entered, it is a dispatch mode (every op
+    passes through it, so it slows a step a little); not entered, it does nothing.
 
     groups: the layout's process groups, which name each collective's group: tp, cp, pp, and the DP x CP group as
     `fsdp` when the model is sharded (fsdp=True) or `dp` (DDP, the pipeline's gradient all-reduce) otherwise.
