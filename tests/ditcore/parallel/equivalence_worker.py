@@ -139,11 +139,13 @@ def held_between(model) -> dict:
             "reduced_between": sum(isinstance(p.grad, DTensor) for p in params), "params": len(params)}
 
 
-def hsdp_groups(model) -> dict:
-    """HSDP's shard and replicate groups (FSDP2's 2-D mesh), which the counter names fsdp and replicate."""
+def fsdp_groups(model) -> dict:
+    """The groups of FSDP2's mesh, which the counter names fsdp (HSDP: the shard group) and replicate."""
     mesh = next((p.device_mesh for p in model.parameters() if isinstance(p, DTensor)), None)
-    if mesh is None or mesh.ndim == 1:
+    if mesh is None:
         return {}
+    if mesh.ndim == 1:
+        return {"fsdp": mesh.get_group()}
     return {"fsdp": mesh.get_group("shard"), "replicate": mesh.get_group("replicate")}
 
 
@@ -238,7 +240,7 @@ def run_case(arch: str, dims: ParallelDims, packed: bool, checkpointing: str = "
     SENT[0] = 0
     between = {}
     # what the training step sends (ditcore.traffic models it): the consolidations between its parts are this test's
-    counter = CollectiveCounter(groups, fsdp=fsdp, extra=hsdp_groups(model))
+    counter = CollectiveCounter(groups, fsdp=fsdp, extra=fsdp_groups(model))
     if dims.pp == 1:
         with counter:
             out, loss = step(model, rows(batch, mine), wrapper, micro, no_sync, between)
@@ -312,7 +314,7 @@ def count_bf16(arch: str, dims: ParallelDims, packed: bool, checkpointing: str =
     else:
         wrapper = DistributedDataParallel(model, process_group=groups.dp_cp_group)
     per_rank = batch["x"].shape[0] // groups.dims.dp
-    counter = CollectiveCounter(groups, fsdp=fsdp)
+    counter = CollectiveCounter(groups, fsdp=fsdp, extra=fsdp_groups(model))
     with counter, torch.autocast("cpu", torch.bfloat16):
         step(model, rows(batch, slice(groups.dp_rank * per_rank, (groups.dp_rank + 1) * per_rank)), wrapper)
     with counter, counter.during("step"):

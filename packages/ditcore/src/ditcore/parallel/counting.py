@@ -116,16 +116,19 @@ class CollectiveCounter(TorchDispatchMode):
 
     groups: the layout's process groups, which name each collective's group: tp, cp, pp, and the DP x CP group as
     `fsdp` when the model is sharded (fsdp=True) or `dp` (DDP, the pipeline's gradient all-reduce) otherwise.
-    `extra` names more groups (HSDP's shard and replicate groups). Collectives in groups of one rank send nothing
-    and are left out; one in a group it cannot name is an error.
+    `extra` names more groups, a role → a group or a list of them (FSDP2's mesh groups, HSDP's shard and replicate
+    groups). Collectives in groups of one rank send nothing and are left out; one in a group it cannot name is an
+    error.
     """
 
     def __init__(self, groups, fsdp: bool = False, extra: dict | None = None):
         super().__init__()
-        named = {"tp": groups.tp_group, "cp": groups.cp_group, "pp": groups.pp_group,
-                 ("fsdp" if fsdp else "dp"): groups.dp_cp_group} | dict(extra or {})
+        named = [("tp", groups.tp_group), ("cp", groups.cp_group), ("pp", groups.pp_group),
+                 ("fsdp" if fsdp else "dp", groups.dp_cp_group)]
+        for role, more in (extra or {}).items():
+            named += [(role, g) for g in (more if isinstance(more, list | tuple) else [more])]
         self.roles: dict[str, tuple[Group, int, int]] = {}  # group name → (role, size, this rank's place)
-        for role, group in reversed(named.items()):  # the first role named wins a group that two share
+        for role, group in reversed(named):  # the first role named wins a group that two share
             if group is not None:
                 self.roles[group.group_name] = (role, dist.get_world_size(group), dist.get_rank(group))
         self.when: When = "micro_batch"
