@@ -17,6 +17,7 @@ from typing import Literal
 
 import torch
 import torch.distributed as dist
+from torch.distributed.distributed_c10d import _resolve_process_group
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
@@ -117,8 +118,10 @@ class CollectiveCounter(TorchDispatchMode):
     groups: the layout's process groups, which name each collective's group: tp, cp, pp, and the DP x CP group as
     `fsdp` when the model is sharded (fsdp=True) or `dp` (DDP, the pipeline's gradient all-reduce) otherwise.
     `extra` names more groups, a role → a group or a list of them (FSDP2's mesh groups, HSDP's shard and replicate
-    groups). Collectives in groups of one rank send nothing and are left out; one in a group it cannot name is an
-    error.
+    groups). A group it was not given but whose ranks are those of one it was is counted as that one, `extra`'s
+    first: DeviceMesh can hand FSDP2 a copy of a group it was built from (seen with HSDP meshes made again for new
+    groups of the same ranks). Collectives in groups of one rank send nothing and are left out; one in a group it
+    cannot name is an error.
     """
 
     def __init__(self, groups, fsdp: bool = False, extra: dict | None = None):
@@ -131,6 +134,11 @@ class CollectiveCounter(TorchDispatchMode):
         for role, group in reversed(named):  # the first role named wins a group that two share
             if group is not None:
                 self.roles[group.group_name] = (role, dist.get_world_size(group), dist.get_rank(group))
+        # by their ranks, for copies: extra's roles first (copies come from meshes)
+        self.by_ranks: dict[tuple[int, ...], tuple[Group, int, int]] = {}
+        for _role, group in reversed(named[4:] + named[:4]):
+            if group is not None:
+                self.by_ranks[tuple(dist.get_process_group_ranks(group))] = self.roles[group.group_name]
         self.when: When = "micro_batch"
         self.seen: dict[tuple[Group, Op, When], list[int]] = {}  # → [count, bytes]
 
@@ -149,6 +157,10 @@ class CollectiveCounter(TorchDispatchMode):
 
     def _record(self, group, op: Op, sent) -> None:
         name = group if isinstance(group, str) else dist.ProcessGroup.unbox(group).group_name
+        if name not in self.roles:
+            ranks = tuple(dist.get_process_group_ranks(_resolve_process_group(name)))
+            if ranks in self.by_ranks:
+                self.roles[name] = self.by_ranks[ranks]
         if name not in self.roles:
             raise RuntimeError(f"a {op} over process group {name!r}, which is none of the groups the counter was "
                                f"given ({', '.join(role for role, _, _ in self.roles.values())}): pass it in `extra`")
