@@ -8,6 +8,7 @@ dict, do the same, consolidate, and record the largest differences. Rank 0 write
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -33,6 +34,7 @@ from ditcore.parallel import (
     parallelize,
 )
 from ditcore.parallel.consolidate import gather_full
+from ditcore.parallel.counting import CollectiveCounter
 from ditcore.parallel.fabric import MegatronStrategy
 from ditcore.parallel.fsdp import apply_fsdp, local, local_piece
 from ditcore.parallel.pipeline import one_f_one_b, reduce_grads
@@ -137,13 +139,24 @@ def held_between(model) -> dict:
             "reduced_between": sum(isinstance(p.grad, DTensor) for p in params), "params": len(params)}
 
 
+def fsdp_groups(model) -> dict:
+    """The groups of FSDP2's mesh, which the counter names fsdp (HSDP: the shard group) and replicate."""
+    mesh = next((p.device_mesh for p in model.parameters() if isinstance(p, DTensor)), None)
+    if mesh is None:
+        return {}
+    if mesh.ndim == 1:
+        return {"fsdp": mesh.get_group()}
+    return {"fsdp": mesh.get_group("shard"), "replicate": mesh.get_group("replicate")}
+
+
 def micro_batches(batch, micro: int) -> list[dict]:
     n = batch["x"].shape[0] // micro
     return [rows(batch, slice(i * n, (i + 1) * n)) for i in range(micro)]
 
 
-def pipeline_step(model, batch, groups, micro: int):
-    """`step` through the pipeline stages (1F1B): every stage gets the output and the loss, from the last one."""
+def pipeline_step(model, batch, groups, micro: int, counter):
+    """`step` through the pipeline stages (1F1B): every stage gets the output and the loss, from the last one. The
+    schedule runs inside `counter` (the broadcasts after it are this test's, not training's)."""
     parts = micro_batches(batch, micro)
     denoiser, losses, g = Recording(model), [], groups
     n = len(range(batch["x"].shape[1])[model.rows.spans(batch["x"].shape[1])[1]])
@@ -158,7 +171,8 @@ def pipeline_step(model, batch, groups, micro: int):
         return out
 
     shape = (n, parts[0]["x"].shape[0], CFG.hidden_size)
-    one_f_one_b(g, micro, forward, lambda i: shape, torch.float32, torch.device("cpu"))
+    with counter:
+        one_f_one_b(g, micro, forward, lambda i: shape, torch.float32, torch.device("cpu"))
     out, loss = torch.zeros_like(batch["x"]), torch.zeros(())
     if g.last_stage:
         out, loss = torch.cat(denoiser.outputs), torch.stack(losses).mean()
@@ -225,17 +239,23 @@ def run_case(arch: str, dims: ParallelDims, packed: bool, checkpointing: str = "
     micro = per_rank if per_row else 1
     SENT[0] = 0
     between = {}
+    # what the training step sends (ditcore.traffic models it): the consolidations between its parts are this test's
+    counter = CollectiveCounter(groups, fsdp=fsdp, extra=fsdp_groups(model))
     if dims.pp == 1:
-        out, loss = step(model, rows(batch, mine), wrapper, micro, no_sync, between)
+        with counter:
+            out, loss = step(model, rows(batch, mine), wrapper, micro, no_sync, between)
     else:  # no DDP: its hooks assume one backward per forward; the schedule's gradients are reduced after it
-        out, loss = pipeline_step(model, rows(batch, mine), groups, micro)
+        out, loss = pipeline_step(model, rows(batch, mine), groups, micro, counter)
         unreduced = gather_full(model, {k: p.grad for k, p in model.named_parameters()}, groups)
-        reduce_grads(model, groups)
+        with counter, counter.during("step"):
+            reduce_grads(model, groups)
     unfinished = gather_full(model, {k: p.grad for k, p in model.named_parameters()}, groups)
-    finalize_grads(model, groups)
+    with counter, counter.during("step"):
+        finalize_grads(model, groups)
     grads = gather_full(model, {k: p.grad for k, p in model.named_parameters()}, groups)
-    norm = grad_norm(model, groups)
-    optimizer(model).step()
+    with counter, counter.during("step"):
+        norm = grad_norm(model, groups)
+        optimizer(model).step()
     after = consolidated_state_dict(model, groups)
 
     # The loss each rank reports is its own rows' mean; DP averages them (equal token counts here).
@@ -244,6 +264,9 @@ def run_case(arch: str, dims: ParallelDims, packed: bool, checkpointing: str = "
     loss_avg /= dist.get_world_size(groups.dp_cp_group)
     result = {"output": diff(out, ref_out[mine]), "loss": diff(loss_avg, ref_loss), "all_to_all_tokens": SENT[0],
               "between": between}
+    traffic = [None] * dist.get_world_size()  # every rank's: pipeline stages send differently
+    dist.all_gather_object(traffic, [dataclasses.asdict(c) for c in counter.traffic().collectives])
+    result["traffic"] = traffic
     if fsdp:
         mesh = next(p for p in model.parameters() if isinstance(p, DTensor)).device_mesh
         result["mesh"] = [dist.get_process_group_ranks(mesh.get_group(d)) for d in range(mesh.ndim)]
@@ -274,6 +297,32 @@ def run_case(arch: str, dims: ParallelDims, packed: bool, checkpointing: str = "
             result["materialized_equals_init"] = built.keys() == expected.keys() and all(
                 torch.equal(built[k], expected[k]) for k in expected)
     return result
+
+
+def count_bf16(arch: str, dims: ParallelDims, packed: bool, checkpointing: str = "none", fsdp: bool = False) -> dict:
+    """Only the traffic of a training step under bf16 autocast (what dit-train runs on a GPU), with FSDP gathering in
+    bf16: the dtypes each collective moves (ditcore.traffic's dtype rule). No reference: bf16 is not compared."""
+    cfg, g = CONFIGS[arch], torch.Generator().manual_seed(7)
+    batch = packed_batch(g, PACKED.get(arch, PACKED["dit"])) if packed else unpacked_batch(g)
+    groups = dims.initialize()
+    torch.manual_seed(0)
+    model = parallelize(build(cfg), groups)
+    apply_activation_checkpointing(model, checkpointing)
+    wrapper = None
+    if fsdp:
+        apply_fsdp(model, groups, "cpu", param_dtype=torch.bfloat16)
+    else:
+        wrapper = DistributedDataParallel(model, process_group=groups.dp_cp_group)
+    per_rank = batch["x"].shape[0] // groups.dims.dp
+    counter = CollectiveCounter(groups, fsdp=fsdp, extra=fsdp_groups(model))
+    with counter, torch.autocast("cpu", torch.bfloat16):
+        step(model, rows(batch, slice(groups.dp_rank * per_rank, (groups.dp_rank + 1) * per_rank)), wrapper)
+    with counter, counter.during("step"):
+        finalize_grads(model, groups)
+        grad_norm(model, groups)
+    traffic = [None] * dist.get_world_size()
+    dist.all_gather_object(traffic, [dataclasses.asdict(c) for c in counter.traffic().collectives])
+    return {"traffic": traffic}
 
 
 CASES = {
@@ -360,7 +409,8 @@ def main() -> None:
         if case == "hsdp_checkpoints":
             results[name] = hsdp_checkpoints(Path(sys.argv[1]).parent)
             continue
-        results[name] = run_case(arch or "dit", *CASES[case])
+        case, bf16, _ = case.partition("@bf16")  # "CASE@bf16": only its traffic, under bf16 autocast
+        results[name] = (count_bf16 if bf16 else run_case)(arch or "dit", *CASES[case])
     if dist.get_rank() == 0:
         with open(sys.argv[1], "w") as f:
             json.dump(results, f, indent=1)
