@@ -1,6 +1,7 @@
 """Tensor (and sequence) parallelism: swap a model's linears for column- and row-parallel ones, as its plan says.
 
-Column-parallel layers split output features (heads, MLP columns), row-parallel ones input features; the weights
+Column-parallel layers split output features (heads, MLP columns, adaLN's modulations, which every rank then
+gathers whole), row-parallel ones input features; the weights
 are laid out as Megatron-Core lays them and tagged as it tags them (`tensor_model_parallel`, `partition_dim`,
 `partition_stride`), so gradient finalisation, consolidation, materialisation and checkpoints read them alike.
 With sequence parallelism a column-parallel layer all-gathers the tokens before its matmul and a row-parallel one
