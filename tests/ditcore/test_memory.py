@@ -94,10 +94,11 @@ def test_a_tensor_parallel_rank_holds_the_split_layers_over_tp():
     cfg = CONFIGS["everything"]
     D, M = cfg.hidden_size, int(cfg.hidden_size * cfg.mlp_ratio)
     # Megatron splits qkv, cross.q, cross.kv and mlp.0 by output rows (weights and biases), attn.proj, cross.proj
-    # and mlp.2 by input columns (their biases stay whole); everything else is replicated.
-    column = (3 * D + D + 2 * D) * (D + 1) + M * (D + 1)
+    # and mlp.2 by input columns (their biases stay whole); so are every adaLN linear's output rows, the blocks' (6D)
+    # and the final layer's (2D); everything else is replicated.
+    column = (3 * D + D + 2 * D) * (D + 1) + M * (D + 1) + 6 * D * (D + 1)
     row = D * D + D * D + D * M
-    split = cfg.depth * (column + row)
+    split = cfg.depth * (column + row) + 2 * D * (D + 1)
     for tp in (2, 4):
         plan = plan_from(cfg, Layout(world_size=tp, tp=tp))
         assert plan.params_local == plan.params - split + split // tp

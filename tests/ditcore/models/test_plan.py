@@ -38,22 +38,27 @@ def test_partition_dims_follow_megatron_layouts():
     dims = {name: DIT_PLAN.partition_dim(name) for name in (
         "blocks.0.attn.qkv.weight", "blocks.0.attn.qkv.bias", "blocks.0.attn.proj.weight", "blocks.0.attn.proj.bias",
         "blocks.1.mlp.0.bias", "blocks.1.mlp.2.weight", "blocks.0.cross.kv.weight", "t_embedder.mlp.0.weight",
-        "final.linear.weight", "blocks.0.attn.q_norm.weight")}
+        "final.linear.weight", "blocks.0.attn.q_norm.weight", "blocks.0.adaLN.1.weight", "blocks.0.adaLN.1.bias",
+        "final.adaLN.1.weight")}
     assert dims == {
         "blocks.0.attn.qkv.weight": 0, "blocks.0.attn.qkv.bias": 0, "blocks.0.attn.proj.weight": 1,
         "blocks.0.attn.proj.bias": None, "blocks.1.mlp.0.bias": 0, "blocks.1.mlp.2.weight": 1,
         "blocks.0.cross.kv.weight": 0, "t_embedder.mlp.0.weight": None, "final.linear.weight": None,
-        "blocks.0.attn.q_norm.weight": None}
+        "blocks.0.attn.q_norm.weight": None,
+        # adaLN's output columns (the modulations, gathered after the matmul)
+        "blocks.0.adaLN.1.weight": 0, "blocks.0.adaLN.1.bias": 0, "final.adaLN.1.weight": 0}
 
 
 @pytest.mark.parametrize(("name", "tp_only", "with_sp"), [
     ("blocks.0.attn.q_norm.weight", True, True),  # shared by heads: partial whenever heads are split
     ("blocks.0.cross.k_norm.weight", True, True),
-    ("blocks.0.adaLN.1.weight", False, True),  # sees this rank's tokens only under SP
-    ("x_embedder.weight", False, True),
+    ("x_embedder.weight", False, True),  # sees this rank's tokens only under SP
     ("final.linear.bias", False, True),
     ("blocks.0.attn.proj.bias", False, True),  # row-parallel bias: added after the reduction
     ("text_embedder.0.weight", False, False),  # feeds cross.kv only, whose input gradient Megatron all-reduces
+    ("t_embedder.mlp.0.weight", False, False),  # the conditioning feeds the adaLN linears only, which do the same
+    ("y_embedder.weight", False, False),
+    ("blocks.0.adaLN.1.weight", False, False),  # sharded, its output's gradient reduce-scattered under SP
     ("blocks.0.attn.qkv.bias", False, False),  # sharded: whole for its shard
 ])
 def test_which_replicated_gradients_are_partial(name, tp_only, with_sp):

@@ -73,8 +73,9 @@ def test_tp2_shards_materialised_directly_are_slices_of_the_one_device_init(rank
         sharded += is_tp_sharded(p)
         if name.startswith("blocks.") and name.endswith(("qkv.weight", "mlp.2.weight")):  # column-, row-parallel
             assert is_tp_sharded(p) and p.partition_dim == (0 if "qkv" in name else 1) and p.partition_stride == 1
-    assert sharded == 11 * CFG.depth  # per block, of its 7 linears split by heads or MLP columns: 7 weights and
-    #                                   the 4 column-parallel biases (row-parallel biases stay whole)
+    # per block, of its 7 linears split by heads or MLP columns: 7 weights and the 4 column-parallel biases
+    # (row-parallel biases stay whole); its adaLN's weight and bias; the final layer's adaLN's
+    assert sharded == 13 * CFG.depth + 2
     assert direct.blocks[0].attn.proj.bias.sequence_parallel  # row-parallel bias under SP: Megatron's tag kept
 
 
@@ -109,7 +110,8 @@ def test_parallelizing_a_meta_model_allocates_nothing():
         model = parallelize(meta_model(cfg), groups)
         grown = _rss_bytes() - before
     assert all(p.is_meta for p in model.parameters())
-    assert sum(is_tp_sharded(p) for p in model.parameters()) == 11 * cfg.depth
+    # a block's 11 attention, cross-attention and MLP tensors and its adaLN's 2; the final layer's adaLN's 2
+    assert sum(is_tp_sharded(p) for p in model.parameters()) == 13 * cfg.depth + 2
     assert grown < 64 * 2**20, f"parallelizing on meta grew RSS by {grown / 2**20:.0f} MiB"
 
 

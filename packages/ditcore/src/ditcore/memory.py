@@ -73,6 +73,7 @@ from ditcore.models.plan import ColumnParallel, RowParallel
 from ditcore.models.techniques import ACTIVATION_CHECKPOINTING
 from ditcore.parallel.dims import ParallelDims
 from ditcore.parallel.pipeline import stage_blocks
+from ditcore.parallel.tensor_parallel import in_compute_dtype
 
 GiB = 2**30
 DTYPE_BYTES = {"fp32": 4, "bf16": 2}
@@ -694,12 +695,13 @@ class _Gathered(torch.autograd.Function):
 class _RankLinear(nn.Module):
     """A tensor-parallel rank's linear as ditcore.parallel.tensor_parallel makes it, on one process: its share of the
     weight, the matmul's output a tensor of its own (the bias added after it), a row-parallel output summed (a new
-    tensor), or under sequence parallelism reduce-scattered to the rank's tokens."""
+    tensor), or under sequence parallelism reduce-scattered to the rank's tokens; a column-parallel output whose
+    features are gathered (`gather`: adaLN's) all-gathered into a new tensor of every rank's features."""
 
-    def __init__(self, linear: nn.Linear, column: bool, tp: int, sp: int):
+    def __init__(self, linear: nn.Linear, column: bool, tp: int, sp: int, gather: bool = False):
         super().__init__()
         out_f, in_f = linear.weight.shape
-        self.column, self.sp = column, sp
+        self.column, self.sp, self.gather = column, sp, tp if gather else 1
         self.weight = nn.Parameter(torch.empty(out_f // tp if column else out_f, in_f if column else in_f // tp,
                                                device=linear.weight.device))
         self.bias = None if linear.bias is None else nn.Parameter(
@@ -707,11 +709,12 @@ class _RankLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.column:
-            y = _Gathered.apply(x, self.weight, self.sp) if self.sp > 1 else F.linear(x, self.weight)
+            y = _Gathered.apply(in_compute_dtype(x), self.weight, self.sp) if self.sp > 1 else F.linear(x, self.weight)
         else:
             y = F.linear(x, self.weight)
             y = y[: y.shape[0] // self.sp].clone()  # summed over the ranks: a tensor of its own (its tokens)
-        return y if self.bias is None else y + self.bias.to(y.dtype)
+        y = y if self.bias is None else y + self.bias.to(y.dtype)
+        return y.repeat(*[1] * (y.ndim - 1), self.gather) if self.gather > 1 else y
 
 
 def _rank_share(model: nn.Module, tp: int, sp: int, cp: int) -> None:
@@ -728,9 +731,10 @@ def _rank_share(model: nn.Module, tp: int, sp: int, cp: int) -> None:
             style = plan.module_style(name)
             if isinstance(style, ColumnParallel | RowParallel):
                 column = isinstance(style, ColumnParallel)
-                gathers = sp if not column or style.sequence_parallel else 1
+                gathers = sp if not column or (style.sequence_parallel and not style.gather_output) else 1
+                layer = _RankLinear(module, column, tp, gathers, gather=column and style.gather_output)
                 parent, _, child = name.rpartition(".")
-                model.get_submodule(parent).register_module(child, _RankLinear(module, column, tp, gathers))
+                model.get_submodule(parent).register_module(child, layer)
     if sp * cp > 1:
         model.rows = _RankRows(model.rows, sp, cp)
 

@@ -602,15 +602,20 @@ PRESETS |= {
 # --------------------------------------------------------------------------------------------------
 # Tensor-parallel plan (ditcore.models.plan) and registration
 
+# adaLN's linears are a third of a DiT's parameters: split by output columns, their small per-sample modulations
+# all-gathered (in column order) so that every rank modulates its tokens with all of them.
+ADALN = ColumnParallel(sequence_parallel=False, gather_output=True)
+
 DIT_PLAN = Plan(
     modules={
         "x_embedder": Replicated(),
-        "t_embedder.*": Replicated(),
-        "y_embedder": Replicated(),
-        "fps_embedder.*": Replicated(),
+        # The conditioning feeds only the adaLN linears, which sum its gradient over TP: whole on every rank.
+        "t_embedder.*": Replicated(partial_grad="never"),
+        "y_embedder": Replicated(partial_grad="never"),
+        "fps_embedder.*": Replicated(partial_grad="never"),
         # Feeds only the column-parallel cross-attention K/V, whose input gradient Megatron already sums over TP.
         "text_embedder.*": Replicated(partial_grad="never"),
-        "blocks.*.adaLN.*": Replicated(),
+        "blocks.*.adaLN.1": ADALN,
         "blocks.*.attn.qkv": ColumnParallel(),  # output features laid out (heads, 3, head_dim): a split by heads
         "blocks.*.attn.[qk]_norm": Replicated(partial_grad="tp"),  # shared by all heads; a rank has some heads
         "blocks.*.attn.proj": RowParallel(),
@@ -621,7 +626,8 @@ DIT_PLAN = Plan(
         "blocks.*.cross.proj": RowParallel(),
         "blocks.*.mlp.0": ColumnParallel(),
         "blocks.*.mlp.2": RowParallel(),
-        "final.*": Replicated(),
+        "final.adaLN.1": ADALN,
+        "final.linear": Replicated(),
     },
     heads=("blocks.*.attn", "blocks.*.cross"),
     pipeline=PipelineSplit(layers="blocks", first=("x_embedder",), last=("final",)),  # the embedders: every stage

@@ -10,12 +10,13 @@ architecture is covered by no entry or by two. It is a description only: nothing
 It also says how the model splits into pipeline stages (`PipelineSplit`).
 
 Styles, as Megatron-Core lays them out:
-- `ColumnParallel`: output features split (weight rows and bias); heads and MLP columns are divided.
+- `ColumnParallel`: output features split (weight rows and bias); heads and MLP columns are divided. With
+  `gather_output` the ranks' output features are all-gathered after the matmul (adaLN's per-sample modulations).
 - `RowParallel`: input features split (weight columns); the bias is replicated and added after the reduction.
 - `Replicated`: every TP rank holds the whole parameter. Its gradient on one rank may be only a part of the
   whole, and must then be summed over TP: `partial_grad="tp"` when it is computed from this rank's heads only
   (shared QK-norm weights), `"sp"` when it sees this rank's share of the tokens only, i.e. under sequence
-  parallelism (embedders, adaLN, norms, the final layer), `"never"` when it sees everything on every rank.
+  parallelism (the patch embedder, norms, the final layer), `"never"` when it sees everything on every rank.
 """
 
 from __future__ import annotations

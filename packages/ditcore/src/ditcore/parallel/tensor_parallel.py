@@ -1,6 +1,7 @@
 """Tensor (and sequence) parallelism: swap a model's linears for column- and row-parallel ones, as its plan says.
 
-Column-parallel layers split output features (heads, MLP columns), row-parallel ones input features; the weights
+Column-parallel layers split output features (heads, MLP columns, adaLN's modulations, which every rank then
+gathers whole), row-parallel ones input features; the weights
 are laid out as Megatron-Core lays them and tagged as it tags them (`tensor_model_parallel`, `partition_dim`,
 `partition_stride`), so gradient finalisation, consolidation, materialisation and checkpoints read them alike.
 With sequence parallelism a column-parallel layer all-gathers the tokens before its matmul and a row-parallel one
@@ -18,6 +19,7 @@ or without checkpointing (tests/ditcore/parallel/test_compile.py). The process g
 from __future__ import annotations
 
 import fnmatch
+from typing import Literal
 
 import torch
 import torch.distributed._functional_collectives as funcol
@@ -114,11 +116,19 @@ class _ScatterSum(torch.autograd.Function):
         return _all_gather(grad, ctx.group), None
 
 
+def in_compute_dtype(x: torch.Tensor) -> torch.Tensor:
+    """x as autocast's matmul reads it (cast to the autocast dtype when autocast is on): gathering it so moves the
+    bytes the matmul needs, not an fp32 copy of them, and changes no value the matmul sees."""
+    device = x.device.type
+    return x.to(torch.get_autocast_dtype(device)) if torch.is_autocast_enabled(device) else x
+
+
 class _GatheredLinear(torch.autograd.Function):
     """Sequence parallel, column-parallel: all-gather the tokens (dim 0), then the matmul. Only this rank's tokens
     are kept for backward, which gathers them again for the weight's gradient (as Megatron-Core does): keeping the
     gathered input would cost tp times the memory in every column-parallel layer. The input's gradient is
-    reduce-scattered back to the ranks' tokens."""
+    reduce-scattered back to the ranks' tokens. Under autocast the caller passes x in the compute dtype
+    (`in_compute_dtype`): both gathers and the kept tokens are then half the bytes of fp32."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, group) -> torch.Tensor:
@@ -136,36 +146,68 @@ class _GatheredLinear(torch.autograd.Function):
         return grad_x, grad_w, None
 
 
+class _GatherFeatures(torch.autograd.Function):
+    """Forward: all-gather the ranks' output features (the last dim) in rank order, which for contiguous column
+    shards is the one-device column order. Backward: this rank's features' gradient, which is whole on every rank
+    when what follows ran alike on every rank (`sum_grad` False), or, when each rank applied the output to its own
+    tokens only (sequence parallelism), a partial sum: reduce-scattered."""
+
+    @staticmethod
+    def forward(ctx, y: torch.Tensor, group, rank: int, size: int, sum_grad: bool) -> torch.Tensor:
+        ctx.group, ctx.rank, ctx.size, ctx.sum_grad = group, rank, size, sum_grad
+        gathered = _all_gather(y.movedim(-1, 0), group)  # (size·F, ...): rank r's features at rows r·F..(r+1)·F
+        return gathered.movedim(0, -1)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        grad = grad.movedim(-1, 0)
+        mine = _reduce_scatter(grad, ctx.group) if ctx.sum_grad else grad.chunk(ctx.size)[ctx.rank]
+        return mine.movedim(0, -1).contiguous(), None, None, None, None
+
+
 class ColumnParallelLinear(nn.Module):
     """y = x Wᵀ + b with W's rows (output features) split over the TP ranks: each rank computes its features.
 
     `sequence_parallel`: the input holds this rank's tokens only and is all-gathered first. Otherwise the input is
     replicated (whole on every rank) and its gradient is summed over the ranks in backward.
+
+    `gather_output` (with a replicated input): the ranks' output features are all-gathered, so every rank gets the
+    whole output, for small per-sample outputs such as adaLN's modulations: the weight is divided by TP, the
+    output is not. "split": what follows runs alike on every rank, each keeps its features' gradient; "sum": each
+    rank applies the output to its own tokens only (sequence parallelism), so the gradients are summed.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool, groups: ParallelGroups,
-                 sequence_parallel: bool, device=None, dtype=None):
+                 sequence_parallel: bool, device=None, dtype=None,
+                 gather_output: Literal["split", "sum"] | None = None):
         super().__init__()
         tp = groups.dims.tp
         if out_features % tp:
             raise ValueError(f"{out_features} output features cannot be split over {tp} tensor-parallel ranks")
+        if sequence_parallel and gather_output:
+            raise ValueError("a column-parallel linear gathers either its input tokens (sequence_parallel) or its "
+                             "output features (gather_output), not both")
         self.in_features, self.out_features = in_features, out_features // tp  # this rank's
         self.group, self.sequence_parallel = groups.tp_group, sequence_parallel
+        self.gather_output, self.rank, self.size = gather_output, groups.tp_rank, tp
         self.weight = _tag(nn.Parameter(torch.empty(self.out_features, in_features, device=device, dtype=dtype)), 0)
         self.bias = _tag(nn.Parameter(torch.empty(self.out_features, device=device, dtype=dtype)), 0) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.sequence_parallel:
-            y = _GatheredLinear.apply(x, self.weight, self.group)
+            y = _GatheredLinear.apply(in_compute_dtype(x), self.weight, self.group)
         else:
             y = F.linear(_CopyToRanks.apply(x, self.group), self.weight)
         # the bias after the matmul, in its dtype (as Megatron-Core's layers with ditcore's bias add did: the matmul's
         # output is a tensor of its own, which the memory plan counts, ditcore.memory)
-        return y if self.bias is None else y + self.bias.to(y.dtype)
+        y = y if self.bias is None else y + self.bias.to(y.dtype)
+        if self.gather_output:
+            y = _GatherFeatures.apply(y, self.group, self.rank, self.size, self.gather_output == "sum")
+        return y
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features} (this rank's), " \
-               f"sequence_parallel={self.sequence_parallel}"
+               f"sequence_parallel={self.sequence_parallel}, gather_output={self.gather_output}"
 
 
 class RowParallelLinear(nn.Module):
@@ -201,10 +243,16 @@ class RowParallelLinear(nn.Module):
 def _parallel_linear(style: ColumnParallel | RowParallel, linear: nn.Linear, groups: ParallelGroups,
                      sequence_parallel: bool) -> nn.Module:
     out_f, in_f = linear.weight.shape
-    cls = ColumnParallelLinear if isinstance(style, ColumnParallel) else RowParallelLinear
     # only this rank's shard is allocated, where the linear lives (on the meta device: shapes only)
-    layer = cls(in_f, out_f, linear.bias is not None, groups, sequence_parallel, device=linear.weight.device,
-                dtype=linear.weight.dtype)
+    where = dict(device=linear.weight.device, dtype=linear.weight.dtype)
+    if isinstance(style, RowParallel):
+        layer = RowParallelLinear(in_f, out_f, linear.bias is not None, groups, sequence_parallel, **where)
+    elif style.gather_output:  # the input replicated; the output used for this rank's tokens only under SP
+        layer = ColumnParallelLinear(in_f, out_f, linear.bias is not None, groups, False, **where,
+                                     gather_output="sum" if sequence_parallel else "split")
+    else:
+        sp = sequence_parallel and style.sequence_parallel
+        layer = ColumnParallelLinear(in_f, out_f, linear.bias is not None, groups, sp, **where)
     if not linear.weight.is_meta:
         with torch.no_grad():
             full = {"weight": linear.weight, "bias": linear.bias}
@@ -227,5 +275,5 @@ def apply_tensor_parallel(model: nn.Module, plan: Plan, groups: ParallelGroups, 
                 raise TypeError(f"the plan makes {name} {type(style).__name__}, but it is a "
                                 f"{type(module).__name__}, not an nn.Linear")
             parent_name, _, child = name.rpartition(".")
-            sp = sequence_parallel and not (isinstance(style, ColumnParallel) and not style.sequence_parallel)
-            model.get_submodule(parent_name).register_module(child, _parallel_linear(style, module, groups, sp))
+            layer = _parallel_linear(style, module, groups, sequence_parallel)
+            model.get_submodule(parent_name).register_module(child, layer)
