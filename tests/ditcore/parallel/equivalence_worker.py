@@ -7,6 +7,7 @@ dict, do the same, consolidate, and record the largest differences. Rank 0 write
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 
@@ -28,6 +29,7 @@ from ditcore.parallel import (
     parallelize,
 )
 from ditcore.parallel.consolidate import gather_full
+from ditcore.parallel.counting import CollectiveCounter
 from ditcore.parallel.fsdp import apply_fsdp
 from ditcore.parallel.pipeline import one_f_one_b, reduce_grads
 from ditcore.training import stage_forward
@@ -123,8 +125,9 @@ def micro_batches(batch, micro: int) -> list[dict]:
     return [rows(batch, slice(i * n, (i + 1) * n)) for i in range(micro)]
 
 
-def pipeline_step(model, batch, groups, micro: int):
-    """`step` through the pipeline stages (1F1B): every stage gets the output and the loss, from the last one."""
+def pipeline_step(model, batch, groups, micro: int, counter):
+    """`step` through the pipeline stages (1F1B): every stage gets the output and the loss, from the last one. The
+    schedule runs inside `counter` (the broadcasts after it are this test's, not training's)."""
     parts = micro_batches(batch, micro)
     denoiser, losses, g = Recording(model), [], groups
     n = len(range(batch["x"].shape[1])[model.rows.spans(batch["x"].shape[1])[1]])
@@ -139,7 +142,8 @@ def pipeline_step(model, batch, groups, micro: int):
         return out
 
     shape = (n, parts[0]["x"].shape[0], CFG.hidden_size)
-    one_f_one_b(g, micro, forward, lambda i: shape, torch.float32, torch.device("cpu"))
+    with counter:
+        one_f_one_b(g, micro, forward, lambda i: shape, torch.float32, torch.device("cpu"))
     out, loss = torch.zeros_like(batch["x"]), torch.zeros(())
     if g.last_stage:
         out, loss = torch.cat(denoiser.outputs), torch.stack(losses).mean()
@@ -202,17 +206,23 @@ def run_case(arch: str, dims: ParallelDims, packed: bool, checkpointing: str = "
     mine = slice(dp_rank * per_rank, (dp_rank + 1) * per_rank)
     micro = per_rank if per_row else 1
     SENT[0] = 0
+    # what the training step sends (ditcore.traffic models it): the consolidations between its parts are this test's
+    counter = CollectiveCounter(groups, fsdp=fsdp)
     if dims.pp == 1:
-        out, loss = step(model, rows(batch, mine), wrapper, micro)
+        with counter:
+            out, loss = step(model, rows(batch, mine), wrapper, micro)
     else:  # no DDP: its hooks assume one backward per forward; the schedule's gradients are reduced after it
-        out, loss = pipeline_step(model, rows(batch, mine), groups, micro)
+        out, loss = pipeline_step(model, rows(batch, mine), groups, micro, counter)
         unreduced = gather_full(model, {k: p.grad for k, p in model.named_parameters()}, groups)
-        reduce_grads(model, groups)
+        with counter, counter.during("step"):
+            reduce_grads(model, groups)
     unfinished = gather_full(model, {k: p.grad for k, p in model.named_parameters()}, groups)
-    finalize_grads(model, groups)
+    with counter, counter.during("step"):
+        finalize_grads(model, groups)
     grads = gather_full(model, {k: p.grad for k, p in model.named_parameters()}, groups)
-    norm = grad_norm(model, groups)
-    optimizer(model).step()
+    with counter, counter.during("step"):
+        norm = grad_norm(model, groups)
+        optimizer(model).step()
     after = consolidated_state_dict(model, groups)
 
     # The loss each rank reports is its own rows' mean; DP averages them (equal token counts here).
@@ -220,6 +230,9 @@ def run_case(arch: str, dims: ParallelDims, packed: bool, checkpointing: str = "
     dist.all_reduce(loss_avg, group=groups.dp_cp_group)
     loss_avg /= dist.get_world_size(groups.dp_cp_group)
     result = {"output": diff(out, ref_out[mine]), "loss": diff(loss_avg, ref_loss), "all_to_all_tokens": SENT[0]}
+    traffic = [None] * dist.get_world_size()  # every rank's: pipeline stages send differently
+    dist.all_gather_object(traffic, [dataclasses.asdict(c) for c in counter.traffic().collectives])
+    result["traffic"] = traffic
     if grads is not None:
         result["grad"] = max((diff(grads[k], ref_grads[k]) for k in ref_grads), key=lambda d: d[1])
         result["grad_max_param"] = max(ref_grads, key=lambda k: diff(grads[k], ref_grads[k])[1])

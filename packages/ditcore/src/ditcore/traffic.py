@@ -1,0 +1,346 @@
+"""Communication of a training step, modelled before any process starts: `traffic(cfg, layout)`.
+
+What one rank sends, per process group and collective, every micro-batch and once per optimizer step (the types and
+the bytes' ring convention: ditcore.parallel.counting, whose counter checks this model in
+tests/ditcore/parallel/test_equivalence.py). Learned from the model, not written out per architecture:
+
+- tensor and sequence parallelism: a probe forward of one period of blocks at a rank's shapes (as the memory plan
+  runs it, ditcore.memory) reports every linear the TP plan splits (ditcore.models.plan), the rows it multiplies and
+  the dtypes it sees. ColumnParallel: with SP an all-gather of its input in forward, again in backward for the
+  weight's gradient, and a reduce-scatter of the input's gradient; without SP an all-reduce of the input's gradient.
+  `gather_output`: an all-gather of the output features, an all-reduce of the input's gradient. RowParallel: with SP
+  a reduce-scatter of the output in forward and an all-gather of its gradient in backward; without SP an all-reduce
+  in forward. Under bf16 every gather of activations runs in the autocast dtype;
+- context parallelism: each attention's key/value all-gather (a reduce-scatter in backward), and ST-DiT's
+  all-to-alls between frames and lines order (as many tokens as leave the rank, `HostRows.moves` of the planned
+  rows); the SP/CP gathers of the output;
+- activation checkpointing reruns the forward's collectives of every block in backward (block: all of the block;
+  selective: its policy keeps matmul and attention outputs only, ditcore.models.techniques, so the collectives run
+  again too);
+- once per step: finalize_grads' all-reduce of the gradients that are partial over TP (fp32), grad_norm's float64
+  scalars, DDP's all-reduce of every gradient (fp32) over DP x CP, the pipeline's all-reduce of the gradients over
+  DP x CP and of the stage-shared embedders' over the stages;
+- FSDP2 (one unit per block, the root holding the rest): per micro-batch each block's parameters all-gathered in
+  forward and again in backward (reshard_after_forward), the root's likewise, in the param dtype (bf16 under bf16
+  precision), padded along dim 0 to a multiple of the shard count; their gradients reduce-scattered in
+  `reduce_dtype`. HSDP (`fsdp_shard`): the same over the shard group, and an all-reduce of the sharded gradients over
+  the replicate group. `fsdp_sync="step"`: the gathers and the reductions once per step instead;
+- the pipeline: per micro-batch the hidden states sent on and their gradient sent back, in the compute dtype.
+
+With pp > 1 the stage that sends the most bytes is reported (`stage` in `traffic_by_stage`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+from collections import defaultdict
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ditcore.diffusion import EDMLoss, EDMPrecond
+from ditcore.flops import block_period, fake_model
+from ditcore.memory import Layout, _meta_model, _planned_batch, _rank_share, on_stage
+from ditcore.models import plan_for
+from ditcore.models.dit import DiTConfig
+from ditcore.models.plan import ColumnParallel, RowParallel
+from ditcore.models.stdit import HostRows
+from ditcore.parallel.counting import Collective, Group, Op, Traffic, When, sent_bytes
+from ditcore.parallel.pipeline import is_shared, stage_blocks
+
+FP32, FP64 = 4, 8
+DDP_FIRST_BUCKET, DDP_BUCKET = 2**20, 25 * 2**20  # bytes: torch's DistributedDataParallel defaults
+PP_BUCKET = 2**25  # elements: ditcore.parallel.pipeline._all_reduce
+
+
+@dataclass(frozen=True)
+class _Move:
+    """One collective of the probe forward: where it ran (a block of the period, or before or after the blocks), and
+    what it moves forward and backward."""
+
+    region: int | str  # block index within the period; "pre" (embedders, conditioning); "post" (final layer)
+    group: Group
+    op: Op
+    phase: str  # "forward" or "backward"
+    full: int  # bytes of its full buffer
+    n: int  # ranks in its group
+    inside: bool = True  # within the block's forward, which activation checkpointing reruns in backward
+
+
+@dataclass(frozen=True)
+class _ProbeKey:
+    tp: int
+    sp: bool
+    cp: int
+    micro_batch: int
+    seq_length: int
+    text_len: int
+    samples_per_row: int
+    packed: bool
+    precision: str
+
+    @classmethod
+    def of(cls, lay: Layout) -> _ProbeKey:
+        return cls(lay.tp, lay.sequence_parallel and lay.tp > 1, lay.cp, lay.micro_batch, lay.seq_length,
+                   lay.text_len, lay.samples_per_row, lay.packed, lay.precision)
+
+
+def traffic(cfg: DiTConfig, layout: Layout) -> Traffic:
+    """What a rank of `layout` sends per micro-batch and per optimizer step: on the stage that sends the most."""
+    return max(traffic_by_stage(cfg, layout), key=lambda t: t.bytes())
+
+
+def per_step(t: Traffic, micro_batches: int) -> dict[Group, int]:
+    """Bytes per group in one optimizer step: the micro-batches' times their number, plus the step's."""
+    out: dict[Group, int] = defaultdict(int)
+    for c in t.collectives:
+        out[c.group] += c.bytes * (micro_batches if c.when == "micro_batch" else 1)
+    return dict(out)
+
+
+@functools.lru_cache(maxsize=64)
+def traffic_by_stage(cfg: DiTConfig, layout: Layout) -> tuple[Traffic, ...]:
+    """traffic() of a rank of every pipeline stage, first to last."""
+    lay = layout
+    moves = _probe(cfg, _ProbeKey.of(lay))
+    period = block_period(_meta_model(cfg))
+    return tuple(_stage(cfg, lay, moves, period, s) for s in range(lay.pp))
+
+
+def _stage(cfg: DiTConfig, lay: Layout, moves: tuple[_Move, ...], period: int, stage: int) -> Traffic:
+    out: dict[tuple[Group, Op, When], list[int]] = defaultdict(lambda: [0, 0])
+
+    def add(group: Group, op: Op, when: When, full: int, n: int, times: int = 1, pieces: int = 1) -> None:
+        """`times` collectives of `full` bytes, or one in `pieces` (buckets) that add up to `full`."""
+        if n > 1 and times:
+            c = out[group, op, when]
+            c[0] += times * pieces
+            c[1] += times * sent_bytes(op, full, n)
+
+    blocks = stage_blocks(cfg.depth, lay.pp, stage)
+    kinds = defaultdict(int)  # block of the period → how many of that kind this stage holds
+    for i in blocks:
+        kinds[i % period] += 1
+    recompute = lay.activation_checkpointing != "none"
+    for m in moves:
+        if isinstance(m.region, int):
+            times = kinds[m.region] * (2 if recompute and m.inside and m.phase == "forward" else 1)
+        else:  # the embedders and conditioning run on every stage; the final layer on the last
+            times = int(m.region == "pre" or stage == lay.pp - 1)
+        add(m.group, m.op, "micro_batch", m.full, m.n, times)
+
+    compute = 2 if lay.precision == "bf16" else FP32
+    if lay.pp > 1:  # the hidden states of the tokens a rank holds, on to the next stage and their gradient back
+        sp = lay.tp if lay.sequence_parallel else 1
+        hidden = lay.micro_batch * lay.seq_length // (lay.cp * sp) * cfg.hidden_size * compute
+        add("pp", "send", "micro_batch", hidden, 2, (stage < lay.pp - 1) + (stage > 0))
+
+    params = _stage_params(cfg, lay, stage)
+    if lay.fsdp:
+        _fsdp(lay, params, add, compute)
+    partial = [p for p in params if p.partial]
+    if lay.tp > 1 and partial:  # finalize_grads: one flat all-reduce of this rank's (FSDP: local) pieces
+        add("tp", "all_reduce", "step", FP32 * sum(p.local(lay) for p in partial), lay.tp)
+    dp_cp = lay.dp * lay.cp
+    if not lay.fsdp and lay.pp == 1 and dp_cp > 1:  # DDP: every gradient, in fp32 buckets
+        size = FP32 * sum(p.numel for p in params)
+        buckets = 1 + max(0, math.ceil((size - DDP_FIRST_BUCKET) / DDP_BUCKET))
+        add("dp", "all_reduce", "step", size, dp_cp, pieces=buckets)
+    if lay.pp > 1:  # pipeline.reduce_grads: over DP x CP in buckets, then the shared embedders over the stages
+        numel = sum(p.numel for p in params)
+        add("dp", "all_reduce", "step", FP32 * numel, dp_cp, pieces=math.ceil(numel / PP_BUCKET))
+        add("pp", "all_reduce", "step", FP32 * sum(p.numel for p in params if p.shared), lay.pp)
+    # grad_norm: a float64 square sum over TP, the FSDP shards and the stages
+    add("tp", "all_reduce", "step", FP64, lay.tp)
+    if lay.fsdp:
+        add("fsdp", "all_reduce", "step", FP64, lay.fsdp_shard or dp_cp)
+    add("pp", "all_reduce", "step", FP64, lay.pp)
+    return Traffic(tuple(Collective(g, op, when, count, size) for (g, op, when), (count, size) in sorted(out.items())))
+
+
+@dataclass(frozen=True)
+class _Param:
+    name: str
+    shape: tuple[int, ...]  # on this TP rank
+    partial: bool  # its gradient is partial over TP (finalize_grads sums it)
+    shared: bool  # on every pipeline stage (the conditioning embedders)
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    def padded(self, shards: int) -> int:
+        """Elements FSDP2 gathers: dim 0 padded up to a multiple of the shard count."""
+        return math.ceil(self.shape[0] / shards) * shards * math.prod(self.shape[1:])
+
+    def local(self, lay: Layout) -> int:
+        """Elements of its gradient on the rank that holds the most (FSDP: the first shard)."""
+        if not lay.fsdp:
+            return self.numel
+        shards = lay.fsdp_shard or lay.dp * lay.cp
+        return min(self.shape[0], math.ceil(self.shape[0] / shards)) * math.prod(self.shape[1:])
+
+
+def _stage_params(cfg: DiTConfig, lay: Layout, stage: int) -> list[_Param]:
+    model = _meta_model(cfg)
+    plan, sp = plan_for(model), lay.sequence_parallel and lay.tp > 1
+    out = []
+    for name, p in model.named_parameters():
+        if not on_stage(name, cfg, lay.pp, stage):
+            continue
+        shape, dim = list(p.shape), plan.partition_dim(name)
+        if dim is not None:
+            shape[dim] //= lay.tp
+        partial = lay.tp > 1 and dim is None and plan.partial_over_tp(name, sp)
+        out.append(_Param(name, tuple(shape), partial, lay.pp > 1 and is_shared(model, name)))
+    return out
+
+
+def _fsdp(lay: Layout, params: list[_Param], add, compute: int) -> None:
+    """FSDP2's collectives: per unit (each block; the root, everything else) a gather of its parameters and a
+    reduce-scatter of its gradients."""
+    shards = lay.fsdp_shard or lay.dp * lay.cp
+    replicas = lay.dp * lay.cp // shards
+    units: dict[str, list[_Param]] = defaultdict(list)
+    for p in params:
+        units[".".join(p.name.split(".")[:2]) if p.name.startswith("blocks.") else "root"].append(p)
+    reduce = FP32 if lay.reduce_dtype == "fp32" else 2
+    once = lay.fsdp_sync == "step"
+    when: When = "step" if once else "micro_batch"
+    for unit in units.values():
+        gathered = sum(p.padded(shards) for p in unit)
+        add("fsdp", "all_gather", when, compute * gathered, shards, 1 if once else 2)
+        add("fsdp", "reduce_scatter", when, reduce * gathered, shards)
+        add("replicate", "all_reduce", when, reduce * gathered // shards, replicas)
+
+
+# --------------------------------------------------------------------------------------------------
+# The probe: one forward of one period of blocks at a rank's shapes
+
+
+@functools.lru_cache(maxsize=64)
+def _probe(cfg: DiTConfig, key: _ProbeKey) -> tuple[_Move, ...]:
+    """The collectives of one micro-batch's forward and backward on a TP/SP/CP rank, from one training forward (EDM
+    preconditioning and loss, as dit-train) of one period of blocks, at the rank's shapes (ditcore.memory's
+    `_rank_share`): every linear the plan splits and every row gather, with its region."""
+    whole = _meta_model(cfg)
+    period = block_period(whole)
+    swaps = whole.context_parallel == "all_to_all"
+    gather_cp = key.cp > 1 and not swaps
+    N = key.seq_length if key.cp == 1 or gather_cp else key.seq_length // key.cp
+    cp, sp, B = (key.cp if gather_cp else 1), (key.tp if key.sp else 1), key.micro_batch
+    held = sum(p.numel() for p in whole.blocks[:period].parameters())
+    real = held // key.tp + B * N * max(cfg.hidden_size, N // cp) // cp < 2**22  # small: real tensors run faster
+    model = fake_model(cfg.replace(depth=period), "sdpa", change=lambda m: _rank_share(m, key.tp, sp, cp), real=real)
+    plan = plan_for(model)
+    bf16 = key.precision == "bf16"
+    moves: list[_Move] = []
+    region = ["pre"]
+
+    def move(group: Group, op: Op, phase: str, full_bytes: int, n: int, inside: bool = True) -> None:
+        if n > 1:
+            moves.append(_Move(region[0], group, op, phase, full_bytes, n, inside))
+
+    def activation(t: torch.Tensor) -> int:  # gathered in the autocast dtype under bf16
+        return 2 if bf16 else t.element_size()
+
+    def linear(style, x: torch.Tensor, y: torch.Tensor) -> None:
+        tp, rows = key.tp, x.numel() // x.shape[-1]
+        if isinstance(style, ColumnParallel) and style.gather_output:
+            move("tp", "all_gather", "forward", y.numel() * tp * activation(y), tp)
+            if x.requires_grad:
+                move("tp", "all_reduce", "backward", x.numel() * x.element_size(), tp)
+        elif isinstance(style, ColumnParallel) and sp > 1 and style.sequence_parallel:
+            gathered = rows * sp * x.shape[-1] * activation(x)
+            move("tp", "all_gather", "forward", gathered, tp)
+            move("tp", "all_gather", "backward", gathered, tp)  # for the weight's gradient
+            if x.requires_grad:
+                move("tp", "reduce_scatter", "backward", gathered, tp)
+        elif isinstance(style, ColumnParallel):
+            if x.requires_grad:
+                move("tp", "all_reduce", "backward", x.numel() * x.element_size(), tp)
+        elif sp > 1:  # row parallel, its output reduce-scattered to the rank's tokens
+            move("tp", "reduce_scatter", "forward", y.numel() * sp * y.element_size(), tp)
+            move("tp", "all_gather", "backward", y.numel() * sp * y.element_size(), tp)
+        else:
+            move("tp", "all_reduce", "forward", y.numel() * y.element_size(), tp)
+
+    hooks = []
+    for name, module in model.named_modules():
+        style = plan.module_style(name) if name and key.tp > 1 else None
+        if isinstance(style, ColumnParallel | RowParallel):
+            hooks.append(module.register_forward_hook(lambda _, args, out, s=style: linear(s, args[0], out)))
+    for i, block in enumerate(model.blocks):
+        hooks.append(block.register_forward_pre_hook(lambda *_, i=i: region.__setitem__(0, i)))
+    hooks.append(model.final.register_forward_pre_hook(lambda *_: region.__setitem__(0, "post")))
+    _watch_rows(model, key, move, swaps)
+    autocast = torch.autocast("cpu", torch.bfloat16) if bf16 else contextlib.nullcontext()
+    with model.fake_mode:
+        batch = _planned_batch(cfg, B, N, key.text_len if cfg.text_dim else 0, key.samples_per_row, key.packed)
+        with autocast:
+            EDMLoss()(EDMPrecond(model), batch.pop("x"), **batch)
+    for hook in hooks:
+        hook.remove()
+    if swaps and key.cp > 1:
+        moves += _swaps(cfg, key, model)
+    return tuple(moves)
+
+
+def _watch_rows(model: nn.Module, key: _ProbeKey, move, swaps: bool) -> None:
+    """Record the row split's collectives (ditcore.parallel.context_parallel.SplitRows): the keys and values each
+    attention gathers over CP, the output gathered over SP then CP, ST-DiT's SP gathers around its moves."""
+    rows = model.rows
+    cp = 1 if swaps else key.cp
+    sp = key.tp if key.sp else 1
+    keys_values, gather = rows.keys_values, rows.gather
+
+    def kv(k: torch.Tensor, v: torch.Tensor):
+        move("cp", "all_gather", "forward", (k.numel() + v.numel()) * cp * k.element_size(), cp)
+        move("cp", "reduce_scatter", "backward", (k.numel() + v.numel()) * cp * k.element_size(), cp)
+        return keys_values(k, v)
+
+    def gathered(out: torch.Tensor):
+        move("tp", "all_gather", "forward", out.numel() * sp * out.element_size(), sp)
+        move("cp", "all_gather", "forward", out.numel() * sp * cp * out.element_size(), cp)
+        return gather(out)
+
+    rows.keys_values, rows.gather = kv, gathered
+    if swaps and sp > 1:
+        orders = rows.orders
+
+        def watched(*args):
+            o = orders(*args)
+            to_lines, to_frames = o.to_lines, o.to_frames
+
+            def around(x: torch.Tensor, f):
+                full = x.numel() * sp * (2 if key.precision == "bf16" else x.element_size())
+                move("tp", "all_gather", "forward", full, key.tp, inside=False)  # run_block moves outside the block
+                move("tp", "reduce_scatter", "backward", full, key.tp, inside=False)
+                return f(x)
+
+            o.to_lines, o.to_frames = (lambda x: around(x, to_lines)), (lambda x: around(x, to_frames))
+            return o
+
+        rows.orders = watched
+
+
+def _swaps(cfg: DiTConfig, key: _ProbeKey, model: nn.Module) -> list[_Move]:
+    """ST-DiT's all-to-alls under CP: per temporal block a move to lines order and one back, each sending the tokens
+    of the rank's slice that belong to another rank's slice in the other order (`HostRows.moves` of the planned
+    rows, the most loaded rank's), in the hidden states' dtype; the backward sends their gradients the same way."""
+    n, L = key.seq_length // key.cp, key.text_len if cfg.text_dim else 0
+    grids = _planned_batch(cfg, key.micro_batch, key.seq_length, L, key.samples_per_row, key.packed)["grids"]
+    moves = HostRows(grids, key.seq_length).moves(n)
+    out_of = max(sum(row) - row[r] for r, row in enumerate(moves))  # to lines order
+    back = max(sum(moves[q][r] for q in range(key.cp)) - moves[r][r] for r in range(key.cp))
+    temporal = [i for i, b in enumerate(model.blocks) if type(b).__name__ == "TemporalBlock"]
+    width = cfg.hidden_size * FP32  # the residual stream stays fp32 under autocast
+    out = []
+    for i in temporal:
+        for tokens in (out_of, back):
+            for phase in ("forward", "backward"):
+                out.append(_Move(i, "cp", "all_to_all", phase, tokens * width, key.cp, inside=False))
+    return out
