@@ -28,6 +28,7 @@ group that exposes the most time bounds it (or the pipeline's bubble).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from collections.abc import Callable, Iterable, Iterator
@@ -233,9 +234,11 @@ def time_step(lay: Layout, cluster: Cluster, traffic: Traffic, flops_per_token: 
         by_group.setdefault(c.group, []).append(c)
 
     def seconds(group: str, when: str) -> tuple[int, float]:
-        sent = sum(c.bytes for c in by_group[group] if c.when == when)
-        op = by_group[group][0].op
-        return sent, sent / link(group, lay, cluster, op).bandwidth
+        mine = [c for c in by_group[group] if c.when == when]
+        return sum(c.bytes for c in mine), sum(c.bytes / link(group, lay, cluster, c.op).bandwidth for c in mine)
+
+    def main_link(group: str) -> Link:  # the link of the collective that sends the most
+        return link(group, lay, cluster, max(by_group[group], key=lambda c: c.bytes).op)
 
     exposed_kinds = [g for g in by_group if g not in ("fsdp", "dp", "replicate") or (g == "dp" and lay.pp > 1)]
     groups, exposed_mb = {}, 0.0
@@ -252,12 +255,12 @@ def time_step(lay: Layout, cluster: Cluster, traffic: Traffic, flops_per_token: 
         elif g == "replicate":
             hide, tail = backward, lambda t: t / depth
         else:  # DDP: its last bucket waits for the end of backward
-            bw = link(g, lay, cluster).bandwidth
+            bw = main_link(g).bandwidth
             hide, tail = backward, lambda t, bw=bw: min(t, 2 * DDP_BUCKET / bw)
         exposed = sum(n * min(t, max(0.0, t - hide) + tail(t)) for n, t in ((m, mb), (1, st)) if t)
         groups[g] = (mb_bytes, step_bytes, mb * m + st, exposed)
     order = ["tp", "cp", "fsdp", "replicate", "dp", "pp"]
-    times = tuple(GroupTime(g, link(g, lay, cluster, by_group[g][0].op), *groups[g], OVERLAPS.get(g, "nothing"))
+    times = tuple(GroupTime(g, main_link(g), *groups[g], OVERLAPS.get(g, "nothing"))
                   for g in sorted(groups, key=lambda g: order.index(g) if g in order else len(order)))
     per_micro_batch = window  # with pp, one stage's micro-batch: what the bubble repeats
     bubble = (lay.pp - 1) * per_micro_batch
@@ -288,7 +291,8 @@ def search(cfg: DiTConfig, cluster: Cluster, base: Layout, global_batch: int, to
     not fit; or a faster one with the same tp, cp and pp fits (they differ only in what trades speed for memory:
     FSDP, its shard and sync, checkpointing, micro_batch): one layout of each model parallelism is listed.
     """
-    predicted = [predict(cfg, lay, cluster) for lay in layouts(cfg, base, cluster, global_batch)]
+    predicted = [predict(cfg, lay, cluster, rows_scaled_traffic(cfg, lay))
+                 for lay in layouts(cfg, base, cluster, global_batch)]
     # fastest first; among equally fast ones (compute-bound layouts tie), the one that needs least memory first
     predicted.sort(key=lambda p: (-round(p.tokens_per_second_per_gpu, 3), state_bytes(cfg, p.layout),
                                   memory_order(p.layout)))
@@ -309,6 +313,27 @@ def search(cfg: DiTConfig, cluster: Cluster, base: Layout, global_batch: int, to
         if len(found) == top:
             break
     return found
+
+
+# The groups whose per-micro-batch bytes are activations: in proportion to the rows of a micro-batch.
+ROW_GROUPS = ("tp", "cp", "pp")
+
+
+def rows_scaled_traffic(cfg: DiTConfig, lay: Layout) -> Traffic:
+    """ditcore.traffic's traffic of `lay`, from that of one row a micro-batch: the activations that tp, cp and pp
+    move every micro-batch are the rows' (micro_batch times one row's); the parameters and gradients FSDP and DDP
+    move are not, nor is anything by the number of micro-batches. A search then models each layout once for all its
+    micro-batch sizes."""
+    one = _one_row_traffic(cfg, lay.replace(micro_batch=1, micro_batches=1))
+    return Traffic(tuple(dataclasses.replace(c, bytes=c.bytes * lay.micro_batch)
+                         if c.when == "micro_batch" and c.group in ROW_GROUPS else c for c in one.collectives))
+
+
+@functools.lru_cache(maxsize=4096)
+def _one_row_traffic(cfg: DiTConfig, lay: Layout) -> Traffic:
+    from ditcore.traffic import traffic
+
+    return traffic(cfg, lay)
 
 
 RECOMPUTES = {"none": 0, "selective": 1, "block": 2}  # more recomputation, less memory
