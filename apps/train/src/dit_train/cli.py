@@ -202,10 +202,10 @@ def print_speed(model_cfg, layout, cluster, global_batch: int | None, top: int) 
         return False
     typer.echo(f"search: the {len(found)} fastest layouts of {layout.world_size} GPUs that fit, one for each tp x cp x "
                "pp (overrides of this config)")
-    typer.echo(f"  {'tokens/s/GPU':>12}{'MFU':>7}{'step s':>8}{'exposed':>9}{'GiB':>7}  {'bound':<10}overrides")
+    typer.echo(f"  {'tokens/s/GPU':>12}{'MFU':>7}{'step s':>10}{'exposed':>9}{'GiB':>7}  {'bound':<10}overrides")
     for c in found:
         p = c.prediction
-        typer.echo(f"  {p.tokens_per_second_per_gpu:12,.0f}{p.mfu:7.1%}{p.step:8.3g}{p.exposed / p.step:9.0%}"
+        typer.echo(f"  {p.tokens_per_second_per_gpu:12,.0f}{p.mfu:7.1%}{p.step:10.3g}{p.exposed / p.step:9.0%}"
                    f"{c.plan.total / GiB:7.1f}  {p.bound:<10}{' '.join(c.overrides) or '(none)'}")
     return True
 

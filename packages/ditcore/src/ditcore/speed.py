@@ -50,7 +50,8 @@ class Cluster:
 
     - peak_flops: 989 TFLOP/s dense bf16, NVIDIA's H100 SXM datasheet (1,979 with 2:4 sparsity); ditcore.flops' table.
     - efficiency: the fraction of that peak the compute runs at. 0.5: a DiT block's matmuls and flash attention alone
-      reach 54.2% at 7B width and 8k tokens on one H100 (DESIGN.md, measured), and a step has elementwise work besides.
+      reached 54.2% of it at 7B width and 8k tokens, measured on one H100 for this project (the design notes' speed of
+      light), and a step has elementwise work besides.
     - nvlink: bytes/s each GPU sends within a node. The datasheet's NVLink 4 is 900 GB/s, both directions together:
       450 GB/s each way. NCCL's bus bandwidth for large all-reduces and all-gathers on 8 H100 SXM (nccl-tests, without
       NVLink SHARP) is about 360 GB/s, 80% of that: the default.
