@@ -52,12 +52,12 @@ def test_bad_cluster_options_are_one_line_errors(tmp_path):
                                                        "in (0, 1]"),
                                  ("--nvlink-gbps", 0, "--nvlink-gbps=0.0 is invalid: expected a number > 0 (GB/s per "
                                                       "GPU)")):
-        code, out, err = invoke(*tiny(tmp_path), "--plan", option, value)
+        code, _, err = invoke(*tiny(tmp_path), "--plan", option, value)
         assert code == 2 and err.strip() == f"error: {error}", err
 
 
 def test_the_help_states_the_cluster_defaults():
-    code, out, _ = invoke("--help")
+    _, out, _ = invoke("--help")
     text = " ".join(out.replace("│", " ").split())  # the help's box, unwrapped
     c = Cluster()
     for option, default in (("--gpus-per-node", c.gpus_per_node), ("--nvlink-gbps", c.nvlink / 1e9),
@@ -67,8 +67,8 @@ def test_the_help_states_the_cluster_defaults():
 
 
 def test_the_search_lists_layouts_that_fit_fastest_first(tmp_path):
-    code, out, err = invoke(*tiny(tmp_path, "train.global_batch=4"), "--plan", "--search", "--top", 2, "--world-size", 4,
-                            "--gpus-per-node", 2)
+    args = tiny(tmp_path, "train.global_batch=4")
+    code, out, err = invoke(*args, "--plan", "--search", "--top", 2, "--world-size", 4, "--gpus-per-node", 2)
     print(out)
     assert code == 0, err
     rows = out[out.index("search: the 2 fastest layouts of 4 GPUs that fit"):].splitlines()[2:]

@@ -103,9 +103,9 @@ def test_a_micro_batch_of_rows_moves_the_rows_activations_and_the_same_parameter
 def test_cluster_errors_name_the_option():
     with pytest.raises(ConfigError, match=r"--efficiency=1.5 is invalid: expected a fraction of the peak in \(0, 1\]"):
         Cluster(efficiency=1.5)
-    with pytest.raises(ConfigError, match="--ib-gbps=0.0 is invalid"):
+    with pytest.raises(ConfigError, match=r"--ib-gbps=0\.0 is invalid"):
         Cluster(infiniband=0)
-    with pytest.raises(ConfigError, match="--gpus-per-node=0 is invalid"):
+    with pytest.raises(ConfigError, match=r"--gpus-per-node=0 is invalid"):
         Cluster(gpus_per_node=0)
 
 

@@ -423,7 +423,7 @@ def overrides(lay: Layout, base: Layout) -> tuple[str, ...]:
     out = []
     for field, key in keys.items():
         value = getattr(lay, field)
-        if field in ("fsdp_shard", "fsdp_sync") and not lay.fsdp:
+        if (field in ("fsdp_shard", "fsdp_sync") and not lay.fsdp) or (field == "sequence_parallel" and lay.tp == 1):
             continue
         if value != getattr(base, field) or (field == "fsdp_sync" and lay.fsdp):
             text = "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
