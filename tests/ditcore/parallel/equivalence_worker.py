@@ -7,14 +7,18 @@ dict, do the same, consolidate, and record the largest differences. Rank 0 write
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import sys
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
+from ditcore import runs
 from ditcore.diffusion import EDMLoss, EDMPrecond
 from ditcore.layout import grid_positions
 from ditcore.models import apply_activation_checkpointing, build, preset, register
@@ -22,6 +26,7 @@ from ditcore.parallel import (
     ParallelDims,
     consolidated_state_dict,
     context_parallel,
+    dist_checkpoint,
     finalize_grads,
     grad_norm,
     load_consolidated,
@@ -30,6 +35,7 @@ from ditcore.parallel import (
 )
 from ditcore.parallel.consolidate import gather_full
 from ditcore.parallel.counting import CollectiveCounter
+from ditcore.parallel.fabric import MegatronStrategy
 from ditcore.parallel.fsdp import apply_fsdp
 from ditcore.parallel.pipeline import one_f_one_b, reduce_grads
 from ditcore.training import stage_forward
@@ -108,16 +114,39 @@ class Recording(EDMPrecond):
         return out
 
 
-def step(model, batch, module=None, micro: int = 1):
+def step(model, batch, module=None, micro: int = 1, no_sync=None, between: dict | None = None):
     """Output, loss and gradients of one EDM training step (module: the DDP wrapper, when there is one), its rows
-    in `micro` micro-batches whose gradients accumulate (the loss: their mean)."""
+    in `micro` micro-batches whose gradients accumulate (the loss: their mean). no_sync(enabled): a context around
+    each micro-batch's forward and backward, enabled on all but the last (Fabric's backward-sync control); between:
+    filled with what the first micro-batch left on the model (`held_between`)."""
     denoiser, losses = Recording(module or model), []
-    for part in micro_batches(batch, micro):
-        loss = EDMLoss()(denoiser, part["x"], seg=part["seg"], mask=part["mask"], sigma=part["sigma"],
-                         noise=part["noise"], **part["cond"])
-        (loss / micro).backward()
+    for i, part in enumerate(micro_batches(batch, micro)):
+        with no_sync(i < micro - 1) if no_sync else contextlib.nullcontext():
+            loss = EDMLoss()(denoiser, part["x"], seg=part["seg"], mask=part["mask"], sigma=part["sigma"],
+                             noise=part["noise"], **part["cond"])
+            (loss / micro).backward()
         losses.append(loss.detach())
+        if between is not None and i == 0 and micro > 1:
+            between.update(held_between(model))
     return torch.cat(denoiser.outputs), torch.stack(losses).mean()
+
+
+def held_between(model) -> dict:
+    """Under FSDP, between two micro-batches: parameters still gathered (not DTensors: FSDP2 registers the unsharded
+    ones while they are gathered) and gradients already reduce-scattered (DTensors)."""
+    params = list(model.parameters())
+    return {"gathered_between": sum(not isinstance(p, DTensor) for p in params),
+            "reduced_between": sum(isinstance(p.grad, DTensor) for p in params), "params": len(params)}
+
+
+def fsdp_groups(model) -> dict:
+    """The groups of FSDP2's mesh, which the counter names fsdp (HSDP: the shard group) and replicate."""
+    mesh = next((p.device_mesh for p in model.parameters() if isinstance(p, DTensor)), None)
+    if mesh is None:
+        return {}
+    if mesh.ndim == 1:
+        return {"fsdp": mesh.get_group()}
+    return {"fsdp": mesh.get_group("shard"), "replicate": mesh.get_group("replicate")}
 
 
 def micro_batches(batch, micro: int) -> list[dict]:
@@ -175,8 +204,9 @@ def diff(a: torch.Tensor, b: torch.Tensor) -> tuple[float, float]:
 
 
 def run_case(arch: str, dims: ParallelDims, packed: bool, checkpointing: str = "none", fsdp: bool = False,
-             per_row: bool = False) -> dict:
-    """per_row: a micro-batch per row, whose gradients accumulate (the reference does the same)."""
+             per_row: bool = False, shard: int | None = None, sync: str = "micro_batch") -> dict:
+    """per_row: a micro-batch per row, whose gradients accumulate (the reference does the same). shard, sync: FSDP's
+    (HSDP's shard group; gathers and reductions every micro-batch or once per step)."""
     cfg, g = CONFIGS[arch], torch.Generator().manual_seed(7)
     batch = packed_batch(g, PACKED.get(arch, PACKED["dit"])) if packed else unpacked_batch(g)
 
@@ -196,9 +226,11 @@ def run_case(arch: str, dims: ParallelDims, packed: bool, checkpointing: str = "
     parallelize(model, groups)
     load_consolidated(model, init, groups)
     apply_activation_checkpointing(model, checkpointing)  # recomputes the sharded linears and their collectives
+    no_sync = None
     if fsdp:  # parameters, gradients and optimizer state split again over DP×CP
-        apply_fsdp(model, groups, "cpu")
-        wrapper = None
+        apply_fsdp(model, groups, "cpu", shard=shard, sync=sync)
+        wrapper, no_sync = None, MegatronStrategy(dims, fsdp=True)._backward_sync_control.no_backward_sync
+        no_sync = lambda enabled, control=no_sync: control(model, enabled)
     elif dims.pp == 1:
         wrapper = DistributedDataParallel(model, process_group=groups.dp_cp_group)
     dp_size, dp_rank = groups.dims.dp, groups.dp_rank
@@ -206,11 +238,12 @@ def run_case(arch: str, dims: ParallelDims, packed: bool, checkpointing: str = "
     mine = slice(dp_rank * per_rank, (dp_rank + 1) * per_rank)
     micro = per_rank if per_row else 1
     SENT[0] = 0
+    between = {}
     # what the training step sends (ditcore.traffic models it): the consolidations between its parts are this test's
-    counter = CollectiveCounter(groups, fsdp=fsdp)
+    counter = CollectiveCounter(groups, fsdp=fsdp, extra=fsdp_groups(model))
     if dims.pp == 1:
         with counter:
-            out, loss = step(model, rows(batch, mine), wrapper, micro)
+            out, loss = step(model, rows(batch, mine), wrapper, micro, no_sync, between)
     else:  # no DDP: its hooks assume one backward per forward; the schedule's gradients are reduced after it
         out, loss = pipeline_step(model, rows(batch, mine), groups, micro, counter)
         unreduced = gather_full(model, {k: p.grad for k, p in model.named_parameters()}, groups)
@@ -229,10 +262,14 @@ def run_case(arch: str, dims: ParallelDims, packed: bool, checkpointing: str = "
     loss_avg = loss.clone()
     dist.all_reduce(loss_avg, group=groups.dp_cp_group)
     loss_avg /= dist.get_world_size(groups.dp_cp_group)
-    result = {"output": diff(out, ref_out[mine]), "loss": diff(loss_avg, ref_loss), "all_to_all_tokens": SENT[0]}
+    result = {"output": diff(out, ref_out[mine]), "loss": diff(loss_avg, ref_loss), "all_to_all_tokens": SENT[0],
+              "between": between}
     traffic = [None] * dist.get_world_size()  # every rank's: pipeline stages send differently
     dist.all_gather_object(traffic, [dataclasses.asdict(c) for c in counter.traffic().collectives])
     result["traffic"] = traffic
+    if fsdp:
+        mesh = next(p for p in model.parameters() if isinstance(p, DTensor)).device_mesh
+        result["mesh"] = [dist.get_process_group_ranks(mesh.get_group(d)) for d in range(mesh.ndim)]
     if grads is not None:
         result["grad"] = max((diff(grads[k], ref_grads[k]) for k in ref_grads), key=lambda d: d[1])
         result["grad_max_param"] = max(ref_grads, key=lambda k: diff(grads[k], ref_grads[k])[1])
@@ -250,7 +287,7 @@ def run_case(arch: str, dims: ParallelDims, packed: bool, checkpointing: str = "
             meta = build(cfg)
         parallelize(meta, groups)
         if fsdp:
-            apply_fsdp(meta, groups, "cpu")
+            apply_fsdp(meta, groups, "cpu", shard=shard)
         materialize(meta, 3, "cpu", groups)
         built = consolidated_state_dict(meta, groups)
         if built is not None:
@@ -260,6 +297,32 @@ def run_case(arch: str, dims: ParallelDims, packed: bool, checkpointing: str = "
             result["materialized_equals_init"] = built.keys() == expected.keys() and all(
                 torch.equal(built[k], expected[k]) for k in expected)
     return result
+
+
+def count_bf16(arch: str, dims: ParallelDims, packed: bool, checkpointing: str = "none", fsdp: bool = False) -> dict:
+    """Only the traffic of a training step under bf16 autocast (what dit-train runs on a GPU), with FSDP gathering in
+    bf16: the dtypes each collective moves (ditcore.traffic's dtype rule). No reference: bf16 is not compared."""
+    cfg, g = CONFIGS[arch], torch.Generator().manual_seed(7)
+    batch = packed_batch(g, PACKED.get(arch, PACKED["dit"])) if packed else unpacked_batch(g)
+    groups = dims.initialize()
+    torch.manual_seed(0)
+    model = parallelize(build(cfg), groups)
+    apply_activation_checkpointing(model, checkpointing)
+    wrapper = None
+    if fsdp:
+        apply_fsdp(model, groups, "cpu", param_dtype=torch.bfloat16)
+    else:
+        wrapper = DistributedDataParallel(model, process_group=groups.dp_cp_group)
+    per_rank = batch["x"].shape[0] // groups.dims.dp
+    counter = CollectiveCounter(groups, fsdp=fsdp, extra=fsdp_groups(model))
+    with counter, torch.autocast("cpu", torch.bfloat16):
+        step(model, rows(batch, slice(groups.dp_rank * per_rank, (groups.dp_rank + 1) * per_rank)), wrapper)
+    with counter, counter.during("step"):
+        finalize_grads(model, groups)
+        grad_norm(model, groups)
+    traffic = [None] * dist.get_world_size()
+    dist.all_gather_object(traffic, [dataclasses.asdict(c) for c in counter.traffic().collectives])
+    return {"traffic": traffic}
 
 
 CASES = {
@@ -277,6 +340,11 @@ CASES = {
     "fsdp_tp2_sp_packed": (ParallelDims(tp=2, sequence_parallel=True), True, "none", True),  # FSDP over one rank
     "fsdp_cp2_packed_selective": (ParallelDims(cp=2), True, "selective", True),
     "fsdp_tp2_sp_dp2": (ParallelDims(tp=2, sequence_parallel=True), False, "block", True),  # 4 processes
+    # 2 micro-batches a rank (a row each): gathered and reduced every micro-batch, or once per step
+    "fsdp_dp2_accumulate": (ParallelDims(), False, "none", True, True),
+    "fsdp_dp2_accumulate_step": (ParallelDims(), False, "none", True, True, None, "step"),
+    "hsdp_dp4": (ParallelDims(), False, "none", True, False, 2),  # 4 processes: shard over 2 x replicate 2
+    "hsdp_cp2_dp2_step": (ParallelDims(cp=2), False, "selective", True, False, 2, "step"),  # 4: shard 2 = CP pair
     "cp2_tp2_sp_packed": (ParallelDims(cp=2, tp=2, sequence_parallel=True), True),  # 4 processes
     # pipeline: 1F1B over a micro-batch per row (the first stage runs one ahead, then one forward, one backward)
     "pp2": (ParallelDims(pp=2), False, "none", False, True),
@@ -288,6 +356,58 @@ CASES = {
 
 
 
+def hsdp_checkpoints(folder: Path) -> dict:
+    """HSDP (shard 2 x replicate 2) and FSDP over 4 ranks through layout-free checkpoints: weights and AdamW state
+    written by HSDP resume with FSDP, FSDP's resume with HSDP, and one process reads them (rank 0, no group)."""
+    groups = ParallelDims().initialize()
+    g = torch.Generator().manual_seed(11)
+    batch = rows(unpacked_batch(g), slice(groups.dp_rank, groups.dp_rank + 1))
+
+    def sharded(shard: int | None, seed: int):
+        with torch.device("meta"):
+            model = build(CFG)
+        parallelize(model, groups)
+        apply_fsdp(model, groups, "cpu", shard=shard)
+        materialize(model, seed, "cpu", groups)
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+    def views(model, opt):
+        return runs.checkpoint_tensors(*dist_checkpoint.state_tensors(model, None, opt, groups, "cpu"))
+
+    def whole(model, opt) -> dict | None:  # the one-device weights and AdamW moments (rank 0; None elsewhere)
+        params = dict(model.named_parameters())
+        parts = {"weights": params} | {s: {k: opt.state[p][s] for k, p in params.items()}
+                                       for s in ("exp_avg", "exp_avg_sq")}
+        return {part: gather_full(model, tensors, groups) for part, tensors in parts.items()}
+
+    hsdp, opt = sharded(2, 5)
+    initial = gather_full(hsdp, dict(hsdp.named_parameters()), groups)
+    step(hsdp, batch)
+    opt.step()
+    written = whole(hsdp, opt)
+    runs.save_tensors(folder / "hsdp", views(hsdp, opt), {"step": 1})
+    fsdp, fsdp_opt = sharded(None, 6)  # other weights: all of them must come from the checkpoint
+    runs.load_tensors(folder / "hsdp", views(fsdp, fsdp_opt))
+    as_fsdp = whole(fsdp, fsdp_opt)
+    runs.save_tensors(folder / "fsdp", views(fsdp, fsdp_opt), {"step": 1})
+    back, back_opt = sharded(2, 7)
+    runs.load_tensors(folder / "fsdp", views(back, back_opt))
+    as_hsdp = whole(back, back_opt)
+    if dist.get_rank() != 0:
+        return {}
+    optim = runs.read_full(folder / "hsdp", runs.OPTIM)
+    one = {"weights": runs.read_full(folder / "hsdp", runs.MODEL)}
+    one |= {s: {k: optim[f"{k}.{s}"] for k in one["weights"]} for s in ("exp_avg", "exp_avg_sq")}
+
+    def same(a: dict, b: dict) -> bool:
+        return all(a[part].keys() == b[part].keys() and all(torch.equal(a[part][k], b[part][k]) for k in a[part])
+                   for part in a)
+
+    return {"hsdp_to_fsdp": same(written, as_fsdp), "fsdp_to_hsdp": same(written, as_hsdp),
+            "hsdp_to_one": same(written, one),
+            "trained": any(not torch.equal(initial[k], written["weights"][k]) for k in initial)}
+
+
 def main() -> None:
     import fourth_arch  # this script's sibling (a relative import when the tests import this file)
 
@@ -297,7 +417,11 @@ def main() -> None:
     results = {}
     for name in sys.argv[2:] or CASES:
         arch, _, case = name.rpartition(":")
-        results[name] = run_case(arch or "dit", *CASES[case])
+        if case == "hsdp_checkpoints":
+            results[name] = hsdp_checkpoints(Path(sys.argv[1]).parent)
+            continue
+        case, bf16, _ = case.partition("@bf16")  # "CASE@bf16": only its traffic, under bf16 autocast
+        results[name] = (count_bf16 if bf16 else run_case)(arch or "dit", *CASES[case])
     if dist.get_rank() == 0:
         with open(sys.argv[1], "w") as f:
             json.dump(results, f, indent=1)

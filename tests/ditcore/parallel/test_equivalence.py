@@ -1,17 +1,23 @@
 """Every parallel layout computes what one process computes (2 gloo processes, fp32, tiny DiT)."""
 
 import json
+from unittest.mock import patch
 
 import pytest
 
+from ditcore.memory import Layout
+from ditcore.models import ARCHS, build, register
 from ditcore.testing import dit_forward_work, dit_grad_work, fp32_tolerance
+from ditcore.traffic import traffic
 
-from .equivalence_worker import CFG, CONFIGS, DATA, GRID, B
+from .equivalence_worker import CASES as WORKER_CASES
+from .equivalence_worker import CFG, CONFIGS, DATA, GRID, PACKED, B
 from .fourth_arch import ARCH as FOURTH
 
 CASES = ["tp2", "tp2_sp", "cp2", "dp2", "tp2_packed", "tp2_sp_packed", "cp2_packed",
          "tp2_packed_selective", "tp2_sp_packed_block", "cp2_packed_selective",  # + activation checkpointing
          "fsdp_dp2", "fsdp_tp2_sp_packed", "fsdp_cp2_packed_selective",  # + sharded data parallel (FSDP2)
+         "fsdp_dp2_accumulate", "fsdp_dp2_accumulate_step",  # 2 micro-batches: synced each one, or once a step
          "pp2", "pp2_packed",  # + pipeline parallel (1F1B over a micro-batch per row)
          # MovieGen's blocks (ditcore.models.moviegen): TP, TP + SP, CP and FSDP over DP, packed rows
          "moviegen:tp2_packed", "moviegen:tp2_sp_packed", "moviegen:cp2_packed", "moviegen:fsdp_dp2",
@@ -23,9 +29,13 @@ CASES = ["tp2", "tp2_sp", "cp2", "dp2", "tp2_packed", "tp2_sp_packed", "cp2_pack
          # an architecture registered outside ditcore (fourth_arch.py, test_registry.py): its own TP plan, with SP
          "reglu:tp2_sp_packed"]
 CASES_4 = ["fsdp_tp2_sp_dp2",  # 4 processes: TP=2 × FSDP over DP=2
+           "hsdp_dp4", "hsdp_cp2_dp2_step",  # HSDP: sharded over 2 ranks, replicated twice (once-per-step sync)
            "pp2_tp2_sp_packed",  # two stages of TP=2 + SP
            "stdit:cp2_tp2_sp_packed"]  # ST-DiT: the all-to-all over CP=2 with each CP rank's slice split by SP
 CASES_4_SLOW = ["pp2_dp2_selective", "pp2_cp2_packed"]  # two stages × DP=2, two stages of CP=2: make test-slow
+# only their traffic (test_traffic_model_matches_the_counted_step), under bf16 autocast: SP's gathers in bf16, FSDP
+# gathering in bf16
+BF16 = ["tp2_packed@bf16", "tp2_sp_packed@bf16", "fsdp_dp2@bf16"]
 
 # Float32 work of each compared value (ditcore.testing): rows of 32 tokens with at most 12 text tokens (the packed
 # batch's); EDMPrecond adds c_skip·x + c_out·F (+2) and the layouts split reductions over 2 ranks, then add the
@@ -55,12 +65,13 @@ def run_cases(tmp_path_factory, run_torchrun, cases: list[str], nproc: int) -> d
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory, run_torchrun):
-    return run_cases(tmp_path_factory, run_torchrun, CASES, nproc=2)
+    return run_cases(tmp_path_factory, run_torchrun, CASES + BF16, nproc=2)
 
 
 @pytest.fixture(scope="module")
 def results_4(tmp_path_factory, run_torchrun):
-    return run_cases(tmp_path_factory, run_torchrun, CASES_4, nproc=4)
+    # and HSDP's checkpoints resumed with FSDP over 4, read on one process, and back
+    return run_cases(tmp_path_factory, run_torchrun, [*CASES_4, "hsdp_checkpoints"], nproc=4)
 
 
 @pytest.fixture(scope="module")
@@ -105,7 +116,7 @@ def test_reduce_grads_is_what_makes_pipeline_gradients_right(request, case):
     assert rel_diff > 1e-2, f"{case}: gradients were already right before reduce_grads ({rel_diff:.1e})"
 
 
-@pytest.mark.parametrize("case", params([c for c in ALL if c.rpartition(":")[2].startswith(("fsdp", "pp"))]))
+@pytest.mark.parametrize("case", params([c for c in ALL if c.rpartition(":")[2].startswith(("fsdp", "hsdp", "pp"))]))
 def test_materialised_on_the_meta_device_is_the_one_device_init(request, case):
     """Each rank allocates and fills only its piece of its TP shard (FSDP), or of its stage (PP); gathered, they are
     the one-device weights."""
@@ -121,3 +132,116 @@ def test_st_dit_context_parallelism_swaps_tokens_by_all_to_all(results):
     assert results["stdit:cp2"]["all_to_all_tokens"] == temporal_blocks * 2 * (cp - 1) * ROW * B // cp**2
     assert results["stdit:cp2_packed"]["all_to_all_tokens"] > 0
     assert results["cp2"]["all_to_all_tokens"] == results["stdit_cut:cp2_packed"]["all_to_all_tokens"] == 0
+
+
+# --------------------------------------------------------------------------------------------------
+# Communication: each case's training step (forward, backward, finalize, grad norm, optimizer step) counted on gloo
+# (ditcore.parallel.counting) against what ditcore.traffic predicts from the config and the layout alone
+
+# Not predictable from a layout: ST-DiT's rows whose slices cut a frame gather instead of swapping (the data decides)
+DATA_DEPENDENT_CP = {"stdit_cut:cp2_packed"}
+
+
+def layout_of(case: str, nproc: int) -> Layout:
+    """The memory/traffic Layout of an equivalence case: its parallel dims, rows and micro-batches per rank."""
+    spec = WORKER_CASES[case.rpartition(":")[2].removesuffix("@bf16")]
+    dims, packed, checkpointing, fsdp, per_row, shard, sync = \
+        spec + (None, False, "none", False, False, None, "micro_batch")[len(spec):]
+    rows, text_len, samples = (2, 12, 3) if packed else (B, 6, 1)  # the worker's batches
+    per_rank = rows // (nproc // (dims.tp * dims.cp * dims.pp))
+    micro_batch = 1 if per_row else per_rank
+    return Layout(world_size=nproc, tp=dims.tp, cp=dims.cp, pp=dims.pp, sequence_parallel=dims.sequence_parallel,
+                  fsdp=fsdp, fsdp_shard=shard, fsdp_sync=sync, micro_batch=micro_batch,
+                  micro_batches=per_rank // micro_batch, seq_length=ROW,
+                  text_len=text_len, samples_per_row=samples, packed=packed,
+                  precision="bf16" if case.endswith("@bf16") else "fp32", activation_checkpointing=checkpointing,
+                  device="cpu", attention="sdpa")
+
+
+def per_group(collectives: list[dict]) -> dict[tuple[str, str], tuple[int, int]]:
+    """(group, op) → (collectives, bytes) of a step, whatever the frequency each was counted at."""
+    out = {}
+    for c in collectives:
+        count, size = out.get((c["group"], c["op"]), (0, 0))
+        out[c["group"], c["op"]] = (count + c["count"], size + c["bytes"])
+    return out
+
+
+@pytest.mark.parametrize("case", params(ALL) + BF16)
+def test_traffic_model_matches_the_counted_step(request, case):
+    """Per group and collective, the bytes (within 2%) and the number of collectives a rank sends in the case's
+    step are what ditcore.traffic predicts for its layout; with pipeline stages, on the stage that sends the most."""
+    nproc = 4 if case in CASES_4 + CASES_4_SLOW else 2
+    r = case_results(request, case)
+    lay = layout_of(case, nproc)
+    arch = case.rpartition(":")[0] or "dit"
+    packed = arch == "stdit" and lay.packed  # ST-DiT's all-to-alls move what the packing's grids say
+    with patch.dict(ARCHS):  # the worker's fourth architecture, registered for this test only (test_registry.py)
+        if arch == "reglu":
+            register(FOURTH)
+        modelled = traffic(CONFIGS[arch], lay, tuple(map(tuple, PACKED["stdit"])) if packed else None)
+    expected = {}
+    for c in modelled.collectives:
+        count, size = expected.get((c.group, c.op), (0, 0))
+        times = lay.micro_batches if c.when == "micro_batch" else 1
+        expected[c.group, c.op] = (count + c.count * times, size + c.bytes * times)
+    ranks = [per_group(t) for t in r["traffic"]]
+    counted = max(ranks, key=lambda g: sum(size for _, size in g.values()))  # the most loaded rank
+    if case in DATA_DEPENDENT_CP:
+        counted, expected = ({k: v for k, v in d.items() if k[0] != "cp"} for d in (counted, expected))
+    assert counted.keys() == expected.keys(), f"{case}: counted {sorted(counted)}, modelled {sorted(expected)}"
+    for key, (count, size) in counted.items():
+        assert abs(expected[key][1] - size) <= 0.02 * size, f"{case}: {key} counted {size} B, modelled {expected[key]}"
+        if key != ("dp", "all_reduce"):  # DDP's and the pipeline's buckets: the model states bytes, not buckets
+            assert expected[key][0] == count, f"{case}: {key} counted {count} collectives, modelled {expected[key]}"
+
+
+def test_counter_sees_every_kind_of_collective(results):
+    """The counter's numbers against sizes known without ditcore.traffic: DDP's one bucket all-reduces every fp32
+    gradient (c10d, from DDP's reducer), FSDP2 gathers every parameter in forward, the first block's again in backward
+    (the last one and the root stay gathered), and reduce-scatters every gradient (c10d, from its hooks), grad_norm
+    all-reduces one float64 (dist.all_reduce), the pipeline's first stage
+    sends each micro-batch's hidden states (P2P), ST-DiT's CP all-to-alls (functional) send the tokens the worker
+    counted, forward and backward."""
+    model = build(CFG)
+    params, first_block = (sum(p.numel() for p in m.parameters()) for m in (model, model.blocks[0]))
+    ddp = per_group(results["dp2"]["traffic"][0])
+    assert ddp == {("dp", "all_reduce"): (1, 4 * params)}  # 2(n-1)/n of the buffer, n = 2
+    fsdp = per_group(results["fsdp_dp2"]["traffic"][0])
+    assert CFG.depth == 2  # units: 2 blocks and the root; (n-1)/n = 1/2 of each fp32 buffer
+    assert fsdp == {("fsdp", "all_gather"): (4, 2 * (params + first_block)),
+                    ("fsdp", "reduce_scatter"): (3, 2 * params), ("fsdp", "all_reduce"): (1, 8)}
+    first_stage = per_group(results["pp2"]["traffic"][0])
+    assert first_stage["pp", "send"] == (B, B * ROW * CFG.hidden_size * 4)  # a micro-batch per row, fp32
+    stdit = CONFIGS["stdit"]
+    swapped = per_group(results["stdit:cp2"]["traffic"][0])["cp", "all_to_all"]
+    assert swapped[1] == 2 * results["stdit:cp2"]["all_to_all_tokens"] * stdit.hidden_size * 4
+
+
+@pytest.mark.parametrize("case, sync", [("fsdp_dp2_accumulate", "micro_batch"), ("fsdp_dp2_accumulate_step", "step")])
+def test_fsdp_sync_once_per_step_keeps_the_gathered_parameters_and_unreduced_gradients(results, case, sync):
+    """Between a step's 2 micro-batches (through Fabric's backward-sync control, as dit-train): with sync="step" every
+    parameter is still gathered and no gradient reduce-scattered yet; with "micro_batch" all are resharded and
+    reduced. Both then give one process's weights (test_layout_matches_one_process)."""
+    between = results[case]["between"]
+    n = between["params"]
+    assert n > 40
+    if sync == "step":
+        assert (between["gathered_between"], between["reduced_between"]) == (n, 0)
+    else:
+        assert (between["gathered_between"], between["reduced_between"]) == (0, n)
+
+
+def test_hsdp_shards_within_groups_of_consecutive_ranks(results_4):
+    """fsdp_shard=2 of dp×cp=4: rank 0's replicate group is {0, 2}, its shard group {0, 1} (consecutive ranks: one
+    node); its gradient norm (summed over the shard group only) is one process's (test_layout_matches_one_process)."""
+    for case in ("hsdp_dp4", "hsdp_cp2_dp2_step"):
+        assert results_4[case]["mesh"] == [[0, 2], [0, 1]]
+    assert results_4["fsdp_tp2_sp_dp2"]["mesh"] == [[0, 2]]  # FSDP over dp×cp: TP rank 0's DP peers
+
+
+def test_hsdp_checkpoints_reshard_to_fsdp_one_process_and_back(results_4):
+    """Weights and AdamW moments written by HSDP (shard 2 x replicate 2) are, exactly, what FSDP over 4 ranks
+    resumes and one process reads; FSDP's checkpoint resumes with HSDP exactly too."""
+    r = results_4["hsdp_checkpoints"]
+    assert r == {"hsdp_to_fsdp": True, "fsdp_to_hsdp": True, "hsdp_to_one": True, "trained": True}

@@ -8,7 +8,8 @@ tests/ditcore/parallel/test_equivalence.py). Learned from the model, not written
   runs it, ditcore.memory) reports every linear the TP plan splits (ditcore.models.plan), the rows it multiplies and
   the dtypes it sees. ColumnParallel: with SP an all-gather of its input in forward, again in backward for the
   weight's gradient, and a reduce-scatter of the input's gradient; without SP an all-reduce of the input's gradient.
-  `gather_output`: an all-gather of the output features, an all-reduce of the input's gradient. RowParallel: with SP
+  `gather_output`: an all-gather of the output features, an all-reduce of the input's gradient (under SP, where each
+  rank applies the gathered features to its own tokens, their gradient reduce-scattered too). RowParallel: with SP
   a reduce-scatter of the output in forward and an all-gather of its gradient in backward; without SP an all-reduce
   in forward. Under bf16 every gather of activations runs in the autocast dtype;
 - context parallelism: each attention's key/value all-gather (a reduce-scatter in backward), and ST-DiT's
@@ -21,13 +22,13 @@ tests/ditcore/parallel/test_equivalence.py). Learned from the model, not written
   scalars, DDP's all-reduce of every gradient (fp32) over DP x CP, the pipeline's all-reduce of the gradients over
   DP x CP and of the stage-shared embedders' over the stages;
 - FSDP2 (one unit per block, the root holding the rest): per micro-batch each block's parameters all-gathered in
-  forward and again in backward (reshard_after_forward), the root's likewise, in the param dtype (bf16 under bf16
-  precision), padded along dim 0 to a multiple of the shard count; their gradients reduce-scattered in
-  `reduce_dtype`. HSDP (`fsdp_shard`): the same over the shard group, and an all-reduce of the sharded gradients over
-  the replicate group. `fsdp_sync="step"`: the gathers and the reductions once per step instead;
+  forward and again in backward (resharded after forward), but the last block's and the root's once (kept), in the
+  param dtype (bf16 under bf16 precision), padded along dim 0 to a multiple of the shard count; their gradients
+  reduce-scattered in `reduce_dtype`. HSDP (`fsdp_shard`): the same over the shard group, and an all-reduce of the
+  sharded gradients over the replicate group. `fsdp_sync="step"`: the gathers and the reductions once per step;
 - the pipeline: per micro-batch the hidden states sent on and their gradient sent back, in the compute dtype.
 
-With pp > 1 the stage that sends the most bytes is reported (`stage` in `traffic_by_stage`).
+With pp > 1 the stage that sends the most bytes is reported (`traffic_by_stage` gives every stage's).
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ from torch import nn
 
 from ditcore.diffusion import EDMLoss, EDMPrecond
 from ditcore.flops import block_period, fake_model
-from ditcore.memory import Layout, _meta_model, _planned_batch, _rank_share, on_stage
+from ditcore.memory import Layout, _grid, _meta_model, _planned_batch, _rank_share, on_stage
 from ditcore.models import plan_for
 from ditcore.models.dit import DiTConfig
 from ditcore.models.plan import ColumnParallel, RowParallel
@@ -52,7 +53,7 @@ from ditcore.parallel.counting import Collective, Group, Op, Traffic, When, sent
 from ditcore.parallel.pipeline import is_shared, stage_blocks
 
 FP32, FP64 = 4, 8
-DDP_FIRST_BUCKET, DDP_BUCKET = 2**20, 25 * 2**20  # bytes: torch's DistributedDataParallel defaults
+DDP_BUCKET = 25 * 2**20  # bytes: torch's DistributedDataParallel default
 PP_BUCKET = 2**25  # elements: ditcore.parallel.pipeline._all_reduce
 
 
@@ -88,9 +89,12 @@ class _ProbeKey:
                    lay.text_len, lay.samples_per_row, lay.packed, lay.precision)
 
 
-def traffic(cfg: DiTConfig, layout: Layout) -> Traffic:
-    """What a rank of `layout` sends per micro-batch and per optimizer step: on the stage that sends the most."""
-    return max(traffic_by_stage(cfg, layout), key=lambda t: t.bytes())
+def traffic(cfg: DiTConfig, layout: Layout, grids: tuple | None = None) -> Traffic:
+    """What a rank of `layout` sends per micro-batch and per optimizer step: on the stage that sends the most.
+
+    grids: the (T, H, W) token grids of each row's samples (a tuple per row, as PackedBatch.grids) when they are
+    known: what ST-DiT's all-to-alls move depends on them. None: rows of planned clips (`_clip`)."""
+    return max(traffic_by_stage(cfg, layout, grids), key=lambda t: t.bytes())
 
 
 def per_step(t: Traffic, micro_batches: int) -> dict[Group, int]:
@@ -102,10 +106,10 @@ def per_step(t: Traffic, micro_batches: int) -> dict[Group, int]:
 
 
 @functools.lru_cache(maxsize=64)
-def traffic_by_stage(cfg: DiTConfig, layout: Layout) -> tuple[Traffic, ...]:
+def traffic_by_stage(cfg: DiTConfig, layout: Layout, grids: tuple | None = None) -> tuple[Traffic, ...]:
     """traffic() of a rank of every pipeline stage, first to last."""
     lay = layout
-    moves = _probe(cfg, _ProbeKey.of(lay))
+    moves = _probe(cfg, _ProbeKey.of(lay), grids)
     period = block_period(_meta_model(cfg))
     return tuple(_stage(cfg, lay, moves, period, s) for s in range(lay.pp))
 
@@ -147,8 +151,7 @@ def _stage(cfg: DiTConfig, lay: Layout, moves: tuple[_Move, ...], period: int, s
     dp_cp = lay.dp * lay.cp
     if not lay.fsdp and lay.pp == 1 and dp_cp > 1:  # DDP: every gradient, in fp32 buckets
         size = FP32 * sum(p.numel for p in params)
-        buckets = 1 + max(0, math.ceil((size - DDP_FIRST_BUCKET) / DDP_BUCKET))
-        add("dp", "all_reduce", "step", size, dp_cp, pieces=buckets)
+        add("dp", "all_reduce", "step", size, dp_cp, pieces=math.ceil(size / DDP_BUCKET))
     if lay.pp > 1:  # pipeline.reduce_grads: over DP x CP in buckets, then the shared embedders over the stages
         numel = sum(p.numel for p in params)
         add("dp", "all_reduce", "step", FP32 * numel, dp_cp, pieces=math.ceil(numel / PP_BUCKET))
@@ -207,8 +210,10 @@ def _tp_stage_params(cfg: DiTConfig, tp: int, sp: bool, pp: int, stage: int) -> 
 
 
 def _fsdp(lay: Layout, params: list[_Param], add, compute: int) -> None:
-    """FSDP2's collectives: per unit (each block; the root, everything else) a gather of its parameters and a
-    reduce-scatter of its gradients."""
+    """FSDP2's collectives (ditcore.parallel.fsdp): per unit (each block; the root, everything else) a gather of its
+    parameters and a reduce-scatter of its gradients, then under HSDP their all-reduce across the replicas. Every
+    micro-batch, a block but the last is resharded after forward and gathered again for backward; the last block
+    and the root stay gathered. With fsdp_sync="step" each unit is gathered and reduced once per step."""
     shards = lay.fsdp_shard or lay.dp * lay.cp
     replicas = lay.dp * lay.cp // shards
     units: dict[str, list[_Param]] = defaultdict(list)
@@ -217,9 +222,11 @@ def _fsdp(lay: Layout, params: list[_Param], add, compute: int) -> None:
     reduce = FP32 if lay.reduce_dtype == "fp32" else 2
     once = lay.fsdp_sync == "step"
     when: When = "step" if once else "micro_batch"
-    for unit in units.values():
+    last = max((u for u in units if u != "root"), key=lambda u: int(u.split(".")[1]), default=None)
+    for name, unit in units.items():
         gathered = sum(p.padded(shards) for p in unit)
-        add("fsdp", "all_gather", when, compute * gathered, shards, 1 if once else 2)
+        kept = once or name in ("root", last)  # not resharded after forward
+        add("fsdp", "all_gather", when, compute * gathered, shards, 1 if kept else 2)
         add("fsdp", "reduce_scatter", when, reduce * gathered, shards)
         add("replicate", "all_reduce", when, reduce * gathered // shards, replicas)
 
@@ -229,7 +236,7 @@ def _fsdp(lay: Layout, params: list[_Param], add, compute: int) -> None:
 
 
 @functools.lru_cache(maxsize=64)
-def _probe(cfg: DiTConfig, key: _ProbeKey) -> tuple[_Move, ...]:
+def _probe(cfg: DiTConfig, key: _ProbeKey, grids: tuple | None) -> tuple[_Move, ...]:
     """The collectives of one micro-batch's forward and backward on a TP/SP/CP rank, from one training forward (EDM
     preconditioning and loss, as dit-train) of one period of blocks, at the rank's shapes (ditcore.memory's
     `_rank_share`): every linear the plan splits and every row gather, with its region."""
@@ -254,10 +261,13 @@ def _probe(cfg: DiTConfig, key: _ProbeKey) -> tuple[_Move, ...]:
     def activation(t: torch.Tensor) -> int:  # gathered in the autocast dtype under bf16
         return 2 if bf16 else t.element_size()
 
-    def linear(style, x: torch.Tensor, y: torch.Tensor) -> None:
+    def linear(style, layer: nn.Module, x: torch.Tensor, y: torch.Tensor) -> None:
         tp, rows = key.tp, x.numel() // x.shape[-1]
-        if isinstance(style, ColumnParallel) and style.gather_output:
-            move("tp", "all_gather", "forward", y.numel() * tp * activation(y), tp)
+        if isinstance(style, ColumnParallel) and style.gather_output:  # every rank's output features
+            gathered = y.numel() // y.shape[-1] * layer.weight.shape[0] * tp * y.element_size()
+            move("tp", "all_gather", "forward", gathered, tp)
+            if sp > 1:  # each rank applied them to its own tokens: their gradients summed
+                move("tp", "reduce_scatter", "backward", gathered, tp)
             if x.requires_grad:
                 move("tp", "all_reduce", "backward", x.numel() * x.element_size(), tp)
         elif isinstance(style, ColumnParallel) and sp > 1 and style.sequence_parallel:
@@ -279,7 +289,7 @@ def _probe(cfg: DiTConfig, key: _ProbeKey) -> tuple[_Move, ...]:
     for name, module in model.named_modules():
         style = plan.module_style(name) if name and key.tp > 1 else None
         if isinstance(style, ColumnParallel | RowParallel):
-            hooks.append(module.register_forward_hook(lambda _, args, out, s=style: linear(s, args[0], out)))
+            hooks.append(module.register_forward_hook(lambda m, args, out, s=style: linear(s, m, args[0], out)))
     for i, block in enumerate(model.blocks):
         hooks.append(block.register_forward_pre_hook(lambda *_, i=i: region.__setitem__(0, i)))
     hooks.append(model.final.register_forward_pre_hook(lambda *_: region.__setitem__(0, "post")))
@@ -292,7 +302,7 @@ def _probe(cfg: DiTConfig, key: _ProbeKey) -> tuple[_Move, ...]:
     for hook in hooks:
         hook.remove()
     if swaps and key.cp > 1:
-        moves += _swaps(cfg, key, model)
+        moves += _swaps(cfg, key, model, grids)
     return tuple(moves)
 
 
@@ -311,7 +321,8 @@ def _watch_rows(model: nn.Module, key: _ProbeKey, move, swaps: bool) -> None:
 
     def gathered(out: torch.Tensor):
         move("tp", "all_gather", "forward", out.numel() * sp * out.element_size(), sp)
-        move("cp", "all_gather", "forward", out.numel() * sp * cp * out.element_size(), cp)
+        # over CP the whole row: ST-DiT's probe holds 1/cp of it already (`_probe`)
+        move("cp", "all_gather", "forward", out.numel() * sp * key.cp * out.element_size(), key.cp)
         return gather(out)
 
     rows.keys_values, rows.gather = kv, gathered
@@ -334,13 +345,15 @@ def _watch_rows(model: nn.Module, key: _ProbeKey, move, swaps: bool) -> None:
         rows.orders = watched
 
 
-def _swaps(cfg: DiTConfig, key: _ProbeKey, model: nn.Module) -> list[_Move]:
+def _swaps(cfg: DiTConfig, key: _ProbeKey, model: nn.Module, grids: tuple | None) -> list[_Move]:
     """ST-DiT's all-to-alls under CP: per temporal block a move to lines order and one back, each sending the tokens
     of the rank's slice that belong to another rank's slice in the other order (`HostRows.moves` of the planned
-    rows, the most loaded rank's), in the hidden states' dtype; the backward sends their gradients the same way."""
-    n, L = key.seq_length // key.cp, key.text_len if cfg.text_dim else 0
-    grids = _planned_batch(cfg, key.micro_batch, key.seq_length, L, key.samples_per_row, key.packed)["grids"]
-    moves = HostRows(grids, key.seq_length).moves(n)
+    rows, the most loaded rank's), in the hidden states' dtype; the backward sends their gradients the same way. The
+    rows are the given grids' or planned clips (`_clip`): the moves depend on the samples' grids, which a layout does
+    not say."""
+    S = key.samples_per_row if key.packed else 1
+    rows = [list(row) for row in grids] if grids else [[_clip(key.seq_length // S, cfg.max_grid)] * S] * key.micro_batch
+    moves = HostRows(rows, key.seq_length).moves(key.seq_length // key.cp)
     out_of = max(sum(row) - row[r] for r, row in enumerate(moves))  # to lines order
     back = max(sum(moves[q][r] for q in range(key.cp)) - moves[r][r] for r in range(key.cp))
     temporal = [i for i, b in enumerate(model.blocks) if type(b).__name__ == "TemporalBlock"]
@@ -351,3 +364,11 @@ def _swaps(cfg: DiTConfig, key: _ProbeKey, model: nn.Module) -> list[_Move]:
             for phase in ("forward", "backward"):
                 out.append(_Move(i, "cp", "all_to_all", phase, tokens * width, key.cp, inside=False))
     return out
+
+
+def _clip(n: int, max_grid: tuple[int, int, int]) -> tuple[int, int, int]:
+    """A (T, H, W) clip of n tokens within max_grid with as many frames as it has tokens per frame or fewer: a
+    sample that both ST-DiT's frames and its time-lines split (an image, or a clip of one token per frame, would
+    move nothing between the orders)."""
+    T = max(t for t in range(1, min(n, max_grid[0]) + 1) if n % t == 0 and t * t <= n)
+    return (T, *_grid(n // T, (1, *max_grid[1:]))[1:])

@@ -17,6 +17,7 @@ from typing import Literal
 
 import torch
 import torch.distributed as dist
+from torch.distributed.distributed_c10d import _resolve_process_group
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
@@ -107,26 +108,37 @@ class CollectiveCounter(TorchDispatchMode):
                 finalize_grads(model, groups)
         counter.traffic()
 
-    It sees what reaches the dispatcher, on gloo and NCCL alike: functional collectives (TP/SP/CP, compiled graphs
-    call them as ops too), FSDP2's and DDP's c10d collectives and the pipeline's sends (all of which go through
-    c10d's dispatcher ops, tests/ditcore/parallel/test_counting.py). The tensors' sizes are read from their
-    metadata: nothing waits for a device. Entered, it is a dispatch mode (every op passes through it, so it slows a
-    step a little); not entered, it does nothing.
+    It sees what reaches the dispatcher, on gloo and NCCL alike: functional collectives (TP/SP/CP), and FSDP2's and
+    DDP's c10d collectives, dist.all_reduce and the pipeline's sends, which c10d's ProcessGroup issues as dispatcher
+    ops even from DDP's reducer and FSDP2's hooks (tests/ditcore/parallel/test_equivalence.py counts each kind).
+    Compiled blocks are not checked: their graphs call the same functional ops, but no test counts one yet. The
+    tensors' sizes are read from their metadata: nothing waits for a device. Entered, it is a dispatch mode (every op
+    passes through it, so it slows a step a little); not entered, it does nothing.
 
     groups: the layout's process groups, which name each collective's group: tp, cp, pp, and the DP x CP group as
     `fsdp` when the model is sharded (fsdp=True) or `dp` (DDP, the pipeline's gradient all-reduce) otherwise.
-    `extra` names more groups (HSDP's shard and replicate groups). Collectives in groups of one rank send nothing
-    and are left out; one in a group it cannot name is an error.
+    `extra` names more groups, a role → a group or a list of them (FSDP2's mesh groups, HSDP's shard and replicate
+    groups). A group it was not given but whose ranks are those of one it was is counted as that one, `extra`'s
+    first: DeviceMesh can hand FSDP2 a copy of a group it was built from (seen with HSDP meshes made again for new
+    groups of the same ranks). Collectives in groups of one rank send nothing and are left out; one in a group it
+    cannot name is an error.
     """
 
     def __init__(self, groups, fsdp: bool = False, extra: dict | None = None):
         super().__init__()
-        named = {"tp": groups.tp_group, "cp": groups.cp_group, "pp": groups.pp_group,
-                 ("fsdp" if fsdp else "dp"): groups.dp_cp_group} | dict(extra or {})
+        named = [("tp", groups.tp_group), ("cp", groups.cp_group), ("pp", groups.pp_group),
+                 ("fsdp" if fsdp else "dp", groups.dp_cp_group)]
+        for role, more in (extra or {}).items():
+            named += [(role, g) for g in (more if isinstance(more, list | tuple) else [more])]
         self.roles: dict[str, tuple[Group, int, int]] = {}  # group name → (role, size, this rank's place)
-        for role, group in reversed(named.items()):  # the first role named wins a group that two share
+        for role, group in reversed(named):  # the first role named wins a group that two share
             if group is not None:
                 self.roles[group.group_name] = (role, dist.get_world_size(group), dist.get_rank(group))
+        # by their ranks, for copies: extra's roles first (copies come from meshes)
+        self.by_ranks: dict[tuple[int, ...], tuple[Group, int, int]] = {}
+        for _role, group in reversed(named[4:] + named[:4]):
+            if group is not None:
+                self.by_ranks[tuple(dist.get_process_group_ranks(group))] = self.roles[group.group_name]
         self.when: When = "micro_batch"
         self.seen: dict[tuple[Group, Op, When], list[int]] = {}  # → [count, bytes]
 
@@ -145,6 +157,10 @@ class CollectiveCounter(TorchDispatchMode):
 
     def _record(self, group, op: Op, sent) -> None:
         name = group if isinstance(group, str) else dist.ProcessGroup.unbox(group).group_name
+        if name not in self.roles:
+            ranks = tuple(dist.get_process_group_ranks(_resolve_process_group(name)))
+            if ranks in self.by_ranks:
+                self.roles[name] = self.by_ranks[ranks]
         if name not in self.roles:
             raise RuntimeError(f"a {op} over process group {name!r}, which is none of the groups the counter was "
                                f"given ({', '.join(role for role, _, _ in self.roles.values())}): pass it in `extra`")

@@ -54,6 +54,18 @@ class ParallelDims:
             raise ConfigError("parallel.fsdp", True, "false with parallel.pp > 1: FSDP over pipeline stages is not "
                                                      "available yet (use tp/dp with pp, or fsdp without it)")
 
+    def check_fsdp_shard(self, shard: int | None) -> None:
+        """The one home of HSDP's rule (dit-train, the memory planner and `apply_fsdp` ask it, on resolved dims):
+        each parameter is sharded over `shard` consecutive DP×CP ranks, and the dp·cp/shard groups of them replicate
+        each other, so `shard` divides dp·cp. None: sharded over all of them."""
+        if shard is None:
+            return
+        size = self.dp * self.cp
+        if isinstance(shard, bool) or not isinstance(shard, int) or shard < 1 or size % shard:
+            divisors = ", ".join(str(d) for d in range(1, size + 1) if size % d == 0)
+            raise ConfigError("parallel.fsdp_shard", shard, f"a divisor of dp x cp = {self.dp} x {self.cp}: one of "
+                                                            f"{divisors}, or null to shard over all {size}")
+
     def check_model(self, num_heads: int, seq_len: int | None = None, depth: int | None = None,
                     num_kv_heads: int | None = None) -> None:
         """Errors for a model/sequence that this layout cannot split. Call on every rank before any collective."""

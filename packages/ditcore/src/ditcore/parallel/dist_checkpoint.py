@@ -4,8 +4,9 @@ torch.distributed.checkpoint (DCP).
 Every tensor of the state (model and EMA weights, AdamW moments) is given to DCP as a DTensor of its one-device
 shape over a (tp, dp_cp) mesh of all ranks — of its pipeline stage's ranks under PP, each stage holding its own
 blocks: `Shard(partition_dim)` or `Replicate()` over TP (as the plan splits it), `Shard(0)` (FSDP) or `Replicate()`
-over DP×CP. The DTensors are views of the live tensors, so nothing is copied. Each rank writes only the pieces it
-holds (a replicated piece once, by one rank) and reads exactly the pieces its own layout needs: a checkpoint
+over DP×CP; HSDP's over a (tp, replicate, shard) mesh of the same ranks, `Replicate()` and `Shard(0)` over its two
+data-parallel dimensions. The DTensors are views of the live tensors, so nothing is copied. Each rank writes only the
+pieces it holds (a replicated piece once, by one rank) and reads exactly the pieces its own layout needs: a checkpoint
 written with one layout resumes with any other (TP=2 → FSDP over DP=2, FSDP over 2 → one process, TP=2 → two
 pipeline stages). The keys, the files and reading them back on one device are ditcore.runs.tensors'.
 """
@@ -73,9 +74,11 @@ def _global(value: torch.Tensor, like: torch.Tensor, groups: ParallelGroups, mes
     """`value` (this rank's piece, or a DTensor over DP×CP) as a DTensor of its one-device shape over all ranks."""
     piece = local(value).detach()
     tp = Shard(like.partition_dim) if is_tp_sharded(like) else Replicate()
-    dp = Shard(0) if isinstance(value, DTensor) else Replicate()
+    dp = [Shard(0) if isinstance(value, DTensor) else Replicate()]
+    if isinstance(value, DTensor) and value.device_mesh.ndim == 2:  # HSDP: a piece of its group's, replicated
+        mesh, dp = _hsdp_mesh(groups, value.device_mesh), [Replicate(), Shard(0)]
     shape = full_shape(like, groups.dims.tp)
-    return DTensor.from_local(piece, mesh, [tp, dp], run_check=False, shape=shape,
+    return DTensor.from_local(piece, mesh, [tp, *dp], run_check=False, shape=shape,
                               stride=torch.empty(shape, device="meta").stride())
 
 
@@ -94,4 +97,21 @@ def _mesh(groups: ParallelGroups, device_type: str):
     if tuple(mesh.get_coordinate()) != (groups.tp_rank, groups.dp_cp_rank):
         raise RuntimeError(f"rank {dist.get_rank()}: the checkpoint mesh puts it at {mesh.get_coordinate()}, "
                            f"Megatron at tp {groups.tp_rank}, dp×cp {groups.dp_cp_rank}")
+    return mesh
+
+
+@functools.cache
+def _hsdp_mesh(groups: ParallelGroups, fsdp_mesh):
+    """The (tp, dp_cp) mesh with dp_cp split as HSDP's (replicate, shard) mesh `fsdp_mesh` splits it, over the same
+    groups: rank = tp_rank + tp·(shard_rank + shard·replicate_rank) + tp·dp_cp·pp_rank."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    world, tp, pp = dist.get_world_size(), groups.dims.tp, groups.dims.pp
+    replicas, shard = fsdp_mesh.shape
+    ranks = torch.arange(world).reshape(pp, replicas, shard, tp)[groups.pp_rank].permute(2, 0, 1)
+    mesh = DeviceMesh.from_group([groups.tp_group, fsdp_mesh.get_group("replicate"), fsdp_mesh.get_group("shard")],
+                                 fsdp_mesh.device_type, mesh=ranks, mesh_dim_names=("tp", "replicate", "shard"))
+    if tuple(mesh.get_coordinate()) != (groups.tp_rank, *fsdp_mesh.get_coordinate()):
+        raise RuntimeError(f"rank {dist.get_rank()}: the checkpoint mesh puts it at {mesh.get_coordinate()}, "
+                           f"HSDP at tp {groups.tp_rank}, (replicate, shard) {fsdp_mesh.get_coordinate()}")
     return mesh

@@ -6,9 +6,10 @@ keeps Fabric's launching, device handling and precision and changes exactly that
 - the Megatron-Core groups are created right after torch.distributed is initialised;
 - DDP runs over the data-parallel group with context parallelism (DP×CP), never across TP ranks;
 - with `fsdp=True` the module comes already sharded over DP×CP (ditcore.parallel.fsdp) and is not wrapped:
-  FSDP2 reduce-scatters the gradients itself, after every micro-batch (`fabric.no_backward_sync` does not turn
-  that off: FSDP2 would then keep an unsharded fp32 gradient of every parameter until the last micro-batch,
-  as much memory as the unsharded weights);
+  FSDP2 reduce-scatters the gradients itself. `fabric.no_backward_sync` (around a micro-batch's forward *and*
+  backward: FSDP2 reads it in backward) keeps them unsharded until the step's last micro-batch only for a model
+  sharded with sync="step" (`fsdp.accumulating`: the unsharded parameters and gradients stay, which the memory plan
+  counts); with sync="micro_batch" they are reduce-scattered after every micro-batch;
 - with pipeline stages (pp > 1) the module is not wrapped either: ditcore.parallel.pipeline reduces the gradients.
 
 Checkpoints do not go through Fabric: ditcore.runs writes them in a layout-free form (ditcore.parallel.dist_checkpoint's
@@ -25,6 +26,7 @@ from lightning_fabric.strategies import DDPStrategy
 from lightning_fabric.strategies.strategy import _BackwardSyncControl
 from torch.nn.parallel import DistributedDataParallel
 
+from ditcore.parallel import fsdp as sharded
 from ditcore.parallel.dims import ParallelDims, ParallelGroups, default_backend
 
 
@@ -35,7 +37,7 @@ class MegatronStrategy(DDPStrategy):
         self.dims, self.fsdp = dims, fsdp
         self.groups: ParallelGroups | None = None
         if fsdp or dims.pp > 1:
-            self._backward_sync_control = _UnwrappedBackwardSyncControl()
+            self._backward_sync_control = _UnwrappedBackwardSyncControl()  # with pp, FSDP is refused
 
     def setup_environment(self) -> None:
         super().setup_environment()  # initialises torch.distributed (torchrun or Fabric's launcher)
@@ -53,6 +55,5 @@ class MegatronStrategy(DDPStrategy):
 
 class _UnwrappedBackwardSyncControl(_BackwardSyncControl):
     def no_backward_sync(self, module: torch.nn.Module, enabled: bool) -> AbstractContextManager:
-        # FSDP: gradients are reduce-scattered into the sharded ones after every micro-batch; PP: reduced after the
-        # step's schedule
-        return nullcontext()
+        # FSDP: as apply_fsdp's sync says (fsdp.accumulating); PP: the gradients are reduced after the step's schedule
+        return sharded.accumulating(module, enabled) if sharded.is_fsdp(module) else nullcontext()

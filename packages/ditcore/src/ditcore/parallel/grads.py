@@ -7,7 +7,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ditcore.parallel.dims import ParallelGroups
-from ditcore.parallel.fsdp import is_fsdp, local
+from ditcore.parallel.fsdp import is_fsdp, local, shard_group
 from ditcore.parallel.pipeline import is_shared
 from ditcore.parallel.tensor_parallel import is_tp_sharded
 
@@ -19,7 +19,9 @@ def finalize_grads(model: nn.Module, groups: ParallelGroups | None) -> None:
     2. Context parallel: every CP rank computed the full loss but only its slice of the tokens, so its
        gradients are partial sums; DDP averaged them over DP×CP, which divides by cp once too often.
 
-    Under FSDP each rank does the same to its DP×CP piece of every gradient (TP peers hold the same pieces).
+    Under FSDP each rank does the same to its DP×CP piece of every gradient (TP peers hold the same pieces); FSDP2
+    averaged them over all DP×CP ranks, HSDP's replicas included (reduce-scattered within a group, then all-reduced
+    across the groups).
     """
     if groups is None:
         return
@@ -40,7 +42,8 @@ def finalize_grads(model: nn.Module, groups: ParallelGroups | None) -> None:
 
 def grad_norm(model: nn.Module, groups: ParallelGroups | None) -> torch.Tensor:
     """Global L2 norm of the gradients, a float64 tensor on their device: TP shards' squares are summed over TP,
-    replicated parameters counted once; under FSDP every rank's pieces are summed over DP×CP. One fused (foreach)
+    replicated parameters counted once; under FSDP every rank's pieces are summed over DP×CP (HSDP: over its shard
+group only, whose pieces make a whole parameter; the other groups hold the same ones). One fused (foreach)
     reduction per kind, one collective per kind of split, no host sync. Pipeline stages add up their own.
 
     torch._foreach_norm gives every gradient's norm (one kernel launch for many tensors; accumulated in float64
@@ -54,8 +57,8 @@ def grad_norm(model: nn.Module, groups: ParallelGroups | None) -> torch.Tensor:
     if groups is not None and groups.dims.tp > 1:
         dist.all_reduce(sharded_sq, group=groups.tp_group)
     total = sharded_sq + replicated_sq
-    if groups is not None and is_fsdp(model):  # every parameter is split over DP×CP: add up the pieces
-        dist.all_reduce(total, group=groups.dp_cp_group)
+    if groups is not None and is_fsdp(model):  # every parameter is split over the shard group: add up the pieces
+        dist.all_reduce(total, group=shard_group(model))
     if groups is not None and groups.dims.pp > 1:  # each stage its own blocks; the shared embedders once
         dist.all_reduce(total, group=groups.pp_group)
     return total.sqrt()

@@ -43,12 +43,14 @@ def parallelize(model: nn.Module, groups: ParallelGroups) -> nn.Module:
 def build_parallel_model(cfg: DiTConfig, groups: ParallelGroups, device: torch.device | str, *, seed: int,
                          attention: str = "auto", checkpointing: str = "none", fsdp: bool = False,
                          param_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype = torch.float32,
-                         compile: bool = False, compile_options: dict | None = None) -> nn.Module:
+                         fsdp_shard: int | None = None, fsdp_sync: str = "micro_batch", compile: bool = False,
+                         compile_options: dict | None = None) -> nn.Module:
     """This rank's part of the model of `cfg`, built on the meta device and materialised shard by shard: no rank
     ever holds the whole model, on the host or the device, and every layout starts from the same weights.
 
     The order matters: activation checkpointing after parallelize (it recomputes the parallel linears and their
-    collectives), FSDP after it (each TP shard split again over DP×CP; gathered in `param_dtype`), compile last (it
+    collectives), FSDP after it (each TP shard split again over DP×CP, or HSDP's `fsdp_shard` of them; gathered in
+`param_dtype`, every micro-batch or once per step as `fsdp_sync` says), compile last (it
     traces the checkpointed, sharded forward). dit-train builds its models here, and the compile tests too.
     """
     with torch.device("meta"):
@@ -56,7 +58,8 @@ def build_parallel_model(cfg: DiTConfig, groups: ParallelGroups, device: torch.d
     parallelize(model, groups)
     apply_activation_checkpointing(model, checkpointing)
     if fsdp:
-        apply_fsdp(model, groups, torch.device(device).type, param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+        apply_fsdp(model, groups, torch.device(device).type, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
+                   shard=fsdp_shard, sync=fsdp_sync)
     materialize(model, seed, device, groups)  # each rank computes its pieces of the init
     if compile:
         apply_compile(model, **(compile_options or {}))
