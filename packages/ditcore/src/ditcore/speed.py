@@ -374,7 +374,8 @@ def layouts(cfg: DiTConfig, base: Layout, cluster: Cluster, global_batch: int) -
                 break
             for pp in divisors(world // (tp * cp)):
                 dp = world // (tp * cp * pp)
-                shape = base.replace(tp=tp, cp=cp, pp=pp, sequence_parallel=tp > 1, fsdp=False, fsdp_shard=None)
+                shape = base.replace(tp=tp, cp=cp, pp=pp, sequence_parallel=tp > 1, fsdp=False, fsdp_shard=None,
+                                     fsdp_sync="micro_batch")
                 try:
                     ParallelDims(tp, cp, pp, sequence_parallel=tp > 1).check_model(
                         cfg.num_heads, base.seq_length, cfg.depth, getattr(cfg, "num_kv_heads", None))
