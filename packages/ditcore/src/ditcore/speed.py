@@ -6,8 +6,11 @@ The step time of one rank is its compute plus the communication that nothing hid
 - compute: the honest training FLOPs of its tokens (ditcore.flops: 6·N_tok + attention per token, adaLN and embedders
   not counted) run at `Cluster.efficiency` of the GPU's peak, plus what activation checkpointing recomputes: block
   checkpointing runs every block's forward again in backward (a third of its FLOPs: 2 of 6 per weight, 4 of 12 per
-  attended key); selective recomputes only elementwise work and norms, no matmul, and is counted as free. A rank does
-  1/(tp·cp) of a micro-batch's work, and with pp > 1 its stage's 1/pp.
+  attended key); selective recomputes no matmul, only elementwise work and norms, which cost `SELECTIVE` more time.
+  Measured on one H200 (bench/compute_step.py, bench/results/compute_step_h200_*.json: compiled 8192-token rows of
+  the 7B, 28B and 30B widths): block checkpointing ran at 0.76, 0.75 and 0.75 of no checkpointing's speed (the third
+  predicts 0.75), selective at 0.94, 0.97 and 0.96. A rank does 1/(tp·cp) of a micro-batch's work, and with pp > 1
+  its stage's 1/pp.
 - tp, cp (and anything else not listed below): exposed. Tensor- and context-parallel collectives sit between the
   matmuls that need their results (ditcore.parallel.tensor_parallel, context_parallel: synchronous gathers).
 - fsdp: overlapped. FSDP2 prefetches the next block's all-gather and issues each block's reduce-scatter as its
@@ -42,6 +45,9 @@ from ditcore.parallel.counting import Collective, Traffic
 from ditcore.parallel.dims import ParallelDims
 
 GB = 1e9
+# Selective checkpointing's recomputation (elementwise work and norms, no matmul) as a fraction of the compute:
+# measured 6%, 3% and 4% at the 7B, 28B and 30B widths (bench/results/compute_step_h200_*.json).
+SELECTIVE = 0.05
 
 
 @dataclass(frozen=True)
@@ -49,9 +55,9 @@ class Cluster:
     """The GPUs a layout runs on. Defaults: H100 SXM nodes of 8 (DGX/HGX H100), each GPU with its own InfiniBand NIC.
 
     - peak_flops: 989 TFLOP/s dense bf16, NVIDIA's H100 SXM datasheet (1,979 with 2:4 sparsity); ditcore.flops' table.
-    - efficiency: the fraction of that peak the compute runs at. 0.5: a DiT block's matmuls and flash attention alone
-      reached 54.2% of it at 7B width and 8k tokens, measured on one H100 for this project (the design notes' speed of
-      light), and a step has elementwise work besides.
+    - efficiency: the fraction of that peak the compute runs at without checkpointing. 0.5: compiled blocks of an
+      8192-token row ran at 44.8% (7B width), 53.9% (28B) and 52.5% (30B) of it on one H200 (bench/compute_step.py,
+      bench/results/compute_step_h200_*.json; the H200's compute and peak are the H100's).
     - nvlink: bytes/s each GPU sends within a node. The datasheet's NVLink 4 is 900 GB/s, both directions together:
       450 GB/s each way. NCCL's bus bandwidth for large all-reduces and all-gathers on 8 H100 SXM (nccl-tests, without
       NVLink SHARP) is about 360 GB/s, 80% of that: the default.
@@ -212,7 +218,7 @@ def predict(cfg: DiTConfig, lay: Layout, cluster: Cluster, traffic: Traffic | No
 
         traffic = model_traffic(cfg, lay)
     per_token = honest_flops_per_token(cfg, lay)
-    recompute = 1 / 3 if lay.activation_checkpointing == "block" else 0.0
+    recompute = {"none": 0.0, "selective": SELECTIVE, "block": 1 / 3}[lay.activation_checkpointing]
     tokens = lay.micro_batch * lay.seq_length / (lay.tp * lay.cp * lay.pp)  # a rank's share of a micro-batch's work
     compute = per_token * tokens * (1 + recompute) / (cluster.peak_flops * cluster.efficiency)
     return time_step(lay, cluster, traffic, per_token, compute, recompute / (1 + recompute), cfg.depth)
