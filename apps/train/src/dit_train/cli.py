@@ -44,6 +44,22 @@ def main(
     text_dim: int = typer.Option(384, "--text-dim", min=0, help="With --plan, when data.path does not exist yet: "
                                                                 "width of the text states (384: MiniLM, dit-prepare's "
                                                                 "default; 4096: T5-XXL; 0: no text)."),
+    gpus_per_node: int = typer.Option(None, "--gpus-per-node", help="With --plan: GPUs in a node, joined by NVLink "
+                                                                    "(default 8: H100 SXM nodes)."),
+    nvlink_gbps: float = typer.Option(None, "--nvlink-gbps", help="With --plan: GB/s each GPU sends within a node "
+                                                                  "(default 360: NCCL's bus bandwidth on H100 NVLink, "
+                                                                  "450 each way on the datasheet)."),
+    ib_gbps: float = typer.Option(None, "--ib-gbps", help="With --plan: GB/s each GPU sends between nodes (default 45: "
+                                                          "NCCL's on a 400 Gb/s NDR InfiniBand NIC per GPU)."),
+    peak_tflops: float = typer.Option(None, "--peak-tflops", help="With --plan: dense bf16 TFLOP/s of a GPU "
+                                                                  "(default 989: H100 SXM)."),
+    efficiency: float = typer.Option(None, "--efficiency", help="With --plan: the fraction of the peak the compute "
+                                                                "runs at, in (0, 1] (default 0.5)."),
+    search: bool = typer.Option(False, "--search", help="With --plan: list the layouts that fit the GPUs (tp, cp, pp, "
+                                                        "FSDP or HSDP and its sync, checkpointing, micro_batch), "
+                                                        "fastest predicted first, with the overrides that select "
+                                                        "them; exit 2 if none fits."),
+    top: int = typer.Option(10, "--top", min=1, help="With --search: layouts listed."),
     version_: bool = version_option("dit-train"),
 ) -> None:
     """Train a diffusion transformer with the EDM objective (Lightning Fabric + Megatron-Core parallelism).
@@ -67,7 +83,14 @@ def main(
         raise typer.Exit()
     if plan:
         try:
-            fits = print_plan(cfg, world_size or cfg.parallel.devices, gpu_memory, text_len, text_dim)
+            from ditcore.speed import Cluster
+
+            given = {"gpus_per_node": gpus_per_node, "nvlink": nvlink_gbps and nvlink_gbps * 1e9,
+                     "infiniband": ib_gbps and ib_gbps * 1e9, "peak_flops": peak_tflops and peak_tflops * 1e12,
+                     "efficiency": efficiency}
+            cluster = Cluster(memory=gpu_memory * 2**30, **{k: v for k, v in given.items() if v is not None})
+            fits = print_plan(cfg, world_size or cfg.parallel.devices, gpu_memory, text_len, text_dim, cluster, search,
+                              top)
         except (ConfigError, DatasetError) as e:
             hint = ""
             if isinstance(e, ConfigError) and e.key == "parallel" and world_size is None:
@@ -99,8 +122,11 @@ def main(
             typer.echo(f"sample    {path}")
 
 
-def print_plan(cfg, world_size: int, gpu_memory: float, text_len: int | None, text_dim: int) -> bool:
+def print_plan(cfg, world_size: int, gpu_memory: float, text_len: int | None, text_dim: int, cluster=None,
+               search: bool = False, top: int = 10) -> bool:
     """Print the memory plan of `cfg` per GPU; on stderr, if it does not fit, what to change. Returns whether it fits.
+    With a ditcore.speed.Cluster, then its predicted speed (`print_speed`); with `search` too, the fastest layouts that
+    fit, and returns whether there is one.
 
     Reads only the dataset's ditcore.json (channels, text width, classes); without a dataset, assumes the preset's
     latent channels and text states of width text_dim. text_len: text tokens per row (None: one longest caption).
@@ -139,6 +165,10 @@ def print_plan(cfg, world_size: int, gpu_memory: float, text_len: int | None, te
     typer.echo(f"layout {layout.describe()}")
     typer.echo(f"step   {step}; {', '.join(tricks)}")
     typer.echo(result.table(gpu))
+    if cluster is not None:
+        found = print_speed(model_cfg, layout, cluster, cfg.train.global_batch if search else None, top)
+        if search:
+            return found
     if result.fits(gpu):
         return True
     changes, better = advise(model_cfg, layout, gpu)
@@ -150,6 +180,36 @@ def print_plan(cfg, world_size: int, gpu_memory: float, text_len: int | None, te
         tried = f"even with {' '.join(changes)} it needs {better.total / GiB:.1f} GiB" if changes else "nothing helps"
         typer.echo(f"error: {need} — {tried}: use more GPUs (--world-size) or a smaller model", err=True)
     return False
+
+
+def print_speed(model_cfg, layout, cluster, global_batch: int | None, top: int) -> bool:
+    """Print the layout's predicted step (ditcore.speed.predict); with global_batch, then the `top` fastest layouts of
+    the cluster that fit (ditcore.speed.search) with the overrides that select them. Returns whether any fits."""
+    import sys
+
+    from tqdm import tqdm
+
+    from ditcore.memory import GiB
+    from ditcore.speed import predict
+    from ditcore.speed import search as search_layouts
+
+    typer.echo(predict(model_cfg, layout, cluster).table())
+    if global_batch is None:
+        return True
+    bar = lambda walk, total: tqdm(walk, total=total, desc="layouts", unit="layout", file=sys.stderr, leave=False)
+    found = search_layouts(model_cfg, cluster, layout, global_batch, top, bar)
+    if not found:
+        typer.echo(f"error: no layout of {layout.world_size} GPUs fits {cluster.memory / GiB:g} GiB: use more GPUs "
+                   "(--world-size) or a smaller model", err=True)
+        return False
+    typer.echo(f"search: the {len(found)} fastest layouts of {layout.world_size} GPUs that fit, one for each tp x cp x "
+               "pp (overrides of this config)")
+    typer.echo(f"  {'tokens/s/GPU':>12}{'MFU':>7}{'step s':>10}{'exposed':>9}{'GiB':>7}  {'bound':<10}overrides")
+    for c in found:
+        p = c.prediction
+        typer.echo(f"  {p.tokens_per_second_per_gpu:12,.0f}{p.mfu:7.1%}{p.step:10.3g}{p.exposed / p.step:9.0%}"
+                   f"{c.plan.total / GiB:7.1f}  {p.bound:<10}{' '.join(c.overrides) or '(none)'}")
+    return True
 
 
 run = entry_point(app)  # the console script: usage errors are one line, exit code 2
