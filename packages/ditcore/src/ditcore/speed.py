@@ -347,9 +347,12 @@ RECOMPUTES = {"none": 0, "selective": 1, "block": 2}  # more recomputation, less
 
 
 def memory_order(lay: Layout) -> tuple:
-    """What trades memory for speed, least memory first: more shards, gathered every micro-batch, fewer rows a
-    micro-batch, more recomputation."""
-    return (-fsdp_shards(lay), lay.fsdp and lay.fsdp_sync == "step", lay.micro_batch,
+    """What trades memory for speed, least memory first: more shards, gathered every micro-batch, no gradients
+    accumulated unsharded, fewer rows a micro-batch, more recomputation. (Once-per-step sync accumulates the
+    gradients unsharded only over several micro-batches: more rows a micro-batch, hence fewer micro-batches, may then
+    need less memory. A key of its own keeps `needs_less` true to that.)"""
+    step = lay.fsdp and lay.fsdp_sync == "step"
+    return (-fsdp_shards(lay), step, step and lay.micro_batches > 1, lay.micro_batch,
             -RECOMPUTES[lay.activation_checkpointing])
 
 
