@@ -15,8 +15,11 @@ T5-XXL's), fp32 weights under bf16 autocast, flex attention.
     python bench/compute_step.py --out /tmp/compute                   # eager; compiled: none, selective, block
     python bench/compute_step.py --preset MovieGen-30B --depth 2 --cases compiled-selective compiled-block --out OUT
     python bench/compute_step.py --smoke --out /tmp/compute-smoke      # the same logic on the CPU with DiT-Tiny
+    python bench/compute_step.py --compare bench/results/compute_step_h200_*.json   # measured vs predicted
 
-Writes OUT/results.json (after every case).
+Writes OUT/results.json (after every case). `--compare` reads such files (here, no GPU needed) and prints, per case,
+the measured time beside the compute term of `ditcore.speed.predict` for the same stack, row and checkpointing on one
+GPU (the default cluster's efficiency, `--efficiency` to change it), and the efficiency that would make them equal.
 """
 
 from __future__ import annotations
@@ -93,6 +96,27 @@ def measure(cfg, compiled: bool, checkpointing: str, data: dict, device: str, st
             "peak_memory_bytes": peak_mem}
 
 
+def compare(paths: list[Path], efficiency: float | None) -> None:
+    """Measured forward + backward beside the step-time model's compute term for the same work on one GPU."""
+    from ditcore.memory import Layout
+    from ditcore.speed import Cluster, predict
+
+    cluster = Cluster() if efficiency is None else Cluster(efficiency=efficiency)
+    print(f"compute term at {cluster.efficiency:.0%} of {cluster.peak_flops / 1e12:g} TFLOP/s (ditcore.speed)")
+    for path in paths:
+        run = json.loads(path.read_text())
+        h = run["header"]
+        cfg = preset(h["preset"], depth=h["depth"], text_dim=4096, in_channels=16)
+        for r in run["results"]:
+            compiled, checkpointing = CASES[r["case"]]
+            lay = Layout(seq_length=h["tokens"], text_len=h["text_tokens"], activation_checkpointing=checkpointing,
+                         compile=compiled)
+            term = predict(cfg, lay, cluster).compute_micro_batch
+            print(f"{h['preset']:<13} {h['depth']} blocks  {r['case']:<19} measured {r['median_s'] * 1e3:7.1f} ms  "
+                  f"predicted {term * 1e3:7.1f} ms  ({term / r['median_s'] - 1:+.0%}; equal at "
+                  f"{cluster.efficiency * term / r['median_s']:.1%} efficiency)  on {h['device']}")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="DiT-7B", help="the preset whose width the stack has (default: DiT-7B; also "
@@ -102,8 +126,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=10, help="timed steps per case (default: 10)")
     ap.add_argument("--warmup", type=int, default=3, help="untimed steps first, compilation included (default: 3)")
     ap.add_argument("--smoke", action="store_true", help="DiT-Tiny on the CPU, eager: checks the logic")
-    ap.add_argument("--out", type=Path, required=True, help="folder for results.json")
+    ap.add_argument("--out", type=Path, help="folder for results.json")
+    ap.add_argument("--compare", type=Path, nargs="+", metavar="RESULTS",
+                    help="results.json files: print them beside ditcore.speed's compute term; runs nothing")
+    ap.add_argument("--efficiency", type=float, help="with --compare: the fraction of peak assumed (default: "
+                                                     "ditcore.speed.Cluster's)")
     args = ap.parse_args(argv)
+    if args.compare:
+        compare(args.compare, args.efficiency)
+        return 0
+    if args.out is None:
+        ap.error("--out is required (or --compare)")
 
     if args.smoke:
         device, grid, text_len = "cpu", (2, 4, 4), 8
@@ -122,7 +155,8 @@ def main(argv: list[str] | None = None) -> int:
     N = grid[0] * grid[1] * grid[2]
     flops = training_flops_per_token(cfg, N, text_len, frames=grid[0]) * N
     data = batch(cfg, grid, text_len, device)
-    header = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "torch": torch.__version__,
+    header = {"preset": "DiT-Tiny" if args.smoke else args.preset, "depth": cfg.depth,
+              "device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "torch": torch.__version__,
               "model": f"{cfg.hidden_size} wide, {cfg.depth} blocks, {cfg.num_heads} heads", "tokens": N,
               "text_tokens": text_len, "flops_per_step": flops, "peak_flops": peak}
     print(json.dumps(header), flush=True)
