@@ -40,6 +40,7 @@ CASES = {
     "cp2": (ParallelDims(cp=2), "none", False),
     "cp2_selective": (ParallelDims(cp=2), "selective", False),
     "fsdp_dp2_selective": (ParallelDims(), "selective", True),
+    "fsdp_cp2_selective": (ParallelDims(cp=2), "selective", True),  # FSDP over the CP pair: dit-28b-8k, moviegen-30b
     "pp2": (ParallelDims(pp=2), "none", False),
     # 4 processes
     "fsdp_tp2_sp_dp2_selective": (ParallelDims(tp=2, sequence_parallel=True), "selective", True),
