@@ -9,7 +9,7 @@ from dit_train.cli import app
 from dit_train.config import CONFIGS, load_config, memory_layout
 from dit_train.train import model_config
 from ditcore.data.schema import DatasetInfo
-from ditcore.memory import GiB
+from ditcore.memory import GiB, choose_fsdp_sync
 from ditcore.speed import Cluster, predict
 
 
@@ -38,8 +38,9 @@ def test_the_plan_prints_the_predicted_step_after_the_memory_table(tmp_path):
     cfg = load_config(CONFIGS / "demo.yaml", tiny(tmp_path, *overrides)[2:])
     info = DatasetInfo(codec={}, latent_stats={}, text_encoder={"name": "assumed", "dim": 384}, latent_channels=4,
                        spatial_factor=1, temporal_factor=1)
-    p = predict(model_config(cfg, info), memory_layout(cfg, 8, 128),
-                Cluster(gpus_per_node=4, infiniband=2e9, efficiency=0.25, memory=80 * GiB))
+    model_cfg = model_config(cfg, info)
+    layout = choose_fsdp_sync(model_cfg, memory_layout(cfg, 8, 128), 80 * GiB)  # fsdp_sync=auto, as --plan resolves it
+    p = predict(model_cfg, layout, Cluster(gpus_per_node=4, infiniband=2e9, efficiency=0.25, memory=80 * GiB))
     assert [g.group for g in p.groups] == ["tp", "fsdp"] and p.groups[1].link.bandwidth == 4e9
     assert re.search(r"^  fsdp +InfiniBand 4 GB/s ", out, re.M)
     assert lines[-1] == (f"predicted step {p.step:.3g} s: compute {p.compute_step:.3g} s + exposed {p.exposed:.3g} s "
