@@ -267,7 +267,7 @@ class Param:
 
 
 @functools.lru_cache(maxsize=32)
-def _meta_model(cfg: DiTConfig) -> nn.Module:
+def meta_model(cfg: DiTConfig) -> nn.Module:
     """The model of cfg on the meta device: shapes only. (Cached: planning a layout and its alternatives reads it
     several times; nothing may change it.)"""
     with torch.random.fork_rng(devices=[]), torch.device("meta"):  # the constructor draws a seed: leave it be
@@ -276,7 +276,7 @@ def _meta_model(cfg: DiTConfig) -> nn.Module:
 
 def parameters(cfg: DiTConfig, tp: int = 1) -> list[Param]:
     """Every parameter of the model, counted on a meta-device model, with its shape on one tensor-parallel rank."""
-    model = _meta_model(cfg)
+    model = meta_model(cfg)
     params, plan = [], plan_for(model)
     for name, p in model.named_parameters():
         shape = list(p.shape)
@@ -294,7 +294,7 @@ def on_stage(name: str, cfg: DiTConfig, pp: int, stage: int) -> bool:
     """Does pipeline stage `stage` of `pp` hold the parameter `name`? Its blocks (`stage_blocks`), the modules of the
     first or the last stage (the pipeline split of the model's plan), and every other module: the conditioning
     embedders."""
-    split = plan_for(_meta_model(cfg)).pipeline
+    split = plan_for(meta_model(cfg)).pipeline
     within = lambda module: name.startswith(module + ".")
     if within(split.layers):
         return int(name[len(split.layers) + 1:].partition(".")[0]) in stage_blocks(cfg.depth, pp, stage)
@@ -599,7 +599,7 @@ def _record(cfg: DiTConfig, key: _RecordKey) -> _Record:
     layers; with context parallelism its rows split (an architecture that moves whole frames to ranks,
     `context_parallel = "all_to_all"`, is planned as rows of seq_length / cp tokens, as a rank holds them).
     """
-    whole = _meta_model(cfg)
+    whole = meta_model(cfg)
     period = block_period(whole)
     gather_cp = key.cp > 1 and whole.context_parallel == "all_gather"
     N = key.seq_length if key.cp == 1 or gather_cp else key.seq_length // key.cp
@@ -610,7 +610,7 @@ def _record(cfg: DiTConfig, key: _RecordKey) -> _Record:
     B, D, held = key.micro_batch, cfg.hidden_size, sum(p.numel() for p in whole.blocks[:period].parameters())
     real = not key.flex and held // key.tp + B * N * max(D, N // cp) // cp < REAL_BELOW
     model = fake_model(cfg.replace(depth=period), "flex" if key.flex else "sdpa",
-                       change=lambda m: _rank_share(m, key.tp, sp, cp), real=real)
+                       change=lambda m: rank_share(m, key.tp, sp, cp), real=real)
     apply_activation_checkpointing(model, key.checkpointing)
     meter = _Meter({StorageWeakRef(p.untyped_storage()) for p in model.parameters()}, key.cuda)
     hooks = [block.register_forward_pre_hook(lambda _, args, i=i: setattr(meter, "region", i))
@@ -632,7 +632,7 @@ def _record(cfg: DiTConfig, key: _RecordKey) -> _Record:
     autocast = torch.autocast("cpu", torch.bfloat16) if key.precision == "bf16" else contextlib.nullcontext()
     with model.fake_mode, _flex_keeps(key.compile) if key.flex else contextlib.nullcontext(), \
             _CudaNorms() if key.cuda else contextlib.nullcontext():
-        batch = _planned_batch(cfg, key.micro_batch, N, key.text_len if cfg.text_dim else 0, key.samples_per_row,
+        batch = planned_batch(cfg, key.micro_batch, N, key.text_len if cfg.text_dim else 0, key.samples_per_row,
                                key.packed)
         with meter:
             with autocast:
@@ -650,12 +650,12 @@ def _record(cfg: DiTConfig, key: _RecordKey) -> _Record:
                    hidden=B * T * cfg.hidden_size * DTYPE_BYTES[key.precision])
 
 
-def _planned_batch(cfg: DiTConfig, B: int, N: int, L: int, S: int, packed: bool) -> dict:
+def planned_batch(cfg: DiTConfig, B: int, N: int, L: int, S: int, packed: bool) -> dict:
     """A training batch of the planned shapes (fake tensors: make it under the model's fake mode): B rows of N tokens,
     each packing S samples of equal grids (then padding) with L text tokens shared among them; or, not packed, one
     sample filling each row, without masks."""
     n = N // S if packed else N
-    grid = _grid(n, cfg.max_grid)
+    grid = fit_grid(n, cfg.max_grid)
     seg, pos = grid_rows([[grid] * (S if packed else 1)] * B, N)
     text_seg = torch.arange(L) // max(1, -(-L // S)) if packed else None
     cond = {"pos": pos, "seg": seg if packed else None, "mask": seg >= 0, "grids": [[grid] * (S if packed else 1)] * B,
@@ -668,7 +668,7 @@ def _planned_batch(cfg: DiTConfig, B: int, N: int, L: int, S: int, packed: bool)
             **cond}
 
 
-def _grid(n: int, max_grid: tuple[int, int, int]) -> tuple[int, int, int]:
+def fit_grid(n: int, max_grid: tuple[int, int, int]) -> tuple[int, int, int]:
     """A (T, H, W) token grid of at most n tokens within max_grid: as wide, then as tall, as divides n."""
     for tokens in range(n, 0, -1):
         W = max(w for w in range(1, min(tokens, max_grid[2]) + 1) if tokens % w == 0)
@@ -717,7 +717,7 @@ class _RankLinear(nn.Module):
         return y.repeat(*[1] * (y.ndim - 1), self.gather) if self.gather > 1 else y
 
 
-def _rank_share(model: nn.Module, tp: int, sp: int, cp: int) -> None:
+def rank_share(model: nn.Module, tp: int, sp: int, cp: int) -> None:
     """Make a meta model one rank's: the layers its TP plan splits cut to their share and its attention modules'
     heads divided (as ditcore.parallel.tensor_parallel does), and its rows split over sequence- and context-parallel
     ranks (`_RankRows`)."""

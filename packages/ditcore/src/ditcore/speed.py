@@ -39,7 +39,7 @@ from dataclasses import dataclass
 
 from ditcore.errors import ConfigError
 from ditcore.flops import training_flops_per_token
-from ditcore.memory import HEADROOM, GiB, Layout, Param, Plan, _grid, parameters, plan_from
+from ditcore.memory import HEADROOM, GiB, Layout, Param, Plan, fit_grid, parameters, plan_from
 from ditcore.models.dit import DiTConfig
 from ditcore.parallel.counting import Collective, Traffic
 from ditcore.parallel.dims import ParallelDims
@@ -228,7 +228,7 @@ def honest_flops_per_token(cfg: DiTConfig, lay: Layout) -> float:
     """ditcore.flops' training FLOPs per token of the layout's rows: samples_per_row samples of equal grids (as the
     memory plan lays them out, ditcore.memory), each with its share of the row's text."""
     n = lay.seq_length // lay.samples_per_row
-    frames = _grid(n, cfg.max_grid)[0]
+    frames = fit_grid(n, cfg.max_grid)[0]
     return training_flops_per_token(cfg, n, lay.text_len // lay.samples_per_row if cfg.text_dim else 0, frames)
 
 

@@ -44,7 +44,7 @@ from torch import nn
 
 from ditcore.diffusion import EDMLoss, EDMPrecond
 from ditcore.flops import block_period, fake_model
-from ditcore.memory import Layout, _grid, _meta_model, _planned_batch, _rank_share, on_stage
+from ditcore.memory import Layout, fit_grid, meta_model, on_stage, planned_batch, rank_share
 from ditcore.models import plan_for
 from ditcore.models.dit import DiTConfig
 from ditcore.models.plan import ColumnParallel, RowParallel
@@ -110,7 +110,7 @@ def traffic_by_stage(cfg: DiTConfig, layout: Layout, grids: tuple | None = None)
     """traffic() of a rank of every pipeline stage, first to last."""
     lay = layout
     moves = _probe(cfg, _ProbeKey.of(lay), grids)
-    period = block_period(_meta_model(cfg))
+    period = block_period(meta_model(cfg))
     return tuple(_stage(cfg, lay, moves, period, s) for s in range(lay.pp))
 
 
@@ -195,7 +195,7 @@ def _stage_params(cfg: DiTConfig, lay: Layout, stage: int) -> tuple[_Param, ...]
 def _tp_stage_params(cfg: DiTConfig, tp: int, sp: bool, pp: int, stage: int) -> tuple[_Param, ...]:
     """Cached: matching every parameter against the TP plan takes ~0.1 s at 30B, and a layout search (ditcore.speed)
     asks for the same tp and stage in hundreds of layouts."""
-    model = _meta_model(cfg)
+    model = meta_model(cfg)
     plan = plan_for(model)
     out = []
     for name, p in model.named_parameters():
@@ -239,8 +239,8 @@ def _fsdp(lay: Layout, params: list[_Param], add, compute: int) -> None:
 def _probe(cfg: DiTConfig, key: _ProbeKey, grids: tuple | None) -> tuple[_Move, ...]:
     """The collectives of one micro-batch's forward and backward on a TP/SP/CP rank, from one training forward (EDM
     preconditioning and loss, as dit-train) of one period of blocks, at the rank's shapes (ditcore.memory's
-    `_rank_share`): every linear the plan splits and every row gather, with its region."""
-    whole = _meta_model(cfg)
+    `rank_share`): every linear the plan splits and every row gather, with its region."""
+    whole = meta_model(cfg)
     period = block_period(whole)
     swaps = whole.context_parallel == "all_to_all"
     gather_cp = key.cp > 1 and not swaps
@@ -248,7 +248,7 @@ def _probe(cfg: DiTConfig, key: _ProbeKey, grids: tuple | None) -> tuple[_Move, 
     cp, sp, B = (key.cp if gather_cp else 1), (key.tp if key.sp else 1), key.micro_batch
     held = sum(p.numel() for p in whole.blocks[:period].parameters())
     real = held // key.tp + B * N * max(cfg.hidden_size, N // cp) // cp < 2**22  # small: real tensors run faster
-    model = fake_model(cfg.replace(depth=period), "sdpa", change=lambda m: _rank_share(m, key.tp, sp, cp), real=real)
+    model = fake_model(cfg.replace(depth=period), "sdpa", change=lambda m: rank_share(m, key.tp, sp, cp), real=real)
     plan = plan_for(model)
     bf16 = key.precision == "bf16"
     moves: list[_Move] = []
@@ -296,7 +296,7 @@ def _probe(cfg: DiTConfig, key: _ProbeKey, grids: tuple | None) -> tuple[_Move, 
     _watch_rows(model, key, move, swaps)
     autocast = torch.autocast("cpu", torch.bfloat16) if bf16 else contextlib.nullcontext()
     with model.fake_mode:
-        batch = _planned_batch(cfg, B, N, key.text_len if cfg.text_dim else 0, key.samples_per_row, key.packed)
+        batch = planned_batch(cfg, B, N, key.text_len if cfg.text_dim else 0, key.samples_per_row, key.packed)
         with autocast:
             EDMLoss()(EDMPrecond(model), batch.pop("x"), **batch)
     for hook in hooks:
@@ -371,4 +371,4 @@ def _clip(n: int, max_grid: tuple[int, int, int]) -> tuple[int, int, int]:
     sample that both ST-DiT's frames and its time-lines split (an image, or a clip of one token per frame, would
     move nothing between the orders)."""
     T = max(t for t in range(1, min(n, max_grid[0]) + 1) if n % t == 0 and t * t <= n)
-    return (T, *_grid(n // T, (1, *max_grid[1:]))[1:])
+    return (T, *fit_grid(n // T, (1, *max_grid[1:]))[1:])
