@@ -3,8 +3,8 @@ recompilations bounded over batches packed differently with different text lengt
 models built by ditcore.parallel.build_parallel_model as dit-train builds them, compiled with aot_eager).
 
 The layout families of the shipped configs (apps/train/configs) and of the others a user may pick: CP with FSDP
-over dp x cp (dit-7b-8k, dit-28b-8k, moviegen-30b: `fsdp_cp2_selective`); TP(+SP) alone; TP+SP with FSDP and each of
-none/block/selective checkpointing; CP; pipeline stages. With
+over dp x cp (dit-7b-8k, dit-28b-8k, moviegen-30b: `moviegen:fsdp_cp2_selective`, in make test-slow); TP(+SP) alone;
+TP+SP with FSDP and each of none/block/selective checkpointing; CP; pipeline stages. With
 Megatron-Core's parallel linears, each block broke into 19 graphs under TP, and under TP with checkpointing dynamo
 compiled nothing at all.
 """
@@ -21,9 +21,9 @@ GRAPHS_PER_BLOCK = 2
 # The default run keeps one torchrun of two cases (the suite's time on 2 cores): TP + SP under selective
 # checkpointing (the layout Megatron's linears lost entirely) and CP on MovieGen's blocks. `make test-slow` runs
 # every other family, FSDP with TP + SP under block checkpointing (the shipped large configs') among them.
-CASES_2 = ["tp2_sp_selective", "moviegen:fsdp_cp2_selective"]
+CASES_2 = ["tp2_sp_selective", "moviegen:cp2"]
 CASES_2_SLOW = ["tp2", "tp2_sp", "tp2_sp_block", "fsdp_tp2_sp", "fsdp_tp2_sp_block", "fsdp_tp2_sp_selective", "cp2",
-                "cp2_selective", "moviegen:cp2",
+                "cp2_selective", "moviegen:fsdp_cp2_selective",
                 "fsdp_dp2_selective", "pp2", "moviegen:tp2_sp_selective"]
 CASES_4 = []
 CASES_4_SLOW = ["fsdp_tp2_sp_dp2_selective", "cp2_tp2_sp_block", "pp2_tp2_sp_selective"]

@@ -13,7 +13,7 @@ import pytest
 from .compile_stdit_worker import CFG
 
 
-@pytest.mark.parametrize("checkpointing", ["selective", pytest.param("none", marks=pytest.mark.slow),
+@pytest.mark.parametrize("checkpointing", ["none", pytest.param("selective", marks=pytest.mark.slow),
                                            pytest.param("block", marks=pytest.mark.slow)])
 def test_compiled_st_dit_under_context_parallelism_has_no_graph_break(tmp_path, run_torchrun, checkpointing):
     out = tmp_path / "counters.json"
