@@ -26,7 +26,7 @@ def build_ours(name: str, latent: int, channels: int):
     model = DiT(cfg)
 
     def forward(x, t, y):
-        c_noise = t.float() / 1000  # any per-sample scalar; both models embed it with sinusoids + MLP
+        c_noise = t.float()  # the timestep: both models embed it with sinusoids + MLP
         return model.forward_latents(x[:, :, None], c_noise, class_labels=y)[:, :, 0]
 
     return model, forward, cfg

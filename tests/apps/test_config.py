@@ -68,7 +68,7 @@ def test_an_int_is_read_as_a_float_where_a_number_is_expected():
         ("optim.lr=true", "a finite number"),
         ("optim.lr=abc", "a finite number"),
         ("data.path=3", "a string (a dataset written by dit-prepare)"),
-        ("model.pos_embed=learned", "one of 'rope', 'sincos'"),
+        ("model.pos_embed=learned", "one of 'rope', 'sincos', 'sincos_2d'"),
         ("data.packing_buffer=x", "an integer, or null (samples considered together for packing; "
                                   "default 4 × micro_batch)"),
     ],

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from ditcore.diffusion import EDMLoss, EDMPrecond, edm_coefficients, edm_weight
+from ditcore.diffusion.edm import C_NOISE_SCALE
 from ditcore.layout import SIGMA_DATA, grid_positions
 from ditcore.models import DiT, preset
 from ditcore.testing import EPS32, EPS64, assert_close_fp32
@@ -55,7 +56,8 @@ def test_precond_applies_the_formula():
     c_skip, c_out, c_in, c_noise = (c.view(2, 1, 1) for c in edm_coefficients(sigma))
     assert_close_fp32(D, c_skip * x + c_out * 0.7, work=3)  # two products and a sum
     assert_close_fp32(F.seen[0], c_in * x, work=1)
-    assert_close_fp32(F.seen[1], c_noise.view(2, 1), work=1)
+    # the network is given 1000·ln(σ)/4, its sinusoid's range as DiT's timesteps
+    assert_close_fp32(F.seen[1], C_NOISE_SCALE * c_noise.view(2, 1), work=2)
     assert F.seen[2] == {"class_labels": "y"}
 
 
@@ -68,7 +70,7 @@ def test_x_prediction_outputs_sigma_data_times_the_network():
     assert torch.equal(D, torch.full_like(x, SIGMA_DATA * 0.7))
     _, _, c_in, c_noise = (c.view(2, 1, 1) for c in edm_coefficients(sigma))
     assert_close_fp32(F.seen[0], c_in * x, work=1)
-    assert_close_fp32(F.seen[1], c_noise.view(2, 1), work=1)
+    assert_close_fp32(F.seen[1], C_NOISE_SCALE * c_noise.view(2, 1), work=2)
     with pytest.raises(ValueError, match="prediction='v' is unknown"):
         EDMPrecond(F, prediction="v")
 

@@ -257,7 +257,7 @@ def test_a_parameter_without_a_rule_is_an_error():
     [
         (dict(hidden_size=100, num_heads=6), r"hidden_size=100 is invalid: expected a multiple of num_heads=6"),
         (dict(depth=0), r"depth=0 is invalid: expected an integer >= 1"),
-        (dict(pos_embed="learned"), r"pos_embed='learned' is invalid: expected 'rope' or 'sincos'"),
+        (dict(pos_embed="learned"), r"pos_embed='learned' is invalid: expected 'rope', 'sincos' or 'sincos_2d'"),
         (dict(hidden_size=8, num_heads=2), r"head_dim=4"),
     ],
 )

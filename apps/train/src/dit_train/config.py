@@ -74,7 +74,7 @@ class Model(Section):
     patch_size: int | None = Field(None, ge=1, description="overrides the preset's spatial patch")
     patch_size_t: int | None = Field(None, ge=1, description="overrides the preset's temporal patch")
     depth: int | None = Field(None, ge=1, description="overrides the preset's number of blocks")
-    pos_embed: Literal["rope", "sincos"] = "rope"
+    pos_embed: Literal["rope", "sincos", "sincos_2d"] = "rope"
     qk_norm: bool = True
     fps_cond: bool = False
     max_grid: Annotated[list[Annotated[int, Field(ge=1)]] | None, Expect("three integers >= 1: T, H, W in tokens")] = (

@@ -16,8 +16,12 @@ from tqdm import tqdm
 
 from ditcore.codecs import Codec, LatentStats
 from ditcore.diffusion import EDMPrecond, edm_sampler, guided
+from ditcore.diffusion.vp import DiscreteVP
 from ditcore.layout import grid_positions, unpatchify
 from ditcore.models.dit import DiT, DiTConfig
+
+SCHEDULES = ("karras", "ddim")
+SIGMA_MIN, SIGMA_MAX = 0.002, 80.0  # EDM's sampling range; a DDPM network's own range narrows it
 
 
 @dataclass
@@ -88,11 +92,15 @@ def sample(
     seed: int = 0,
     fps: float = 8.0,
     prediction: str = "edm",
+    vp: DiscreteVP | None = None,
+    schedule: str = "karras",
     callback: Callable[[int, int], None] | None = None,
 ) -> SampleResult:
     """Sample B = len(text_states) (or len(class_labels), or num) items with the EDM sampler.
 
-    prediction: what the network was trained to output (ditcore.diffusion.edm; an export records it)."""
+    prediction: what the network was trained to output (ditcore.diffusion.edm; an export records it).
+    vp: a DDPM network's schedule (VP preconditioning, ditcore.diffusion.vp), None for EDM's.
+    schedule: karras (EDM's noise levels, Eq. 5) or ddim (a DDPM network's: DDIM's timesteps)."""
     cfg = model.cfg
     B = len(text_states) if text_states is not None else len(class_labels) if class_labels is not None else num
     if not B:
@@ -116,7 +124,13 @@ def sample(
     if cfg.fps_cond:
         cond["fps"] = torch.full(((2 if use_cfg else 1) * B, 1), float(fps), device=device)
 
-    precond = EDMPrecond(model, prediction=prediction).eval()
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule={schedule!r} is unknown: expected one of {', '.join(SCHEDULES)}")
+    if schedule == "ddim" and vp is None:
+        raise ValueError("schedule ddim steps through a DDPM network's timesteps: this model is EDM-preconditioned "
+                         "(no timesteps) — use schedule karras")
+    precond = EDMPrecond(model, prediction=prediction, vp=vp).eval()
+    sigma_min, sigma_max = precond.sigma_range(SIGMA_MIN, SIGMA_MAX)
     nfe = 0
 
     def denoise(x: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
@@ -127,6 +141,9 @@ def sample(
     g = torch.Generator(device="cpu").manual_seed(seed)
     noise = torch.randn(B, pos.shape[0], cfg.patch_dim, generator=g).to(device)
     tokens = edm_sampler(guided(denoise, guidance) if use_cfg else denoise, noise, steps=steps, solver=solver,
+                         sigma_min=sigma_min, sigma_max=sigma_max,
+                         sigmas=vp.ddim_sigmas(steps) if schedule == "ddim" else None,
+                         round_sigma=None if vp is None else precond.round_sigma, prior_std=precond.prior_std,
                          callback=callback)
     latents = unpatchify(tokens, grid, cfg.patch_size, cfg.patch_size_t)  # (B, C, T', H', W')
     pixels = codec.decode(stats.denormalize(latents.float().cpu()))  # (B, 3, F, H, W) in [-1, 1]

@@ -15,12 +15,18 @@ per sample, shaped (B, S), and `seg` (B, N) maps each token to its sample. With 
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 
+from ditcore.diffusion.vp import DiscreteVP, vp_coefficients
 from ditcore.layout import SIGMA_DATA, per_token
 
 PREDICTIONS = ("edm", "x")
+# c_noise = ln(σ)/4 lies in about [-2, 1.2]; the network is given 1000 c_noise, spread over its sinusoid's periods as
+# DiT's timesteps t ∈ [0, 1000) are (a DDPM network under VP preconditioning is given t itself)
+C_NOISE_SCALE = 1000.0
 
 
 def edm_coefficients(sigma: torch.Tensor, sigma_data: float = SIGMA_DATA, prediction: str = "edm"):
@@ -45,27 +51,62 @@ class EDMPrecond(nn.Module):
     """D(x; σ) = c_skip(σ) x + c_out(σ) F(c_in(σ) x; c_noise(σ)) around any backbone F(x, c_noise, **cond).
 
     x: (B, N, F) tokens; sigma: (B, S) per sample (or (B,) when seg is None); seg: (B, N) or None.
+    With `vp` (a DDPM network's schedule, ditcore.diffusion.vp) the coefficients are VP's: F is its ε-prediction.
+    A backbone whose output is wider than x (learned Σ: its variance values follow the prediction) gives D from the
+    first x.shape[-1] features; `outputs` returns the rest as well.
     """
 
-    def __init__(self, model: nn.Module, sigma_data: float = SIGMA_DATA, prediction: str = "edm"):
+    def __init__(self, model: nn.Module, sigma_data: float = SIGMA_DATA, prediction: str = "edm",
+                 vp: DiscreteVP | None = None):
         super().__init__()
         if prediction not in PREDICTIONS:
             raise ValueError(f"prediction={prediction!r} is unknown: expected one of {', '.join(PREDICTIONS)}")
-        self.model, self.sigma_data, self.prediction = model, sigma_data, prediction
+        if vp is not None and prediction != "edm":
+            raise ValueError(f"prediction={prediction!r} cannot be combined with VP preconditioning: a DDPM network "
+                             "predicts the noise (leave prediction at edm)")
+        self.model, self.sigma_data, self.prediction, self.vp = model, sigma_data, prediction, vp
+
+    def coefficients(self, sigma: torch.Tensor):
+        """c_skip, c_out, c_in and the c_noise the network is given (its own units), each like sigma."""
+        if self.vp is not None:
+            return vp_coefficients(sigma, self.vp)
+        c_skip, c_out, c_in, c_noise = edm_coefficients(sigma, self.sigma_data, self.prediction)
+        return c_skip, c_out, c_in, c_noise * C_NOISE_SCALE
 
     def forward(self, x: torch.Tensor, sigma: torch.Tensor, seg: torch.Tensor | None = None, **cond):
+        return self.outputs(x, sigma, seg, **cond)[0]
+
+    def outputs(self, x: torch.Tensor, sigma: torch.Tensor, seg: torch.Tensor | None = None, **cond):
+        """(D(x; σ), the backbone's features after the prediction: learned Σ's variance values, else empty)."""
         sigma = sigma.to(torch.float32).reshape(x.shape[0], -1)  # (B, S)
-        c_skip, c_out, _, _ = edm_coefficients(sigma, self.sigma_data, self.prediction)
+        c_skip, c_out, _, _ = self.coefficients(sigma)
         tok = lambda c: per_token(c, seg)[..., None]  # (B, N or 1, 1): each token uses its sample's σ
-        F_x = self.model(*self.model_inputs(x, sigma, seg), **cond, **({} if seg is None else {"seg": seg}))
-        return (tok(c_skip) * x + tok(c_out) * F_x.to(torch.float32)).to(x.dtype)
+        out = self.model(*self.model_inputs(x, sigma, seg), **cond, **({} if seg is None else {"seg": seg}))
+        F_x, rest = out[..., :x.shape[-1]], out[..., x.shape[-1]:]
+        return (tok(c_skip) * x + tok(c_out) * F_x.to(torch.float32)).to(x.dtype), rest
 
     def model_inputs(self, x: torch.Tensor, sigma: torch.Tensor, seg: torch.Tensor | None = None):
         """What the backbone F is given: (c_in(σ) x, c_noise(σ)) — alone, for a pipeline stage that ends before F's
         output (ditcore.training.stage_forward)."""
         sigma = sigma.to(torch.float32).reshape(x.shape[0], -1)
-        _, _, c_in, c_noise = edm_coefficients(sigma, self.sigma_data)
+        _, _, c_in, c_noise = self.coefficients(sigma)
         return (per_token(c_in, seg)[..., None] * x).to(x.dtype), c_noise
+
+    def round_sigma(self, sigma: torch.Tensor) -> torch.Tensor:
+        """The noise level the network evaluates for σ: its own nearest one under VP, σ itself under EDM."""
+        return sigma if self.vp is None else self.vp.round_sigma(sigma)
+
+    def sigma_range(self, sigma_min: float, sigma_max: float) -> tuple[float, float]:
+        """A sampler's (σ_min, σ_max) within the levels the network knows (VP: its σ_0 … σ_{T−1}), as EDM samples
+        DDPM networks."""
+        if self.vp is None:
+            return sigma_min, sigma_max
+        return max(sigma_min, self.vp.sigma_min), min(sigma_max, self.vp.sigma_max)
+
+    def prior_std(self, sigma: float) -> float:
+        """The std the sampler's start x is drawn with at σ_max: σ (EDM: the data's own spread is negligible there);
+        √(σ² + 1) under VP, its x_T ~ N(0, I) divided by √ᾱ_T."""
+        return sigma if self.vp is None else math.sqrt(sigma**2 + 1)
 
 
 class EDMLoss:

@@ -42,25 +42,39 @@ def edm_sampler(
     churn_tmin: float = 0.0,
     churn_tmax: float = float("inf"),
     churn_noise: float = 1.0,
+    sigmas: torch.Tensor | None = None,
+    round_sigma: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    prior_std: Callable[[float], float] | None = None,
     generator: torch.Generator | None = None,
     callback: Callable[[int, int], None] | None = None,
 ) -> torch.Tensor:
-    """Integrate the probability-flow ODE from σ_max to 0 starting at x = noise · σ_max.
+    """Integrate the probability-flow ODE from σ_max to 0 starting at x = noise · prior_std(σ_max) (default σ_max).
 
     churn, churn_tmin, churn_tmax, churn_noise are the paper's S_churn, S_tmin, S_tmax, S_noise.
+    sigmas: the noise levels to step through (σ_0 > … > σ_{N−1}, then 0) in place of Eq. 5's; steps is then N.
+    round_sigma: a discrete-time network's nearest own noise level (ditcore.diffusion.vp), applied to every level the
+    denoiser is evaluated at, as EDM's sampler does for such networks.
     callback(i, steps) is called after each step (for progress bars).
     """
     if solver not in ("heun", "euler"):
         raise ValueError(f"solver={solver!r} is invalid: expected 'heun' or 'euler'")
-    t = karras_sigmas(steps, sigma_min, sigma_max, rho, device=noise.device)
-    x = noise.to(torch.float64) * t[0]
+    if sigmas is None:
+        t = karras_sigmas(steps, sigma_min, sigma_max, rho, device=noise.device)
+    else:
+        t = sigmas.to(device=noise.device, dtype=torch.float64)
+        if t.ndim != 1 or len(t) < 2 or t[-1] != 0 or not bool((t[:-1] > t[1:]).all()):
+            raise ValueError(f"sigmas must fall strictly and end at 0, got {t.tolist()[:4]}... ({len(t)} levels)")
+        steps = len(t) - 1
+    rounded = round_sigma or (lambda s: s)
+    t = rounded(t)
+    x = noise.to(torch.float64) * (t[0] if prior_std is None else prior_std(float(t[0])))
     gamma_max = min(churn / steps, math.sqrt(2) - 1)
     D = lambda x, s: denoise(x.to(noise.dtype), s.to(noise.dtype)).to(torch.float64)
     for i in range(steps):
         t_cur, t_next = t[i], t[i + 1]
         # Churn: raise the noise level from t_cur to t_hat by adding fresh noise (Algorithm 2, lines 4-6).
         gamma = gamma_max if churn_tmin <= t_cur <= churn_tmax else 0.0
-        t_hat = t_cur + gamma * t_cur
+        t_hat = rounded(t_cur + gamma * t_cur)
         if gamma > 0:
             eps = torch.randn(x.shape, generator=generator, device=x.device, dtype=x.dtype)
             x = x + (t_hat**2 - t_cur**2).sqrt() * churn_noise * eps

@@ -50,10 +50,17 @@ class DiTConfig:
     num_classes: int = 0  # > 0: class-conditional, with one extra "null" class for classifier-free guidance
     text_dim: int = 0  # > 0: cross-attention to text tokens of this width
     fps_cond: bool = False  # add an fps embedding to the conditioning vector
-    pos_embed: Literal["rope", "sincos"] = "rope"
+    pos_embed: Literal["rope", "sincos", "sincos_2d"] = "rope"  # sincos_2d: DiT's fixed 2-D table (images only)
     max_grid: tuple[int, int, int] = (64, 256, 256)  # largest (T, H, W) token grid the model accepts
     qk_norm: bool = True
     rope_theta: float = 10000.0
+    # What the field's DiT checkpoints need (ditcore.interop): a learned-Σ head, DiT's output channels doubled, the
+    # second half the per-channel variance values a DDPM sampler or its variational bound reads (D(x; σ) reads the
+    # first half only); the timestep sinusoid's frequencies 10000^(-k/(half - freq_shift)), 1 in diffusers' port of
+    # DiT; and the eps of the LayerNorm before the MLP (1e-5 in diffusers' port, 1e-6 in the original).
+    learn_sigma: bool = False
+    freq_shift: int = 0
+    mlp_norm_eps: float = 1e-6
 
     def __post_init__(self) -> None:
         def need(ok: bool, field: str, allowed: str) -> None:
@@ -69,9 +76,16 @@ class DiTConfig:
         need(self.mlp_ratio > 0, "mlp_ratio", "a number > 0")
         need(self.num_classes >= 0, "num_classes", "0 (no class conditioning) or the number of classes")
         need(self.text_dim >= 0, "text_dim", "0 (no text) or the width of the text encoder's states")
-        need(self.pos_embed in ("rope", "sincos"), "pos_embed", "'rope' or 'sincos'")
+        need(self.pos_embed in ("rope", "sincos", "sincos_2d"), "pos_embed", "'rope', 'sincos' or 'sincos_2d'")
         need(len(self.max_grid) == 3 and all(int(g) >= 1 for g in self.max_grid), "max_grid",
              "three integers >= 1: (T, H, W) in tokens")
+        if self.pos_embed == "sincos_2d":  # DiT's table has no time axis: frames would be told apart by nothing
+            need(self.max_grid[0] == 1 and self.patch_size_t == 1, "pos_embed",
+                 f"'rope' or 'sincos' for video: sincos_2d is DiT's image table, it needs max_grid's T = 1 and "
+                 f"patch_size_t = 1 (got max_grid={tuple(self.max_grid)}, patch_size_t={self.patch_size_t})")
+            need(self.hidden_size % 4 == 0, "hidden_size", "a multiple of 4 for pos_embed sincos_2d")
+        need(self.freq_shift in (0, 1), "freq_shift", "0 (DiT's timestep sinusoid) or 1 (diffusers' port of DiT)")
+        need(0 < self.mlp_norm_eps < 1, "mlp_norm_eps", "a small number > 0, e.g. 1e-6")
 
     @property
     def head_dim(self) -> int:
@@ -93,6 +107,10 @@ class DiTConfig:
     @property
     def patch_dim(self) -> int:  # features of one patch token
         return self.in_channels * self.patch_size_t * self.patch_size**2
+
+    @property
+    def out_dim(self) -> int:  # features the model outputs per token: a patch, and with learned Σ its variances
+        return self.patch_dim * (2 if self.learn_sigma else 1)
 
     def replace(self, **changes) -> DiTConfig:
         return dataclasses.replace(self, **changes)
@@ -142,6 +160,18 @@ def apply_rope(x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torc
     return torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
 
 
+def sincos_2d(pos: torch.Tensor, dim: int) -> torch.Tensor:
+    """DiT's fixed 2-D sin-cos embedding (..., dim) of (t, h, w) positions, t ignored: the first half of the channels
+    encodes the column w, the second the row h (DiT builds its grid with w first), each as [sin, cos] of dim/4
+    frequencies 10000^(-k/(dim/4)). Computed in float64, as DiT's NumPy table is, then rounded to float32."""
+    omega = 10000.0 ** (-torch.arange(dim // 4, device=pos.device, dtype=torch.float64) / (dim // 4))
+    parts = []
+    for axis in (2, 1):
+        a = pos[..., axis, None].double() * omega
+        parts += [a.sin(), a.cos()]
+    return torch.cat(parts, dim=-1).float()
+
+
 def sincos_3d(pos: torch.Tensor, dim: int) -> torch.Tensor:
     """Fixed sin-cos embedding (..., dim) of (t, h, w) positions, channels split across axes as for RoPE."""
     parts = []
@@ -156,27 +186,28 @@ def sincos_3d(pos: torch.Tensor, dim: int) -> torch.Tensor:
 # Conditioning embedders (one vector per sample)
 
 
-def sinusoidal(t: torch.Tensor, dim: int, max_period: float = 10000.0) -> torch.Tensor:
+def sinusoidal(t: torch.Tensor, dim: int, max_period: float = 10000.0, shift: int = 0) -> torch.Tensor:
+    """[cos, sin] of t times dim/2 frequencies max_period^(-k/(dim/2 - shift)) (shift 1: diffusers' DiT port)."""
     half = dim // 2
-    freqs = torch.exp(-math.log(max_period) * torch.arange(half, device=t.device, dtype=torch.float32) / half)
+    exponent = -math.log(max_period) * torch.arange(half, device=t.device, dtype=torch.float32)
+    freqs = torch.exp(exponent / (half - shift))
     args = t.float()[..., None] * freqs
     return torch.cat([args.cos(), args.sin()], dim=-1)
 
 
 class ScalarEmbedder(nn.Module):
-    """Scalar (noise level, fps) → vector: sinusoidal features then a 2-layer MLP, as DiT's t_embedder."""
+    """Scalar (noise level, fps) → vector: sinusoidal features then a 2-layer MLP, as DiT's t_embedder.
 
-    def __init__(self, hidden_size: int, scale: float, freq_dim: int = 256):
+    The noise level comes in the network's own units, which the preconditioning sets (ditcore.diffusion): EDM's
+    1000·ln(σ)/4, or a DDPM network's timestep index in [0, 1000)."""
+
+    def __init__(self, hidden_size: int, freq_dim: int = 256, shift: int = 0):
         super().__init__()
-        self.scale, self.freq_dim = scale, freq_dim
+        self.freq_dim, self.shift = freq_dim, shift
         self.mlp = nn.Sequential(nn.Linear(freq_dim, hidden_size), nn.SiLU(), nn.Linear(hidden_size, hidden_size))
 
     def forward(self, t: torch.Tensor) -> torch.Tensor:
-        return self.mlp(sinusoidal(t * self.scale, self.freq_dim).to(self.mlp[0].weight.dtype))
-
-
-# c_noise = ln(σ)/4 lies in about [-2, 1.2]; ×1000 spreads it over the sinusoid's periods as DiT's t ∈ [0, 1000).
-C_NOISE_SCALE = 1000.0
+        return self.mlp(sinusoidal(t, self.freq_dim, shift=self.shift).to(self.mlp[0].weight.dtype))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -317,7 +348,7 @@ class DiTBlock(nn.Module):
         if cfg.text_dim:
             self.norm_cross = LayerNorm(D, eps=1e-6)
             self.cross = CrossAttention(cfg)
-        self.norm2 = LayerNorm(D, elementwise_affine=False, eps=1e-6)
+        self.norm2 = LayerNorm(D, elementwise_affine=False, eps=cfg.mlp_norm_eps)
         self.mlp = nn.Sequential(nn.Linear(D, cfg.ffn), nn.GELU(approximate="tanh"), nn.Linear(cfg.ffn, D))
         self.adaLN = nn.Sequential(nn.SiLU(), nn.Linear(D, 6 * D))
 
@@ -338,7 +369,7 @@ class FinalLayer(nn.Module):
         D = cfg.hidden_size
         self.norm = norm(D, elementwise_affine=False, eps=1e-6)
         self.adaLN = nn.Sequential(nn.SiLU(), nn.Linear(D, 2 * D))
-        self.linear = nn.Linear(D, cfg.patch_dim)
+        self.linear = nn.Linear(D, cfg.out_dim)  # with learned Σ: [patch features; their variance values]
 
     def forward(self, x, c, seg):
         shift, scale = per_token(self.adaLN(c), seg).transpose(0, 1).chunk(2, dim=-1)
@@ -373,11 +404,11 @@ class DiT(nn.Module):
         self.attention = check_backend(attention)  # ditcore.models.attention: auto | sdpa | flex
         D = cfg.hidden_size
         self.x_embedder = nn.Linear(cfg.patch_dim, D)  # a Conv3d with kernel = stride = patch, on tokens
-        self.t_embedder = ScalarEmbedder(D, scale=C_NOISE_SCALE)
+        self.t_embedder = ScalarEmbedder(D, shift=cfg.freq_shift)
         if cfg.num_classes:
             self.y_embedder = nn.Embedding(cfg.num_classes + 1, D)  # index num_classes = null class
         if cfg.fps_cond:
-            self.fps_embedder = ScalarEmbedder(D, scale=1.0)
+            self.fps_embedder = ScalarEmbedder(D)
         if cfg.text_dim:
             self.text_embedder = nn.Sequential(
                 nn.Linear(cfg.text_dim, D), nn.GELU(approximate="tanh"), nn.Linear(D, D))
@@ -512,7 +543,7 @@ class DiT(nn.Module):
         grids: list[list[tuple[int, int, int]]] | None = None,
         hidden: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Tokens (B, N, patch_dim) → predicted tokens (B, N, patch_dim).
+        """Tokens (B, N, patch_dim) → predicted tokens (B, N, out_dim: patch_dim, twice that with learned Σ).
 
         c_noise, class_labels, fps: (B, S) per sample; pos: (B, N, 3) or (N, 3); seg: (B, N) or None;
         text: (B, L, text_dim) with text_seg (B, L) naming each text token's sample (-1: padding).
@@ -533,8 +564,9 @@ class DiT(nn.Module):
 
         if self.x_embedder is not None:
             h = self.x_embedder(x[:, local].transpose(0, 1))  # (n, B, D): sequence first from here on
-            if cfg.pos_embed == "sincos":
-                pe = sincos_3d(pos[..., local, :], cfg.hidden_size).to(h.dtype)
+            if cfg.pos_embed in ("sincos", "sincos_2d"):
+                table = sincos_3d if cfg.pos_embed == "sincos" else sincos_2d
+                pe = table(pos[..., local, :], cfg.hidden_size).to(h.dtype)
                 h = h + (pe[:, None] if pe.ndim == 2 else pe.transpose(0, 1))
         elif hidden is None:
             raise ValueError("this pipeline stage starts from the previous stage's output: pass hidden (n, B, D)")
@@ -559,7 +591,8 @@ class DiT(nn.Module):
         return block(h, c, seg, a)
 
     def forward_latents(self, x: torch.Tensor, c_noise: torch.Tensor, **cond) -> torch.Tensor:
-        """Convenience for unpacked batches: latents (B, C, T, H, W) and (B,) c_noise → same-shape output.
+        """Convenience for unpacked batches: latents (B, C, T, H, W) and (B,) c_noise → same-shape output (with
+        learned Σ: 2C channels, the variance values after the C of the prediction, as DiT's).
 
         cond: class_labels / fps as (B,), text (B, L, text_dim) with optional text_mask (B, L) bool.
         """
@@ -576,7 +609,8 @@ class DiT(nn.Module):
             if cond.get(key) is not None:
                 cond[key] = cond[key].reshape(B, 1)
         out = self.forward(tokens, c_noise.reshape(B, 1), pos, grids=[[grid]] * B, **cond)
-        return unpatchify(out, grid, cfg.patch_size, cfg.patch_size_t)
+        halves = out.chunk(2, dim=-1) if cfg.learn_sigma else (out,)
+        return torch.cat([unpatchify(o, grid, cfg.patch_size, cfg.patch_size_t) for o in halves], dim=1)
 
 
 # --------------------------------------------------------------------------------------------------

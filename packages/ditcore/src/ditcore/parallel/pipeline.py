@@ -236,7 +236,7 @@ class PipelinedModel(nn.Module):
         out = self.model(x, c_noise, *args, hidden=hidden, **kwargs)
         if not g.last_stage:
             _exchange(g, {+1: out.to(dtype)}, {})
-            out = torch.empty((B, N, self.model.cfg.patch_dim), dtype=dtype, device=x.device)
+            out = torch.empty((B, N, self.model.cfg.out_dim), dtype=dtype, device=x.device)
         else:
             out = out.to(dtype).contiguous()  # (B, N, F) as a transposed view: broadcast its (B, N, F) order
         dist.broadcast(out, src=g.pp_ranks[-1], group=g.pp_group)
