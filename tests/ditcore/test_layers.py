@@ -17,7 +17,8 @@ LAYERS = [
     {"ditcore.disk", "ditcore.safe_state", "ditcore.tensorfile"},  # files read safely, written whole
     {"ditcore", "ditcore.errors", "ditcore.layout", "ditcore.media", "ditcore.cli"},
     {"ditcore.models", "ditcore.codecs", "ditcore.data", "ditcore.diffusion"},
-    {"ditcore.parallel", "ditcore.flops", "ditcore.testing", "ditcore.export", "ditcore.sampling", "ditcore.training"},
+    {"ditcore.parallel", "ditcore.flops", "ditcore.testing", "ditcore.export", "ditcore.sampling", "ditcore.training",
+     "ditcore.interop"},  # interop: the field's DiT checkpoints in, diffusers out
     {"ditcore.runs", "ditcore.memory"},
     {"ditcore.traffic"},  # communication per step: counted (ditcore.parallel.counting) and modelled
     {"ditcore.speed"},  # step time, tokens/s and MFU predicted from FLOPs, memory and traffic; layout search

@@ -1,0 +1,181 @@
+"""The field's DiT checkpoints in ditcore, and ditcore's DiTs handed back to diffusers.
+
+`read(path)` reads, without running any code:
+- an original DiT checkpoint file (facebookresearch/DiT's state-dict naming: its published DiT-XL-2-256x256.pt, or
+  a safetensors file of the same names; a training checkpoint of its train.py gives its EMA weights);
+- a diffusers `DiTTransformer2DModel` folder (config.json + weights), or a whole diffusers DiT pipeline folder
+  (its transformer/, and its scheduler/ and vae/ when present);
+and returns the ditcore config inferred from the weights, the weights in ditcore's names and layouts, and the
+discrete-time schedule the network was trained with (DiT's, unless the pipeline's scheduler says otherwise): such
+networks are DDPM ε-predictors, sampled and fine-tuned under VP preconditioning (ditcore.diffusion.vp).
+
+`export_diffusers` writes a DiTTransformer2DModel folder that diffusers loads with `from_pretrained`.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ditcore import disk, durable, tensorfile
+from ditcore.diffusion.vp import BETA_SCHEDULES, DiscreteVP
+from ditcore.interop import diffusers_dit, original
+from ditcore.interop.original import ConversionError
+from ditcore.models.dit import DiTConfig
+
+SCHEDULER_CONFIG = "scheduler_config.json"
+SIDECAR = "ditcore.json"  # what an export adds beside diffusers' files: how the network is preconditioned
+KINDS = ("an original DiT checkpoint file (its state-dict names, .pt/.pth/.safetensors), a diffusers "
+         "DiTTransformer2DModel folder (config.json + diffusion_pytorch_model.safetensors) or a diffusers DiT "
+         "pipeline folder (model_index.json, transformer/)")
+
+
+@dataclass(frozen=True)
+class Imported:
+    """A foreign DiT in ditcore's terms."""
+
+    path: Path  # what was read
+    kind: str  # "DiT checkpoint" | "diffusers DiTTransformer2DModel"
+    cfg: DiTConfig  # inferred from the weights (and diffusers' config.json)
+    tensors: dict[str, torch.Tensor]  # ditcore's one-device names and layouts
+    vp: DiscreteVP | None  # the DDPM schedule it was trained with; None: an EDM-preconditioned ditcore export
+    vae: Path | None = None  # a diffusers pipeline's vae/ folder, if it has one
+
+    def summary(self) -> str:
+        c = self.cfg
+        what = (f"{self.kind} {self.path}: width {c.hidden_size}, depth {c.depth}, {c.num_heads} heads, patch "
+                f"{c.patch_size}, {c.in_channels} channels, {c.num_classes} classes, grid {c.max_grid[1]}x"
+                f"{c.max_grid[2]}" + (", learned Σ" if c.learn_sigma else ""))
+        if self.vp is None:
+            return what + ", EDM preconditioning"
+        return what + f", DDPM ({self.vp.timesteps} {self.vp.beta_schedule} timesteps, VP preconditioning)"
+
+
+def is_foreign(path: str | Path) -> bool:
+    """Whether `path` looks like one of the formats `read` takes (by its files' names, nothing is loaded)."""
+    path = Path(path)
+    if path.is_file():
+        return path.suffix in (".pt", ".pth", ".bin", ".safetensors")
+    return (path / diffusers_dit.CONFIG_FILE).is_file() or (path / "model_index.json").is_file()
+
+
+def read(path: str | Path, num_heads: int | None = None) -> Imported:
+    """A foreign DiT (see the module docstring); ConversionError in one line when `path` is none of them."""
+    path = Path(path)
+    if not path.exists():
+        raise ConversionError(f"'{path}' does not exist: expected {KINDS}")
+    if path.is_file():
+        state = _load_file(path)
+        if not original.is_original(state):
+            raise ConversionError(f"'{path}' holds no DiT weights (no {original.SIGNATURE}): expected {KINDS}")
+        cfg, tensors = original.to_ditcore(state, num_heads)
+        return Imported(path, "DiT checkpoint", cfg, _finite(path, tensors), DiscreteVP())
+    folder, vae, vp = path, None, DiscreteVP()
+    if (path / "model_index.json").is_file():  # a pipeline: its transformer, scheduler and VAE
+        folder = path / "transformer"
+        vae = path / "vae" if (path / "vae" / diffusers_dit.CONFIG_FILE).is_file() else None
+        if (path / "scheduler" / SCHEDULER_CONFIG).is_file():
+            vp = schedule_from_diffusers(_json(path / "scheduler" / SCHEDULER_CONFIG))
+    config = _json(folder / diffusers_dit.CONFIG_FILE)
+    if config.get("_class_name") != diffusers_dit.CLASS_NAME:
+        raise ConversionError(f"'{folder}' holds a {config.get('_class_name')!r}, not a {diffusers_dit.CLASS_NAME}: "
+                              f"expected {KINDS}")
+    if (folder / SIDECAR).is_file():  # exported by ditcore: its preconditioning travels with it
+        sidecar = _json(folder / SIDECAR)
+        vp = DiscreteVP(**sidecar["vp"]) if sidecar.get("precond") == "vp" else None
+    cfg, tensors = diffusers_dit.to_ditcore(config, _load_weights(folder))
+    return Imported(path, f"diffusers {diffusers_dit.CLASS_NAME}", cfg, _finite(path, tensors), vp, vae)
+
+
+def schedule_from_diffusers(config: dict) -> DiscreteVP:
+    """The DiscreteVP of a diffusers scheduler config (DDPM, DDIM, …: they share these fields)."""
+    if config.get("prediction_type", "epsilon") != "epsilon":
+        raise ConversionError(f"the scheduler says prediction_type={config['prediction_type']!r}: ditcore's VP "
+                              "preconditioning takes ε-prediction networks")
+    if config.get("trained_betas") is not None or config.get("beta_schedule", "linear") not in BETA_SCHEDULES:
+        raise ConversionError(f"the scheduler's beta_schedule={config.get('beta_schedule')!r} (or trained_betas) "
+                              f"is not supported: expected one of {', '.join(BETA_SCHEDULES)}")
+    return DiscreteVP(timesteps=int(config.get("num_train_timesteps", 1000)),
+                      beta_start=float(config.get("beta_start", 1e-4)), beta_end=float(config.get("beta_end", 0.02)),
+                      beta_schedule=config.get("beta_schedule", "linear"))
+
+
+def export_diffusers(out: str | Path, cfg: DiTConfig, tensors: dict[str, torch.Tensor], vp: DiscreteVP | None,
+                     approximate: bool = False) -> Path:
+    """Write a DiTTransformer2DModel folder (config.json, diffusion_pytorch_model.safetensors, and ditcore.json: its
+    preconditioning) to `out`, complete or not at all; ConversionError naming what diffusers cannot hold."""
+    config, weights = diffusers_dit.to_diffusers(cfg, tensors, approximate)
+    out = Path(out)
+    tmp = out.with_name(f".{out.name}.tmp")
+    what = f"could not write the diffusers export {out}"
+    disk.check_space(what, out.parent, sum(t.numel() * t.element_size() for t in weights.values()))
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        tmp.mkdir(parents=True)
+        tensorfile.save(weights, tmp / diffusers_dit.WEIGHTS_FILE)
+        durable.write_text(tmp / diffusers_dit.CONFIG_FILE, json.dumps(config, indent=1))
+        sidecar = {"precond": "edm", "timestep": "1000 * ln(sigma) / 4", "sigma_data": 0.5} if vp is None else \
+            {"precond": "vp", "vp": vp.to_dict(), "prediction_type": "epsilon"}
+        durable.write_text(tmp / SIDECAR, json.dumps(sidecar, indent=1))
+        durable.fsync_file(tmp / diffusers_dit.WEIGHTS_FILE)
+        durable.publish_dir(tmp, out)
+    except Exception as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if disk.is_disk_full(e):
+            raise disk.disk_full(what, tmp) from None
+        raise
+    return out
+
+
+def _load_file(path: Path) -> dict[str, torch.Tensor]:
+    """A state dict from a safetensors file, or a torch file loaded with weights_only (no pickled code runs)."""
+    if path.suffix == ".safetensors":
+        return tensorfile.load(path, "download or convert the checkpoint again")
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # an UnpicklingError names the Python object that weights_only refused
+        raise ConversionError(f"'{path}' cannot be read as plain tensors ({str(e).splitlines()[0][:200]}): ditcore "
+                              "loads no pickled Python objects. A DiT training checkpoint keeps its argparse args "
+                              "beside the weights: save its 'ema' state dict alone (or as safetensors) on a machine "
+                              "you trust, and pass that file") from None
+    if isinstance(state, dict) and isinstance(state.get("ema"), dict):  # DiT's train.py: model, ema, opt, args
+        state = state["ema"]
+    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise ConversionError(f"'{path}' is not a state dict (name → tensor): expected {KINDS}")
+    return state
+
+
+def _load_weights(folder: Path) -> dict[str, torch.Tensor]:
+    weights = folder / diffusers_dit.WEIGHTS_FILE
+    if weights.is_file():
+        return tensorfile.load(weights, "download or save the model again")
+    legacy = folder / "diffusion_pytorch_model.bin"
+    if legacy.is_file():
+        return _load_file(legacy)
+    raise ConversionError(f"'{folder}' has a {diffusers_dit.CONFIG_FILE} but no {diffusers_dit.WEIGHTS_FILE}: "
+                          "save the model again (save_pretrained) or download its weights")
+
+
+def _json(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ConversionError(f"'{path}' cannot be read as JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise ConversionError(f"'{path}' is not a JSON object")
+    return data
+
+
+def _finite(path: Path, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    bad = tensorfile.non_finite(tensors)
+    if bad:
+        raise ConversionError(f"'{path}' holds NaN/Inf in {len(bad)} tensors (e.g. {bad[0]}): a diverged or damaged "
+                              "checkpoint")
+    return tensors
+
+
+__all__ = ["ConversionError", "Imported", "export_diffusers", "is_foreign", "read", "schedule_from_diffusers"]
