@@ -23,6 +23,7 @@ from ditcore import disk, durable, tensorfile
 from ditcore.codecs import Codec, LatentStats, load_codec
 from ditcore.data.schema import INFO_FILE, DatasetInfo, parse_info
 from ditcore.diffusion.edm import PREDICTIONS
+from ditcore.diffusion.vp import DiscreteVP
 from ditcore.models import ARCHS, DiT, DiTConfig, arch_of, build
 
 WEIGHTS, CONFIG = "model.safetensors", "model.json"
@@ -76,6 +77,14 @@ class Exported:
     def prediction(self) -> str:
         """What the network outputs (ditcore.diffusion.edm.PREDICTIONS); exports from before it was recorded: edm."""
         return self.extra.get("prediction", "edm")
+
+    @property
+    def vp(self) -> DiscreteVP | None:
+        """The DDPM schedule of a network sampled under VP preconditioning (extra "precond": "vp", its "vp" the
+        schedule's fields: ditcore.diffusion.vp.DiscreteVP); None for EDM's, and for exports from before."""
+        if self.extra.get("precond", "edm") != "vp":
+            return None
+        return DiscreteVP(**self.extra.get("vp", {}))
 
     @property
     def guidance(self) -> float:
@@ -161,6 +170,9 @@ def load_export(path: str | Path, device: str | torch.device = "cpu") -> Exporte
     if not (path / INFO_FILE).is_file():
         raise FileNotFoundError(f"'{path}' has no {INFO_FILE}: the export is incomplete")
     info = parse_info(path / INFO_FILE, "export", "export the run again (dit-train writes RUN_DIR/export/)")
+    if meta.get("precond", "edm") not in ("edm", "vp"):
+        raise ValueError(f"'{path / CONFIG}' says precond={meta['precond']!r}: this ditcore knows edm and vp — sample "
+                         "it with the ditcore version that trained it")
     if meta.get("prediction", "edm") not in PREDICTIONS:
         raise ValueError(f"'{path / CONFIG}' says prediction={meta['prediction']!r}: this ditcore knows "
                          f"{', '.join(PREDICTIONS)} — sample it with the ditcore version that trained it")
