@@ -281,3 +281,16 @@ def test_an_original_checkpoint_of_no_paper_width_asks_for_its_heads(original, v
     result = invoke("generate", "--checkpoint", original[1], "--vae", vae_folder, "--class", 1)
     assert result.exit_code == 2 and "none of the paper's sizes" in result.stderr and "--num-heads" in result.stderr
     assert len(result.stderr.splitlines()) == 1
+
+
+def test_an_x_prediction_run_is_refused_by_name(edm_run, tmp_path):
+    """Its ditcore.json would record EDM's c_skip/c_out, which, followed, give another denoiser than the network's."""
+    import shutil
+
+    _, run = edm_run
+    export = shutil.copytree(run / "export", tmp_path / "export")
+    meta = json.loads((export / "model.json").read_text())
+    (export / "model.json").write_text(json.dumps(meta | {"prediction": "x"}))  # what dit-train records
+    result = invoke("export", "--checkpoint", export, "--format", "diffusers", tmp_path / "out")
+    assert result.exit_code == 2 and result.stderr.startswith("error: cannot export to diffusers: prediction=x")
+    assert not (tmp_path / "out").exists()
