@@ -172,9 +172,9 @@ def serve(
 
 @app.command()
 def export(
-    out: Path = typer.Argument(..., help="The folder to write: a diffusers DiTTransformer2DModel (config.json, "
-                                         "diffusion_pytorch_model.safetensors, and ditcore.json: how it is "
-                                         "preconditioned)."),
+    out: Path = typer.Argument(..., metavar="OUT", help="The folder to write: a diffusers DiTTransformer2DModel "
+                                                        "(config.json, diffusion_pytorch_model.safetensors, and "
+                                                        "ditcore.json: how it is preconditioned)."),
     checkpoint: Path = typer.Option(..., help=CHECKPOINT_HELP),
     format_: Format = typer.Option(..., "--format", help="diffusers: a DiTTransformer2DModel folder (the one format "
                                                         "so far)."),
