@@ -32,7 +32,7 @@ import gradio as gr
 import torch
 
 from dit_sample.generate import LIMITS, SOLVERS, RequestError, Sampler
-from ditcore import runs
+from ditcore import interop, runs
 from ditcore.disk import DiskFull
 from ditcore.export import load_export
 from ditcore.media import write_sample
@@ -54,7 +54,10 @@ class Cancelled(Exception):
 
 
 def checkpoint_choices(path: Path) -> dict[str, Path]:
-    """Label → folder: the export, then training checkpoints newest first (run directories only)."""
+    """Label → folder: the export, then training checkpoints newest first (run directories only); one of the field's
+    DiT checkpoints (ditcore.interop) is offered alone, in the export's place."""
+    if interop.is_foreign(path):
+        return {EXPORT: path}
     choices = {EXPORT: runs.find_export(path)}
     for d in reversed(runs.complete_checkpoints(path)):
         choices[d.name] = d
@@ -94,9 +97,10 @@ class Checkpoints:
     training checkpoints the `keep` most recently used do, so clicking through a long run does not grow memory.
     """
 
-    def __init__(self, path: Path, keep: int = KEEP_CHECKPOINTS):
+    def __init__(self, path: Path, keep: int = KEEP_CHECKPOINTS, vae: str | None = None,
+                 num_heads: int | None = None):
         self.folders = checkpoint_choices(path)
-        self.base = Sampler.load(self.folders[EXPORT])
+        self.base = Sampler.load(self.folders[EXPORT], vae, num_heads)  # the last two: the field's checkpoints only
         self.keep = keep
         self.loaded: OrderedDict[str, Sampler] = OrderedDict()  # least recently used first
         self._lock = threading.Lock()  # concurrent requests must not load the same checkpoint twice
@@ -211,9 +215,11 @@ def _whole(value):
 
 
 def build_app(checkpoint: str | Path, concurrency: int = 1, queue_size: int = 64,
-              max_token_steps: int = MAX_TOKEN_STEPS) -> gr.Blocks:
+              max_token_steps: int = MAX_TOKEN_STEPS, vae: str | None = None, num_heads: int | None = None
+              ) -> gr.Blocks:
+    """vae, num_heads: for one of the field's DiT checkpoints (Sampler.load)."""
     checkpoint = Path(checkpoint)
-    models = Checkpoints(checkpoint)
+    models = Checkpoints(checkpoint, vae=vae, num_heads=num_heads)
     base = models.base
     base.load_text()  # at start, not in the first request
     cfg = base.exported.model.cfg
@@ -313,7 +319,9 @@ def build_app(checkpoint: str | Path, concurrency: int = 1, queue_size: int = 64
     with gr.Blocks(title="ditcore sampler", delete_cache=CACHE_CLEANUP) as demo:
         conditioning = "class-conditional" if base.class_conditional else \
             f"text: {base.exported.info.text_encoder['name']}"
-        gr.Markdown(f"## ditcore sampler\n`{checkpoint}` · {cfg.depth} layers × {cfg.hidden_size} · {conditioning}")
+        imported = base.exported.extra.get("imported")  # the field's checkpoints: what was read, and how it samples
+        gr.Markdown(f"## ditcore sampler\n`{checkpoint}` · {cfg.depth} layers × {cfg.hidden_size} · {conditioning}"
+                    + (f"\n\n{imported}" if imported else ""))
         with gr.Row():
             with gr.Column():
                 choice = gr.Dropdown(list(models.folders), value=EXPORT, label="checkpoint", elem_id="checkpoint",
@@ -341,7 +349,9 @@ def build_app(checkpoint: str | Path, concurrency: int = 1, queue_size: int = 64
                 with gr.Row():
                     seed = gr.Number(value=0, precision=0, label="seed", elem_id="seed")
                     shuffle = gr.Button("random seed", elem_id="random-seed")
-                frames = gr.Slider(1, MAX_FRAMES, value=8, step=1, precision=0, label="frames", elem_id="frames")
+                video_model = cfg.max_grid[0] > 1  # an image model (DiT's) samples one frame: no slider to trip on
+                frames = gr.Slider(1, MAX_FRAMES, value=8 if video_model else 1, step=1, precision=0, label="frames",
+                                   elem_id="frames", visible=video_model)
                 with gr.Row():
                     height = gr.Number(height0, precision=0, minimum=heights[0], maximum=heights[-1], step=stride,
                                        label="height (pixels)", info=f"multiples of {stride} up to {heights[-1]}",

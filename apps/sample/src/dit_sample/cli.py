@@ -26,6 +26,24 @@ class Solver(enum.StrEnum):  # Typer lists and validates these; the sampler's ow
     euler = "euler"
 
 
+class Schedule(enum.StrEnum):  # ditcore.sampling.SCHEDULES
+    karras = "karras"
+    ddim = "ddim"
+
+
+class Format(enum.StrEnum):
+    diffusers = "diffusers"
+
+
+CHECKPOINT_HELP = ("An export folder (RUN_DIR/export), a run directory, or one of the field's DiT checkpoints: an "
+                   "original DiT file (DiT-XL-2-256x256.pt, .safetensors), a diffusers DiTTransformer2DModel folder or "
+                   "DiT pipeline folder (transformer/, scheduler/, vae/).")
+VAE_HELP = ("The field's checkpoints only: the VAE that decodes its latents, a local folder (save_pretrained) or hub "
+            "id. Default: a pipeline's own vae/, else stabilityai/sd-vae-ft-ema (DiT's).")
+HEADS_HELP = ("The field's checkpoints only: attention heads of an original DiT file whose width is none of the "
+              "paper's (S/B/L/XL: its state dict does not record them).")
+
+
 def output_problem(out: Path) -> str | None:
     """Why `out` cannot be written (checked before the model loads), or None."""
     folder = out.parent
@@ -45,7 +63,7 @@ def main(version_: bool = version_option("dit-sample")) -> None:
 
 @app.command()
 def generate(
-    checkpoint: Path = typer.Option(..., help="An export folder (RUN_DIR/export) or a run directory."),
+    checkpoint: Path = typer.Option(..., help=CHECKPOINT_HELP),
     prompt: list[str] = typer.Option(None, help="What to draw; repeat for several samples in one batch."),
     negative_prompt: str = typer.Option(None, help="Steer away from this (the unconditional side of CFG)."),
     class_label: list[int] = typer.Option(None, "--class", help="Class-conditional models: class index; repeat."),
@@ -59,12 +77,18 @@ def generate(
                                           "else the size it validated at; else 64.", show_default=False),
     width: int = typer.Option(None, help="Width in pixels. Default: see --height.", show_default=False),
     solver: Solver = typer.Option("heun", help="heun (2nd order) or euler."),
+    schedule: Schedule = typer.Option("karras", help="Noise levels: karras (EDM's, rho 7) or ddim (a DDPM network's "
+                                                     "own timesteps, spaced as DDIM spaces them; with --solver euler "
+                                                     "this is DDIM). ddim: VP-preconditioned networks only."),
+    vae: str = typer.Option(None, help=VAE_HELP, show_default=False),
+    num_heads: int = typer.Option(None, min=1, help=HEADS_HELP, show_default=False),
     fps: float = typer.Option(8.0, min=0.1, max=240.0,
                               help="Frame rate of the mp4 (and the model's fps condition, if it has one)."),
     out: Path = typer.Option(Path("sample.png"), help="Output file; several prompts add -0, -1, … to the name."),
 ) -> None:
     """Sample prompts and write an mp4 (frames > 1) or png (frames = 1) for each."""
     from dit_sample.generate import RequestError, Sampler
+    from ditcore.codecs import HubLoadError
     from ditcore.disk import DiskFull
     from ditcore.media import write_sample
     from ditcore.sampling import step_bar
@@ -73,7 +97,9 @@ def generate(
     if problem:
         fail(problem)
     try:
-        sampler = Sampler.load(checkpoint)
+        sampler = Sampler.load(checkpoint, vae, num_heads)
+        if "imported" in sampler.exported.extra:
+            typer.echo(f"sampling {sampler.exported.extra['imported']}")
         if not sampler.class_conditional and not prompt:
             example = f", e.g. --prompt {shlex.quote(sampler.prompts()[0])}" if sampler.prompts() else ""
             raise RequestError(f"--prompt is required: describe what to draw{example}")
@@ -82,12 +108,13 @@ def generate(
         height = trained_height if height is None else height
         width = trained_width if width is None else width
         request = dict(prompts=prompt, negative_prompt=negative_prompt, class_labels=class_label, steps=steps,
-                       guidance=guidance, seed=seed, frames=frames, height=height, width=width, solver=str(solver))
+                       guidance=guidance, seed=seed, frames=frames, height=height, width=width, solver=str(solver),
+                       schedule=str(schedule))
         sampler.check(**request)  # a bad request is refused before the text encoder loads (seconds)
         sampler.load_text()  # before the bar starts: the bar counts sampling steps only
         with step_bar(steps, "sampling") as bar:
             result, seconds = sampler.run(**request, fps=fps, callback=bar)
-    except (RequestError, FileNotFoundError, ValueError, KeyError) as e:
+    except (RequestError, FileNotFoundError, ValueError, KeyError, HubLoadError) as e:
         fail(str(e))
     n = result.pixels.shape[0]
     for i, pixels in enumerate(result.pixels):
@@ -106,7 +133,8 @@ def generate(
 
 @app.command()
 def serve(
-    checkpoint: Path = typer.Option(..., help="An export folder, or a run directory (pick among its checkpoints)."),
+    checkpoint: Path = typer.Option(..., help="An export folder, a run directory (pick among its checkpoints), or "
+                                              "one of the field's DiT checkpoints (see generate --help)."),
     host: str = typer.Option("127.0.0.1", help="Address to bind; 127.0.0.1 keeps it on this machine."),
     port: int = typer.Option(7860, min=1, max=65535, help="Port to listen on; it must be free."),
     concurrency: int = typer.Option(1, min=1, help="Requests sampled at the same time; the rest wait in a queue."),
@@ -114,9 +142,12 @@ def serve(
                                                    "'queue is full' until one finishes."),
     max_token_steps: int = typer.Option(2**18, min=1, help="Largest request: latent tokens (frames x pixels) x "
                                                           "sampler steps; larger ones are refused with a message."),
+    vae: str = typer.Option(None, help=VAE_HELP, show_default=False),
+    num_heads: int = typer.Option(None, min=1, help=HEADS_HELP, show_default=False),
 ) -> None:
     """Run the Gradio app: prompt → video/image in the browser. Never opens a public share link."""
     from dit_sample.app import build_app, exposure_warning, launch_options, port_problem
+    from ditcore.codecs import HubLoadError
 
     problem = port_problem(host, port)  # before the model loads: a taken port should fail in seconds
     if problem:
@@ -126,8 +157,8 @@ def serve(
         typer.echo(warning, err=True)
     try:
         demo = build_app(checkpoint, concurrency=concurrency, queue_size=queue_size,
-                         max_token_steps=max_token_steps)
-    except (FileNotFoundError, ValueError, KeyError) as e:
+                         max_token_steps=max_token_steps, vae=vae, num_heads=num_heads)
+    except (FileNotFoundError, ValueError, KeyError, HubLoadError) as e:
         fail(str(e))
     typer.echo(f"serving {checkpoint} on http://{host}:{port}")
     # `docker stop`, systemd and `kill` send SIGTERM: stop as on Ctrl-C, so that the server closes and the app's
@@ -137,6 +168,36 @@ def serve(
         demo.launch(server_name=host, server_port=port, share=False, quiet=True, **launch_options())
     except OSError as e:  # the port was taken between the check and the launch
         fail(f"cannot serve on {host}:{port}: {e} — pass a free port with --port")
+
+
+@app.command()
+def export(
+    out: Path = typer.Argument(..., metavar="OUT", help="The folder to write: a diffusers DiTTransformer2DModel "
+                                                        "(config.json, diffusion_pytorch_model.safetensors, and "
+                                                        "ditcore.json: how it is preconditioned)."),
+    checkpoint: Path = typer.Option(..., help=CHECKPOINT_HELP),
+    format_: Format = typer.Option(..., "--format", help="diffusers: a DiTTransformer2DModel folder (the one format "
+                                                        "so far)."),
+    approximate: bool = typer.Option(False, help="Export a network with the original DiT's timestep sinusoid anyway "
+                                                 "(an original DiT checkpoint, or a run fine-tuned from one): "
+                                                 "diffusers computes its own, 10000^(-k/(half-1)), as its conversion "
+                                                 "of DiT-XL/2 does — close to the network's function, not equal."),
+    num_heads: int = typer.Option(None, min=1, help=HEADS_HELP, show_default=False),
+    force: bool = typer.Option(False, help="Replace OUT if it exists (it is replaced whole, once the new folder is "
+                                           "complete)."),
+) -> None:
+    """Write the model to another library's format: a folder `DiTTransformer2DModel.from_pretrained(OUT)` loads.
+
+    Refused, naming the first feature the format cannot hold (RoPE, QK-norm, text conditioning, video, ...)."""
+    from dit_sample.export import to_diffusers
+    from ditcore.disk import DiskFull
+
+    try:
+        lines = to_diffusers(checkpoint, out, approximate=approximate, num_heads=num_heads, force=force)
+    except (FileNotFoundError, ValueError, KeyError, DiskFull) as e:  # ExportError and ConversionError: ValueErrors
+        fail(str(e))
+    for line in lines:
+        typer.echo(line)
 
 
 def _interrupt(signum, frame):

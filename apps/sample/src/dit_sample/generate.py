@@ -1,7 +1,14 @@
-"""Loading a checkpoint for sampling and checking a request: shared by the CLI and the Gradio app."""
+"""Loading a checkpoint for sampling and checking a request: shared by the CLI and the Gradio app.
+
+A checkpoint is a ditcore export (or a run directory), or one of the field's DiT checkpoints (ditcore.interop: an
+original DiT file, a diffusers DiTTransformer2DModel or DiT pipeline folder), which becomes the same `Exported`: its
+network under the preconditioning it was trained with, a diffusers VAE, and the latent statistics that give the
+network the latents it saw in training.
+"""
 
 from __future__ import annotations
 
+import json
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -10,11 +17,15 @@ from pathlib import Path
 import torch
 import yaml
 
-from ditcore import runs
+from ditcore import interop, runs
+from ditcore.codecs import DiffusersVAECodec, LatentStats
 from ditcore.codecs.text import MAX_TOKENS, TextEncoder, load_text_encoder
 from ditcore.data.fit import latent_shapes
-from ditcore.export import Exported, load_export
-from ditcore.sampling import SampleResult, sample, token_grid
+from ditcore.data.schema import DatasetInfo
+from ditcore.export import DEFAULT_GUIDANCE, Exported, load_export
+from ditcore.layout import SIGMA_DATA
+from ditcore.models import build
+from ditcore.sampling import SCHEDULES, SampleResult, sample, token_grid
 
 # Inclusive ranges; seed: what torch.Generator.manual_seed accepts.
 LIMITS = {"steps": (1, 500), "guidance": (0.0, 30.0), "frames": (1, 128), "size": (8, 1024), "seed": (0, 2**64 - 1)}
@@ -22,6 +33,9 @@ SOLVERS = ("heun", "euler")
 # The text encoder reads only the first MAX_TOKENS tokens (a few hundred characters); a prompt far longer than
 # that is a paste accident or abuse, and is refused rather than silently cut.
 MAX_PROMPT_CHARS = 2000
+# The VAE DiT's authors sample their checkpoints with (their sample.py's default, --vae ema): the latent space every
+# DiT checkpoint of theirs, and diffusers' facebook/DiT-XL-2-* pipelines, were trained in
+DIT_VAE = "stabilityai/sd-vae-ft-ema"
 
 
 class RequestError(ValueError):
@@ -36,7 +50,15 @@ class Sampler:
     load_seconds: dict[str, float] = field(default_factory=dict)  # model, codec, text encoder: apart from sampling
 
     @classmethod
-    def load(cls, checkpoint: str | Path) -> Sampler:
+    def load(cls, checkpoint: str | Path, vae: str | None = None, num_heads: int | None = None) -> Sampler:
+        """vae, num_heads: for the field's checkpoints (see load_foreign); a ditcore export has its own codec."""
+        if interop.is_foreign(checkpoint):
+            exported = load_foreign(checkpoint, vae, num_heads)
+            return cls(exported, None, Path(checkpoint), dict(exported.load_seconds))
+        if vae is not None or num_heads is not None:
+            raise RequestError(f"--vae and --num-heads are for the field's DiT checkpoints ({interop.KINDS}); "
+                               f"'{checkpoint}' is a ditcore export or run, which decodes with the codec it trained "
+                               "with and records its heads — leave them out")
         path = runs.find_export(checkpoint)
         exported = load_export(path)
         text = None
@@ -76,6 +98,8 @@ class Sampler:
     def example_classes(self) -> list[int]:
         """The class labels the run validated with (one per validation prompt, as dit-train samples them)."""
         n = self.exported.model.cfg.num_classes
+        if "imported" in self.exported.extra:  # the field's checkpoints: no run, and class 0 is nothing special
+            return []
         return list(range(min(n, len(self.prompts()) or 1))) if n else []
 
     def example(self) -> str:
@@ -84,7 +108,7 @@ class Sampler:
         return f", e.g. {prompts[0]!r}" if prompts else ""
 
     def check(self, *, prompts=None, steps, guidance, frames, height, width, seed=0, solver="heun",
-              negative_prompt=None, class_labels=None) -> None:
+              schedule="karras", negative_prompt=None, class_labels=None) -> None:
         """Raise RequestError naming the first value of the wrong type or out of range.
 
         Cheap (nothing is allocated), so a request is refused before it costs memory; values may come straight from
@@ -100,6 +124,15 @@ class Sampler:
                 raise RequestError(f"{name}={value} is out of range: expected {lo}..{hi}")
         if solver not in SOLVERS:
             raise RequestError(f"solver={solver!r} is unknown: expected one of {', '.join(SOLVERS)}")
+        vp = self.exported.vp
+        if schedule not in SCHEDULES:
+            raise RequestError(f"schedule={schedule!r} is unknown: expected one of {', '.join(SCHEDULES)}")
+        if schedule == "ddim" and vp is None:
+            raise RequestError("schedule ddim steps through a DDPM network's timesteps, and this model is "
+                               "EDM-preconditioned (it has none) — use schedule karras")
+        if schedule == "ddim" and steps > vp.timesteps:
+            raise RequestError(f"steps={steps} is more than the network's {vp.timesteps} timesteps that schedule "
+                               f"ddim steps through: expected 1..{vp.timesteps}")
         if self.class_conditional:
             n = self.exported.model.cfg.num_classes
             if not class_labels or any(not _is_number(c, int) or not 0 <= c < n for c in class_labels):
@@ -142,9 +175,11 @@ class Sampler:
         return heights[0], widths[0]
 
     def run(self, *, prompts=None, negative_prompt=None, class_labels=None, steps=18, guidance=4.0, seed=0,
-            frames=1, height=64, width=64, solver="heun", fps=8.0, callback=None) -> tuple[SampleResult, float]:
+            frames=1, height=64, width=64, solver="heun", schedule="karras", fps=8.0,
+            callback=None) -> tuple[SampleResult, float]:
         self.check(prompts=prompts, steps=steps, guidance=guidance, frames=frames, height=height, width=width,
-                   seed=seed, solver=solver, negative_prompt=negative_prompt, class_labels=class_labels)
+                   seed=seed, solver=solver, schedule=schedule, negative_prompt=negative_prompt,
+                   class_labels=class_labels)
         self.load_text()  # not part of the generation time
         t0 = time.perf_counter()
         states = negative = None
@@ -155,11 +190,60 @@ class Sampler:
         result = sample(self.exported.model, self.exported.codec, self.exported.stats, text_states=states,
                         negative_states=negative, class_labels=class_labels, frames=frames, height=height,
                         width=width, steps=steps, guidance=guidance, solver=solver, seed=seed, fps=fps,
-                        prediction=self.exported.prediction, callback=callback)
+                        prediction=self.exported.prediction, vp=self.exported.vp, schedule=schedule,
+                        callback=callback)
         if not torch.isfinite(result.latents).all():  # decoded, NaN would be an all-black picture passing as a sample
             raise RequestError("the sample came out non-finite (NaN/Inf) although the weights are finite: the model's "
                                "output overflowed — try a lower guidance, other steps, or another checkpoint")
         return result, time.perf_counter() - t0
+
+
+def load_foreign(path: str | Path, vae: str | None = None, num_heads: int | None = None) -> Exported:
+    """One of the field's DiT checkpoints (ditcore.interop.read) as an export: the network (eval) under the
+    preconditioning it was trained with (a DDPM schedule: VP), DiT's guidance default, and a VAE codec — `vae` (a
+    local folder or hub id), else a pipeline's own vae/, else DiT's. num_heads: for an original checkpoint whose
+    width is none of the paper's (a state dict does not record its heads)."""
+    t0 = time.perf_counter()
+    imported = interop.read(path, num_heads)
+    cfg = imported.cfg
+    model = build(cfg)
+    model.load_state_dict(imported.tensors)  # strict: the import gives every weight its place
+    model.eval()
+    t1 = time.perf_counter()
+    source = vae or imported.vae or DIT_VAE
+    _check_vae_class(source)
+    codec = DiffusersVAECodec(source, "AutoencoderKL")
+    if codec.latent_channels != cfg.in_channels:
+        raise ValueError(f"the VAE {str(source)!r} has {codec.latent_channels} latent channels, the network takes "
+                         f"{cfg.in_channels} — pass the VAE it was trained with (--vae)")
+    # The network was trained on (z − shift)·scaling_factor of the VAE's latents z (DiT: 0.18215·z); ditcore's
+    # normalised latents are (z − mean)/std·σ_data, the same numbers for mean = shift and std = σ_data/scaling_factor
+    C, config = cfg.in_channels, codec.vae.config
+    stats = LatentStats(torch.full((C,), float(getattr(config, "shift_factor", None) or 0.0)),
+                        torch.full((C,), SIGMA_DATA / config.scaling_factor))
+    info = DatasetInfo(codec=codec.save(Path(path)), latent_stats=stats.to_dict(),
+                       text_encoder={"name": "null", "dim": 0}, latent_channels=C,
+                       spatial_factor=codec.spatial_factor, temporal_factor=1, num_classes=cfg.num_classes)
+    extra = {"imported": imported.summary(), "guidance": DEFAULT_GUIDANCE, "prompts": [],
+             "size": cfg.max_grid[1] * cfg.patch_size * codec.spatial_factor,  # its training size: the default
+             "precond": "edm" if imported.vp is None else "vp", **({} if imported.vp is None else
+                                                                   {"vp": imported.vp.to_dict()})}
+    return Exported(model, codec, stats, info, extra, {"model": t1 - t0, "codec": time.perf_counter() - t1})
+
+
+def _check_vae_class(source: str | Path) -> None:
+    """A local VAE folder of another class would load as an AutoencoderKL with random weights (diffusers only
+    warns): refused by the class its config.json names."""
+    config = Path(source).expanduser() / "config.json"
+    if not config.is_file():
+        return  # a hub id, or a folder the loader reports on
+    try:
+        name = json.loads(config.read_text()).get("_class_name")
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError):
+        return  # the loader names what is wrong with it
+    if name not in (None, "AutoencoderKL"):
+        raise ValueError(f"the VAE folder '{source}' holds a {name}: DiT's latents are an AutoencoderKL's (as "
+                         f"{DIT_VAE}) — pass one with --vae")
 
 
 def _is_number(value, kind: type) -> bool:

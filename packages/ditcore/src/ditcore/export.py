@@ -82,9 +82,7 @@ class Exported:
     def vp(self) -> DiscreteVP | None:
         """The DDPM schedule of a network sampled under VP preconditioning (extra "precond": "vp", its "vp" the
         schedule's fields: ditcore.diffusion.vp.DiscreteVP); None for EDM's, and for exports from before."""
-        if self.extra.get("precond", "edm") != "vp":
-            return None
-        return DiscreteVP(**self.extra.get("vp", {}))
+        return vp_of(self.extra)
 
     @property
     def guidance(self) -> float:
@@ -153,35 +151,51 @@ def check_finite(path: Path, state: dict[str, torch.Tensor]) -> None:
                          "--checkpoint RUN_DIR offers them) or resume from one with a lower optim.lr")
 
 
-def load_export(path: str | Path, device: str | torch.device = "cpu") -> Exported:
-    """Load an export folder; errors say what is missing or which architecture does not fit."""
+def vp_of(meta: dict) -> DiscreteVP | None:
+    """The DDPM schedule an export's CONFIG fields give (Exported.vp), or None for an EDM-preconditioned network."""
+    if meta.get("precond", "edm") != "vp":
+        return None
+    return DiscreteVP(**meta.get("vp", {}))
+
+
+def load_network(path: str | Path) -> tuple[DiTConfig, dict[str, torch.Tensor], dict]:
+    """An export's model config, its one-device weights (checked to fit the config and finite) and its CONFIG file's
+    other fields — without its codec, which may be a VAE from the hub (dit-sample export needs none)."""
     path = Path(path)
-    t0 = time.perf_counter()
     if not (path / WEIGHTS).is_file() or not (path / CONFIG).is_file():
         raise FileNotFoundError(f"'{path}' is not a ditcore export: it needs {WEIGHTS} and {CONFIG} "
                                 "(dit-train writes them to RUN_DIR/export/)")
     meta = _meta(path)
     cfg = exported_config(path)
     check_weights_fit(path, cfg)  # before the model is allocated: model.json may promise any size
-    model = build(cfg)
-    state = model.upgrade_state_dict(tensorfile.load(path / WEIGHTS, REDO))
+    with torch.device("meta"):
+        upgrade = build(cfg).upgrade_state_dict
+    state = upgrade(tensorfile.load(path / WEIGHTS, REDO))
     check_finite(path, state)
-    model.load_state_dict(state)
-    if not (path / INFO_FILE).is_file():
-        raise FileNotFoundError(f"'{path}' has no {INFO_FILE}: the export is incomplete")
-    info = parse_info(path / INFO_FILE, "export", "export the run again (dit-train writes RUN_DIR/export/)")
     if meta.get("precond", "edm") not in ("edm", "vp"):
         raise ValueError(f"'{path / CONFIG}' says precond={meta['precond']!r}: this ditcore knows edm and vp — sample "
                          "it with the ditcore version that trained it")
     if meta.get("prediction", "edm") not in PREDICTIONS:
         raise ValueError(f"'{path / CONFIG}' says prediction={meta['prediction']!r}: this ditcore knows "
                          f"{', '.join(PREDICTIONS)} — sample it with the ditcore version that trained it")
+    return cfg, state, {k: v for k, v in meta.items() if k != "model"}
+
+
+def load_export(path: str | Path, device: str | torch.device = "cpu") -> Exported:
+    """Load an export folder; errors say what is missing or which architecture does not fit."""
+    path = Path(path)
+    t0 = time.perf_counter()
+    cfg, state, meta = load_network(path)
+    model = build(cfg)
+    model.load_state_dict(state)
+    if not (path / INFO_FILE).is_file():
+        raise FileNotFoundError(f"'{path}' has no {INFO_FILE}: the export is incomplete")
+    info = parse_info(path / INFO_FILE, "export", "export the run again (dit-train writes RUN_DIR/export/)")
     model = model.to(device).eval()
     t1 = time.perf_counter()
     codec = load_codec(info.codec, path)  # a pretrained VAE loads here: seconds, as long as the model or longer
-    return Exported(model, codec, LatentStats.from_dict(info.latent_stats), info,
-                    {k: v for k, v in meta.items() if k != "model"},
+    return Exported(model, codec, LatentStats.from_dict(info.latent_stats), info, meta,
                     {"model": t1 - t0, "codec": time.perf_counter() - t1})
 
 
-__all__ = ["CONFIG", "DEFAULT_GUIDANCE", "WEIGHTS", "Exported", "export_model", "load_export"]
+__all__ = ["CONFIG", "DEFAULT_GUIDANCE", "WEIGHTS", "Exported", "export_model", "load_export", "load_network", "vp_of"]

@@ -1,0 +1,89 @@
+"""`dit-sample export`: a trained or imported DiT handed to diffusers as a `DiTTransformer2DModel` folder.
+
+The conversion and its refusals are ditcore.interop's; here: which weights (an export, a run, or one of the field's
+checkpoints), what may be overwritten, and what a user must know to load and sample the folder.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from ditcore import interop, runs
+from ditcore.diffusion.vp import DiscreteVP
+from ditcore.export import exported_config, load_network, vp_of
+from ditcore.interop import diffusers_dit
+from ditcore.layout import SIGMA_DATA
+from ditcore.models.dit import DiTConfig
+
+
+class ExportError(ValueError):
+    """An export that cannot be written, with what to do."""
+
+
+def out_problem(out: Path, checkpoint: Path, force: bool) -> str | None:
+    """Why OUT cannot be written (checked before anything loads), or None."""
+    if out.exists() and not out.is_dir():
+        return f"OUT '{out}' is a file: give a folder to write the diffusers model to"
+    if not out.parent.is_dir():
+        return f"OUT '{out}': the folder '{out.parent}' does not exist — create it first or choose another path"
+    if out.exists() and not force:
+        return f"OUT '{out}' exists: pass --force to replace it, or give a new folder"
+    if checkpoint.exists() and checkpoint.resolve().is_relative_to(out.resolve()):
+        return f"OUT '{out}' is (or holds) the checkpoint being exported: give another folder"
+    return None
+
+
+def network(checkpoint: Path, num_heads: int | None, approximate: bool
+            ) -> tuple[DiTConfig, dict[str, torch.Tensor], DiscreteVP | None]:
+    """(config, one-device weights, DDPM schedule or None) of what `checkpoint` names; a model that diffusers cannot
+    hold is refused from its config alone, before its weights load."""
+    if interop.is_foreign(checkpoint):
+        imported = interop.read(checkpoint, num_heads)
+        return imported.cfg, imported.tensors, imported.vp
+    if num_heads is not None:
+        raise ExportError(f"--num-heads is for the field's DiT checkpoints ({interop.KINDS}); '{checkpoint}' is a "
+                          "ditcore export or run, which records its heads — leave it out")
+    path = runs.find_export(checkpoint)
+    why = diffusers_dit.refusal(exported_config(path), approximate)
+    if why:
+        raise ExportError(why)
+    cfg, state, meta = load_network(path)
+    prediction = meta.get("prediction", "edm")
+    if prediction != "edm":  # the folder's ditcore.json records EDM's c_skip/c_out: followed, they give another D
+        raise ExportError(f"cannot export to diffusers: prediction={prediction} (the network predicts the clean "
+                          "latents, D = σ_data·F): the folder records EDM's preconditioning (c_skip, c_out) only")
+    return cfg, state, vp_of(meta)
+
+
+def to_diffusers(checkpoint: str | Path, out: str | Path, *, approximate: bool = False, num_heads: int | None = None,
+                 force: bool = False) -> list[str]:
+    """Write `out` (complete or not at all: interop.export_diffusers); the lines that tell a user how to use it."""
+    checkpoint, out = Path(checkpoint), Path(out)
+    problem = out_problem(out, checkpoint, force)
+    if problem:
+        raise ExportError(problem)
+    cfg, tensors, vp = network(checkpoint, num_heads, approximate)
+    interop.export_diffusers(out, cfg, tensors, vp, approximate)
+    c = cfg
+    lines = [f"wrote {out}: a diffusers {diffusers_dit.CLASS_NAME} (width {c.hidden_size}, depth {c.depth}, "
+             f"{c.num_heads} heads, patch {c.patch_size}, {c.in_channels} channels, {c.num_classes} classes, "
+             f"sample_size {c.max_grid[1] * c.patch_size}); it holds the network only (no VAE, scheduler or "
+             "latent statistics)",
+             f"load it with: from diffusers import {diffusers_dit.CLASS_NAME}; "
+             f"{diffusers_dit.CLASS_NAME}.from_pretrained({str(out)!r})"]
+    if vp is not None:
+        lines.append(f"it is a DDPM ε-prediction network, as DiT ({vp.timesteps} {vp.beta_schedule} timesteps, β "
+                     f"{vp.beta_start:g}..{vp.beta_end:g}; {out / interop.SIDECAR} records them): sample it as DiT, "
+                     f"e.g. DiTPipeline with DDIMScheduler(num_train_timesteps={vp.timesteps}, "
+                     f"beta_schedule={vp.beta_schedule!r}, beta_start={vp.beta_start:g}, beta_end={vp.beta_end:g})")
+    else:
+        lines.append(f"it is EDM-preconditioned, not a DDPM network ({out / interop.SIDECAR} says so): give it "
+                     "c_in·x with timestep = 1000·ln(σ)/4 and take D(x; σ) = c_skip·x + c_out·output, where "
+                     f"σ_data = {SIGMA_DATA}, c_in = 1/√(σ²+σ_data²), c_skip = σ_data²/(σ²+σ_data²), c_out = "
+                     "σ·σ_data/√(σ²+σ_data²) — diffusers' DDPM schedulers cannot sample it as it is")
+    if approximate and cfg.freq_shift == 0:
+        lines.append("approximate: diffusers computes the timestep sinusoid with frequencies 10000^(-k/(half-1)), "
+                     "the network was trained with 10000^(-k/half): close to its function, not equal")
+    return lines
