@@ -278,7 +278,7 @@ def _tensors(fabric, state: dict) -> dict[str, torch.Tensor]:
 
 def _values(state: dict) -> dict:
     return {"step": state["step"], "history": state["history"], "scheduler": state["scheduler"].state_dict(),
-            "optim_groups": runs.optimizer_hyperparameters(state["optimizer"])}
+            "optim_groups": runs.optimizer_hyperparameters(state["optimizer"]), **state.get("network", {})}
 
 
 def _first_line(e: Exception) -> str:

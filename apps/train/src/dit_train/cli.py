@@ -103,7 +103,7 @@ def main(
     from ditcore.models import NotCompiled
 
     try:
-        result = train(cfg, resume=resume, config_yaml=cfg.to_yaml(), overwrite=overwrite)
+        result = train(cfg, resume=resume, overwrite=overwrite)
     except (ConfigError, DatasetError, runs.CheckpointError, Diverged, NotCompiled, FileNotFoundError, ValueError,
             RunDirInUse) as e:
         fail(str(e))

@@ -79,6 +79,15 @@ class Model(Section):
     fps_cond: bool = False
     max_grid: Annotated[list[Annotated[int, Field(ge=1)]] | None, Expect("three integers >= 1: T, H, W in tokens")] = (
         Field(None, min_length=3, max_length=3, description="the largest token grid; default: the preset's"))
+    num_heads: int | None = Field(None, ge=1, description="overrides the preset's attention heads (an original DiT "
+                                                          "checkpoint of a width the paper has no size for needs it)")
+    learn_sigma: bool | None = Field(None, description="a learned-Σ head (DiT's: the output doubled, its variance "
+                                                       "values trained by edm.loss=ddpm); default: the preset's")
+    freq_shift: Literal[0, 1] | None = Field(None, description="the timestep sinusoid: 0 DiT's, 1 diffusers' port; "
+                                                               "default: the preset's")
+    mlp_norm_eps: Number | None = Field(None, gt=0, lt=1, description="eps of the LayerNorm before each MLP (1e-6 "
+                                                                      "DiT's, 1e-5 diffusers' port); default: the "
+                                                                      "preset's")
     compile: bool = Field(False, description="torch.compile each block")
     activation_checkpointing: Literal["none", "block", "selective"] = Field(
         "none", description="recompute in backward, for memory: block: each block's whole forward; selective: all "
@@ -90,7 +99,12 @@ class Model(Section):
         None, description="a new run's first weights: a training checkpoint (RUN_DIR/checkpoints/step-XXXXXXX, its "
                           "EMA weights), a run directory (its newest checkpoint, else its export/) or an export "
                           "folder; every tensor whose name and shape match is copied, the others start fresh. "
-                          "Optimizer, step and schedule start fresh. A resumed run ignores it")
+                          "Or one of the field's DDPM-trained DiTs: an original DiT checkpoint file (.pt, "
+                          ".safetensors), a diffusers DiTTransformer2DModel or DiT pipeline folder; the architecture "
+                          "is then the "
+                          "checkpoint's (a model key set otherwise is an error), and edm.precond/loss auto become "
+                          "vp/ddpm. Optimizer, step and schedule start fresh. A resumed run reads it for the "
+                          "architecture only")
 
     @field_validator("preset")
     @classmethod
@@ -183,11 +197,36 @@ class Optim(Section):
     min_lr_ratio: Number = Field(0.1, ge=0, le=1, description="cosine decays to lr × this")
 
 
+class VPSchedule(Section):
+    """The DDPM schedule of a network under VP preconditioning (ditcore.diffusion.vp.DiscreteVP); DiT's by default.
+    A foreign model.init_from brings its own."""
+
+    timesteps: int = Field(1000, ge=2)
+    beta_start: Number = Field(1e-4, gt=0, lt=1)
+    beta_end: Number = Field(0.02, gt=0, lt=1)
+    beta_schedule: Literal["linear", "scaled_linear", "squaredcos_cap_v2"] = "linear"
+
+    def schedule(self):
+        from ditcore.diffusion.vp import DiscreteVP  # deferred: it imports torch
+
+        return DiscreteVP(self.timesteps, self.beta_start, self.beta_end, self.beta_schedule)
+
+
 class EDM(Section):
+    precond: Literal["auto", "edm", "vp"] = Field(
+        "auto", description="the network's preconditioning: edm (Karras et al.), or vp (a DDPM ε-network on its "
+                            "discrete timesteps, edm.vp); auto: vp when model.init_from is a DDPM-trained network "
+                            "(the field's DiTs, or a run fine-tuned from one), else edm")
+    loss: Literal["auto", "edm", "ddpm"] = Field(
+        "auto", description="edm (log-normal σ, weight λ(σ); under vp, σ rounded to the network's levels) or ddpm "
+                            "(DiT's: uniform timesteps, ε-MSE, plus the variational bound for learned Σ); auto: "
+                            "ddpm under precond vp, else edm")
+    vp: VPSchedule = VPSchedule()
     p_mean: Number = Field(-1.2, description="training noise levels: ln σ ~ N(p_mean, p_std²)")
     p_std: Number = Field(1.2, gt=0)
     prediction: Literal["edm", "x"] = Field("edm", description="what the network outputs: edm (EDM's mix of "
-                                                                "noise and data) or x (the clean latents)")
+                                                                "noise and data; under precond vp the noise) or x "
+                                                                "(the clean latents; not with vp)")
     max_weight: Number | None = Field(None, gt=0, description="cap on the loss weight λ(σ) = (σ² + σ_d²)/(σ σ_d)²; "
                                                               "use with prediction x (e.g. 30)")
     cfg_dropout: Annotated[Number, Expect("a probability in [0, 1)")] = (
@@ -255,6 +294,11 @@ class TrainConfig(Section):
         if self.train.global_batch % self.train.micro_batch:
             raise ConfigError("train.global_batch", self.train.global_batch,
                               f"a multiple of train.micro_batch={self.train.micro_batch}")
+        if self.edm.precond == "vp" and self.edm.prediction == "x":
+            raise ConfigError("edm.prediction", "x", "edm with edm.precond=vp: a DDPM network predicts the noise")
+        if self.edm.precond == "edm" and self.edm.loss == "ddpm":
+            raise ConfigError("edm.loss", "ddpm", "auto or edm with edm.precond=edm: DiT's objective trains a DDPM "
+                                                  "network on its timesteps (edm.precond=vp)")
         return self
 
     def to_dict(self) -> dict:

@@ -44,6 +44,10 @@ RULES: dict[str, str] = {
     # a bound on positions (rope needs no table); where it sizes learned position tables, the weights' shapes
     # differ and the strict load refuses it
     "model.max_grid": APPLY,
+    "model.num_heads": MODEL,
+    "model.learn_sigma": MODEL,
+    "model.freq_shift": MODEL,
+    "model.mlp_norm_eps": MODEL,
     "model.compile": APPLY,
     "model.activation_checkpointing": APPLY,
     "model.attention": APPLY,
@@ -71,6 +75,13 @@ RULES: dict[str, str] = {
     "optim.schedule": APPLY,
     "optim.warmup_steps": APPLY,
     "optim.min_lr_ratio": APPLY,
+    # as saved, resolved (auto → what the run used), so that a resume that would resolve otherwise is refused
+    "edm.precond": MODEL,  # the network's input and output mean other quantities
+    "edm.loss": APPLY,  # the objective, like its noise levels and weights
+    "edm.vp.timesteps": MODEL,  # the levels the network knows
+    "edm.vp.beta_start": MODEL,
+    "edm.vp.beta_end": MODEL,
+    "edm.vp.beta_schedule": MODEL,
     "edm.p_mean": APPLY,
     "edm.p_std": APPLY,
     "edm.prediction": MODEL,  # the network's output is read as another quantity

@@ -21,17 +21,18 @@ from dit_train import checkpoint, rundir
 from dit_train.config import TrainConfig, memory_layout
 from dit_train.metrics import Metrics, bar_postfix
 from dit_train.plots import plot_losses
+from dit_train.recipe import Recipe, model_config, resolve  # noqa: F401 (model_config: where it was before)
 from dit_train.validation import Validator
 from ditcore import durable, init_from, runs
 from ditcore.data.fit import fit_report
 from ditcore.data.loader import build_loader, check_samples_fit, next_batch
 from ditcore.data.packing import PackedBatch
 from ditcore.data.schema import DatasetInfo, read_info
-from ditcore.diffusion import EMA, EDMLoss, EDMPrecond
+from ditcore.diffusion import EMA, EDMPrecond
 from ditcore.errors import ConfigError
 from ditcore.export import export_model
 from ditcore.flops import batch_flops, gpu_peak_flops, measure_cpu_peak_flops
-from ditcore.models import DiTConfig, check_compiled, preset
+from ditcore.models import DiTConfig, check_compiled
 from ditcore.models.dit import check_positions
 from ditcore.parallel import (
     ParallelDims,
@@ -46,7 +47,7 @@ from ditcore.parallel import (
 from ditcore.parallel.consolidate import without_extra_state
 from ditcore.parallel.fabric import MegatronStrategy
 from ditcore.parallel.pipeline import one_f_one_b, reduce_grads
-from ditcore.training import StepDraw, draw, stage_forward, step_generator
+from ditcore.training import LatentMap, Loss, StepDraw, draw, stage_forward, step_generator
 
 
 class Interrupted(KeyboardInterrupt):
@@ -116,18 +117,6 @@ def prepare_run_dir(run_dir: Path) -> None:
         raise ConfigError("train.run_dir", str(run_dir), f"a folder this user can write ({e.strerror})") from None
 
 
-def model_config(cfg: TrainConfig, info):
-    m = cfg.model
-    changes = dict(in_channels=info.latent_channels, text_dim=info.text_encoder["dim"], num_classes=info.num_classes,
-                   pos_embed=m.pos_embed, qk_norm=m.qk_norm, fps_cond=m.fps_cond)
-    for key in ("patch_size", "patch_size_t", "depth"):
-        if getattr(m, key) is not None:
-            changes[key] = getattr(m, key)
-    if m.max_grid is not None:
-        changes["max_grid"] = tuple(m.max_grid)
-    return preset(m.preset, **changes)
-
-
 def lr_lambda(cfg: TrainConfig):
     o, steps = cfg.optim, cfg.train.steps
 
@@ -146,7 +135,7 @@ def lr_lambda(cfg: TrainConfig):
 class Setup:
     """What the run is: config, dataset, processes and layout. The same on every rank."""
 
-    cfg: TrainConfig
+    cfg: TrainConfig  # edm.precond/loss/vp resolved (dit_train.recipe)
     info: DatasetInfo
     fabric: Fabric
     groups: ParallelGroups
@@ -155,6 +144,7 @@ class Setup:
     on_gpu: bool
     bf16: bool
     loggers: list
+    recipe: Recipe  # preconditioning, objective and latent units; model.init_from's weights, read once
     fsdp_sync: str = "micro_batch"  # parallel.fsdp_sync, auto resolved (`choose_fsdp_sync`)
 
     @property
@@ -171,15 +161,17 @@ class Trainee:
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
     loader: object
-    loss_fn: EDMLoss
+    loss_fn: Loss
     denoiser: EDMPrecond  # the model, preconditioned
+    latent_map: LatentMap | None  # dataset units → the network's, on the device; None where they are the same
     state: dict  # what a checkpoint holds: the above, the step and the loss history
 
 
-def train(cfg: TrainConfig, resume: str = "auto", config_yaml: str | None = None, overwrite: bool = False) -> dict:
+def train(cfg: TrainConfig, resume: str = "auto", overwrite: bool = False) -> dict:
     run = setup(cfg, resume, overwrite)
     trainee = build(run)
-    ckpt = checkpoint.resume(run.fabric, run.run_dir, resume, trainee.state, trainee.loader, cfg)  # verified
+    # compared, and saved with every checkpoint, resolved: a resume whose auto would resolve otherwise is refused
+    ckpt = checkpoint.resume(run.fabric, run.run_dir, resume, trainee.state, trainee.loader, run.cfg)  # verified
     if ckpt is not None:
         run.fabric.print(f"resumed from {ckpt} at step {trainee.state['step']}")
         if cfg.model.init_from:
@@ -187,10 +179,13 @@ def train(cfg: TrainConfig, resume: str = "auto", config_yaml: str | None = None
                              "checkpoint (init_from gives a new run its first weights)")
     elif cfg.model.init_from:
         start_from(run, trainee)
-    validator = Validator(cfg, run.info, run.model_cfg, run.fabric, run.groups)
+    if run.recipe.source is not None:
+        run.recipe.source.tensors.clear()  # the host copy of model.init_from's weights is not read again
+    validator = Validator(run.cfg, run.info, run.model_cfg, run.fabric, run.groups, vp=run.recipe.vp,
+                          stats=run.recipe.latent_stats)
     preempted = Preempted(run.fabric.world_size, run.on_gpu, run.fabric.global_rank)  # until the export is written
     try:
-        result = fit(run, trainee, validator, config_yaml or cfg.to_yaml(), preempted)
+        result = fit(run, trainee, validator, run.cfg.to_yaml(), preempted)
         result["rank"] = run.fabric.global_rank
         if not result["stopped"]:
             result["samples"] = export(run, trainee, validator)
@@ -228,7 +223,14 @@ def setup(cfg: TrainConfig, resume: str = "auto", overwrite: bool = False) -> Se
     if queues_warning and on_gpu:
         fabric.print(queues_warning)
     groups = strategy.groups
-    model_cfg = model_config(cfg, info)
+    recipe = resolve(cfg, info)  # the architecture too, where model.init_from is one of the field's DiTs
+    cfg, model_cfg = recipe.cfg, recipe.model_cfg
+    if recipe.foreign:
+        fabric.print(f"model.init_from: {recipe.source.kind} {recipe.source.path} — its architecture "
+                     f"(width {model_cfg.hidden_size}, depth {model_cfg.depth}, {model_cfg.num_heads} heads, patch "
+                     f"{model_cfg.patch_size}{', learned Σ' if model_cfg.learn_sigma else ''}), edm.precond="
+                     f"{cfg.edm.precond} ({recipe.vp.timesteps} {recipe.vp.beta_schedule} timesteps), edm.loss="
+                     f"{cfg.edm.loss}, latents scaled as it was trained (std {recipe.latent_stats.std[0]:.4g})")
     dims.check_model(model_cfg.num_heads, cfg.data.seq_length, model_cfg.depth, model_cfg.kv_heads)
     if cfg.parallel.fsdp:
         groups.dims.check_fsdp_shard(cfg.parallel.fsdp_shard)
@@ -246,7 +248,7 @@ def setup(cfg: TrainConfig, resume: str = "auto", overwrite: bool = False) -> Se
     if accum * cfg.train.micro_batch * groups.dims.dp != cfg.train.global_batch:
         raise ValueError(f"train.global_batch={cfg.train.global_batch} is not a multiple of train.micro_batch="
                          f"{cfg.train.micro_batch} x data-parallel size {groups.dims.dp}")
-    return Setup(cfg, info, fabric, groups, model_cfg, accum, on_gpu, bf16, loggers, fsdp_sync)
+    return Setup(cfg, info, fabric, groups, model_cfg, accum, on_gpu, bf16, loggers, recipe, fsdp_sync)
 
 
 def make_loggers(cfg: TrainConfig, run_dir: Path, segment: str) -> list:
@@ -325,20 +327,22 @@ def build(run: Setup) -> Trainee:
     state = {runs.MODEL: model, "optimizer": optimizer, runs.EMA: ema.module, "scheduler": scheduler, "step": 0,
              "history": [],  # [step, loss] of every step
              # samples this rank's loader passed over, by reason; the shards left out at the start, counted once
-             "skipped": Counter(loader.skipped_at_start if groups.dp_rank == 0 else {})}
+             "skipped": Counter(loader.skipped_at_start if groups.dp_rank == 0 else {}),
+             # the network's preconditioning and units, as a run started from this one reads them (ditcore.init_from)
+             "network": run.recipe.recorded()}
     # The denoiser calls what Fabric wrapped (DDP, or the model itself) under fabric.autocast(), not Fabric's wrapper:
     # under bf16-mixed that casts every float input to bf16 (the noise level before its sinusoidal embedding too),
     # and a pipeline stage's backward of its hidden states cannot go through fabric.backward.
-    denoiser = EDMPrecond(model._forward_module, prediction=cfg.edm.prediction)
-    loss = EDMLoss(cfg.edm.p_mean, cfg.edm.p_std, max_weight=cfg.edm.max_weight)
-    return Trainee(model, ema, optimizer, scheduler, loader, loss, denoiser, state)
+    denoiser = run.recipe.denoiser(model._forward_module)
+    return Trainee(model, ema, optimizer, scheduler, loader, run.recipe.loss(), denoiser,
+                   run.recipe.latent_map(fabric.device), state)
 
 
 def start_from(run: Setup, t: Trainee) -> None:
     """A new run's first weights from model.init_from, copied into the model and the EMA alike (each rank its pieces:
     ditcore.init_from); the optimizer state, step and schedule stay fresh. One line says what was taken."""
     run.fabric.print(init_from.start_from(run.cfg.model.init_from, run.model_cfg, [t.model.module, t.ema.module],
-                                          run.groups))
+                                          run.groups, run.recipe.source))
 
 
 def build_model(run: Setup, training: bool) -> torch.nn.Module:
@@ -529,6 +533,8 @@ class MicroBatches:
         run, model_cfg, device = self.run, self.run.model_cfg, self.run.fabric.device
         batch = self._next_on_host()
         batch = batch.to(device, non_blocking=True)  # from pinned memory on a GPU: an asynchronous copy
+        if self.t.latent_map is not None:  # into the units the network was trained on, on the device
+            batch.x = self.t.latent_map(batch.x, batch.mask)
         g = step_generator(run.cfg.train.seed, self.step, i, run.groups.dp_rank, device)  # TP/CP/PP peers alike
         d = draw(batch, g, self.t.loss_fn, run.cfg.edm.cfg_dropout, model_cfg.num_classes)
         return MicroBatch(batch, d, batch.model_inputs(text_seg=d.text_seg, class_labels=d.class_labels))
@@ -557,8 +563,13 @@ def export(run: Setup, t: Trainee, validator: Validator) -> list[Path]:
     written = validator.run(t.ema.module, step)
     full = gather_full(t.model.module, without_extra_state(t.ema.module.state_dict()), run.groups)
     if fabric.global_rank == 0:
+        recipe = run.recipe
         export_model(runs.export_dir(run.run_dir), full, run.model_cfg, run.cfg.data.path,
+                     # its own latent statistics, where the network works in other units than the dataset's
+                     latent_stats=recipe.latent_stats if recipe.own_units else None,
                      extra={"step": step, "prediction": run.cfg.edm.prediction,
+                            # under VP: precond vp and its schedule (ditcore.export.Exported.vp)
+                            **{k: v for k, v in recipe.recorded().items() if k != "latent_stats"},
                             # dit-sample's defaults and examples for this model: the guidance, prompts and size
                             # it validated with
                             "guidance": run.cfg.validation.guidance, "prompts": list(run.cfg.validation.prompts),

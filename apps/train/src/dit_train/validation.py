@@ -12,6 +12,7 @@ from dit_train.config import TrainConfig
 from ditcore import runs
 from ditcore.codecs import LatentStats, load_codec
 from ditcore.codecs.text import load_text_encoder
+from ditcore.diffusion.vp import DiscreteVP
 from ditcore.errors import ConfigError
 from ditcore.media import contact_sheet, write_sample
 from ditcore.models import DiTConfig
@@ -21,18 +22,21 @@ from ditcore.sampling import sample, step_bar, token_grid
 
 
 class Validator:
-    """Samples the validation prompts with the EMA weights and writes mp4/png under RUN_DIR/samples/."""
+    """Samples the validation prompts with the EMA weights and writes mp4/png under RUN_DIR/samples/: under VP
+    preconditioning on the schedule `vp`, decoding latents normalised by `stats` (the network's: default, the
+    dataset's)."""
 
-    def __init__(self, cfg: TrainConfig, info, model_cfg, fabric, groups: ParallelGroups):
+    def __init__(self, cfg: TrainConfig, info, model_cfg, fabric, groups: ParallelGroups, vp: DiscreteVP | None = None,
+                 stats: LatentStats | None = None):
         self.cfg, self.fabric, self.run_dir = cfg.validation, fabric, Path(cfg.train.run_dir)
-        self.prediction = cfg.edm.prediction
+        self.prediction, self.vp = cfg.edm.prediction, vp
         self.groups = groups
         self.enabled = info.codec.get("kind") != "none"  # mock data has nothing to decode
         if not self.enabled:
             return
         self.codec = load_codec(info.codec, Path(cfg.data.path))
         check_validation(cfg.validation, self.codec, model_cfg)
-        self.stats = LatentStats.from_dict(info.latent_stats)
+        self.stats = stats or LatentStats.from_dict(info.latent_stats)
         self.states = self.labels = None
         if model_cfg.text_dim:
             self.states = load_text_encoder(info.text_encoder["name"]).encode(list(self.cfg.prompts))
@@ -61,7 +65,7 @@ class Validator:
                 result = sample(model, self.codec, self.stats, text_states=self.states, class_labels=self.labels,
                                 num=len(v.prompts), frames=frames, height=v.size, width=v.size, steps=v.steps,
                                 guidance=v.guidance, solver=v.solver, seed=v.seed + k, fps=v.fps,
-                                prediction=self.prediction, callback=bar)
+                                prediction=self.prediction, vp=self.vp, callback=bar)
                 if self.fabric.global_rank != 0:
                     continue
                 if frames == v.frames:

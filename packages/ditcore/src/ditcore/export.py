@@ -35,7 +35,9 @@ DEFAULT_GUIDANCE = 4.0  # for exports that do not record the guidance their run 
 
 
 def export_model(out: str | Path, state_dict: dict[str, torch.Tensor], cfg: DiTConfig, dataset: str | Path,
-                 extra: dict | None = None) -> Path:
+                 extra: dict | None = None, latent_stats: LatentStats | None = None) -> Path:
+    """`latent_stats`: what the network's latents are normalised by, where not the dataset's (a network imported
+    from the field works in its own units): the export's INFO_FILE records them, so that sampling decodes right."""
     out, dataset = Path(out), Path(dataset)
     tmp = out.with_name(f".{out.name}.tmp")
     codec_files = list(dataset.glob("codec_*"))
@@ -51,6 +53,9 @@ def export_model(out: str | Path, state_dict: dict[str, torch.Tensor], cfg: DiTC
         (tmp / CONFIG).write_text(json.dumps(meta, indent=1))
         # contents only: the copies' modes come from the umask (a codec an older dit-prepare wrote 0600 included)
         shutil.copyfile(dataset / INFO_FILE, tmp / INFO_FILE)
+        if latent_stats is not None:
+            info = json.loads((tmp / INFO_FILE).read_text()) | {"latent_stats": latent_stats.to_dict()}
+            (tmp / INFO_FILE).write_text(json.dumps(info, indent=1))
         for codec_file in codec_files:
             shutil.copyfile(codec_file, tmp / codec_file.name)
         for f in tmp.iterdir():

@@ -3,7 +3,12 @@ name and shape match is copied in, every other one keeps its fresh initial value
 
 The source is a training checkpoint (its EMA weights, consolidated from the pieces of whatever layout wrote it:
 ditcore.runs.load_weights), a run directory (its newest complete checkpoint, else its export/) or an export folder
-(ditcore.export: safetensors, read without running any code). Every rank reads the one-device tensors on the host
+(ditcore.export: safetensors, read without running any code) — or one of the field's DiT checkpoints
+(ditcore.interop: an original DiT file, a diffusers DiTTransformer2DModel or pipeline folder). A foreign source brings
+its architecture (`Source.cfg`), the DDPM schedule it was trained with (`Source.vp`: it is fine-tuned under VP
+preconditioning) and the latent scale it was trained on (`Source.latent_stats`: mean 0, std σ_data/scaling_factor,
+the VAE's scaling_factor, 0.18215 as DiT's); a ditcore run fine-tuned that way records the last two beside its
+weights, and a source read from it brings them too. Every rank reads the one-device tensors on the host
 and copies in the piece it holds — its tensor-parallel shard along the parameter's `partition_dim`, of that its
 FSDP piece (Shard(0) over DP×CP), a pipeline stage only its own blocks — exactly as `materialize` fills a fresh
 model, so every layout starts from the same weights and no collective is needed.
@@ -14,6 +19,7 @@ line that says what was taken describes the whole model whatever the layout.
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,9 +27,13 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ditcore import runs, tensorfile
+from ditcore import interop, runs, tensorfile
+from ditcore.codecs import LatentStats
+from ditcore.data.schema import INFO_FILE
+from ditcore.diffusion.vp import DiscreteVP
 from ditcore.errors import ConfigError
 from ditcore.export import CONFIG, WEIGHTS
+from ditcore.layout import SIGMA_DATA
 from ditcore.models import DiTConfig, build, plan_for
 from ditcore.parallel.consolidate import without_extra_state
 from ditcore.parallel.dims import ParallelGroups
@@ -33,20 +43,40 @@ from ditcore.parallel.tensor_parallel import full_shape, shard
 KEY = "model.init_from"
 NOT_IN_SOURCE = "not in the source"
 KINDS = (f"a training checkpoint (RUN_DIR/{runs.CHECKPOINTS}/step-XXXXXXX with its {runs.MARKER} marker), a run "
-         f"directory that has one or an {runs.EXPORT}/, or an export folder ({WEIGHTS} + {CONFIG})")
+         f"directory that has one or an {runs.EXPORT}/, an export folder ({WEIGHTS} + {CONFIG}), or {interop.KINDS}")
+# The SD VAE's latent scale, which DiT was trained with (its train.py: x = vae.encode(x).latent_dist.sample() * 0.18215)
+DIT_SCALING_FACTOR = 0.18215
 
 
 @dataclass(frozen=True)
 class Source:
-    """The one-device weights read from `path`: a checkpoint's EMA weights, or an export's."""
+    """The one-device weights read from `path`: a checkpoint's EMA weights, an export's, or a foreign DiT's."""
 
-    path: Path  # the checkpoint or export folder they come from
+    path: Path  # the checkpoint or export folder (or foreign checkpoint) they come from
     tensors: dict[str, torch.Tensor]
+    cfg: DiTConfig | None = None  # a foreign checkpoint's architecture, inferred from its weights; None: ditcore's
+    vp: DiscreteVP | None = None  # the DDPM schedule the network was trained with: VP preconditioning; None: EDM's
+    latent_stats: LatentStats | None = None  # what its latents were normalised by (its units); None: the dataset's
+    kind: str = "ditcore"  # or ditcore.interop.Imported.kind
+
+    def recorded(self) -> dict:
+        """How the network is preconditioned, as an export's model.json and a checkpoint's values record it (and
+        `read_source` reads it back): {"precond": "vp", "vp": {...}, "latent_stats": {...}}, or {} under EDM's."""
+        return recorded(self.vp, self.latent_stats)
 
 
-def read_source(path: str | Path) -> Source:
-    """The weights `path` holds (a checkpoint, a run directory or an export); ConfigError in one line when it is none
-    of these, cannot be read, or holds NaN/Inf."""
+def recorded(vp: DiscreteVP | None, latent_stats: LatentStats | None) -> dict:
+    """See Source.recorded."""
+    if vp is None:
+        return {}
+    return {"precond": "vp", "vp": vp.to_dict()} | ({} if latent_stats is None else
+                                                   {"latent_stats": latent_stats.to_dict()})
+
+
+def read_source(path: str | Path, num_heads: int | None = None) -> Source:
+    """The weights `path` holds (a checkpoint, a run directory, an export, or a foreign DiT checkpoint: `num_heads`
+    for an original DiT file of a width the paper has no size for); ConfigError in one line when it is none of these,
+    cannot be read, or holds NaN/Inf."""
     given = Path(path)
     if not given.exists():
         raise ConfigError(KEY, str(given), f"an existing path: {KINDS}")
@@ -56,14 +86,18 @@ def read_source(path: str | Path) -> Source:
         folder = runs.newest(given)  # the one written last: where the run stands (after a branch, not the top step)
     elif (runs.export_dir(given) / WEIGHTS).is_file():
         folder = runs.export_dir(given)
+    elif interop.is_foreign(given):
+        return read_foreign(given, num_heads)
     else:
         raise ConfigError(KEY, str(given), KINDS)
     try:
         if runs.is_complete(folder):
             tensors = runs.load_weights(folder)  # verified against its manifest, then consolidated
+            meta = runs.read_values(folder)
         else:
             tensors = tensorfile.load(folder / WEIGHTS, f"export the source run again, or set {KEY} to one of its "
                                                         "checkpoints")
+            meta = _json(folder / CONFIG) | {"latent_stats": _json(folder / INFO_FILE).get("latent_stats")}
     except (runs.CheckpointError, tensorfile.DamagedFile) as e:
         raise ConfigError(KEY, str(given), f"weights that load: {e}") from None
     bad = tensorfile.non_finite(tensors)
@@ -71,7 +105,47 @@ def read_source(path: str | Path) -> Source:
         raise ConfigError(KEY, str(given), f"finite weights: {folder} holds NaN/Inf in {len(bad)} tensors (e.g. "
                                            f"{bad[0]}), its run had diverged — take an earlier checkpoint of it "
                                            f"({runs.CHECKPOINTS}/step-XXXXXXX)")
-    return Source(folder, tensors)
+    if meta.get("precond") != "vp":  # EDM's: the network works in the dataset's units, whatever they are
+        return Source(folder, tensors)
+    stats = meta.get("latent_stats")
+    return Source(folder, tensors, vp=DiscreteVP(**meta.get("vp", {})),
+                  latent_stats=LatentStats.from_dict(stats) if stats else None)
+
+
+def read_foreign(path: Path, num_heads: int | None = None) -> Source:
+    """A foreign DiT (ditcore.interop.read) as a source: its architecture, schedule and latent scale."""
+    try:
+        got = interop.read(path, num_heads)
+    except interop.ConversionError as e:
+        raise ConfigError(KEY, str(path), f"a checkpoint that converts: {e}") from None
+    channels = got.cfg.in_channels
+    scale = scaling_factor(got.vae)
+    stats = LatentStats(torch.zeros(channels), torch.full((channels,), SIGMA_DATA / scale))
+    return Source(path, got.tensors, cfg=got.cfg, vp=got.vp, latent_stats=stats, kind=got.kind)
+
+
+def scaling_factor(vae: Path | None) -> float:
+    """The latent scale a foreign network was trained on: its pipeline VAE's `scaling_factor` where the import has
+    one, else DiT's 0.18215."""
+    if vae is None:
+        return DIT_SCALING_FACTOR
+    value = _json(vae / "config.json").get("scaling_factor", DIT_SCALING_FACTOR)
+    if not isinstance(value, int | float) or isinstance(value, bool) or not value > 0:
+        raise ConfigError(KEY, str(vae), f"a VAE config whose scaling_factor is a number > 0 (it says {value!r})")
+    return float(value)
+
+
+def _json(path: Path) -> dict:
+    """A JSON object from `path`, {} when the file is absent; ConfigError when it is not one."""
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ConfigError(KEY, str(path), f"a readable JSON file ({e})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(KEY, str(path), "a JSON object")
+    return data
 
 
 @dataclass(frozen=True)
@@ -142,10 +216,12 @@ def copy_in(model: nn.Module, tensors: dict[str, torch.Tensor], groups: Parallel
     return copied
 
 
-def start_from(path: str | Path, cfg: DiTConfig, modules: list[nn.Module], groups: ParallelGroups | None) -> str:
+def start_from(path: str | Path, cfg: DiTConfig, modules: list[nn.Module], groups: ParallelGroups | None,
+               source: Source | None = None) -> str:
     """Fill every module of `modules` (this rank's parts of models of `cfg`: the model and its EMA) with the weights
-    at `path` that fit; returns the line that says what was taken. ConfigError when none fits."""
-    source = read_source(path)
+    at `path` (or of `source`, read from it already) that fit; returns the line that says what was taken. ConfigError
+    when none fits."""
+    source = source or read_source(path)
     with torch.device("meta"):  # the one-device model's names and shapes; nothing is allocated
         model = build(cfg)
     tensors = model.upgrade_state_dict(dict(source.tensors))  # an export of an earlier ditcore: today's names

@@ -114,15 +114,26 @@ class EDMLoss:
 
     The mean runs over the features of real tokens only (mask (B, N), False on padding), so packing and
     padding never change what a sample contributes per token.
+
+    With `vp` (a DDPM network under VP preconditioning) each σ drawn is rounded to the network's nearest level σ_t:
+    it knows only its T noise levels, and is evaluated at its c_noise = t(σ) anyway (EDM's iDDPM rounding).
     """
 
     def __init__(self, P_mean: float = -1.2, P_std: float = 1.2, sigma_data: float = SIGMA_DATA,
-                 max_weight: float | None = None):
+                 max_weight: float | None = None, vp: DiscreteVP | None = None):
         self.P_mean, self.P_std, self.sigma_data, self.max_weight = P_mean, P_std, sigma_data, max_weight
+        self.vp = vp
+        self._levels: dict[torch.device, torch.Tensor] = {}  # the network's σ_t on each device, copied there once
 
     def sample_sigma(self, shape, device=None, generator: torch.Generator | None = None) -> torch.Tensor:
         rnd = torch.randn(shape, device=device, generator=generator)
-        return (rnd * self.P_std + self.P_mean).exp()
+        sigma = (rnd * self.P_std + self.P_mean).exp()
+        if self.vp is None:
+            return sigma
+        if sigma.device not in self._levels:  # a copy per step would wait for the device
+            self._levels[sigma.device] = self.vp.sigmas().to(sigma.device)
+        levels = self._levels[sigma.device]
+        return levels[(sigma.double()[..., None] - levels).abs().argmin(-1)].to(sigma.dtype)
 
     @staticmethod
     def noisy(x: torch.Tensor, sigma: torch.Tensor, noise: torch.Tensor, seg: torch.Tensor | None = None):

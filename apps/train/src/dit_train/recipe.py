@@ -1,0 +1,175 @@
+"""What a run trains, decided once from the config, the dataset and model.init_from: the model's architecture, the
+network's preconditioning and objective (edm.precond and edm.loss, auto resolved), its DDPM schedule, and the latent
+units it works in.
+
+Most runs are ditcore's own: EDM preconditioning and loss, the preset's architecture, the dataset's latents as they
+are. A run that starts from one of the field's DDPM-trained DiTs (ditcore.interop: DiT-XL/2, a diffusers DiT) takes
+what that network is: its architecture, inferred from its weights (a model key the user set that disagrees is an
+error naming it), VP preconditioning on its schedule, DiT's objective, and its latent scale — DiT was trained on
+0.18215 z, the dataset stores z normalised by its own statistics, so every batch is mapped to the network's units on
+the device (ditcore.training.LatentMap), and the export records the network's statistics, so that sampling decodes
+right. A run fine-tuned that way records the same beside its weights, so a run started from it continues alike.
+
+Classes: a dataset with the checkpoint's classes (or none: every sample is then trained as the null class, the
+unconditional DiT) keeps its class embedding; one with another number of classes gets a fresh one (init_from's line
+names it). Text states, if the dataset has them, meet fresh cross-attention layers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from dit_train.config import TrainConfig, VPSchedule
+from ditcore import init_from
+from ditcore.codecs import LatentStats
+from ditcore.diffusion import EDMLoss, EDMPrecond
+from ditcore.diffusion.ddpm import DDPMLoss
+from ditcore.diffusion.vp import DiscreteVP
+from ditcore.errors import ConfigError
+from ditcore.models import PRESETS, DiTConfig, preset
+from ditcore.training import LatentMap
+
+# model keys that override one DiTConfig field each (model.max_grid bounds positions only: it may differ)
+ARCH_KEYS = ("patch_size", "patch_size_t", "depth", "num_heads", "pos_embed", "qk_norm", "fps_cond", "learn_sigma",
+             "freq_shift", "mlp_norm_eps")
+PRESET_FIELDS = ("hidden_size", "depth", "num_heads", "patch_size", "patch_size_t", "mlp_ratio")
+
+
+@dataclass(frozen=True)
+class Recipe:
+    cfg: TrainConfig  # edm.precond, edm.loss and edm.vp resolved: what checkpoints save and a resume compares
+    model_cfg: DiTConfig
+    vp: DiscreteVP | None  # the DDPM schedule under VP preconditioning; None: EDM's
+    data_stats: LatentStats  # what the dataset's latents are normalised by
+    latent_stats: LatentStats  # ... and the network's (the same unless it was trained on other units)
+    source: init_from.Source | None  # model.init_from, read once (its weights are copied in by dit_train.train)
+
+    @property
+    def foreign(self) -> bool:
+        return self.source is not None and self.source.cfg is not None
+
+    def denoiser(self, model) -> EDMPrecond:
+        return EDMPrecond(model, prediction=self.cfg.edm.prediction, vp=self.vp)
+
+    def loss(self) -> EDMLoss | DDPMLoss:
+        e = self.cfg.edm
+        if e.loss == "ddpm":
+            return DDPMLoss(self.vp, self.model_cfg.learn_sigma)
+        return EDMLoss(e.p_mean, e.p_std, max_weight=e.max_weight, vp=self.vp)
+
+    @property
+    def own_units(self) -> bool:
+        """Whether the network works in other latent units than the dataset's."""
+        ours, data = self.latent_stats, self.data_stats
+        return ours is not data and not (ours.mean.equal(data.mean) and ours.std.equal(data.std))
+
+    def latent_map(self, device) -> LatentMap | None:
+        """dataset units → the network's, on `device`; None where they are the same."""
+        if not self.own_units:
+            return None
+        m = self.model_cfg
+        return LatentMap.between(self.data_stats, self.latent_stats, m.patch_size_t * m.patch_size**2, device)
+
+    def recorded(self) -> dict:
+        """What an export's model.json and a checkpoint's values say of the network's preconditioning and units."""
+        return init_from.recorded(self.vp, self.latent_stats)
+
+
+def resolve(cfg: TrainConfig, info) -> Recipe:
+    """The recipe of a run of `cfg` on the dataset `info`; ConfigError in one line for what does not fit."""
+    m = cfg.model
+    source = init_from.read_source(m.init_from, m.num_heads) if m.init_from else None
+    data_stats = LatentStats.from_dict(info.latent_stats) if info.latent_stats else None
+    model_cfg = model_config(cfg, info, source)
+    src_vp = source.vp if source is not None else None
+    e = cfg.edm
+    precond = e.precond if e.precond != "auto" else ("vp" if src_vp is not None else "edm")
+    if precond == "edm" and src_vp is not None:
+        raise ConfigError("edm.precond", "edm", f"vp or auto for {_named(source)}, a DDPM-trained network: EDM's "
+                                                "preconditioning would feed it inputs and read outputs it was not "
+                                                "trained for (edm.loss=edm trains it with EDM's objective under vp)")
+    vp = None
+    if precond == "vp":
+        vp = src_vp or e.vp.schedule()
+        if src_vp is not None and _set(e, "vp") and e.vp.schedule() != src_vp:
+            raise ConfigError("edm.vp", e.vp.model_dump(), f"the schedule {_named(source)} was trained with, "
+                                                           f"{src_vp.to_dict()} — leave edm.vp unset")
+        if e.prediction == "x":
+            raise ConfigError("edm.prediction", "x", "edm with edm.precond=vp (here: auto, for a DDPM-trained "
+                                                     f"{m.init_from}): a DDPM network predicts the noise")
+    loss = e.loss if e.loss != "auto" else ("ddpm" if precond == "vp" else "edm")
+    if loss == "ddpm" and precond != "vp":
+        raise ConfigError("edm.loss", "ddpm", "auto or edm under edm.precond=edm: DiT's objective trains a DDPM "
+                                              "network on its timesteps (edm.precond=vp)")
+    latent_stats = data_stats
+    if src_vp is not None and source.latent_stats is not None:
+        latent_stats = source.latent_stats
+        if data_stats is not None and len(data_stats.mean) != len(latent_stats.mean):
+            raise ConfigError("data.path", cfg.data.path, f"latents of {len(latent_stats.mean)} channels, as "
+                                                          f"{_named(source)} was trained on (this dataset's have "
+                                                          f"{len(data_stats.mean)}) — prepare the data with its VAE")
+    edm = e.model_copy(update={"precond": precond, "loss": loss,
+                               "vp": VPSchedule(**vp.to_dict()) if vp is not None else e.vp})
+    return Recipe(cfg.model_copy(update={"edm": edm}), model_cfg, vp, data_stats, latent_stats, source)
+
+
+def model_config(cfg: TrainConfig, info, source: init_from.Source | None = None) -> DiTConfig:
+    """The run's architecture: the preset's with the config's overrides, or a foreign source's (`foreign_config`);
+    data-dependent fields from the dataset."""
+    if source is not None and source.cfg is not None:
+        return foreign_config(cfg, info, source)
+    m = cfg.model
+    changes = dict(in_channels=info.latent_channels, text_dim=info.text_encoder["dim"], num_classes=info.num_classes,
+                   pos_embed=m.pos_embed, qk_norm=m.qk_norm, fps_cond=m.fps_cond)
+    for key in ("patch_size", "patch_size_t", "depth", "num_heads", "learn_sigma", "freq_shift", "mlp_norm_eps"):
+        if getattr(m, key) is not None:
+            changes[key] = getattr(m, key)
+    if m.max_grid is not None:
+        changes["max_grid"] = tuple(m.max_grid)
+    return preset(m.preset, **changes)
+
+
+def foreign_config(cfg: TrainConfig, info, source: init_from.Source) -> DiTConfig:
+    """A foreign checkpoint's architecture; ConfigError naming every model key the user set that disagrees with it,
+    and for a dataset of other latent channels."""
+    m, theirs = cfg.model, source.cfg
+    differ = []  # (key, the user's value, the checkpoint's)
+    if m.arch != "dit":
+        differ.append(("model.arch", m.arch, "dit"))
+    for key in ARCH_KEYS:
+        if _set(m, key) and getattr(m, key) is not None and getattr(m, key) != getattr(theirs, key):
+            differ.append((f"model.{key}", getattr(m, key), getattr(theirs, key)))
+    if _set(m, "preset"):
+        ours = PRESETS[m.preset]
+        wrong = [k for k in PRESET_FIELDS  # a key given beside the preset is compared by itself above
+                 if getattr(ours, k) != getattr(theirs, k) and not (_set(m, k) and getattr(m, k) is not None)]
+        if wrong:
+            differ.insert(0, ("model.preset", m.preset, ", ".join(f"{k} {getattr(theirs, k)} (the preset's "
+                                                                    f"{getattr(ours, k)})" for k in wrong)))
+    if differ:
+        (key, value, ckpt), *rest = differ
+        also = "; also " + ", ".join(f"{k}={v} (the checkpoint's: {c})" for k, v, c in rest) if rest else ""
+        raise ConfigError(key, value, f"the checkpoint's {ckpt}{also}: model.init_from={m.init_from} sets the "
+                                      f"architecture from its weights — leave {', '.join(k for k, _, _ in differ)} "
+                                      "unset, or start from fresh weights")
+    if info.latent_channels != theirs.in_channels:
+        raise ConfigError("data.path", cfg.data.path, f"latents of {theirs.in_channels} channels, as {_named(source)} "
+                                                      f"was trained on (this dataset's have {info.latent_channels}) "
+                                                      "— prepare the data with the checkpoint's VAE (dit-prepare "
+                                                      "--codec vae --vae PATH)")
+    # the checkpoint's classes for a dataset of the same or none (trained as the null class); else the dataset's,
+    # whose class embedding starts fresh
+    classes = theirs.num_classes if info.num_classes in (0, theirs.num_classes) else info.num_classes
+    changes = dict(text_dim=info.text_encoder["dim"], num_classes=classes)
+    if m.max_grid is not None:
+        changes["max_grid"] = tuple(m.max_grid)
+    return theirs.replace(**changes)
+
+
+def _set(section, key: str) -> bool:
+    """Whether the config gave `key` (in its file or an override) rather than leaving the default."""
+    return key in section.model_fields_set
+
+
+def _named(source: init_from.Source) -> str:
+    return f"{source.kind} {source.path}"
