@@ -162,3 +162,61 @@ def fake_tp(rank: int, tp: int = 2):
                              dp_cp_rank=0)
     finally:
         dist.destroy_process_group()
+
+
+def test_a_foreign_dit_checkpoint_brings_its_architecture_schedule_and_latent_scale(tmp_path):
+    """An original DiT file (its state-dict layout, built as DiT's models.py names it) and a diffusers pipeline with a
+    VAE of another scaling_factor: read as sources, copied in whole."""
+    from ditcore import interop
+    from ditcore.diffusion.vp import DiscreteVP
+    from ditcore.init_from import read_source
+    from ditcore.layout import SIGMA_DATA
+
+    from .test_interop import as_original_dit, diffusers_dit_model, original_state_dict
+
+    theirs = as_original_dit(diffusers_dit_model(num_attention_heads=6, attention_head_dim=64, seed=7))
+    torch.save(original_state_dict(theirs), tmp_path / "DiT-S-2-tiny.pt")
+    src = read_source(tmp_path / "DiT-S-2-tiny.pt")
+    imported = interop.read(tmp_path / "DiT-S-2-tiny.pt")
+    assert src.cfg == imported.cfg and src.vp == DiscreteVP() and src.kind == "DiT checkpoint"
+    assert src.latent_stats.mean.tolist() == [0.0] * 4
+    assert src.latent_stats.std.tolist() == [pytest.approx(SIGMA_DATA / 0.18215)] * 4  # DiT's 0.18215 z
+    model = DiT(src.cfg)
+    line = start_from(tmp_path / "DiT-S-2-tiny.pt", src.cfg, [model], None, source=src)
+    assert line == (f"init_from {tmp_path / 'DiT-S-2-tiny.pt'}: 31 of 31 tensors (x_embedder, t_embedder, "
+                    "y_embedder, blocks 0-1 of 2, final)")
+    assert all(torch.equal(v, imported.tensors[k]) for k, v in model.state_dict().items())
+
+    pipe = tmp_path / "pipe"
+    theirs.save_pretrained(pipe / "transformer")
+    (pipe / "model_index.json").write_text(json.dumps({"_class_name": "DiTPipeline"}))
+    (pipe / "vae").mkdir()
+    (pipe / "vae" / "config.json").write_text(json.dumps({"_class_name": "AutoencoderKL", "scaling_factor": 0.13025}))
+    assert read_source(pipe).latent_stats.std.tolist() == [pytest.approx(SIGMA_DATA / 0.13025)] * 4
+
+
+def test_an_export_of_a_vp_run_is_a_source_with_its_schedule_and_latent_stats(tmp_path):
+    """What a run fine-tuned under VP preconditioning exports (model.json: precond vp and its schedule; ditcore.json:
+    the network's latent stats) is what a run started from it reads back; an EDM export brings neither."""
+    from ditcore.codecs import LatentStats
+    from ditcore.data.schema import DatasetInfo
+    from ditcore.diffusion.vp import DiscreteVP
+    from ditcore.export import export_model
+    from ditcore.init_from import read_source
+
+    data = tmp_path / "data"
+    data.mkdir()
+    DatasetInfo(codec={"kind": "none"}, latent_stats={"mean": [0.1] * 4, "std": [2.0] * 4},
+                text_encoder={"name": "minilm", "dim": 16}, latent_channels=4, spatial_factor=8,
+                temporal_factor=1).write(data)
+    vp = DiscreteVP(timesteps=500, beta_schedule="scaled_linear", beta_start=0.00085, beta_end=0.012)
+    stats = LatentStats(torch.zeros(4), torch.full((4,), 2.745))
+    state = weights(SOURCE, 1)
+    export_model(tmp_path / "vp", state, SOURCE, data, extra={"precond": "vp", "vp": vp.to_dict()},
+                 latent_stats=stats)
+    src = read_source(tmp_path / "vp")
+    assert src.vp == vp and src.cfg is None and src.latent_stats.std.tolist() == [pytest.approx(2.745)] * 4
+    assert src.recorded() == {"precond": "vp", "vp": vp.to_dict(), "latent_stats": stats.to_dict()}
+    export_model(tmp_path / "edm", state, SOURCE, data)
+    edm = read_source(tmp_path / "edm")
+    assert edm.vp is None and edm.latent_stats is None and edm.recorded() == {}

@@ -42,3 +42,26 @@ def test_draws_are_made_on_the_batch_s_device_and_repeat(device):
     a1, a2 = (draw(b, step_generator(0, 5, 1, 0, device), loss, 0.5, 9) for _ in range(2))
     for f in ("text_seg", "class_labels", "sigma", "noise"):
         assert getattr(a1, f).device.type == device and torch.equal(getattr(a1, f), getattr(a2, f)), f
+
+
+def test_a_batch_mapped_to_the_model_s_latent_stats_is_the_scaled_raw_latents():
+    """A dataset stores (z − mean)/std · σ_d with its measured per-channel stats; a network trained on DiT's 0.18215 z
+    (stats mean 0, std σ_d/0.18215) is fed exactly that, token by token, padding left at zero."""
+    from ditcore.codecs import LatentStats
+    from ditcore.layout import SIGMA_DATA, patchify
+    from ditcore.training import LatentMap
+
+    g = torch.Generator().manual_seed(0)
+    z = torch.randn(3, 4, 1, 8, 8, generator=g) * torch.tensor([3.0, 5.0, 0.5, 8.0]).view(1, 4, 1, 1, 1) \
+        + torch.tensor([1.0, -2.0, 0.3, 4.0]).view(1, 4, 1, 1, 1)  # (B, C, T, H, W): channels of their own scale
+    data = LatentStats.measure([z])
+    model = LatentStats(torch.zeros(4), torch.full((4,), SIGMA_DATA / 0.18215))
+    tokens = patchify(data.normalize(z), 2)  # (B, 16, 16): what the loader gives, channel-major features
+    mask = torch.ones(tokens.shape[:2], dtype=torch.bool)
+    mask[2, 10:] = False  # a padded row
+    tokens[2, 10:] = 0
+    mapped = LatentMap.between(data, model, values_per_channel=4)(tokens, mask)
+    expected = patchify(0.18215 * z, 2)
+    expected[2, 10:] = 0
+    # z normalised and back: a few float32 roundings of values up to |0.18215 z| ~ 4
+    torch.testing.assert_close(mapped, expected, rtol=0, atol=8 * 1.2e-7 * expected.abs().max().item())
