@@ -20,7 +20,7 @@ LONGEST_FILES = {
     "tests/apps/test_prepare.py": 130, "tests/ditcore/parallel/test_compile.py": 114,
     "tests/ditcore/parallel/test_equivalence.py": 98, "tests/ditcore/parallel/test_compile_stdit.py": 93,
     "tests/ditcore/data/test_loader.py": 87, "tests/apps/test_sample_abuse.py": 71,
-    "tests/apps/test_memory_plan.py": 65,
+    "tests/apps/test_memory_plan.py": 65, "tests/apps/test_recipe.py": 40,
     "tests/apps/test_no_code_runs.py": 53, "tests/ditcore/models/test_attention.py": 50,
     "tests/apps/test_resume_config.py": 31, "tests/ditcore/test_init_from.py": 28,
 }

@@ -201,6 +201,8 @@ def setup(cfg: TrainConfig, resume: str = "auto", overwrite: bool = False) -> Se
     check the layout fits."""
     run_dir = Path(cfg.train.run_dir)
     info = read_info(cfg.data.path)  # fails early, on every rank, if the dataset is missing or unfinished
+    recipe = resolve(cfg, info)  # the architecture too, where model.init_from is one of the field's DiTs
+    cfg, model_cfg = recipe.cfg, recipe.model_cfg
     dims = ParallelDims(cfg.parallel.tp, cfg.parallel.cp, cfg.parallel.pp,
                         sequence_parallel=cfg.parallel.sequence_parallel)
     devices = int(os.environ.get("LOCAL_WORLD_SIZE", cfg.parallel.devices))
@@ -223,8 +225,6 @@ def setup(cfg: TrainConfig, resume: str = "auto", overwrite: bool = False) -> Se
     if queues_warning and on_gpu:
         fabric.print(queues_warning)
     groups = strategy.groups
-    recipe = resolve(cfg, info)  # the architecture too, where model.init_from is one of the field's DiTs
-    cfg, model_cfg = recipe.cfg, recipe.model_cfg
     if recipe.foreign:
         fabric.print(f"model.init_from: {recipe.source.kind} {recipe.source.path} — its architecture "
                      f"(width {model_cfg.hidden_size}, depth {model_cfg.depth}, {model_cfg.num_heads} heads, patch "
