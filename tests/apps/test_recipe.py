@@ -169,3 +169,49 @@ def test_dit_train_fine_tunes_an_original_dit_checkpoint_and_exports_it_for_vp_s
     lines = [ln for ln in bad.stderr.splitlines() if ln.strip() and "Warning" not in ln and "warn" not in ln]
     assert bad.returncode == 2 and len(lines) == 1, bad.stderr[-3000:]
     assert lines[0].startswith("error: model.depth=3 is invalid: expected the checkpoint's 2: model.init_from="), lines
+
+
+@pytest.mark.parametrize("device", [
+    pytest.param("cpu", marks=pytest.mark.skipif(torch.cuda.is_available(), reason="the cuda case runs it for real "
+                                                 "here (ditcore's CPU shims apply only where CUDA is absent)")),
+    pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_a_vp_ddpm_training_step_never_waits_for_the_device(dit_file, latents, tmp_path, monkeypatch, request,
+                                                            device):
+    """As test_train's test of the EDM step, for what a fine-tune adds: the batch mapped to the network's units, the
+    timesteps drawn and found, VP's coefficients and DiT's learned-range bound — all queued, nothing read back."""
+    from dit_train import train
+    from dit_train.metrics import Metrics
+    from ditcore.models import dit
+    from ditcore.parallel.dims import destroy
+    from ditcore.testing import HostReads
+
+    from .test_train import watched
+
+    cfg = load_config(None, [f"model.init_from={dit_file}", f"data.path={latents}", "data.seq_length=32",
+                             "data.num_workers=0", "train.micro_batch=2", "train.global_batch=2",
+                             "logging.tensorboard=false", f"train.run_dir={tmp_path / 'run'}",
+                             f"parallel.accelerator={'gpu' if device == 'cuda' else 'cpu'}"])
+    environ = dict(os.environ)
+
+    def restore():  # the process group, and Fabric's MASTER_PORT & co., which later dit-train processes would inherit
+        destroy()
+        os.environ.clear()
+        os.environ.update(environ)
+
+    request.addfinalizer(restore)
+    run = train.setup(cfg)
+    trainee = train.build(run)
+    train.start_from(run, trainee)
+    assert isinstance(trainee.loss_fn, DDPMLoss) and trainee.latent_map is not None
+    it = iter(trainee.loader)
+    for step in range(3):  # warm-up: allocations, the tables' first copies to the device
+        train.train_step(run, trainee, it, step, Metrics())
+    steps = [s["step"] for g in trainee.optimizer.param_groups if not (g["fused"] or g["capturable"])
+             for s in map(trainee.optimizer.state.get, g["params"])]
+    watch = HostReads(device, host=steps)
+    monkeypatch.setattr(train.MicroBatches, "_next_on_host", watch.unwatched(train.MicroBatches._next_on_host))
+    monkeypatch.setattr(dit, "check_positions", watch.unwatched(dit.check_positions))
+    metrics = Metrics()
+    with watched(watch, device):
+        train.train_step(run, trainee, it, 3, metrics)
+    assert math.isfinite(metrics.recorded["loss"].item())

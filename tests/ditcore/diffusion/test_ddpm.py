@@ -206,3 +206,13 @@ def test_the_edm_loss_under_vp_trains_on_the_network_s_levels():
     # the same log-normal draws, each moved to its nearest level
     nearest = (levels[None] - free[:, None]).abs().min(1).values
     assert torch.equal((sigma - free).abs(), nearest)
+
+
+def test_vp_preconditioning_s_coefficients_are_vp_s():
+    """EDMPrecond finds the timestep among levels it keeps on the device; the coefficients are vp_coefficients'."""
+    from ditcore.diffusion.vp import vp_coefficients
+
+    sigma = torch.cat([VP.sigmas()[[0, 1, 500, 999]].float(), torch.tensor([0.003, 0.3, 3.0, 300.0])])
+    for ours, theirs in zip(EDMPrecond(torch.nn.Identity(), vp=VP).coefficients(sigma), vp_coefficients(sigma, VP),
+                            strict=True):
+        assert torch.equal(ours, theirs)

@@ -135,6 +135,7 @@ def print_plan(cfg, world_size: int, gpu_memory: float, text_len: int | None, te
     from dit_train.train import model_config
     from ditcore.codecs.text import MAX_TOKENS
     from ditcore.data.schema import DatasetInfo, read_info
+    from ditcore.interop import is_foreign
     from ditcore.memory import HEADROOM, GiB, advise, choose_fsdp_sync, plan_from
 
     if Path(cfg.data.path).exists():
@@ -145,7 +146,13 @@ def print_plan(cfg, world_size: int, gpu_memory: float, text_len: int | None, te
         info = DatasetInfo(codec={}, latent_stats={}, text_encoder={"name": "assumed", "dim": text_dim},
                            latent_channels=preset(cfg.model.preset).in_channels, spatial_factor=1, temporal_factor=1)
         source = f"data.path {cfg.data.path} does not exist yet: assumed"
-    model_cfg = model_config(cfg, info)
+    init_from = cfg.model.init_from
+    if init_from and is_foreign(init_from):  # the architecture is the checkpoint's
+        from ditcore.init_from import read_source
+
+        model_cfg = model_config(cfg, info, read_source(init_from, cfg.model.num_heads))
+    else:
+        model_cfg = model_config(cfg, info)
     layout = memory_layout(cfg, world_size, (MAX_TOKENS if text_len is None else text_len) if model_cfg.text_dim else 0)
     gpu = gpu_memory * GiB
     if cfg.parallel.fsdp_sync == "auto":  # as dit-train chooses on a GPU of gpu_memory

@@ -23,7 +23,7 @@ import math
 
 import torch
 
-from ditcore.diffusion.edm import EDMLoss
+from ditcore.diffusion.edm import EDMLoss, nearest_level
 from ditcore.diffusion.vp import DiscreteVP
 from ditcore.layout import per_token
 
@@ -43,8 +43,7 @@ class DDPMLoss:
 
     def timestep(self, sigma: torch.Tensor) -> torch.Tensor:
         """The timestep (long) whose σ_t is nearest to each σ: exactly the t that `sample_sigma` drew."""
-        table = self._on(sigma.device)["sigma64"]
-        return (sigma.double()[..., None] - table).abs().argmin(-1)
+        return nearest_level(sigma, self.vp)
 
     def __call__(self, denoiser, x, *, seg=None, mask=None, sigma=None, noise=None, generator=None, **cond):
         B = x.shape[0]
@@ -96,13 +95,11 @@ class DDPMLoss:
         return frac * max_log + (1 - frac) * min_log
 
     def _on(self, device) -> dict[str, torch.Tensor]:
-        """The tables on `device` (float32, and σ in float64 for the nearest-timestep search), copied there once: a
-        copy per step would wait for the device."""
+        """The tables on `device` in float32, copied there once: a copy per step would make the host wait for the
+        device."""
         device = torch.device(device or "cpu")
         if device not in self._device_tables:
-            on = {k: v.float().to(device) for k, v in self.table.items()}
-            on["sigma64"] = self.table["sigma"].to(device)
-            self._device_tables[device] = on
+            self._device_tables[device] = {k: v.float().to(device) for k, v in self.table.items()}
         return self._device_tables[device]
 
 
