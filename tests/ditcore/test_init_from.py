@@ -191,8 +191,11 @@ def test_a_foreign_dit_checkpoint_brings_its_architecture_schedule_and_latent_sc
     theirs.save_pretrained(pipe / "transformer")
     (pipe / "model_index.json").write_text(json.dumps({"_class_name": "DiTPipeline"}))
     (pipe / "vae").mkdir()
-    (pipe / "vae" / "config.json").write_text(json.dumps({"_class_name": "AutoencoderKL", "scaling_factor": 0.13025}))
-    assert read_source(pipe).latent_stats.std.tolist() == [pytest.approx(SIGMA_DATA / 0.13025)] * 4
+    (pipe / "vae" / "config.json").write_text(json.dumps({"_class_name": "AutoencoderKL", "scaling_factor": 0.13025,
+                                                          "shift_factor": 0.0609}))
+    stats = read_source(pipe).latent_stats  # (z − 0.0609)·0.13025, as the pipeline's VAE says
+    assert stats.mean.tolist() == [pytest.approx(0.0609)] * 4
+    assert stats.std.tolist() == [pytest.approx(SIGMA_DATA / 0.13025)] * 4
 
 
 def test_an_export_of_a_vp_run_is_a_source_with_its_schedule_and_latent_stats(tmp_path):

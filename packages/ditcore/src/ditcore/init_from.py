@@ -20,6 +20,7 @@ line that says what was taken describes the whole model whatever the layout.
 from __future__ import annotations
 
 import json
+import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,7 +33,7 @@ from ditcore.codecs import LatentStats
 from ditcore.data.schema import INFO_FILE
 from ditcore.diffusion.vp import DiscreteVP
 from ditcore.errors import ConfigError
-from ditcore.export import CONFIG, WEIGHTS
+from ditcore.export import CONFIG, WEIGHTS, vp_of
 from ditcore.layout import SIGMA_DATA
 from ditcore.models import DiTConfig, build, plan_for
 from ditcore.parallel.consolidate import without_extra_state
@@ -105,11 +106,11 @@ def read_source(path: str | Path, num_heads: int | None = None) -> Source:
         raise ConfigError(KEY, str(given), f"finite weights: {folder} holds NaN/Inf in {len(bad)} tensors (e.g. "
                                            f"{bad[0]}), its run had diverged — take an earlier checkpoint of it "
                                            f"({runs.CHECKPOINTS}/step-XXXXXXX)")
-    if meta.get("precond") != "vp":  # EDM's: the network works in the dataset's units, whatever they are
+    vp = vp_of(meta)  # a checkpoint's values and an export's model.json record it alike
+    if vp is None:  # EDM's: the network works in the dataset's units, whatever they are
         return Source(folder, tensors)
     stats = meta.get("latent_stats")
-    return Source(folder, tensors, vp=DiscreteVP(**meta.get("vp", {})),
-                  latent_stats=LatentStats.from_dict(stats) if stats else None)
+    return Source(folder, tensors, vp=vp, latent_stats=LatentStats.from_dict(stats) if stats else None)
 
 
 def read_foreign(path: Path, num_heads: int | None = None) -> Source:
@@ -118,21 +119,22 @@ def read_foreign(path: Path, num_heads: int | None = None) -> Source:
         got = interop.read(path, num_heads)
     except interop.ConversionError as e:
         raise ConfigError(KEY, str(path), f"a checkpoint that converts: {e}") from None
-    channels = got.cfg.in_channels
-    scale = scaling_factor(got.vae)
-    stats = LatentStats(torch.zeros(channels), torch.full((channels,), SIGMA_DATA / scale))
-    return Source(path, got.tensors, cfg=got.cfg, vp=got.vp, latent_stats=stats, kind=got.kind)
+    return Source(path, got.tensors, cfg=got.cfg, vp=got.vp, latent_stats=trained_units(got.vae, got.cfg.in_channels),
+                  kind=got.kind)
 
 
-def scaling_factor(vae: Path | None) -> float:
-    """The latent scale a foreign network was trained on: its pipeline VAE's `scaling_factor` where the import has
-    one, else DiT's 0.18215."""
-    if vae is None:
-        return DIT_SCALING_FACTOR
-    value = _json(vae / "config.json").get("scaling_factor", DIT_SCALING_FACTOR)
-    if not isinstance(value, int | float) or isinstance(value, bool) or not value > 0:
-        raise ConfigError(KEY, str(vae), f"a VAE config whose scaling_factor is a number > 0 (it says {value!r})")
-    return float(value)
+def trained_units(vae: Path | None, channels: int) -> LatentStats:
+    """The latent statistics of what a foreign network was trained on, (z − shift_factor)·scaling_factor of its VAE's
+    latents z (DiT: 0.18215 z): ditcore's (z − mean)/std·σ_d with mean = shift_factor, std = σ_d/scaling_factor. The
+    factors are its pipeline VAE's where the import has one (config.json), else DiT's."""
+    config = _json(vae / "config.json") if vae is not None else {}
+    scale, shift = config.get("scaling_factor", DIT_SCALING_FACTOR), config.get("shift_factor") or 0.0
+    for name, value in (("scaling_factor", scale), ("shift_factor", shift)):
+        if not isinstance(value, int | float) or isinstance(value, bool) or not math.isfinite(value) or \
+                (name == "scaling_factor" and not value > 0):
+            raise ConfigError(KEY, str(vae), f"a VAE config whose {name} is a finite number (> 0 for the scale; it "
+                                             f"says {value!r})")
+    return LatentStats(torch.full((channels,), float(shift)), torch.full((channels,), SIGMA_DATA / scale))
 
 
 def _json(path: Path) -> dict:
