@@ -146,11 +146,11 @@ def print_plan(cfg, world_size: int, gpu_memory: float, text_len: int | None, te
         info = DatasetInfo(codec={}, latent_stats={}, text_encoder={"name": "assumed", "dim": text_dim},
                            latent_channels=preset(cfg.model.preset).in_channels, spatial_factor=1, temporal_factor=1)
         source = f"data.path {cfg.data.path} does not exist yet: assumed"
-    init_from = cfg.model.init_from
+    name, init_from = cfg.model.preset, cfg.model.init_from
     if init_from and is_foreign(init_from):  # the architecture is the checkpoint's
         from ditcore.init_from import read_source
 
-        model_cfg = model_config(cfg, info, read_source(init_from, cfg.model.num_heads))
+        name, model_cfg = init_from, model_config(cfg, info, read_source(init_from, cfg.model.num_heads))
     else:
         model_cfg = model_config(cfg, info)
     layout = memory_layout(cfg, world_size, (MAX_TOKENS if text_len is None else text_len) if model_cfg.text_dim else 0)
@@ -164,7 +164,7 @@ def print_plan(cfg, world_size: int, gpu_memory: float, text_len: int | None, te
     step = f"{layout.micro_batch} x {layout.seq_length} tokens{text_tokens} per micro-batch"
     tricks = [layout.precision, f"activation checkpointing {layout.activation_checkpointing}"]
     tricks += ["compiled blocks"] if layout.compile else []
-    typer.echo(f"model  {cfg.model.preset}: {result.params / 1e9:.3g} B parameters, "
+    typer.echo(f"model  {name}: {result.params / 1e9:.3g} B parameters, "
                f"{result.params_local / 1e9:.3g} B on each " + ("rank of the stage planned for (its "
                                                                  "tensor-parallel share)" if layout.pp > 1 else
                                                                  "tensor-parallel rank"))
