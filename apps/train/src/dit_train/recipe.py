@@ -79,7 +79,7 @@ def resolve(cfg: TrainConfig, info) -> Recipe:
     """The recipe of a run of `cfg` on the dataset `info`; ConfigError in one line for what does not fit."""
     m = cfg.model
     source = init_from.read_source(m.init_from, m.num_heads) if m.init_from else None
-    data_stats = LatentStats.from_dict(info.latent_stats) if info.latent_stats else None
+    data_stats = LatentStats.from_dict(info.latent_stats)
     model_cfg = model_config(cfg, info, source)
     src_vp = source.vp if source is not None else None
     e = cfg.edm
@@ -99,12 +99,13 @@ def resolve(cfg: TrainConfig, info) -> Recipe:
                                                      f"{m.init_from}): a DDPM network predicts the noise")
     loss = e.loss if e.loss != "auto" else ("ddpm" if precond == "vp" else "edm")
     if loss == "ddpm" and precond != "vp":
-        raise ConfigError("edm.loss", "ddpm", "auto or edm under edm.precond=edm: DiT's objective trains a DDPM "
-                                              "network on its timesteps (edm.precond=vp)")
+        raise ConfigError("edm.loss", "ddpm", "auto or edm under edm.precond=edm (auto: model.init_from is no "
+                                              "DDPM-trained network): DiT's objective trains a DDPM network on its "
+                                              "timesteps (edm.precond=vp)")
     latent_stats = data_stats
     if src_vp is not None and source.latent_stats is not None:
         latent_stats = source.latent_stats
-        if data_stats is not None and len(data_stats.mean) != len(latent_stats.mean):
+        if len(data_stats.mean) != len(latent_stats.mean):
             raise ConfigError("data.path", cfg.data.path, f"latents of {len(latent_stats.mean)} channels, as "
                                                           f"{_named(source)} was trained on (this dataset's have "
                                                           f"{len(data_stats.mean)}) — prepare the data with its VAE")
