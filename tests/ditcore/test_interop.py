@@ -18,7 +18,7 @@ from ditcore.interop import ConversionError, diffusers_dit, original
 from ditcore.layout import grid_positions, patchify, unpatchify
 from ditcore.models import DiT
 from ditcore.models.dit import DiTConfig
-from ditcore.testing import EPS32, assert_close_fp32, dit_forward_work
+from ditcore.testing import EPS32, Payload, assert_close_fp32, dit_forward_work
 
 # XL's head width (72) and learned Σ, at a size a CPU runs in milliseconds: 2 blocks of 2 heads, 8x8 latents, patch 2
 XL_SHAPED = dict(num_attention_heads=2, attention_head_dim=72, in_channels=4, out_channels=8, num_layers=2,
@@ -229,14 +229,16 @@ def test_an_original_dit_state_dict_converts_and_runs(tmp_path):
     with torch.no_grad():
         assert_close_fp32(ours_forward(ours, x, t, y), theirs(x, timestep=t, class_labels=y).sample,
                           work=dit_forward_work(got.cfg, 16))
-    # DiT's train.py checkpoint keeps {model, ema, opt, args}: its EMA weights are taken (here without the args,
-    # whose argparse Namespace weights_only loading refuses, with a one-line error saying what to do)
-    torch.save({"model": {}, "ema": original_state_dict(theirs)}, tmp_path / "0001000.pt")
+    # DiT's train.py checkpoint keeps {model, ema, opt, args}: its EMA weights are taken, its argparse args (plain
+    # data) allowed; anything that would run code on loading is refused in one line, and nothing runs
+    args = argparse.Namespace(model="DiT-S/2", image_size=64)
+    torch.save({"model": {}, "ema": original_state_dict(theirs), "args": args}, tmp_path / "0001000.pt")
     assert interop.read(tmp_path / "0001000.pt").cfg == got.cfg
-    args = argparse.Namespace(model="DiT-S/2", image_size=64)  # what DiT's train.py saves beside the weights
-    torch.save({"ema": original_state_dict(theirs), "args": args}, tmp_path / "with-args.pt")
+    marker = tmp_path / "pwned"
+    torch.save({"ema": original_state_dict(theirs), "args": Payload(marker)}, tmp_path / "hostile.pt")
     with pytest.raises(ConversionError, match="loads no pickled Python objects"):
-        interop.read(tmp_path / "with-args.pt")
+        interop.read(tmp_path / "hostile.pt")
+    assert not marker.exists()
 
 
 def test_original_import_refuses_what_it_cannot_convert(tmp_path):

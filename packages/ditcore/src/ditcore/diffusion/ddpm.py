@@ -23,7 +23,7 @@ import math
 
 import torch
 
-from ditcore.diffusion.edm import EDMLoss, nearest_level
+from ditcore.diffusion.edm import EDMLoss
 from ditcore.diffusion.vp import DiscreteVP
 from ditcore.layout import per_token
 
@@ -43,7 +43,7 @@ class DDPMLoss:
 
     def timestep(self, sigma: torch.Tensor) -> torch.Tensor:
         """The timestep (long) whose σ_t is nearest to each σ: exactly the t that `sample_sigma` drew."""
-        return nearest_level(sigma, self.vp)
+        return self.vp.timestep(sigma)
 
     def __call__(self, denoiser, x, *, seg=None, mask=None, sigma=None, noise=None, generator=None, **cond):
         B = x.shape[0]

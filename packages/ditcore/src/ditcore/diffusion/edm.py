@@ -15,13 +15,12 @@ per sample, shaped (B, S), and `seg` (B, N) maps each token to its sample. With 
 
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
 from torch import nn
 
-from ditcore.diffusion.vp import DiscreteVP
+from ditcore.diffusion.vp import DiscreteVP, vp_coefficients
 from ditcore.layout import SIGMA_DATA, per_token
 
 PREDICTIONS = ("edm", "x")
@@ -41,18 +40,6 @@ def edm_coefficients(sigma: torch.Tensor, sigma_data: float = SIGMA_DATA, predic
     c_in = 1 / (s2 + d2).sqrt()
     c_noise = sigma.log() / 4
     return c_skip, c_out, c_in, c_noise
-
-
-@functools.cache  # DiscreteVP is frozen, a torch.device hashable
-def vp_levels(vp: DiscreteVP, device: torch.device) -> torch.Tensor:
-    """A DDPM network's σ_t (float64) on `device`, copied there once: a copy from the host at every step would make
-    the host wait for the device."""
-    return vp.sigmas().to(device)
-
-
-def nearest_level(sigma: torch.Tensor, vp: DiscreteVP) -> torch.Tensor:
-    """The timestep t (long) whose σ_t is nearest to each σ: DiscreteVP.timestep, on σ's device without a copy."""
-    return (sigma.double()[..., None] - vp_levels(vp, sigma.device)).abs().argmin(-1)
 
 
 def edm_weight(sigma: torch.Tensor, sigma_data: float = SIGMA_DATA) -> torch.Tensor:
@@ -81,9 +68,8 @@ class EDMPrecond(nn.Module):
 
     def coefficients(self, sigma: torch.Tensor):
         """c_skip, c_out, c_in and the c_noise the network is given (its own units), each like sigma."""
-        if self.vp is not None:  # ditcore.diffusion.vp.vp_coefficients, with the timestep found on σ's device
-            t = nearest_level(sigma, self.vp).to(sigma.dtype)
-            return torch.ones_like(sigma), -sigma, 1 / (sigma**2 + 1).sqrt(), t
+        if self.vp is not None:
+            return vp_coefficients(sigma, self.vp)
         c_skip, c_out, c_in, c_noise = edm_coefficients(sigma, self.sigma_data, self.prediction)
         return c_skip, c_out, c_in, c_noise * C_NOISE_SCALE
 
@@ -143,7 +129,7 @@ class EDMLoss:
         sigma = (rnd * self.P_std + self.P_mean).exp()
         if self.vp is None:
             return sigma
-        return vp_levels(self.vp, sigma.device)[nearest_level(sigma, self.vp)].to(sigma.dtype)
+        return self.vp.round_sigma(sigma)
 
     @staticmethod
     def noisy(x: torch.Tensor, sigma: torch.Tensor, noise: torch.Tensor, seg: torch.Tensor | None = None):

@@ -17,6 +17,7 @@ in x/√ᾱ.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import asdict, dataclass
 from typing import Literal
@@ -74,15 +75,18 @@ class DiscreteVP:
     def sigma_max(self) -> float:
         return float(self.sigmas()[-1])
 
+    def levels(self, device: torch.device | str = "cpu") -> torch.Tensor:
+        """`sigmas()` on `device`, copied there once per schedule and device: a copy from the host at every step
+        would make the host wait for the device."""
+        return _levels(self, torch.device(device))
+
     def timestep(self, sigma: torch.Tensor) -> torch.Tensor:
-        """The timestep t(σ) whose σ_t is nearest to each σ (EDM's iDDPM c_noise), as σ's float dtype."""
-        table = self.sigmas().to(sigma.device)
-        index = (sigma.double()[..., None] - table).abs().argmin(-1)
-        return index.to(sigma.dtype)
+        """The timestep t(σ) (long) whose σ_t is nearest to each σ (EDM's iDDPM c_noise), on σ's device."""
+        return (sigma.double()[..., None] - self.levels(sigma.device)).abs().argmin(-1)
 
     def round_sigma(self, sigma: torch.Tensor) -> torch.Tensor:
         """σ_{t(σ)}: the network's own noise level nearest to σ (0 stays 0: the sampler's end)."""
-        rounded = self.sigmas().to(sigma.device)[self.timestep(sigma).long()].to(sigma.dtype)
+        rounded = self.levels(sigma.device)[self.timestep(sigma)].to(sigma.dtype)
         return torch.where(sigma == 0, sigma, rounded)
 
     def ddim_sigmas(self, steps: int, offset: int = 0) -> torch.Tensor:
@@ -97,6 +101,12 @@ class DiscreteVP:
         return asdict(self)
 
 
+@functools.cache  # DiscreteVP is frozen, a torch.device hashable
+def _levels(vp: DiscreteVP, device: torch.device) -> torch.Tensor:
+    return vp.sigmas().to(device)
+
+
 def vp_coefficients(sigma: torch.Tensor, vp: DiscreteVP):
-    """c_skip, c_out, c_in, c_noise of VP preconditioning (see the module docstring); c_noise is the timestep."""
-    return torch.ones_like(sigma), -sigma, 1 / (sigma**2 + 1).sqrt(), vp.timestep(sigma)
+    """c_skip, c_out, c_in, c_noise of VP preconditioning (see the module docstring); c_noise is the timestep, in
+    σ's dtype."""
+    return torch.ones_like(sigma), -sigma, 1 / (sigma**2 + 1).sqrt(), vp.timestep(sigma).to(sigma.dtype)

@@ -14,6 +14,7 @@ networks are DDPM ε-predictors, sampled and fine-tuned under VP preconditioning
 
 from __future__ import annotations
 
+import argparse
 import json
 import shutil
 from dataclasses import dataclass
@@ -135,13 +136,13 @@ def _load_file(path: Path) -> dict[str, torch.Tensor]:
     """A state dict from a safetensors file, or a torch file loaded with weights_only (no pickled code runs)."""
     if path.suffix == ".safetensors":
         return tensorfile.load(path, "download or convert the checkpoint again")
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
+    try:  # DiT's train.py keeps its argparse args beside the weights: plain data, allowed like tensors
+        with torch.serialization.safe_globals([argparse.Namespace]):
+            state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # an UnpicklingError names the Python object that weights_only refused
         raise ConversionError(f"'{path}' cannot be read as plain tensors ({str(e).splitlines()[0][:200]}): ditcore "
-                              "loads no pickled Python objects. A DiT training checkpoint keeps its argparse args "
-                              "beside the weights: save its 'ema' state dict alone (or as safetensors) on a machine "
-                              "you trust, and pass that file") from None
+                              "loads no pickled Python objects — save its state dict alone (or as safetensors) on a "
+                              "machine you trust, and pass that file") from None
     if isinstance(state, dict) and isinstance(state.get("ema"), dict):  # DiT's train.py: model, ema, opt, args
         state = state["ema"]
     if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
