@@ -10,6 +10,7 @@ import torch
 from typer.testing import CliRunner
 
 from dit_sample.cli import app
+from ditcore import interop
 from ditcore.codecs import DiffusersVAECodec, LatentStats
 from ditcore.data.schema import DatasetInfo
 from ditcore.diffusion import EDMPrecond
@@ -224,7 +225,11 @@ def test_export_to_diffusers_loads_there_and_its_printed_recipe_gives_ditcores_d
     assert result.exit_code == 0, result.output
     assert f"DiTTransformer2DModel.from_pretrained({str(out)!r})" in result.stdout
     assert "timestep = 1000·ln(σ)/4" in result.stdout
-    assert json.loads((out / "ditcore.json").read_text())["precond"] == "edm"
+    sidecar = json.loads((out / "ditcore.json").read_text())
+    assert sidecar["precond"] == "edm"
+    # the latent units it was trained in travel with it (read back as such, not assumed to be SD-VAE's 0.18215 z)
+    assert sidecar["latent_stats"] == {"mean": [0.0] * 4, "std": [0.5] * 4}
+    assert interop.read(out).latent_stats.to_dict() == sidecar["latent_stats"]
 
     theirs = diffusers.DiTTransformer2DModel.from_pretrained(out, low_cpu_mem_usage=False).eval()
     g = torch.Generator().manual_seed(4)

@@ -12,6 +12,7 @@ import torch
 from diffusers import DDIMScheduler, DiTTransformer2DModel
 
 from ditcore import interop
+from ditcore.codecs import LatentStats
 from ditcore.diffusion import EDMPrecond, edm_sampler
 from ditcore.diffusion.vp import DiscreteVP
 from ditcore.interop import ConversionError, diffusers_dit, original
@@ -101,9 +102,10 @@ def test_export_to_diffusers_and_back_is_bitwise(tmp_path):
                     max_grid=(1, 4, 4), learn_sigma=True, freq_shift=1, mlp_norm_eps=1e-5)
     ours = randomise(DiT(cfg), seed=3).eval()
     state = ours.state_dict()
-    out = interop.export_diffusers(tmp_path / "exported", cfg, state, DiscreteVP())
+    stats = LatentStats(torch.zeros(4), torch.full((4,), 0.5 / 0.18215))  # DiT's units: 0.18215 z
+    out = interop.export_diffusers(tmp_path / "exported", cfg, state, DiscreteVP(), latent_stats=stats)
     back = interop.read(out)
-    assert back.cfg == cfg and back.vp == DiscreteVP()
+    assert back.cfg == cfg and back.vp == DiscreteVP() and back.latent_stats.to_dict() == stats.to_dict()
     assert back.tensors.keys() == state.keys()
     assert all(torch.equal(back.tensors[k], v) for k, v in state.items())
     # diffusers loads it as its own (no missing or unexpected weights) and computes what ditcore computes

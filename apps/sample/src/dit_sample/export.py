@@ -11,6 +11,8 @@ from pathlib import Path
 import torch
 
 from ditcore import interop, runs
+from ditcore.codecs import LatentStats
+from ditcore.data.schema import INFO_FILE, parse_info
 from ditcore.diffusion.vp import DiscreteVP
 from ditcore.export import exported_config, load_network, vp_of
 from ditcore.interop import diffusers_dit
@@ -36,12 +38,12 @@ def out_problem(out: Path, checkpoint: Path, force: bool) -> str | None:
 
 
 def network(checkpoint: Path, num_heads: int | None, approximate: bool
-            ) -> tuple[DiTConfig, dict[str, torch.Tensor], DiscreteVP | None]:
-    """(config, one-device weights, DDPM schedule or None) of what `checkpoint` names; a model that diffusers cannot
-    hold is refused from its config alone, before its weights load."""
+            ) -> tuple[DiTConfig, dict[str, torch.Tensor], DiscreteVP | None, LatentStats | None]:
+    """(config, one-device weights, DDPM schedule or None, latent units or None: not recorded) of what `checkpoint`
+    names; a model that diffusers cannot hold is refused from its config alone, before its weights load."""
     if interop.is_foreign(checkpoint):
         imported = interop.read(checkpoint, num_heads)
-        return imported.cfg, imported.tensors, imported.vp
+        return imported.cfg, imported.tensors, imported.vp, imported.latent_stats
     if num_heads is not None:
         raise ExportError(f"--num-heads is for the field's DiT checkpoints ({interop.KINDS}); '{checkpoint}' is a "
                           "ditcore export or run, which records its heads — leave it out")
@@ -54,7 +56,8 @@ def network(checkpoint: Path, num_heads: int | None, approximate: bool
     if prediction != "edm":  # the folder's ditcore.json records EDM's c_skip/c_out: followed, they give another D
         raise ExportError(f"cannot export to diffusers: prediction={prediction} (the network predicts the clean "
                           "latents, D = σ_data·F): the folder records EDM's preconditioning (c_skip, c_out) only")
-    return cfg, state, vp_of(meta)
+    info = parse_info(path / INFO_FILE, "export", "export the run again (dit-train writes RUN_DIR/export/)")
+    return cfg, state, vp_of(meta), LatentStats.from_dict(info.latent_stats)
 
 
 def to_diffusers(checkpoint: str | Path, out: str | Path, *, approximate: bool = False, num_heads: int | None = None,
@@ -64,13 +67,13 @@ def to_diffusers(checkpoint: str | Path, out: str | Path, *, approximate: bool =
     problem = out_problem(out, checkpoint, force)
     if problem:
         raise ExportError(problem)
-    cfg, tensors, vp = network(checkpoint, num_heads, approximate)
-    interop.export_diffusers(out, cfg, tensors, vp, approximate)
+    cfg, tensors, vp, stats = network(checkpoint, num_heads, approximate)
+    interop.export_diffusers(out, cfg, tensors, vp, approximate, latent_stats=stats)
     c = cfg
     lines = [f"wrote {out}: a diffusers {diffusers_dit.CLASS_NAME} (width {c.hidden_size}, depth {c.depth}, "
              f"{c.num_heads} heads, patch {c.patch_size}, {c.in_channels} channels, {c.num_classes} classes, "
-             f"sample_size {c.max_grid[1] * c.patch_size}); it holds the network only (no VAE, scheduler or "
-             "latent statistics)",
+             f"sample_size {c.max_grid[1] * c.patch_size}); it holds the network only, no VAE or scheduler "
+             f"({interop.SIDECAR} records its preconditioning and, when known, the latent units it was trained in)",
              f"load it with: from diffusers import {diffusers_dit.CLASS_NAME}; "
              f"{diffusers_dit.CLASS_NAME}.from_pretrained({str(out)!r})"]
     if vp is not None:

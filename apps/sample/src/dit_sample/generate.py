@@ -218,9 +218,10 @@ def load_foreign(path: str | Path, vae: str | None = None, num_heads: int | None
                          f"{cfg.in_channels} — pass the VAE it was trained with (--vae)")
     # The network was trained on (z − shift)·scaling_factor of the VAE's latents z (DiT: 0.18215·z); ditcore's
     # normalised latents are (z − mean)/std·σ_data, the same numbers for mean = shift and std = σ_data/scaling_factor
+    # (a ditcore export records its own units, which it was fine-tuned in)
     C, config = cfg.in_channels, codec.vae.config
-    stats = LatentStats(torch.full((C,), float(getattr(config, "shift_factor", None) or 0.0)),
-                        torch.full((C,), SIGMA_DATA / config.scaling_factor))
+    stats = imported.latent_stats or LatentStats(torch.full((C,), float(getattr(config, "shift_factor", None) or 0.0)),
+                                                 torch.full((C,), SIGMA_DATA / config.scaling_factor))
     info = DatasetInfo(codec=codec.save(Path(path)), latent_stats=stats.to_dict(),
                        text_encoder={"name": "null", "dim": 0}, latent_channels=C,
                        spatial_factor=codec.spatial_factor, temporal_factor=1, num_classes=cfg.num_classes)

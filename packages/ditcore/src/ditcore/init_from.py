@@ -119,8 +119,8 @@ def read_foreign(path: Path, num_heads: int | None = None) -> Source:
         got = interop.read(path, num_heads)
     except interop.ConversionError as e:
         raise ConfigError(KEY, str(path), f"a checkpoint that converts: {e}") from None
-    return Source(path, got.tensors, cfg=got.cfg, vp=got.vp, latent_stats=trained_units(got.vae, got.cfg.in_channels),
-                  kind=got.kind)
+    stats = got.latent_stats or trained_units(got.vae, got.cfg.in_channels)  # a ditcore export's recorded units
+    return Source(path, got.tensors, cfg=got.cfg, vp=got.vp, latent_stats=stats, kind=got.kind)
 
 
 def trained_units(vae: Path | None, channels: int) -> LatentStats:

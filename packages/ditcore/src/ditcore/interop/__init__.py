@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from ditcore import disk, durable, tensorfile
+from ditcore.codecs import LatentStats
 from ditcore.diffusion.vp import BETA_SCHEDULES, DiscreteVP
 from ditcore.interop import diffusers_dit, original
 from ditcore.interop.original import ConversionError
@@ -45,6 +46,7 @@ class Imported:
     tensors: dict[str, torch.Tensor]  # ditcore's one-device names and layouts
     vp: DiscreteVP | None  # the DDPM schedule it was trained with; None: an EDM-preconditioned ditcore export
     vae: Path | None = None  # a diffusers pipeline's vae/ folder, if it has one
+    latent_stats: LatentStats | None = None  # the latent units it was trained in, when a ditcore export recorded them
 
     def summary(self) -> str:
         c = self.cfg
@@ -85,11 +87,16 @@ def read(path: str | Path, num_heads: int | None = None) -> Imported:
     if config.get("_class_name") != diffusers_dit.CLASS_NAME:
         raise ConversionError(f"'{folder}' holds a {config.get('_class_name')!r}, not a {diffusers_dit.CLASS_NAME}: "
                               f"expected {KINDS}")
-    if (folder / SIDECAR).is_file():  # exported by ditcore: its preconditioning travels with it
+    stats = None
+    if (folder / SIDECAR).is_file():  # exported by ditcore: its preconditioning and latent units travel with it
         sidecar = _json(folder / SIDECAR)
-        vp = DiscreteVP(**sidecar["vp"]) if sidecar.get("precond") == "vp" else None
+        try:
+            vp = DiscreteVP(**sidecar["vp"]) if sidecar.get("precond") == "vp" else None
+            stats = LatentStats.from_dict(sidecar["latent_stats"]) if sidecar.get("latent_stats") else None
+        except (TypeError, ValueError, KeyError) as e:
+            raise ConversionError(f"'{folder / SIDECAR}' is damaged ({e}): export the model again") from None
     cfg, tensors = diffusers_dit.to_ditcore(config, _load_weights(folder))
-    return Imported(path, f"diffusers {diffusers_dit.CLASS_NAME}", cfg, _finite(path, tensors), vp, vae)
+    return Imported(path, f"diffusers {diffusers_dit.CLASS_NAME}", cfg, _finite(path, tensors), vp, vae, stats)
 
 
 def schedule_from_diffusers(config: dict) -> DiscreteVP:
@@ -106,9 +113,10 @@ def schedule_from_diffusers(config: dict) -> DiscreteVP:
 
 
 def export_diffusers(out: str | Path, cfg: DiTConfig, tensors: dict[str, torch.Tensor], vp: DiscreteVP | None,
-                     approximate: bool = False) -> Path:
+                     approximate: bool = False, latent_stats: LatentStats | None = None) -> Path:
     """Write a DiTTransformer2DModel folder (config.json, diffusion_pytorch_model.safetensors, and ditcore.json: its
-    preconditioning) to `out`, complete or not at all; ConversionError naming what diffusers cannot hold."""
+    preconditioning and, given, the latent statistics it was trained in) to `out`, complete or not at all;
+    ConversionError naming what diffusers cannot hold."""
     config, weights = diffusers_dit.to_diffusers(cfg, tensors, approximate)
     out = Path(out)
     tmp = out.with_name(f".{out.name}.tmp")
@@ -121,6 +129,8 @@ def export_diffusers(out: str | Path, cfg: DiTConfig, tensors: dict[str, torch.T
         durable.write_text(tmp / diffusers_dit.CONFIG_FILE, json.dumps(config, indent=1))
         sidecar = {"precond": "edm", "timestep": "1000 * ln(sigma) / 4", "sigma_data": 0.5} if vp is None else \
             {"precond": "vp", "vp": vp.to_dict(), "prediction_type": "epsilon"}
+        if latent_stats is not None:  # ditcore's latents are (z − mean)/std·σ_data of the VAE's z
+            sidecar["latent_stats"] = latent_stats.to_dict()
         durable.write_text(tmp / SIDECAR, json.dumps(sidecar, indent=1))
         durable.fsync_file(tmp / diffusers_dit.WEIGHTS_FILE)
         durable.publish_dir(tmp, out)
