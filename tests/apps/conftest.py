@@ -112,6 +112,19 @@ def launch(checkpoint: Path, *args, extra_env: dict | None = None):
             proc.wait(timeout=30)
 
 
+@pytest.fixture
+def restored_process():
+    """For a test that runs dit-train's setup in this process: afterwards its process group and Fabric's environment
+    variables (MASTER_PORT & co., which later dit-train processes would inherit) are gone again."""
+    from ditcore.parallel.dims import destroy
+
+    environ = dict(os.environ)
+    yield
+    destroy()
+    os.environ.clear()
+    os.environ.update(environ)
+
+
 @pytest.fixture(scope="session")
 def make_export():
     return tiny_export

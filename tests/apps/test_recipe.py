@@ -175,14 +175,13 @@ def test_dit_train_fine_tunes_an_original_dit_checkpoint_and_exports_it_for_vp_s
     pytest.param("cpu", marks=pytest.mark.skipif(torch.cuda.is_available(), reason="the cuda case runs it for real "
                                                  "here (ditcore's CPU shims apply only where CUDA is absent)")),
     pytest.param("cuda", marks=pytest.mark.gpu)])
-def test_a_vp_ddpm_training_step_never_waits_for_the_device(dit_file, latents, tmp_path, monkeypatch, request,
+def test_a_vp_ddpm_training_step_never_waits_for_the_device(dit_file, latents, tmp_path, monkeypatch, restored_process,
                                                             device):
     """As test_train's test of the EDM step, for what a fine-tune adds: the batch mapped to the network's units, the
     timesteps drawn and found, VP's coefficients and DiT's learned-range bound — all queued, nothing read back."""
     from dit_train import train
     from dit_train.metrics import Metrics
     from ditcore.models import dit
-    from ditcore.parallel.dims import destroy
     from ditcore.testing import HostReads
 
     from .test_train import watched
@@ -191,14 +190,6 @@ def test_a_vp_ddpm_training_step_never_waits_for_the_device(dit_file, latents, t
                              "data.num_workers=0", "train.micro_batch=2", "train.global_batch=2",
                              "logging.tensorboard=false", f"train.run_dir={tmp_path / 'run'}",
                              f"parallel.accelerator={'gpu' if device == 'cuda' else 'cpu'}"])
-    environ = dict(os.environ)
-
-    def restore():  # the process group, and Fabric's MASTER_PORT & co., which later dit-train processes would inherit
-        destroy()
-        os.environ.clear()
-        os.environ.update(environ)
-
-    request.addfinalizer(restore)
     run = train.setup(cfg)
     trainee = train.build(run)
     train.start_from(run, trainee)

@@ -656,7 +656,7 @@ def test_a_window_reports_the_gpu_memory_peak():
     pytest.param("cpu", marks=pytest.mark.skipif(torch.cuda.is_available(), reason="the cuda case runs it for real "
                                                  "here (ditcore's CPU shims apply only where CUDA is absent)")),
     pytest.param("cuda", marks=pytest.mark.gpu)])
-def test_a_training_step_never_waits_for_the_device(dataset, tmp_path, monkeypatch, request, device):
+def test_a_training_step_never_waits_for_the_device(dataset, tmp_path, monkeypatch, restored_process, device):
     """Between logging steps the host only queues work: any read of a device value in train_step raises here. On a
     GPU torch.cuda.set_sync_debug_mode("error") watches too; on the CPU, HostReads treats the CPU as the device,
     except where the host reads by design: the loader's batch before its copy (MicroBatches._next_on_host), the
@@ -666,20 +666,11 @@ def test_a_training_step_never_waits_for_the_device(dataset, tmp_path, monkeypat
     from dit_train.config import load_config
     from dit_train.metrics import Metrics
     from ditcore.models import dit
-    from ditcore.parallel.dims import destroy
     from ditcore.testing import HostReads
 
     cfg = load_config(find_config("demo"), [*TINY, f"data.path={dataset}", f"train.run_dir={tmp_path / 'run'}",
                                             "train.steps=4", "train.grad_clip=1.0",
                                             f"parallel.accelerator={'gpu' if device == 'cuda' else 'cpu'}"])
-    environ = dict(os.environ)
-
-    def restore():  # the process group, and Fabric's MASTER_PORT & co., which later dit-train processes would inherit
-        destroy()
-        os.environ.clear()
-        os.environ.update(environ)
-
-    request.addfinalizer(restore)
     run = train.setup(cfg)
     trainee = train.build(run)
     it = iter(trainee.loader)
