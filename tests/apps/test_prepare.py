@@ -564,3 +564,18 @@ def test_class_names_in_ditcore_json_keep_unlabelled_datasets_as_before(tmp_path
                                                            "format": "ditcore-dataset/1"}))
         with pytest.raises(DatasetError, match=f"has class_names .* for num_classes {classes}: expected at most"):
             parse_info(tmp_path / "ditcore.json")
+
+
+@pytest.mark.slow  # importing diffusers costs 5.6 s of CPU (measured); test_bad_inputs has the error for synthetic
+def test_folder_with_a_vae_that_does_not_load_is_one_line(tmp_path):
+    """`folder --codec vae` loads the VAE to learn its pixels per latent cell before --size is checked: a VAE folder
+    that does not exist (or a hub id offline) is one line, not a traceback."""
+    from typer.testing import CliRunner
+
+    from dit_prepare.cli import app
+
+    result = CliRunner().invoke(app, ["folder", str(tmp_path), "--out", str(tmp_path / "out"), "--codec", "vae",
+                                      "--vae", str(tmp_path / "no-vae")])
+    assert result.exit_code == 2, result.output
+    assert result.stderr == f"error: VAE folder '{tmp_path / 'no-vae'}' does not exist — pass an existing folder " \
+                            "or a hub id\n", result.output

@@ -289,7 +289,8 @@ def folder(
 
     choice = encode.codec_choice()
     patch = largest_patch(shipped_model_shapes())
-    unit = choice.spatial_factor() * patch
+    with _one_line_errors():  # --codec vae loads the VAE here: a missing folder or no hub is one line
+        unit = choice.spatial_factor() * patch
     if size % unit:
         lower, upper = max(unit, size // unit * unit), (size // unit + 1) * unit
         fail(f"--size {size} is not a multiple of {unit} (the codec's {choice.spatial_factor()} pixels per latent "
