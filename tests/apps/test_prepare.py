@@ -456,3 +456,126 @@ def test_one_summary_under_torchrun(tmp_path):
     summaries = [ln for ln in proc.stdout.splitlines() if ln.startswith("samples ")]
     assert summaries == ["samples   5 (5 images, 0 clips) in 2 shards, " + summaries[0].split(" shards, ")[1]]
     assert proc.stdout.count("dataset ") == 1
+
+
+def write_classes(root: Path) -> dict[str, int]:
+    """ImageNet's layout: ROOT/CLASS/*.png, 3 classes made in reverse name order (the label is the sorted index, not
+    the order of creation), one image without a caption, and a captioned file directly in ROOT. → caption: label."""
+    import imageio.v3 as iio
+
+    expected = {}
+    for label, name, count in ((2, "n03", 2), (1, "n02", 3), (0, "n01", 2)):
+        (root / name).mkdir(parents=True)
+        for j in range(count):
+            iio.imwrite(root / name / f"{j}.JPEG", generate(3 * label + j, 5, 32, 1, 0.0)[0][0], extension=".jpeg")
+            if (name, j) != ("n02", 2):
+                (root / name / f"{j}.txt").write_text(f"{name} picture {j}")
+                expected[f"{name} picture {j}"] = label
+    expected["n02"] = 1  # 2.JPEG has no caption: its class's name stands in
+    iio.imwrite(root / "stray.png", generate(0, 5, 32, 1, 0.0)[0][0])
+    (root / "stray.txt").write_text("a stray picture")
+    return expected
+
+
+def test_folder_labels_from_subfolders_reach_the_loader(tmp_path):
+    """`dit-prepare folder ROOT --labels subfolders` (in process): each sample's label is its folder's index among
+    ROOT's folders sorted by name, ditcore.json records 3 classes and their names, the file in ROOT is skipped by
+    name, and ditcore's loader yields every caption with its label."""
+    import tarfile
+
+    from typer.testing import CliRunner
+
+    from dit_prepare.cli import app
+
+    expected = write_classes(tmp_path / "imagenet")
+    out = tmp_path / "out"
+    result = CliRunner().invoke(app, ["folder", str(tmp_path / "imagenet"), "--out", str(out), "--labels",
+                                      "subfolders", "--size", "32", "--codec", "pixel", "--text-encoder", "null"])
+    assert result.exit_code == 0, result.output
+    info = read_info(out)
+    assert info.num_classes == 3 and info.class_names == ["n01", "n02", "n03"]
+    assert info.counts["samples"] == 7 and info.counts["skipped"] == {
+        "not in a class subfolder (--labels subfolders)": 1}
+    assert "stray.png" in result.stdout
+    written = {}
+    for shard in out.glob("*.tar"):
+        with tarfile.open(shard) as tar:
+            for m in tar:
+                if m.name.endswith(".json"):
+                    meta = json.loads(tar.extractfile(m).read())
+                    written[meta["caption"]] = meta["label"]
+                    assert meta["source"].split("/")[0] == info.class_names[meta["label"]]
+    assert written == expected
+
+    seen = {}
+    batches = build_loader(out, patch_size=4, patch_size_t=1, seq_length=64, batch_size=2)  # 16 tokens a sample
+    for _, b in zip(range(4), batches, strict=False):  # 16 samples: the loader repeats the 7
+        for row, captions in enumerate(b.captions):
+            for slot, caption in enumerate(captions):
+                seen.setdefault(caption, set()).add(int(b.class_labels[row, slot]))
+    assert seen == {caption: {label} for caption, label in expected.items()}
+
+
+def test_folder_labels_class_count_and_refusals(tmp_path):
+    """--num-classes declares a larger model's count (names stay the folders'); fewer than the folders, or labels
+    with no file in a subfolder, is one line naming the value and what to do; without --labels nothing changes."""
+    from typer.testing import CliRunner
+
+    from dit_prepare.cli import app
+    from dit_prepare.sources import FolderSource, Framing, SourceError
+
+    root = tmp_path / "imagenet"
+    write_classes(root)
+    framing = Framing("crop", 32, 8)
+    labelled = FolderSource(root, framing, 1, 0.0, labels="subfolders", num_classes=1000)
+    assert labelled.num_classes == 1000 and labelled.classes == ["n01", "n02", "n03"]
+    assert [labelled.load(i).meta.get("label") for i in (0, 2, 4)] == [0, 1, 1]  # n01/0, n02/0, n02/2
+    plain = FolderSource(root, framing, 1, 0.0)  # today's behaviour: no labels, a caption per file
+    assert plain.num_classes == 0 and "label" not in plain.load(0).meta
+    with pytest.raises(Exception, match="no caption"):
+        plain.load(4)  # n02/2.JPEG
+    with pytest.raises(SourceError, match="has no images or videos in subfolders"):
+        FolderSource(root / "n01", framing, 1, 0.0, labels="subfolders")
+
+    result = CliRunner().invoke(app, ["folder", str(root), "--out", str(tmp_path / "out"), "--labels", "subfolders",
+                                      "--num-classes", "2", "--size", "32", "--codec", "pixel"])
+    assert result.exit_code == 2 and len(result.stderr.splitlines()) == 1, result.output
+    assert result.stderr.startswith("error: --num-classes 2 is fewer than the 3 class subfolders of ")
+    assert "(n01, n02, n03): give at least 3" in result.stderr and not (tmp_path / "out").exists()
+
+
+def test_class_names_in_ditcore_json_keep_unlabelled_datasets_as_before(tmp_path):
+    """An unlabelled dataset's ditcore.json has exactly the keys it had before class_names (so an older ditcore,
+    which refuses unknown keys, still reads it) and reads back with no names; a labelled one keeps its names; names
+    that are not strings or outnumber num_classes are refused in one line."""
+    from ditcore.data.schema import DatasetError, DatasetInfo, parse_info
+
+    base = dict(codec={"kind": "none"}, latent_stats={}, text_encoder={"name": "null", "dim": 0}, latent_channels=4,
+                spatial_factor=1, temporal_factor=1)
+    DatasetInfo(**base).write(tmp_path)
+    before = {"codec", "latent_stats", "text_encoder", "latent_channels", "spatial_factor", "temporal_factor",
+              "counts", "num_classes", "format"}
+    assert set(json.loads((tmp_path / "ditcore.json").read_text())) == before
+    assert parse_info(tmp_path / "ditcore.json").class_names == []
+    DatasetInfo(**base, num_classes=1000, class_names=["n01", "n02"]).write(tmp_path)
+    assert parse_info(tmp_path / "ditcore.json").class_names == ["n01", "n02"]
+    for names, classes in ((["a", "b"], 1), ([1, 2], 2), ("ab", 2)):
+        (tmp_path / "ditcore.json").write_text(json.dumps({**base, "num_classes": classes, "class_names": names,
+                                                           "format": "ditcore-dataset/1"}))
+        with pytest.raises(DatasetError, match=f"has class_names .* for num_classes {classes}: expected at most"):
+            parse_info(tmp_path / "ditcore.json")
+
+
+@pytest.mark.slow  # importing diffusers costs 5.6 s of CPU (measured); test_bad_inputs has the error for synthetic
+def test_folder_with_a_vae_that_does_not_load_is_one_line(tmp_path):
+    """`folder --codec vae` loads the VAE to learn its pixels per latent cell before --size is checked: a VAE folder
+    that does not exist (or a hub id offline) is one line, not a traceback."""
+    from typer.testing import CliRunner
+
+    from dit_prepare.cli import app
+
+    result = CliRunner().invoke(app, ["folder", str(tmp_path), "--out", str(tmp_path / "out"), "--codec", "vae",
+                                      "--vae", str(tmp_path / "no-vae")])
+    assert result.exit_code == 2, result.output
+    assert result.stderr == f"error: VAE folder '{tmp_path / 'no-vae'}' does not exist — pass an existing folder " \
+                            "or a hub id\n", result.output

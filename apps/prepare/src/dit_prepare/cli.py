@@ -50,6 +50,11 @@ class Fit(enum.StrEnum):
     buckets = "buckets"
 
 
+class Labels(enum.StrEnum):
+    none = "none"
+    subfolders = "subfolders"
+
+
 class VaeClass(enum.StrEnum):
     """The diffusers classes of ditcore.codecs.vae.VAE_CLASSES, spelled out so that --help need not import torch."""
 
@@ -179,7 +184,8 @@ def _run(source_factory, out: Path, choice, encode: EncodeOptions, write: WriteO
         encoder = load_text_encoder(encode.text_encoder)
         summary = prepare(source, out, codec=choice, text_encoder=encoder, fit_samples=encode.fit_samples,
                           workers=encode.workers, shard_size=write.shard_size, overwrite=write.overwrite,
-                          keep_partial=write.keep_partial)
+                          keep_partial=write.keep_partial, num_classes=getattr(source, "num_classes", 0),
+                          class_names=getattr(source, "classes", []))  # a class-labelled source has both
     if dist_env()[0] != 0:
         return
     typer.echo(f"dataset   {out}")
@@ -267,21 +273,31 @@ def folder(
     frames: int = typer.Option(8, min=1, help="Frames taken from each video."),
     fps: float = typer.Option(0.0, min=0.0, help="Sample video frames at this rate (0: every frame)."),
     num: int = typer.Option(None, min=1, help="Use at most this many files."),
+    labels: Labels = typer.Option(Labels.none, help="subfolders: class labels from ImageNet's layout, "
+                                                    "PATH/CLASS_NAME/file: label i is the i-th subfolder by name "
+                                                    "(as torchvision's ImageFolder); captions become optional (the "
+                                                    "class name stands in); files directly in PATH are skipped."),
+    num_classes: int = typer.Option(None, min=1, help="With --labels subfolders: the model's class count, at least "
+                                                      "the subfolders' (default: their number), e.g. 1000 to keep "
+                                                      "an ImageNet model's class embedding."),
     *, encode: EncodeOptions, write: WriteOptions,
 ) -> None:
-    """Your own images and videos; captions from sidecar .txt files or a captions.jsonl ({"file", "caption"})."""
+    """Your own images and videos; captions from sidecar .txt files or a captions.jsonl ({"file", "caption"}), class
+    labels from subfolders (--labels subfolders)."""
     from dit_prepare.sources import FolderSource, Framing
     from dit_prepare.tokens import largest_patch, shipped_model_shapes
 
     choice = encode.codec_choice()
     patch = largest_patch(shipped_model_shapes())
-    unit = choice.spatial_factor() * patch
+    with _one_line_errors():  # --codec vae loads the VAE here: a missing folder or no hub is one line
+        unit = choice.spatial_factor() * patch
     if size % unit:
         lower, upper = max(unit, size // unit * unit), (size // unit + 1) * unit
         fail(f"--size {size} is not a multiple of {unit} (the codec's {choice.spatial_factor()} pixels per latent "
              f"cell x patch {patch}, the largest of dit-train's configs): use {lower} or {upper}")
     framing = Framing(str(fit), size, unit)
-    _run(lambda factor: FolderSource(path, framing, frames, fps, limit=num), out, choice, encode, write)
+    _run(lambda factor: FolderSource(path, framing, frames, fps, limit=num, labels=str(labels),
+                                     num_classes=num_classes), out, choice, encode, write)
 
 
 @app.command()

@@ -156,10 +156,12 @@ def fit_codec(choice: CodecChoice, items: list[Item]) -> tuple[Codec, float | No
 
 def prepare(source, out: Path, *, codec: CodecChoice | None = None, text_encoder: TextEncoder | None = None,
             fit_samples: int = 256, workers: int = 0, shard_size: int = 1000, overwrite: bool = False,
-            progress: bool = True, num_classes: int = 0, keep_partial: bool = False) -> Summary:
+            progress: bool = True, num_classes: int = 0, class_names: list[str] | None = None,
+            keep_partial: bool = False) -> Summary:
     """Write the dataset. On any failure or interrupt the partial output is removed unless keep_partial.
 
-    codec and text_encoder: how a source of pixels is encoded (a source of latents needs neither)."""
+    codec and text_encoder: how a source of pixels is encoded (a source of latents needs neither).
+    num_classes, class_names: recorded in ditcore.json for a source whose samples carry a "label"."""
     rank, world = dist_env()
     if world > 1:
         import torch.distributed as dist
@@ -171,11 +173,12 @@ def prepare(source, out: Path, *, codec: CodecChoice | None = None, text_encoder
     _barrier(world)
     with removed_on_failure(out, created, keep_partial, rank):
         return _prepare(source, out, codec=codec, text_encoder=text_encoder, fit_samples=fit_samples,
-                        workers=workers, shard_size=shard_size, progress=progress, num_classes=num_classes)
+                        workers=workers, shard_size=shard_size, progress=progress, num_classes=num_classes,
+                        class_names=list(class_names or []))
 
 
 def _prepare(source, out: Path, *, codec: CodecChoice | None, text_encoder: TextEncoder | None, fit_samples: int,
-             workers: int, shard_size: int, progress: bool, num_classes: int) -> Summary:
+             workers: int, shard_size: int, progress: bool, num_classes: int, class_names: list[str]) -> Summary:
     rank, world = dist_env()
     t0 = time.perf_counter()
     summary = Summary()
@@ -214,7 +217,7 @@ def _prepare(source, out: Path, *, codec: CodecChoice | None, text_encoder: Text
     totals = _sum_over_ranks(summary, world)
     if rank == 0:
         info = DatasetInfo(
-            **describe(), num_classes=num_classes,
+            **describe(), num_classes=num_classes, class_names=class_names,
             counts={"samples": totals.samples, "images": totals.images, "videos": totals.videos,
                     "skipped": dict(totals.skipped), "latent_shapes": dict(totals.latent_shapes)},
         )

@@ -293,10 +293,19 @@ class FolderSource:
 
     Every frame is shaped by `framing` (Framing). A file that cannot be used (not a regular file, no caption or
     one that is not UTF-8, an unreadable or oversized image, a short video) is a Skip naming the file.
+
+    labels="subfolders" reads ImageNet's layout, ROOT/CLASS/file: a file's label is the index of its first-level
+    folder among ROOT's folders sorted by name, as torchvision's ImageFolder numbers them (so ImageNet's synset
+    folders give DiT's classes 0..999). `classes` names them in label order; `num_classes` (the model's class count,
+    at least len(classes)) defaults to their number. A file without a caption is captioned by its class's name; a
+    file directly in ROOT has no class and is a Skip.
     """
 
+    classes: list[str]  # label i's folder name; [] without labels
+    num_classes: int  # 0 without labels
+
     def __init__(self, root: Path, framing: Framing, frames: int, fps: float, temporal_factor: int = 1,
-                 limit: int | None = None):
+                 limit: int | None = None, labels: str = "none", num_classes: int | None = None):
         root = Path(root)
         if not root.is_dir():
             raise SourceError(f"input folder '{root}' does not exist or is not a folder")
@@ -308,6 +317,8 @@ class FolderSource:
         if not self.files:
             raise SourceError(f"input folder '{root}' has no images ({', '.join(sorted(IMAGE_EXTS))}) or videos "
                               f"({', '.join(sorted(VIDEO_EXTS))})")
+        self.classes, self.num_classes = self._classes(labels, num_classes)
+        self._label = {name: i for i, name in enumerate(self.classes)}
         self.captions = {}
         jsonl = root / "captions.jsonl"
         if jsonl.is_file():
@@ -323,10 +334,30 @@ class FolderSource:
                     except (json.JSONDecodeError, KeyError, TypeError):
                         raise SourceError(f"{jsonl}:{n}: expected a JSON object with 'file' and 'caption'") from None
 
+    def _classes(self, labels: str, num_classes: int | None) -> tuple[list[str], int]:
+        if labels == "none":
+            if num_classes is not None:
+                raise SourceError(f"--num-classes {num_classes} needs --labels subfolders (the labels it counts)")
+            return [], 0
+        if labels != "subfolders":
+            raise SourceError(f"--labels {labels!r} is unknown: expected none or subfolders")
+        # every folder, as ImageFolder's find_classes: a folder's index does not depend on what is inside it
+        classes = sorted(p.name for p in self.root.iterdir() if p.is_dir())
+        if not any(len(p.relative_to(self.root).parts) > 1 for p in self.files):
+            raise SourceError(f"--labels subfolders: input folder '{self.root}' has no images or videos in "
+                              "subfolders — put each class's files in ROOT/CLASS_NAME/ (ImageNet's layout)")
+        if num_classes is None:
+            return classes, len(classes)
+        if num_classes < len(classes):
+            raise SourceError(f"--num-classes {num_classes} is fewer than the {len(classes)} class subfolders of "
+                              f"'{self.root}' ({_listed(classes)}): give at least {len(classes)}, or leave it out")
+        return classes, num_classes
+
     def __len__(self) -> int:
         return len(self.files)
 
-    def caption_of(self, path: Path) -> str:
+    def caption_of(self, path: Path) -> str | None:
+        """The file's caption from captions.jsonl or its sidecar .txt; None when it has neither."""
         rel = str(path.relative_to(self.root))
         if rel in self.captions:
             return self.captions[rel]
@@ -336,20 +367,30 @@ class FolderSource:
                 return sidecar.read_bytes().decode("utf-8-sig").strip()
             except UnicodeDecodeError:
                 raise Skip("caption is not UTF-8 text", str(sidecar.relative_to(self.root))) from None
-        raise Skip("no caption (no sidecar .txt and not in captions.jsonl)", rel)
+        return None
 
     def load(self, i: int) -> Item:
         path = self.files[i]
         rel = str(path.relative_to(self.root))
         if not path.is_file():  # a FIFO or device named like an image would block the first read forever
             raise Skip("not a regular file", rel)
-        caption = self.caption_of(path)
+        meta = {"source": rel}
+        if self.num_classes:
+            folder, *inside = path.relative_to(self.root).parts
+            if not inside:
+                raise Skip("not in a class subfolder (--labels subfolders)", rel)
+            meta["label"] = self._label[folder]
+            caption = self.caption_of(path) or folder  # captions are optional: the class's name stands in
+        else:
+            caption = self.caption_of(path)
+        if caption is None:
+            raise Skip("no caption (no sidecar .txt and not in captions.jsonl)", rel)
         if not caption:
             raise Skip("empty caption", rel)
         if path.suffix.lower() in IMAGE_EXTS:
-            return Item(f"{i:08d}", self._read_image(path, rel)[None], caption, 0.0, {"source": rel})
+            return Item(f"{i:08d}", self._read_image(path, rel)[None], caption, 0.0, meta)
         pixels, fps = self._read_video(path, rel)
-        return Item(f"{i:08d}", pixels, caption, fps, {"source": rel})
+        return Item(f"{i:08d}", pixels, caption, fps, meta)
 
     def _read_image(self, path: Path, rel: str) -> np.ndarray:
         from PIL import Image, UnidentifiedImageError
@@ -392,3 +433,9 @@ class FolderSource:
         if len(picked) < self.frames:
             raise Skip(f"video too short (need {self.frames} frames at step {step})", rel)
         return np.stack(picked), (src_fps / step if src_fps else self.fps)
+
+
+def _listed(names: list[str], shown: int = 5) -> str:
+    """'a, b, c' — the first `shown` names and how many more."""
+    more = f" and {len(names) - shown} more" if len(names) > shown else ""
+    return ", ".join(names[:shown]) + more

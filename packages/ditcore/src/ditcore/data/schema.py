@@ -13,8 +13,9 @@ unpickler, which builds tensors and nothing else. No other member kind is ever d
 `.nv-meta/` is Energon's index with two views of the same shards: `dataset.yaml`, typed (the loader's
 `LatentSample`), is what Energon's own CLI reads (`energon info DIR`, `energon lint DIR`); `dataset_crude.yaml`
 (`CrudeWebdataset`) is what the loader opens, cooking the samples itself. Next to it, `ditcore.json` records
-how the latents were made: codec identity and parameters, latent statistics, text encoder, counts. It is written
-last, atomically: a dataset without it is incomplete and is refused.
+how the latents were made: codec identity and parameters, latent statistics, text encoder, counts, and a
+class-labelled dataset's class count and names. It is written last, atomically: a dataset without it is incomplete
+and is refused.
 """
 
 from __future__ import annotations
@@ -53,11 +54,15 @@ class DatasetInfo:
     temporal_factor: int
     counts: dict = field(default_factory=dict)  # samples, images, videos, shards, skipped: {reason: n}
     num_classes: int = 0  # > 0 for class-labelled datasets
+    class_names: list[str] = field(default_factory=list)  # label i's name, for labels 0..len-1 (may be fewer)
     format: str = FORMAT
 
     def write(self, root: Path) -> None:
+        data = asdict(self)
+        if not self.class_names:  # an unlabelled dataset's file stays as before: older ditcores read it
+            del data["class_names"]
         tmp = root / f".{INFO_FILE}.tmp"
-        durable.write_text(tmp, json.dumps(asdict(self), indent=1))
+        durable.write_text(tmp, json.dumps(data, indent=1))
         os.replace(tmp, root / INFO_FILE)  # atomic: the file is either absent or complete
         durable.fsync_dir(root)
 
@@ -91,6 +96,10 @@ def parse_info(path: Path, what: str = "dataset", fix: str = "run dit-prepare ag
                            f"{fix}") from None
     if info.format != FORMAT:
         raise DatasetError(f"{what} '{Path(path).parent}' has format {info.format!r}; this ditcore reads {FORMAT!r}")
+    names = info.class_names
+    if not isinstance(names, list) or not all(isinstance(n, str) for n in names) or len(names) > info.num_classes:
+        raise DatasetError(f"{what} '{Path(path).parent}' has class_names {str(names)[:80]} for num_classes "
+                           f"{info.num_classes}: expected at most that many names (strings) — {fix}")
     return info
 
 
