@@ -107,9 +107,8 @@ def test_only_the_first_error_is_reported():
 
 
 @pytest.mark.parametrize("args", [["--config", "demo", "train.steps=123", "optim.lr=3e-4"], []])
-def test_print_config_is_the_yaml_of_the_config_and_loads_back_equal(tmp_path, args):
-    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
-    proc = subprocess.run([str(BIN / "dit-train"), *args, "--print-config"], capture_output=True, text=True, env=env)
+def test_print_config_is_the_yaml_of_the_config_and_loads_back_equal(in_process, tmp_path, args):
+    proc = in_process("train", *args, "--print-config")
     assert proc.returncode == 0, proc.stderr[-2000:]
     cfg = load_config(DEMO, ["train.steps=123", "optim.lr=3e-4"]) if args else TrainConfig()
     assert proc.stdout == cfg.to_yaml()

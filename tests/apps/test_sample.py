@@ -80,18 +80,18 @@ def test_several_prompts_sample_as_one_batch_and_images_are_png(checkpoint, tmp_
         (["--prompt", "  "], "the prompt is empty: describe what to draw, e.g. 'a green leaf on sand'"),
     ],
 )
-def test_bad_requests_give_one_clear_line(checkpoint, tmp_path, args, message):
+def test_bad_requests_give_one_clear_line(in_process, checkpoint, tmp_path, args, message):
     base = {"--prompt": "a red butterfly", "--steps": 2}
     for k, v in zip(args[::2], args[1::2], strict=True):
         base[k] = v
     flat = [x for kv in base.items() for x in kv]
-    proc = generate("--checkpoint", checkpoint, *flat, "--out", tmp_path / "x.png")
+    proc = in_process("sample", "generate", "--checkpoint", checkpoint, *flat, "--out", tmp_path / "x.png")
     assert proc.returncode == 2 and message in proc.stderr, proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr
 
 
-def test_missing_or_wrong_checkpoint(tmp_path, checkpoint):
-    proc = generate("--checkpoint", tmp_path / "nope", "--prompt", "x")
+def test_missing_or_wrong_checkpoint(in_process, tmp_path, checkpoint):
+    proc = in_process("sample", "generate", "--checkpoint", tmp_path / "nope", "--prompt", "x")
     assert proc.returncode == 2 and "does not exist" in proc.stderr
     other = tmp_path / "other"
     shutil.copytree(checkpoint / "export", other)
@@ -100,7 +100,7 @@ def test_missing_or_wrong_checkpoint(tmp_path, checkpoint):
     meta = json.loads((other / "model.json").read_text())
     meta["model"]["depth"] = 3
     (other / "model.json").write_text(json.dumps(meta))
-    proc = generate("--checkpoint", other, "--prompt", "x")
+    proc = in_process("sample", "generate", "--checkpoint", other, "--prompt", "x")
     assert proc.returncode == 2 and "weights of another architecture" in proc.stderr, proc.stderr[-2000:]
 
 
