@@ -47,7 +47,7 @@ def test_same_seed_same_output_and_the_requested_frames(checkpoint, tmp_path):
     assert np.array_equal(fa, fb) and not np.array_equal(fa, fc)
 
 
-def test_guidance_defaults_to_the_one_the_run_validated_with(checkpoint, tmp_path):
+def test_guidance_defaults_to_the_one_the_run_validated_with(in_process, checkpoint, tmp_path):
     import json
     import shutil
 
@@ -55,16 +55,16 @@ def test_guidance_defaults_to_the_one_the_run_validated_with(checkpoint, tmp_pat
     meta = json.loads((own / "model.json").read_text())
     (own / "model.json").write_text(json.dumps(meta | {"guidance": 1.0}))  # what dit-train records
     common = ["--prompt", "a red butterfly", "--steps", 2, "--height", 32, "--width", 32, "--out", tmp_path / "s.png"]
-    recorded, older = generate("--checkpoint", own, *common), generate("--checkpoint", checkpoint, *common)
+    recorded, older = (in_process("sample", "generate", "--checkpoint", path, *common) for path in (own, checkpoint))
     assert recorded.returncode == older.returncode == 0, recorded.stderr[-3000:] + older.stderr[-3000:]
     assert "(1x batch for guidance)" in recorded.stdout  # 1.0: no guidance, as the run validated
     assert "(2x batch for guidance)" in older.stdout  # an export without it: the default weight 4.0
 
 
-def test_several_prompts_sample_as_one_batch_and_images_are_png(checkpoint, tmp_path):
+def test_several_prompts_sample_as_one_batch_and_images_are_png(in_process, checkpoint, tmp_path):
     """And without --height/--width, at the size the run trained at most: 32x48 pixels (not a fixed 64x64)."""
-    proc = generate("--checkpoint", checkpoint / "export", "--prompt", "a red butterfly", "--prompt",
-                    "a blue butterfly", "--steps", 2, "--out", tmp_path / "s.png")
+    proc = in_process("sample", "generate", "--checkpoint", checkpoint / "export", "--prompt", "a red butterfly",
+                      "--prompt", "a blue butterfly", "--steps", 2, "--out", tmp_path / "s.png")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "2 sample(s) of 1x32x48: 3 denoiser evaluations" in proc.stdout
     assert read_video(tmp_path / "s-0.png").shape == (1, 32, 48, 3) and (tmp_path / "s-1.png").is_file()
