@@ -135,7 +135,7 @@ def launch(checkpoint: Path, *args, extra_env: dict | None = None):
 
 
 @pytest.fixture(scope="session")
-def in_process():
+def cli_in_process():
     return run_in_process
 
 

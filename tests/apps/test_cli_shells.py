@@ -56,7 +56,7 @@ SAME_LINES = [
 
 
 @pytest.mark.parametrize(("app", "args"), SAME_LINES, ids=[f"{app}-{i}" for i, (app, _) in enumerate(SAME_LINES)])
-def test_in_process_runs_print_what_the_console_script_prints(in_process, make_export, tmp_path, app, args):
+def test_in_process_runs_print_what_the_console_script_prints(cli_in_process, make_export, tmp_path, app, args):
     """The same exit code, stdout and stderr, to the character: the console script adds nothing on its way in
     (interpreter, imports, entry point) that the in-process runs would miss."""
     bad = tmp_path / "bad"
@@ -69,6 +69,6 @@ def test_in_process_runs_print_what_the_console_script_prints(in_process, make_e
     env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
     script = subprocess.run([str(Path(sys.executable).parent / f"dit-{app}"), *args], capture_output=True, text=True,
                             env=env, timeout=180)
-    mine = in_process(app, *args)
+    mine = cli_in_process(app, *args)
     assert script.returncode == 2 and script.stderr.startswith("error: "), script.stderr[-3000:]
     assert (mine.returncode, mine.stdout, mine.stderr) == (script.returncode, script.stdout, script.stderr)

@@ -103,8 +103,8 @@ def test_only_the_first_error_is_reported():
 
 
 @pytest.mark.parametrize("args", [["--config", "demo", "train.steps=123", "optim.lr=3e-4"], []])
-def test_print_config_is_the_yaml_of_the_config_and_loads_back_equal(in_process, tmp_path, args):
-    proc = in_process("train", *args, "--print-config")
+def test_print_config_is_the_yaml_of_the_config_and_loads_back_equal(cli_in_process, tmp_path, args):
+    proc = cli_in_process("train", *args, "--print-config")
     assert proc.returncode == 0, proc.stderr[-2000:]
     cfg = load_config(DEMO, ["train.steps=123", "optim.lr=3e-4"]) if args else TrainConfig()
     assert proc.stdout == cfg.to_yaml()
@@ -114,7 +114,7 @@ def test_print_config_is_the_yaml_of_the_config_and_loads_back_equal(in_process,
     assert again == cfg and again.to_yaml() == proc.stdout
 
 
-def test_shipped_configs_are_the_files_in_the_configs_folder(in_process, tmp_path, monkeypatch):
+def test_shipped_configs_are_the_files_in_the_configs_folder(cli_in_process, tmp_path, monkeypatch):
     assert set(SHIPPED_NAMES) == {p.stem for p in CONFIGS.glob("*.yaml")} >= {"demo", "mock"}
     assert all(find_config(name) == CONFIGS / f"{name}.yaml" for name in SHIPPED_NAMES)
     monkeypatch.chdir(tmp_path)
@@ -122,7 +122,7 @@ def test_shipped_configs_are_the_files_in_the_configs_folder(in_process, tmp_pat
     (tmp_path / "demo").write_text("model: {}\n")  # a file of the same name is the user's config
     assert (find_config("mock"), find_config("demo")) == (CONFIGS / "mock.yaml", Path("demo"))
     monkeypatch.setenv("COLUMNS", "300")
-    help_text = in_process("train", "--help").stdout
+    help_text = cli_in_process("train", "--help").stdout
     assert "shipped config name: " + ", ".join(SHIPPED_NAMES) + "." in help_text
 
 

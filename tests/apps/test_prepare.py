@@ -217,16 +217,16 @@ def test_mock_dataset_for_throughput(tmp_path):
         (["folder", "{tmp}", "--out", "{tmp}/o", "--size", "72"], "--size 72 is not a multiple of 16"),
     ],
 )
-def test_bad_inputs_give_one_clear_line(in_process, tmp_path, args, message):
-    proc = in_process("prepare", *[a.format(tmp=tmp_path) for a in args])
+def test_bad_inputs_give_one_clear_line(cli_in_process, tmp_path, args, message):
+    proc = cli_in_process("prepare", *[a.format(tmp=tmp_path) for a in args])
     assert proc.returncode == 2
     assert message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-2000:]
     assert len([ln for ln in proc.stderr.splitlines() if ln.strip()]) == 1
 
 
-def test_existing_output_is_refused_without_overwrite(in_process, synthetic):
+def test_existing_output_is_refused_without_overwrite(cli_in_process, synthetic):
     out, _ = synthetic
-    proc = in_process("prepare", "mock", "--out", out, "--num", 2)
+    proc = cli_in_process("prepare", "mock", "--out", out, "--num", 2)
     assert proc.returncode == 2 and "already exists and is not empty" in proc.stderr
     assert read_info(out).counts["samples"] == 24  # untouched
 

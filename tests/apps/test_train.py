@@ -92,8 +92,8 @@ def test_every_shipped_config_validates(name):
     assert cfg.train.steps >= 1
 
 
-def test_print_config_shows_the_resolved_values(in_process):
-    proc = in_process("train", "--config", "demo", "train.steps=123", "parallel.tp=2", "--print-config")
+def test_print_config_shows_the_resolved_values(cli_in_process):
+    proc = cli_in_process("train", "--config", "demo", "train.steps=123", "parallel.tp=2", "--print-config")
     assert proc.returncode == 0
     assert "steps: 123" in proc.stdout and "tp: 2" in proc.stdout and "preset: DiT-Demo" in proc.stdout
 
@@ -109,8 +109,8 @@ def test_print_config_shows_the_resolved_values(in_process):
         (["--config", "demo", "data.path=/no/such/data"], "dataset path '/no/such/data' does not exist — run dit-prep"),
     ],
 )
-def test_bad_configs_give_one_clear_line(in_process, args, message):
-    proc = in_process("train", *args)  # found before any process starts: the console script's lines, in process
+def test_bad_configs_give_one_clear_line(cli_in_process, args, message):
+    proc = cli_in_process("train", *args)  # found before any process starts: the console script's lines, in process
     assert proc.returncode == 2, proc.stderr[-2000:]
     lines = [ln for ln in proc.stderr.splitlines() if ln.strip() and "Warning" not in ln and "warn" not in ln]
     assert lines == [f"error: {lines[0][7:]}"] and message in lines[0], proc.stderr[-2000:]
