@@ -15,14 +15,13 @@ def _deterministic():
 # go first, so that none of them starts last while the other worker has nothing left to do. Within a file, and among
 # the others, pytest-randomly's order stays (the sort is stable).
 LONGEST_FILES = {
-    "tests/apps/test_train.py": 304, "tests/apps/test_bad_inputs.py": 163,
-    "tests/ditcore/parallel/test_fabric_checkpoint.py": 141, "tests/apps/test_sample.py": 135,
-    "tests/apps/test_prepare.py": 130, "tests/ditcore/parallel/test_compile.py": 114,
+    "tests/apps/test_train.py": 290, "tests/ditcore/parallel/test_fabric_checkpoint.py": 141,
+    "tests/ditcore/parallel/test_compile.py": 114, "tests/apps/test_prepare.py": 110, "tests/apps/test_sample.py": 105,
     "tests/ditcore/parallel/test_equivalence.py": 98, "tests/ditcore/parallel/test_compile_stdit.py": 93,
-    "tests/ditcore/data/test_loader.py": 87, "tests/apps/test_sample_abuse.py": 71,
-    "tests/apps/test_memory_plan.py": 65,
-    "tests/apps/test_no_code_runs.py": 53, "tests/ditcore/models/test_attention.py": 50,
-    "tests/apps/test_resume_config.py": 31, "tests/ditcore/test_init_from.py": 28,
+    "tests/ditcore/data/test_loader.py": 80, "tests/apps/test_sample_abuse.py": 70,
+    "tests/apps/test_memory_plan.py": 55, "tests/apps/test_no_code_runs.py": 53,
+    "tests/ditcore/models/test_attention.py": 50, "tests/apps/test_bad_inputs.py": 45,
+    "tests/apps/test_resume_config.py": 31, "tests/apps/test_cli_shells.py": 30, "tests/ditcore/test_init_from.py": 28,
 }
 
 
