@@ -8,21 +8,23 @@ def _deterministic():
     yield
 
 
-# Seconds the longest test files took in the default run on 2 cores (pytest --durations, tests over 7 s summed).
+# Seconds the longest test files took in the default run on 2 cores (pytest --durations=0 summed by file; measured
+# beside another job on the same cores, load average 7.8 at the median: the order is what counts).
 # `make test` runs two files at a time (pytest-xdist --dist loadfile --no-loadscope-reorder: files are handed out in
 # collection order, as a worker frees up; xdist's own reordering, by the number of tests in a file, would put files
 # of one or two long tests such as test_compile_stdit last, where one worker ran them alone for minutes): the longest
 # go first, so that none of them starts last while the other worker has nothing left to do. Within a file, and among
 # the others, pytest-randomly's order stays (the sort is stable).
 LONGEST_FILES = {
-    "tests/apps/test_train.py": 304, "tests/apps/test_bad_inputs.py": 163,
-    "tests/ditcore/parallel/test_fabric_checkpoint.py": 141, "tests/apps/test_sample.py": 135,
-    "tests/apps/test_prepare.py": 130, "tests/ditcore/parallel/test_compile.py": 114,
-    "tests/ditcore/parallel/test_equivalence.py": 98, "tests/ditcore/parallel/test_compile_stdit.py": 93,
-    "tests/ditcore/data/test_loader.py": 87, "tests/apps/test_sample_abuse.py": 71,
-    "tests/apps/test_memory_plan.py": 65, "tests/apps/test_recipe.py": 40,
-    "tests/apps/test_no_code_runs.py": 53, "tests/ditcore/models/test_attention.py": 50,
-    "tests/apps/test_resume_config.py": 31, "tests/ditcore/test_init_from.py": 28,
+    "tests/apps/test_train.py": 368, "tests/ditcore/parallel/test_equivalence.py": 170,
+    "tests/apps/test_sample_abuse.py": 160, "tests/apps/test_bad_inputs.py": 157,
+    "tests/ditcore/models/test_attention.py": 157, "tests/ditcore/parallel/test_fabric_checkpoint.py": 131,
+    "tests/ditcore/data/test_loader.py": 129, "tests/apps/test_prepare.py": 127, "tests/ditcore/test_memory.py": 109,
+    "tests/ditcore/parallel/test_compile_stdit.py": 107, "tests/apps/test_memory_plan.py": 107,
+    "tests/apps/test_no_code_runs.py": 89, "tests/apps/test_resume_config.py": 78,
+    "tests/apps/test_train_faults.py": 77, "tests/ditcore/parallel/test_compile.py": 71,
+    "tests/apps/test_sample.py": 65, "tests/ditcore/test_init_from.py": 53, "tests/apps/test_cli_shells.py": 52,
+    "tests/apps/test_recipe.py": 60, "tests/apps/test_sample_interop.py": 30,
 }
 
 

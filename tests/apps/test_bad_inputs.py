@@ -1,5 +1,8 @@
 """Wrong input as a hostile user gives it: every case is one `error:` line, exit code 2, no traceback, and nothing
-half-written left behind. (The Gradio app under abuse: test_sample_abuse.py.)"""
+half-written left behind. (The Gradio app under abuse: test_sample_abuse.py.)
+
+Errors found before a command starts processes run its console script's function in this process (`cli_in_process`:
+seconds of start-up less a case); test_cli_shells.py checks that the console script prints the same lines."""
 
 import json
 import os
@@ -39,10 +42,10 @@ def assert_one_line_error(proc: subprocess.CompletedProcess, *fragments: str) ->
 
 
 @pytest.fixture(scope="module")
-def mock_data(tmp_path_factory):
+def mock_data(cli_in_process, tmp_path_factory):
     out = tmp_path_factory.mktemp("bad") / "mock"
-    proc = cli("prepare", "mock", "--out", out, "--num", "16", "--latent-shape", "4,1,8,8",
-               "--video-latent-shape", "4,2,4,4", "--text-dim", "16", "--text-len", "3")
+    proc = cli_in_process("prepare", "mock", "--out", out, "--num", "16", "--latent-shape", "4,1,8,8",
+                          "--video-latent-shape", "4,2,4,4", "--text-dim", "16", "--text-len", "3")
     assert proc.returncode == 0, proc.stderr[-3000:]
     return out
 
@@ -91,8 +94,8 @@ def configs(tmp_path_factory):
         (["--config", "demo", "--bogus"], ["No such option: --bogus"]),
     ],
 )
-def test_bad_config_is_one_line(configs, args, fragments):
-    proc = cli("train", "--print-config", *(a.format(cfg=configs) for a in args))
+def test_bad_config_is_one_line(cli_in_process, configs, args, fragments):
+    proc = cli_in_process("train", "--print-config", *(a.format(cfg=configs) for a in args))
     assert_one_line_error(proc, *fragments)
 
 
@@ -118,6 +121,9 @@ def damaged_copy(data: Path, tmp: Path, how: str) -> Path:
     return copy
 
 
+DATASET_PROBLEMS = {"data_is_a_file", "missing_data", "unfinished", "corrupt_info"}
+
+
 @pytest.mark.parametrize(
     ("case", "fragments"),
     [
@@ -135,7 +141,7 @@ def damaged_copy(data: Path, tmp: Path, how: str) -> Path:
         ("resume_not_a_checkpoint", ["not a complete checkpoint"]),
     ],
 )
-def test_bad_training_setup_is_one_line(mock_data, tmp_path, case, fragments):
+def test_bad_training_setup_is_one_line(cli_in_process, mock_data, tmp_path, case, fragments):
     data, run, extra = mock_data, tmp_path / "run", []
     if case == "layout":
         extra = ["parallel.tp=2"]
@@ -155,7 +161,8 @@ def test_bad_training_setup_is_one_line(mock_data, tmp_path, case, fragments):
     elif case == "run_dir_read_only":
         run = READ_ONLY
     resume = ["--resume", str(tmp_path)] if case == "resume_not_a_checkpoint" else []
-    proc = cli("train", *train_args(data, run, *extra), *resume)
+    # the dataset's problems are the first thing dit-train checks, before it starts processes: in this one
+    proc = (cli_in_process if case in DATASET_PROBLEMS else cli)("train", *train_args(data, run, *extra), *resume)
     assert_one_line_error(proc, *fragments)
     assert not (run / "checkpoints").exists() if run.is_dir() else True  # nothing was written
 
@@ -214,9 +221,9 @@ def media(tmp_path_factory):
         (["folder", "--out", "{tmp}/o"], ["Missing argument 'path'", "dit-prepare folder --help"]),
     ],
 )
-def test_bad_prepare_input_is_one_line_and_leaves_nothing(media, tmp_path, args, fragments):
+def test_bad_prepare_input_is_one_line_and_leaves_nothing(cli_in_process, media, tmp_path, args, fragments):
     before = sorted(p.relative_to(media) for p in media.rglob("*"))
-    proc = cli("prepare", *(a.format(media=media, tmp=tmp_path) for a in args), timeout=300)
+    proc = cli_in_process("prepare", *(a.format(media=media, tmp=tmp_path) for a in args))
     assert_one_line_error(proc, *fragments)
     assert not (tmp_path / "o").exists()  # no partial output
     assert sorted(p.relative_to(media) for p in media.rglob("*")) == before  # nothing of the user's touched
@@ -295,12 +302,12 @@ def test_ctrl_c_during_prepare_removes_the_partial_output_unless_kept(tmp_path, 
         pytest.param(["--out", "{tmp}"], ["is a directory"], marks=SLOW),
     ],
 )
-def test_bad_generate_request_is_one_line(checkpoint, mock_data, tmp_path, args, fragments):
+def test_bad_generate_request_is_one_line(cli_in_process, checkpoint, mock_data, tmp_path, args, fragments):
     base = {"--checkpoint": str(checkpoint), "--prompt": "a red butterfly", "--steps": "2", "--height": "32",
             "--width": "32", "--out": str(tmp_path / "s.png")}
     for k, v in zip(args[::2], args[1::2], strict=True):
         base[k] = v.format(tmp=tmp_path, data=mock_data)
-    proc = cli("sample", "generate", *[x for kv in base.items() for x in kv])
+    proc = cli_in_process("sample", "generate", *[x for kv in base.items() for x in kv])
     assert_one_line_error(proc, *fragments)
     assert not list(tmp_path.glob("*.png")) and not list(tmp_path.glob(".*partial*"))
 

@@ -1,3 +1,4 @@
+import os
 import shutil
 import subprocess
 import sys
@@ -38,3 +39,36 @@ def test_the_apps_fail_through_ditcore_s_one_fail():
         imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module == "ditcore.cli"
                     for a in n.names}
         assert "fail" in imported, f"dit-{app} does not use ditcore.cli.fail"
+
+
+# One case of each kind that the app tests run in process (tests/apps/conftest.py: run_in_process), each a
+# subprocess of the console script here: a value the command refuses, a usage error that Click finds (ditcore.cli's
+# entry_point words it), and each app's deepest such check (dit-train's dataset check imports the training loop and
+# its libraries, dit-prepare's reads the samples, dit-sample's loads the export).
+SAME_LINES = [
+    ("train", ["--print-config", "--config", "demo", "train.steps=abc"]),
+    ("train", ["--print-config", "--config", "demo", "--bogus"]),
+    ("train", ["--config", "demo", "data.path={tmp}/nope", "train.run_dir={tmp}/run"]),
+    ("prepare", ["synthetic", "--out", "{tmp}/o", "--num", "0"]),
+    ("prepare", ["folder", "{tmp}/bad", "--out", "{tmp}/o"]),
+    ("sample", ["generate", "--checkpoint", "{tmp}/run", "--prompt", "a red butterfly", "--steps", "0"]),
+]
+
+
+@pytest.mark.parametrize(("app", "args"), SAME_LINES, ids=[f"{app}-{i}" for i, (app, _) in enumerate(SAME_LINES)])
+def test_in_process_runs_print_what_the_console_script_prints(cli_in_process, make_export, tmp_path, app, args):
+    """The same exit code, stdout and stderr, to the character: the console script adds nothing on its way in
+    (interpreter, imports, entry point) that the in-process runs would miss."""
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    for name, data in (("a.png", b"not a png"), ("b.mp4", b"")):
+        (bad / name).write_bytes(data)
+        (bad / name).with_suffix(".txt").write_text("a caption")
+    make_export(tmp_path / "run")
+    args = [a.format(tmp=tmp_path) for a in args]
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
+    script = subprocess.run([str(Path(sys.executable).parent / f"dit-{app}"), *args], capture_output=True, text=True,
+                            env=env, timeout=180)
+    mine = cli_in_process(app, *args)
+    assert script.returncode == 2 and script.stderr.startswith("error: "), script.stderr[-3000:]
+    assert (mine.returncode, mine.stdout, mine.stderr) == (script.returncode, script.stdout, script.stderr)

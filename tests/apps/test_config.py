@@ -1,9 +1,6 @@
 """The dit-train config: strict types, one ConfigError naming the dotted key, and a --print-config that loads back."""
 
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -12,7 +9,6 @@ from dit_train.cli import find_config
 from dit_train.config import CONFIGS, SHIPPED_NAMES, TrainConfig, load_config
 from ditcore.errors import ConfigError
 
-BIN = Path(sys.executable).parent
 DEMO = CONFIGS / "demo.yaml"
 
 
@@ -107,9 +103,8 @@ def test_only_the_first_error_is_reported():
 
 
 @pytest.mark.parametrize("args", [["--config", "demo", "train.steps=123", "optim.lr=3e-4"], []])
-def test_print_config_is_the_yaml_of_the_config_and_loads_back_equal(tmp_path, args):
-    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
-    proc = subprocess.run([str(BIN / "dit-train"), *args, "--print-config"], capture_output=True, text=True, env=env)
+def test_print_config_is_the_yaml_of_the_config_and_loads_back_equal(cli_in_process, tmp_path, args):
+    proc = cli_in_process("train", *args, "--print-config")
     assert proc.returncode == 0, proc.stderr[-2000:]
     cfg = load_config(DEMO, ["train.steps=123", "optim.lr=3e-4"]) if args else TrainConfig()
     assert proc.stdout == cfg.to_yaml()
@@ -119,15 +114,15 @@ def test_print_config_is_the_yaml_of_the_config_and_loads_back_equal(tmp_path, a
     assert again == cfg and again.to_yaml() == proc.stdout
 
 
-def test_shipped_configs_are_the_files_in_the_configs_folder(tmp_path, monkeypatch):
+def test_shipped_configs_are_the_files_in_the_configs_folder(cli_in_process, tmp_path, monkeypatch):
     assert set(SHIPPED_NAMES) == {p.stem for p in CONFIGS.glob("*.yaml")} >= {"demo", "mock"}
     assert all(find_config(name) == CONFIGS / f"{name}.yaml" for name in SHIPPED_NAMES)
     monkeypatch.chdir(tmp_path)
     (tmp_path / "mock").mkdir()  # a dataset folder of the same name, where dit-train runs
     (tmp_path / "demo").write_text("model: {}\n")  # a file of the same name is the user's config
     assert (find_config("mock"), find_config("demo")) == (CONFIGS / "mock.yaml", Path("demo"))
-    env = {**os.environ, "PYTHONWARNINGS": "ignore", "COLUMNS": "300"}
-    help_text = subprocess.run([str(BIN / "dit-train"), "--help"], capture_output=True, text=True, env=env).stdout
+    monkeypatch.setenv("COLUMNS", "300")
+    help_text = cli_in_process("train", "--help").stdout
     assert "shipped config name: " + ", ".join(SHIPPED_NAMES) + "." in help_text
 
 

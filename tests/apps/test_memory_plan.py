@@ -36,10 +36,11 @@ def gib(stdout: str) -> dict[str, float]:
     return rows
 
 
-def test_the_7b_reference_layout_needs_fsdp_on_80_gib(tmp_path):
+def test_the_7b_reference_layout_needs_fsdp_on_80_gib(cli_in_process, tmp_path, monkeypatch):
     # dit-7b-8k without FSDP: CP=2 and DDP, on 8 GPUs. Every rank holds every parameter: 6.69 B parameters x 16 B
     # (fp32 weights, gradients, AdamW) ~ 107 GB, the EMA and bf16 copies on top.
-    proc = dit_train("--config", "dit-7b-8k", "parallel.fsdp=false", "--plan", "--world-size", 8, cwd=tmp_path)
+    monkeypatch.chdir(tmp_path)  # where the config's relative data.path and run_dir point
+    proc = cli_in_process("train", "--config", "dit-7b-8k", "parallel.fsdp=false", "--plan", "--world-size", 8)
     print(proc.stdout)
     assert proc.returncode == 2, proc.stderr
     (error,) = proc.stderr.strip().splitlines()
@@ -170,7 +171,7 @@ def test_a_run_is_checked_against_the_same_headroom_as_plan(tmp_path):
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
-def test_a_wide_stack_trains_with_fsdp_within_10_percent_of_its_plan(tmp_path, device):
+def test_a_wide_stack_trains_with_fsdp_within_10_percent_of_its_plan(cli_in_process, tmp_path, device):
     """On a GPU, the real dit-train (bf16, FSDP, selective recomputation) with a 7B-wide stack of 8 blocks on
     8192-token rows of two 4096-token clips with 32 text tokens each: its measured peak
     (torch.cuda.max_memory_allocated, the CSV's peak_mem_gib) against --plan. On the CPU, the same commands with
@@ -180,9 +181,8 @@ def test_a_wide_stack_trains_with_fsdp_within_10_percent_of_its_plan(tmp_path, d
     data = tmp_path / "mock"
     clip, model, row = ("16,4,64,64", "model.preset=DiT-7B model.depth=8", 8192) if gpu else (
         "16,2,8,8", "model.preset=DiT-Tiny model.depth=2", 64)
-    proc = subprocess.run([str(BIN / "dit-prepare"), "mock", "--out", str(data), "--num", "64", "--video-ratio", "1",
-                           "--video-latent-shape", clip, "--text-len", "32"], capture_output=True, text=True,
-                          env={**os.environ, "PYTHONWARNINGS": "ignore"}, timeout=600)
+    proc = cli_in_process("prepare", "mock", "--out", data, "--num", 64, "--video-ratio", 1, "--video-latent-shape",
+                          clip, "--text-len", 32)
     assert proc.returncode == 0, proc.stderr[-3000:]
     args = ["--config", "mock", f"data.path={data}", f"train.run_dir={tmp_path / 'run'}", *model.split(),
             "model.activation_checkpointing=selective", "parallel.fsdp=true", f"data.seq_length={row}",
@@ -192,7 +192,7 @@ def test_a_wide_stack_trains_with_fsdp_within_10_percent_of_its_plan(tmp_path, d
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = list(csv.DictReader((next((tmp_path / "run" / "csv").rglob("metrics.csv"))).open()))
     # two clips' text a row: 64 tokens, which the loader pads to 128 on a GPU (FlexAttention's key block)
-    plan = dit_train(*args, "--plan", "--world-size", 1, "--text-len", 128 if gpu else 64, cwd=tmp_path)
+    plan = cli_in_process("train", *args, "--plan", "--world-size", 1, "--text-len", 128 if gpu else 64)
     assert plan.returncode == 0, plan.stdout + plan.stderr
     planned = gib(plan.stdout)["total"]
     if not gpu:

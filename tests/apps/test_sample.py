@@ -47,7 +47,7 @@ def test_same_seed_same_output_and_the_requested_frames(checkpoint, tmp_path):
     assert np.array_equal(fa, fb) and not np.array_equal(fa, fc)
 
 
-def test_guidance_defaults_to_the_one_the_run_validated_with(checkpoint, tmp_path):
+def test_guidance_defaults_to_the_one_the_run_validated_with(cli_in_process, checkpoint, tmp_path):
     import json
     import shutil
 
@@ -55,16 +55,16 @@ def test_guidance_defaults_to_the_one_the_run_validated_with(checkpoint, tmp_pat
     meta = json.loads((own / "model.json").read_text())
     (own / "model.json").write_text(json.dumps(meta | {"guidance": 1.0}))  # what dit-train records
     common = ["--prompt", "a red butterfly", "--steps", 2, "--height", 32, "--width", 32, "--out", tmp_path / "s.png"]
-    recorded, older = generate("--checkpoint", own, *common), generate("--checkpoint", checkpoint, *common)
+    recorded, older = (cli_in_process("sample", "generate", "--checkpoint", p, *common) for p in (own, checkpoint))
     assert recorded.returncode == older.returncode == 0, recorded.stderr[-3000:] + older.stderr[-3000:]
     assert "(1x batch for guidance)" in recorded.stdout  # 1.0: no guidance, as the run validated
     assert "(2x batch for guidance)" in older.stdout  # an export without it: the default weight 4.0
 
 
-def test_several_prompts_sample_as_one_batch_and_images_are_png(checkpoint, tmp_path):
+def test_several_prompts_sample_as_one_batch_and_images_are_png(cli_in_process, checkpoint, tmp_path):
     """And without --height/--width, at the size the run trained at most: 32x48 pixels (not a fixed 64x64)."""
-    proc = generate("--checkpoint", checkpoint / "export", "--prompt", "a red butterfly", "--prompt",
-                    "a blue butterfly", "--steps", 2, "--out", tmp_path / "s.png")
+    proc = cli_in_process("sample", "generate", "--checkpoint", checkpoint / "export", "--prompt", "a red butterfly",
+                          "--prompt", "a blue butterfly", "--steps", 2, "--out", tmp_path / "s.png")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "2 sample(s) of 1x32x48: 3 denoiser evaluations" in proc.stdout
     assert read_video(tmp_path / "s-0.png").shape == (1, 32, 48, 3) and (tmp_path / "s-1.png").is_file()
@@ -80,18 +80,18 @@ def test_several_prompts_sample_as_one_batch_and_images_are_png(checkpoint, tmp_
         (["--prompt", "  "], "the prompt is empty: describe what to draw, e.g. 'a green leaf on sand'"),
     ],
 )
-def test_bad_requests_give_one_clear_line(checkpoint, tmp_path, args, message):
+def test_bad_requests_give_one_clear_line(cli_in_process, checkpoint, tmp_path, args, message):
     base = {"--prompt": "a red butterfly", "--steps": 2}
     for k, v in zip(args[::2], args[1::2], strict=True):
         base[k] = v
     flat = [x for kv in base.items() for x in kv]
-    proc = generate("--checkpoint", checkpoint, *flat, "--out", tmp_path / "x.png")
+    proc = cli_in_process("sample", "generate", "--checkpoint", checkpoint, *flat, "--out", tmp_path / "x.png")
     assert proc.returncode == 2 and message in proc.stderr, proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr
 
 
-def test_missing_or_wrong_checkpoint(tmp_path, checkpoint):
-    proc = generate("--checkpoint", tmp_path / "nope", "--prompt", "x")
+def test_missing_or_wrong_checkpoint(cli_in_process, tmp_path, checkpoint):
+    proc = cli_in_process("sample", "generate", "--checkpoint", tmp_path / "nope", "--prompt", "x")
     assert proc.returncode == 2 and "does not exist" in proc.stderr
     other = tmp_path / "other"
     shutil.copytree(checkpoint / "export", other)
@@ -100,7 +100,7 @@ def test_missing_or_wrong_checkpoint(tmp_path, checkpoint):
     meta = json.loads((other / "model.json").read_text())
     meta["model"]["depth"] = 3
     (other / "model.json").write_text(json.dumps(meta))
-    proc = generate("--checkpoint", other, "--prompt", "x")
+    proc = cli_in_process("sample", "generate", "--checkpoint", other, "--prompt", "x")
     assert proc.returncode == 2 and "weights of another architecture" in proc.stderr, proc.stderr[-2000:]
 
 

@@ -313,9 +313,9 @@ def test_a_taken_port_is_one_line_and_exit_2(app, run_dir):
                                    f"serve?) — stop that server or pass a free port, e.g. --port {app.port + 1}")
 
 
-def test_serve_help_documents_the_queue():
-    proc = subprocess.run([str(BIN / "dit-sample"), "serve", "--help"], capture_output=True, text=True, timeout=60,
-                          env={**os.environ, "COLUMNS": "200"})
+def test_serve_help_documents_the_queue(cli_in_process, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "200")
+    proc = cli_in_process("sample", "serve", "--help")
     assert proc.returncode == 0 and "--queue-size" in proc.stdout and "queue is full" in proc.stdout
 
 

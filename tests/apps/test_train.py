@@ -54,10 +54,10 @@ def torchrun_train(*args, timeout=300):
 
 
 @pytest.fixture(scope="module")
-def dataset(tmp_path_factory):
+def dataset(cli_in_process, tmp_path_factory):
     out = tmp_path_factory.mktemp("train") / "data"
-    proc = subprocess.run([str(BIN / "dit-prepare"), "synthetic", "--out", str(out), "--num", "48", "--size", "32",
-                           "--frames", "4", "--fit-samples", "48"], capture_output=True, text=True, env=env())
+    proc = cli_in_process("prepare", "synthetic", "--out", out, "--num", 48, "--size", 32, "--frames", 4,
+                          "--fit-samples", 48)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return out
 
@@ -92,8 +92,8 @@ def test_every_shipped_config_validates(name):
     assert cfg.train.steps >= 1
 
 
-def test_print_config_shows_the_resolved_values():
-    proc = dit_train("--config", "demo", "train.steps=123", "parallel.tp=2", "--print-config")
+def test_print_config_shows_the_resolved_values(cli_in_process):
+    proc = cli_in_process("train", "--config", "demo", "train.steps=123", "parallel.tp=2", "--print-config")
     assert proc.returncode == 0
     assert "steps: 123" in proc.stdout and "tp: 2" in proc.stdout and "preset: DiT-Demo" in proc.stdout
 
@@ -109,8 +109,8 @@ def test_print_config_shows_the_resolved_values():
         (["--config", "demo", "data.path=/no/such/data"], "dataset path '/no/such/data' does not exist — run dit-prep"),
     ],
 )
-def test_bad_configs_give_one_clear_line(args, message):
-    proc = dit_train(*args)
+def test_bad_configs_give_one_clear_line(cli_in_process, args, message):
+    proc = cli_in_process("train", *args)  # found before any process starts: the console script's lines, in process
     assert proc.returncode == 2, proc.stderr[-2000:]
     lines = [ln for ln in proc.stderr.splitlines() if ln.strip() and "Warning" not in ln and "warn" not in ln]
     assert lines == [f"error: {lines[0][7:]}"] and message in lines[0], proc.stderr[-2000:]
@@ -308,7 +308,7 @@ def test_skipped_samples_are_reported_per_window_and_in_total_across_a_resume(da
 # ST-DiT's run is slow-marked: test_st_dit_trains_with_context_parallelism_on_two_processes trains it by default
 @pytest.mark.parametrize(("arch", "size", "frames"), [("moviegen", "MovieGen-Tiny", 1),
                                                      pytest.param("stdit", "ST-DiT-Tiny", 4, marks=pytest.mark.slow)])
-def test_other_architectures_train_and_their_exports_sample(dataset, tmp_path, arch, size, frames):
+def test_other_architectures_train_and_their_exports_sample(cli_in_process, dataset, tmp_path, arch, size, frames):
     """model.arch=moviegen (MovieGen's Llama-style blocks) and stdit (spatial and temporal blocks, on the dataset's
     images and 4-frame clips) through the same loop, export and sampler (ST-DiT samples a clip)."""
     run = tmp_path / "run"
@@ -320,9 +320,8 @@ def test_other_architectures_train_and_their_exports_sample(dataset, tmp_path, a
     assert sum(losses[-8:]) / 8 < 0.95 * sum(losses[:8]) / 8, losses
     assert json.loads((run / "export" / "model.json").read_text())["arch"] == arch
     out = tmp_path / ("red.png" if frames == 1 else "red.mp4")
-    sample = subprocess.run([str(BIN / "dit-sample"), "generate", "--checkpoint", str(run), "--prompt",
-                             "a red butterfly", "--steps", "2", "--height", "32", "--width", "32", "--frames",
-                             str(frames), "--out", str(out)], capture_output=True, text=True, env=env(), timeout=300)
+    sample = cli_in_process("sample", "generate", "--checkpoint", run, "--prompt", "a red butterfly", "--steps", 2,
+                            "--height", 32, "--width", 32, "--frames", frames, "--out", out)
     assert sample.returncode == 0 and out.stat().st_size > 0, sample.stderr[-3000:]
 
 

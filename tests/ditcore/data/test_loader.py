@@ -44,15 +44,18 @@ def loader(root, **kw):
 
 
 def energon(*args):
-    return subprocess.run([sys.executable, "-m", "megatron.energon.cli.main", *map(str, args)],
-                          capture_output=True, text=True)
+    """Energon's command line (`energon ARGS`) in this process: ~4 s of imports less a call."""
+    from click.testing import CliRunner
+    from megatron.energon.cli.main import main
+
+    return CliRunner().invoke(main, [str(a) for a in args])
 
 
 def test_energon_info_and_lint_accept_the_dataset(dataset):
     info = energon("info", dataset, "--dataset-config", TYPED_CONFIG)
-    assert info.returncode == 0 and f"{N_SAMPLES} samples in 3 shards" in info.stdout, info.stderr[-2000:]
+    assert info.exit_code == 0 and f"{N_SAMPLES} samples in 3 shards" in info.stdout, info.output[-2000:]
     lint = energon("lint", dataset, "--dataset-config", TYPED_CONFIG)
-    assert lint.returncode == 0, lint.stderr[-2000:]
+    assert lint.exit_code == 0, (lint.output[-2000:], lint.exception)
     assert read_info(dataset).counts == {"samples": N_SAMPLES, "shards": 3}
 
 
