@@ -66,7 +66,7 @@ def test_vp_precond_turns_an_eps_network_into_a_denoiser():
     sigma = vp.sigmas()[torch.tensor([10, 700])].float()
     x = x0 + sigma[:, None, None] * eps
     net = Eps(torch.cat([eps, torch.full_like(eps, 9.0)], dim=-1))  # [ε; variance values]
-    D, rest = EDMPrecond(net, vp=vp).outputs(x, sigma)
+    D, rest = EDMPrecond(net, vp=vp).forward_all(x, sigma)
     assert_close_fp32(D, x0, work=4)  # x − σ ε, with x = x0 + σ ε: exact but for rounding
     assert torch.equal(rest, torch.full_like(eps, 9.0))
     assert torch.equal(net.seen[1], torch.tensor([[10.0], [700.0]]))  # the timesteps themselves

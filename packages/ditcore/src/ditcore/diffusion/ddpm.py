@@ -54,7 +54,7 @@ class DDPMLoss:
             noise = torch.randn(x.shape, device=x.device, generator=generator, dtype=x.dtype)
         sigma = sigma.reshape(B, -1)
         x_noisy = EDMLoss.noisy(x, sigma, noise, seg)
-        D, var_values = denoiser.outputs(x_noisy, sigma, seg, **cond)
+        D, var_values = denoiser.forward_all(x_noisy, sigma, seg, **cond)
         sigma_tok = per_token(sigma.float(), seg)[..., None]  # (B, N or 1, 1)
         per_elem = ((D.float() - x.float()) / sigma_tok) ** 2  # ‖ε − ε̂‖²: D − x₀ = σ (ε − ε̂)
         if self.learn_sigma:

@@ -53,7 +53,7 @@ class EDMPrecond(nn.Module):
     x: (B, N, F) tokens; sigma: (B, S) per sample (or (B,) when seg is None); seg: (B, N) or None.
     With `vp` (a DDPM network's schedule, ditcore.diffusion.vp) the coefficients are VP's: F is its ε-prediction.
     A backbone whose output is wider than x (learned Σ: its variance values follow the prediction) gives D from the
-    first x.shape[-1] features; `outputs` returns the rest as well.
+    first x.shape[-1] features; `forward_all` returns the rest as well.
     """
 
     def __init__(self, model: nn.Module, sigma_data: float = SIGMA_DATA, prediction: str = "edm",
@@ -74,9 +74,9 @@ class EDMPrecond(nn.Module):
         return c_skip, c_out, c_in, c_noise * C_NOISE_SCALE
 
     def forward(self, x: torch.Tensor, sigma: torch.Tensor, seg: torch.Tensor | None = None, **cond):
-        return self.outputs(x, sigma, seg, **cond)[0]
+        return self.forward_all(x, sigma, seg, **cond)[0]
 
-    def outputs(self, x: torch.Tensor, sigma: torch.Tensor, seg: torch.Tensor | None = None, **cond):
+    def forward_all(self, x: torch.Tensor, sigma: torch.Tensor, seg: torch.Tensor | None = None, **cond):
         """(D(x; σ), the backbone's features after the prediction: learned Σ's variance values, else empty)."""
         sigma = sigma.to(torch.float32).reshape(x.shape[0], -1)  # (B, S)
         c_skip, c_out, _, _ = self.coefficients(sigma)
