@@ -16,6 +16,7 @@ import pytest
 
 from dit_train import train as training
 from ditcore import runs
+from ditcore.diffusion import EDMLoss
 
 BIN = Path(sys.executable).parent
 TINY = ["model.preset=DiT-Tiny", "model.patch_size=2", "data.seq_length=32", "data.num_workers=0",
@@ -127,14 +128,14 @@ def test_divergence_keeps_every_window_and_names_the_data_this_early(text_data, 
     """A loss that is not finite at step 3: the windows of steps 1 and 2 are on disk, and the message names the
     dataset beside the learning rate (a finite but absurd latent used to be blamed on the learning rate alone)."""
     calls = []
-    loss = training.EDMLoss.__call__
+    loss = EDMLoss.__call__
 
     def nan_at_third_step(self, *args, **kwargs):
         calls.append(1)
         value = loss(self, *args, **kwargs)
         return value * float("nan") if len(calls) == 3 else value
 
-    monkeypatch.setattr(training.EDMLoss, "__call__", nan_at_third_step)
+    monkeypatch.setattr(EDMLoss, "__call__", nan_at_third_step)
     run = tmp_path / "run"
     with pytest.raises(training.Diverged) as e:
         in_process(config(text_data, run, "train.steps=6", "checkpoint.every=100"))
