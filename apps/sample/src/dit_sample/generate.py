@@ -23,7 +23,6 @@ from ditcore.codecs.text import MAX_TOKENS, TextEncoder, load_text_encoder
 from ditcore.data.fit import latent_shapes
 from ditcore.data.schema import DatasetInfo
 from ditcore.export import DEFAULT_GUIDANCE, Exported, load_export
-from ditcore.layout import SIGMA_DATA
 from ditcore.models import build
 from ditcore.sampling import SCHEDULES, SampleResult, sample, token_grid
 
@@ -216,12 +215,11 @@ def load_foreign(path: str | Path, vae: str | None = None, num_heads: int | None
     if codec.latent_channels != cfg.in_channels:
         raise ValueError(f"the VAE {str(source)!r} has {codec.latent_channels} latent channels, the network takes "
                          f"{cfg.in_channels} — pass the VAE it was trained with (--vae)")
-    # The network was trained on (z − shift)·scaling_factor of the VAE's latents z (DiT: 0.18215·z); ditcore's
-    # normalised latents are (z − mean)/std·σ_data, the same numbers for mean = shift and std = σ_data/scaling_factor
-    # (a ditcore export records its own units, which it was fine-tuned in)
+    # The network was trained on (z − shift)·scaling_factor of the VAE's latents z (DiT: 0.18215·z), unless a ditcore
+    # export recorded the units it was fine-tuned in
     C, config = cfg.in_channels, codec.vae.config
-    stats = imported.latent_stats or LatentStats(torch.full((C,), float(getattr(config, "shift_factor", None) or 0.0)),
-                                                 torch.full((C,), SIGMA_DATA / config.scaling_factor))
+    stats = imported.latent_stats or LatentStats.of_vae(C, config.scaling_factor,
+                                                        getattr(config, "shift_factor", None) or 0.0)
     info = DatasetInfo(codec=codec.save(Path(path)), latent_stats=stats.to_dict(),
                        text_encoder={"name": "null", "dim": 0}, latent_channels=C,
                        spatial_factor=codec.spatial_factor, temporal_factor=1, num_classes=cfg.num_classes)

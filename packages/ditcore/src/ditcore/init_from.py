@@ -34,7 +34,6 @@ from ditcore.data.schema import INFO_FILE
 from ditcore.diffusion.vp import DiscreteVP
 from ditcore.errors import ConfigError
 from ditcore.export import CONFIG, WEIGHTS, vp_of
-from ditcore.layout import SIGMA_DATA
 from ditcore.models import DiTConfig, build, plan_for
 from ditcore.parallel.consolidate import without_extra_state
 from ditcore.parallel.dims import ParallelGroups
@@ -134,7 +133,7 @@ def trained_units(vae: Path | None, channels: int) -> LatentStats:
                 (name == "scaling_factor" and not value > 0):
             raise ConfigError(KEY, str(vae), f"a VAE config whose {name} is a finite number (> 0 for the scale; it "
                                              f"says {value!r})")
-    return LatentStats(torch.full((channels,), float(shift)), torch.full((channels,), SIGMA_DATA / scale))
+    return LatentStats.of_vae(channels, scale, shift)
 
 
 def _json(path: Path) -> dict:

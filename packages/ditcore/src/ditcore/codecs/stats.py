@@ -50,6 +50,12 @@ class LatentStats:
         std = (squares / count - mean**2).clamp_min(0).sqrt().clamp_min(MIN_STD)
         return cls(mean.float().cpu(), std.float().cpu())
 
+    @classmethod
+    def of_vae(cls, channels: int, scaling_factor: float, shift_factor: float = 0.0) -> LatentStats:
+        """The statistics that normalise a VAE's latents z as diffusers' pipelines do, (z − shift)·scaling_factor
+        (DiT: 0.18215·z): (z − mean)/std·σ_d is that for mean = shift, std = σ_d/scaling_factor."""
+        return cls(torch.full((channels,), float(shift_factor)), torch.full((channels,), SIGMA_DATA / scaling_factor))
+
     def pooled(self) -> LatentStats:
         """The same means, one std for every channel (the root mean square of theirs): the latents keep their
         channels' relative scales, as a VAE's single scaling factor does. For codecs whose channels differ in
