@@ -26,9 +26,11 @@ def test_a_nested_bad_value_names_its_dotted_key_the_value_and_the_range():
 
 
 def test_an_unknown_key_lists_the_known_ones():
-    e = error("logging.wandb_project=demo")  # removed: it was accepted and never used
+    e = error("logging.wandb_project=demo")  # NeMo's name; here logging.wandb.project
     assert (e.key, e.value, e.allowed) == ("logging.wandb_project", "demo", "one of the known keys: every, csv, "
-                                                                            "tensorboard")
+                                                                            "tensorboard, wandb")
+    e = error("validation.heldout.sigma_min=80")
+    assert (e.key, e.value) == ("validation.heldout.sigma_min", 80.0)
     e = error("trian.steps=3")
     assert e.key == "trian" and e.allowed.startswith("one of the known keys: model, data, parallel, optim, edm")
 

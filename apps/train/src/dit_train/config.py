@@ -148,6 +148,8 @@ class Data(Section):
     max_skipped_in_a_row: int = Field(1000, ge=1, description="samples the loader may skip in a row (bad, or too "
                                                               "long for seq_length) before the run stops: a dataset "
                                                               "with no usable sample is not read forever")
+    val_path: str | None = Field(None, description="the held-out dataset of validation.heldout; default: "
+                                                   "data.path/val, which dit-prepare --val-samples N writes")
 
 
 class Parallel(Section):
@@ -253,6 +255,34 @@ class Checkpoint(Section):
     keep: int = Field(3, ge=1, description="newest complete checkpoints kept")
 
 
+class HeldOut(Section):
+    """The EDM loss of held-out samples at fixed noise levels, at every validation: a curve comparable between
+    windows, runs and resumes (the training loss mixes σ drawn at random)."""
+
+    samples: int = Field(64, ge=0, description="held-out samples (the first of data.val_path) scored at every "
+                                               "validation; 0: no held-out loss")
+    buckets: int = Field(8, ge=1, le=64, description="noise levels, log-spaced from sigma_min to sigma_max")
+    sigma_min: Number = Field(0.002, gt=0)
+    sigma_max: Number = Field(80.0, gt=0)
+    seed: int = Field(0, description="the held-out noise: the same at every validation and across resumes")
+
+    @model_validator(mode="after")
+    def _levels_in_order(self) -> HeldOut:
+        if self.sigma_min >= self.sigma_max:
+            raise ConfigError("validation.heldout.sigma_min", self.sigma_min,
+                              f"less than validation.heldout.sigma_max={self.sigma_max}")
+        return self
+
+
+class FID(Section):
+    """FID (Inception features) or FD (DINOv2 features) of samples of the EMA weights against the dataset, at every
+    validation (ditcore.eval)."""
+
+    num: int = Field(0, ge=0, description="samples scored at every validation, over all ranks; 0: no FID")
+    features: Literal["inception", "dinov2"] = Field("inception", description="inception: FID as the DiT papers "
+                                                                              "report it; dinov2: FD_DINOv2")
+
+
 class Validation(Section):
     every: int = Field(0, ge=0, description="steps between sampling the prompts with the EMA weights; 0: only at "
                                             "the end")
@@ -269,12 +299,24 @@ class Validation(Section):
     seed: int = 0
     seeds: int = Field(1, ge=1, le=64, description="samples of every prompt, with seeds seed, seed + 1, ...: the "
                                                    "contact sheet samples/grid.png shows prompts x seeds")
+    heldout: HeldOut = HeldOut()
+    fid: FID = FID()
+
+
+class WandB(Section):
+    """Weights & Biases: the same figures as the CSV and TensorBoard logs, the contact sheet and the config."""
+
+    project: str | None = Field(None, description="a W&B project; unset: no W&B (wandb is not imported)")
+    entity: str | None = Field(None, description="the W&B team or user; unset: the login's default")
+    mode: Literal["online", "offline"] = Field("online", description="offline: run files under RUN_DIR/wandb only, "
+                                                                     "for `wandb sync` later")
 
 
 class Logging(Section):
     every: int = Field(10, ge=1)
     csv: bool = True
     tensorboard: bool = True
+    wandb: WandB = WandB()
 
 
 class TrainConfig(Section):
