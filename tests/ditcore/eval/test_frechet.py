@@ -86,7 +86,7 @@ def test_dinov2_features_load_from_a_folder_and_are_the_normalised_cls_token(tmp
 
 
 def test_a_dinov2_model_that_is_not_there_is_one_readable_line(tmp_path):
-    with pytest.raises(FeatureError, match="cannot load the DINOv2 model .* pass a local save_pretrained folder"):
+    with pytest.raises(FeatureError, match=r"cannot load the DINOv2 model .* pass a local save_pretrained folder"):
         DINOv2Features.load(tmp_path / "missing")
 
 

@@ -54,7 +54,8 @@ def dataset(tmp_path_factory):
     codec, stats = PixelCodec(4), LatentStats.from_dict({"mean": [0.0] * 48, "std": [1.0] * 48})
     with ShardWriter(root, max_count=40) as writer:
         for i, pixels in enumerate(images(N, 0)):
-            writer.write(f"{i:05d}", stats.normalize(codec.encode(pixels[None, :, None]))[0], torch.zeros(0, 1), {"caption": ""})
+            latent = stats.normalize(codec.encode(pixels[None, :, None]))[0]  # (C, 1, h, w)
+            writer.write(f"{i:05d}", latent, torch.zeros(0, 1), {"caption": ""})
         clip = stats.normalize(codec.encode(images(2, 1).permute(1, 0, 2, 3)[None]))[0]  # (C, 2, h, w)
         writer.write("clip", clip, torch.zeros(0, 1), {"caption": ""})
     info = DatasetInfo(codec=codec.save(root), latent_stats=stats.to_dict(),
@@ -117,10 +118,10 @@ def test_an_adm_npz_is_read_without_pickle(tmp_path):
     np.savez(tmp_path / "ref.npz", arr_0=np.zeros((2, 8, 8, 3), np.uint8), mu=mu, sigma=a @ a.T)
     stats = load_reference(tmp_path / "ref.npz", "inception")
     assert torch.equal(stats.mu, torch.tensor(mu)) and torch.equal(stats.sigma, torch.tensor(a @ a.T))
-    with pytest.raises(ReferenceError, match="holds statistics of inception features.*--features inception"):
+    with pytest.raises(ReferenceError, match=r"holds statistics of inception features.*--features inception"):
         load_reference(tmp_path / "ref.npz", "dinov2:dinov2-large")
     np.savez(tmp_path / "pickled.npz", mu=np.array([{"code": 1}], dtype=object), sigma=np.eye(1))
-    with pytest.raises(ReferenceError, match="is not an .npz with mu and sigma"):
+    with pytest.raises(ReferenceError, match=r"is not an \.npz with mu and sigma"):
         load_reference(tmp_path / "pickled.npz", "inception")
     with pytest.raises(ReferenceError, match="does not exist — pass a ditcore dataset folder"):
         load_reference(tmp_path / "nope", "inception")
