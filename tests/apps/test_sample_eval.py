@@ -76,3 +76,35 @@ def test_a_missing_reference_is_one_line(cli_in_process, setup, tmp_path):
                           "--features", "dinov2", "--weights", dino)
     assert proc.returncode == 2
     assert "error: reference" in proc.stderr and "does not exist — pass a ditcore dataset folder" in proc.stderr
+
+
+@pytest.mark.slow  # two processes under torchrun: about 20 s on 2 cores
+def test_two_ranks_give_the_figure_of_one(cli_in_process, setup):
+    """Under torchrun the 5 samples are split over 2 ranks (batches of 2: rank 0 samples batches 0 and 2, rank 1
+    batch 1) and the sums reduced over them, the reference counted once: the figure of one process. (`--` before
+    the script: torchrun would read --num as an abbreviation of its own --numa-binding.)"""
+    import os
+    import socket
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    run, dino, ref = setup
+    args = ["--checkpoint", run, "--reference", ref, "--num", 5, "--features", "dinov2", "--weights", dino,
+            "--steps", 2, "--batch", 2, "--seed", 7]
+    one = cli_in_process("sample", "eval", *args)
+    assert one.returncode == 0, one.stderr[-2000:]
+    written = run / "eval" / "fd_dinov2-dinov2-dino-step1-n5.json"
+    alone = json.loads(written.read_text())
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={port}",
+           "--", str(Path(sys.executable).parent / "dit-sample"), "eval", *map(str, args)]
+    two = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"})
+    assert two.returncode == 0, two.stderr[-3000:]
+    assert len([ln for ln in two.stdout.splitlines() if ln.startswith("FD_DINOv2")]) == 1  # rank 0 prints it
+    result = json.loads(written.read_text())
+    assert (alone["ranks"], result["ranks"]) == (1, 2)
+    assert result["value"] == pytest.approx(alone["value"], rel=1e-9)  # float64 sums, added in another order

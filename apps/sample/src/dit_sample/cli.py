@@ -159,7 +159,8 @@ def evaluate(
 ) -> None:
     """Score N samples of a run's EMA weights with FID (or FD_DINOv2) against a reference; writes RUN/eval/*.json.
 
-    Under torchrun the N samples are split over the ranks."""
+    Under torchrun the N samples are split over the ranks: torchrun --nproc-per-node G -- $(which dit-sample) eval
+    ... (the `--` keeps torchrun from reading --num as its own --numa-binding)."""
     from dit_sample.evaluate import evaluate as run_eval
     from dit_sample.generate import RequestError
     from ditcore.codecs import HubLoadError
