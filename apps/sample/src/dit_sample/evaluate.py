@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from tqdm import tqdm
 
 from dit_sample.generate import RequestError, Sampler
 from ditcore import durable, runs
@@ -82,10 +83,11 @@ def _reference(reference, net, height, width, device, rank):
     """Rank 0 computes (or reads) the statistics first and caches them; the others then read its cache."""
     kwargs = {"net": net, "height": height, "width": width, "device": device}
     if rank == 0:
-        ref = load_reference(reference, net.name, **kwargs)
+        with tqdm(desc="reference images", unit="image", dynamic_ncols=True, leave=False) as bar:
+            ref = load_reference(reference, net.name, progress=bar.update, **kwargs)
     if dist.is_initialized():
         dist.barrier()
-    return ref if rank == 0 else load_reference(reference, net.name, **kwargs)
+    return ref if rank == 0 else load_reference(reference, net.name, **kwargs)  # the cache rank 0 wrote
 
 
 def _size(sampler: Sampler, ref, reference, height, width) -> tuple[int, int]:

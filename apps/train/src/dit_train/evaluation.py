@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from tqdm import tqdm
+
 from dit_train.config import TrainConfig
 from ditcore.codecs import LatentStats, load_codec
 from ditcore.codecs.text import load_text_encoder
@@ -65,8 +67,10 @@ class FIDScorer:
     def _reference(self):
         """The first rank computes the statistics (or reads its cache) while the others wait, then read the cache."""
         kwargs = {"net": self.net, "device": self.fabric.device}
-        first = self.fabric.global_rank == 0
-        reference = dataset_reference(self.cfg.data.path, **kwargs) if first else None
+        first, reference = self.fabric.global_rank == 0, None
+        if first:
+            with tqdm(desc="FID reference images", unit="image", dynamic_ncols=True, leave=False) as bar:
+                reference = dataset_reference(self.cfg.data.path, progress=bar.update, **kwargs)
         self.fabric.barrier()
         return reference if first else dataset_reference(self.cfg.data.path, **kwargs)
 

@@ -128,6 +128,7 @@ def load_reference(path: str | Path, features: str, **dataset_kwargs) -> Referen
                              ".safetensors that ditcore wrote, or an ADM-style .npz with mu and sigma")
     if path.is_dir():
         return dataset_reference(path, **dataset_kwargs)
+    dataset_kwargs.pop("progress", None)
     if path.suffix == ".npz":
         stats = read_npz(path)
     elif path.suffix == ".safetensors":
