@@ -61,6 +61,8 @@ class FIDScorer:
             size = f"{self.plan.height}x{self.plan.width}"
             raise ConfigError("validation.fid.num", f.num, f"0, or a model that samples the dataset's {size} "
                                                            f"images: {e}") from None
+        self.distance = FrechetDistance(self.net, self.reference, process_group=groups.dp_group, device=fabric.device,
+                                        holds_reference=groups.dp_rank == 0)  # its network loads once
         self.states = load_text_encoder(info.text_encoder["name"]).encode(list(v.prompts)) if model_cfg.text_dim \
             else None
 
@@ -83,12 +85,11 @@ class FIDScorer:
         g = self.groups
         if g.dims.pp > 1:  # every stage runs the sampler; the hidden states go through the stages
             model = PipelinedModel(model, g)
-        distance = FrechetDistance(self.net, self.reference, process_group=g.dp_group, device=self.fabric.device,
-                                   holds_reference=g.dp_rank == 0)
+        self.distance.reset()
         batches = len(self.plan.batches(g.dp_rank, g.dims.dp))
         with step_bar(batches * self.plan.steps, f"{NAMES[self.cfg.validation.fid.features]} samples, step {step}",
                       disable=self.fabric.global_rank != 0, leave=False) as bar:
-            value = score_samples(model, self.codec, self.stats, distance, self.plan, text_states=self.states,
+            value = score_samples(model, self.codec, self.stats, self.distance, self.plan, text_states=self.states,
                                   rank=g.dp_rank, world=g.dims.dp, prediction=self.cfg.edm.prediction, vp=self.vp,
                                   callback=bar)
         self.fabric.log_dict({self.key: value}, step=step)

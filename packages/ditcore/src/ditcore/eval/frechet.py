@@ -29,14 +29,24 @@ class FrechetDistance:
                  holds_reference: bool = True):
         kwargs = {"feature_extractor_weights_path": net.weights, "antialias": False} if isinstance(net.module, int) \
             else {}
+        metric = _metric_class()
         try:
-            self.metric = _metric_class()(feature=net.module, normalize=False, process_group=process_group,
-                                          **kwargs).to(device)
+            self.metric = metric(feature=net.module, normalize=False, process_group=process_group, **kwargs).to(device)
         except ModuleNotFoundError as e:
             raise FeatureError(f"{e} — {INSTALL_FID}") from None
-        self.net = net
-        if reference is not None and holds_reference:
-            reference.load_into(self.metric)
+        except (OSError, RuntimeError) as e:  # torch-fidelity downloads its Inception weights on first use
+            if not isinstance(net.module, int):
+                raise
+            raise FeatureError(f"cannot load FID's Inception weights ({str(e).strip().splitlines()[0]}) — pass a "
+                               "local copy of torch-fidelity's pt_inception-2015-12-05 file as the weights") from None
+        self.net, self.reference = net, reference if holds_reference else None
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget the samples added; keep the reference (a metric built once serves every validation)."""
+        self.metric.reset()
+        if self.reference is not None:
+            self.reference.load_into(self.metric)
 
     @torch.no_grad()
     def add(self, images: torch.Tensor, real: bool = False) -> None:
