@@ -29,6 +29,9 @@ NAMES = {"inception": "FID", "dinov2": "FD_DINOv2"}
 
 
 class FIDScorer:
+    """Built before the first step (the reference statistics and the feature network load once); `run` at every
+    validation and at the end."""
+
     def __init__(self, cfg: TrainConfig, info, model_cfg, fabric, groups: ParallelGroups,
                  vp: DiscreteVP | None = None, stats: LatentStats | None = None):
         f = cfg.validation.fid
