@@ -131,6 +131,53 @@ def generate(
                f"{sampler.loaded()}")
 
 
+class Features(enum.StrEnum):  # ditcore.eval.FEATURES
+    inception = "inception"
+    dinov2 = "dinov2"
+
+
+@app.command("eval")
+def evaluate(
+    checkpoint: Path = typer.Option(..., help="A run directory or its export folder (ditcore's own runs)."),
+    reference: Path = typer.Option(..., help="The real images: a ditcore dataset folder (its statistics are "
+                                             "computed once and cached in DATA/eval/), a statistics .safetensors "
+                                             "from there, or an ADM-style .npz with mu and sigma (Inception)."),
+    num: int = typer.Option(..., help="Samples to score, over all ranks (FID-50K: 50000); at least 2."),
+    features: Features = typer.Option("inception", help="inception: FID as papers report it (needs "
+                                                        "ditcore[fid]); dinov2: FD_DINOv2."),
+    weights: str = typer.Option(None, help="inception: a local copy of torch-fidelity's pt_inception-2015-12-05 "
+                                           "weights; dinov2: a hub id or save_pretrained folder (default "
+                                           "facebook/dinov2-large).", show_default=False),
+    steps: int = typer.Option(18, min=1, max=500, help="Sampler steps (Heun: 2·steps − 1 denoiser evaluations)."),
+    guidance: float = typer.Option(None, help="Classifier-free guidance weight (1: none). Default: the weight the "
+                                              "run validated with.", show_default=False),
+    seed: int = typer.Option(0, min=0, help="Batch b samples with seed + b; classes are drawn with the seed."),
+    batch: int = typer.Option(16, min=1, help="Samples per sampler call on each rank."),
+    height: int = typer.Option(None, help="Pixels; default and required: the reference's image size (an .npz "
+                                          "records none: then the run's).", show_default=False),
+    width: int = typer.Option(None, help="Pixels; see --height.", show_default=False),
+) -> None:
+    """Score N samples of a run's EMA weights with FID (or FD_DINOv2) against a reference; writes RUN/eval/*.json.
+
+    Under torchrun the N samples are split over the ranks: torchrun --nproc-per-node G -- $(which dit-sample) eval
+    ... (the `--` keeps torchrun from reading --num as its own --numa-binding)."""
+    from dit_sample.evaluate import evaluate as run_eval
+    from dit_sample.generate import RequestError
+    from ditcore.codecs import HubLoadError
+    from ditcore.data.schema import DatasetError
+    from ditcore.eval import FeatureError, ReferenceError
+
+    try:
+        result, written = run_eval(checkpoint, reference, num, features=str(features), weights=weights, steps=steps,
+                                   guidance=guidance, seed=seed, batch=batch, height=height, width=width)
+    except (RequestError, ReferenceError, FeatureError, DatasetError, FileNotFoundError, HubLoadError) as e:
+        fail(str(e))
+    if written is not None:
+        typer.echo(f"{result['what']} {result['value']:.4f} of {num} samples (step {result['step']}, "
+                   f"{result['height']}x{result['width']}, {steps} steps, guidance {result['guidance']}, seed {seed}) "
+                   f"against {reference} ({result['reference_n']} images, {result['features']}): wrote {written}")
+
+
 @app.command()
 def serve(
     checkpoint: Path = typer.Option(..., help="An export folder, a run directory (pick among its checkpoints), or "

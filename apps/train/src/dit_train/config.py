@@ -281,6 +281,9 @@ class FID(Section):
     num: int = Field(0, ge=0, description="samples scored at every validation, over all ranks; 0: no FID")
     features: Literal["inception", "dinov2"] = Field("inception", description="inception: FID as the DiT papers "
                                                                               "report it; dinov2: FD_DINOv2")
+    weights: str | None = Field(None, description="inception: a local copy of torch-fidelity's pt_inception weights "
+                                                  "(default: downloaded once); dinov2: a hub id or save_pretrained "
+                                                  "folder (default facebook/dinov2-large)")
 
 
 class Validation(Section):

@@ -19,6 +19,7 @@ from tqdm import tqdm
 
 from dit_train import checkpoint, rundir
 from dit_train.config import TrainConfig, memory_layout
+from dit_train.evaluation import FIDScorer
 from dit_train.metrics import Metrics, bar_postfix
 from dit_train.plots import plot_losses
 from dit_train.recipe import Recipe, model_config, resolve  # noqa: F401 (model_config: where it was before)
@@ -183,12 +184,14 @@ def train(cfg: TrainConfig, resume: str = "auto", overwrite: bool = False) -> di
         run.recipe.source.tensors.clear()  # the host copy of model.init_from's weights is not read again
     validator = Validator(run.cfg, run.info, run.model_cfg, run.fabric, run.groups, vp=run.recipe.vp,
                           stats=run.recipe.latent_stats)
+    scorer = FIDScorer(run.cfg, run.info, run.model_cfg, run.fabric, run.groups, vp=run.recipe.vp,
+                       stats=run.recipe.latent_stats)  # the reference statistics: computed here once, or read
     preempted = Preempted(run.fabric.world_size, run.on_gpu, run.fabric.global_rank)  # until the export is written
     try:
-        result = fit(run, trainee, validator, run.cfg.to_yaml(), preempted)
+        result = fit(run, trainee, validator, run.cfg.to_yaml(), preempted, scorer)
         result["rank"] = run.fabric.global_rank
         if not result["stopped"]:
-            result["samples"] = export(run, trainee, validator)
+            result["samples"] = export(run, trainee, validator, scorer)
         return result
     finally:
         preempted.close()
@@ -357,7 +360,8 @@ def build_model(run: Setup, training: bool) -> torch.nn.Module:
         compile=training and cfg.model.compile)
 
 
-def fit(run: Setup, t: Trainee, validator: Validator, config_yaml: str, preempted: Preempted) -> dict:
+def fit(run: Setup, t: Trainee, validator: Validator, config_yaml: str, preempted: Preempted,
+        scorer: FIDScorer | None = None) -> dict:
     """Steps until train.steps (or a stop): log, checkpoint and validate on schedule. The state is updated in place.
 
     Steps are queued on the device without waiting for it: their losses and other recorded values (dit_train.metrics)
@@ -401,6 +405,8 @@ def fit(run: Setup, t: Trainee, validator: Validator, config_yaml: str, preempte
             checkpoint.save(fabric, run.run_dir, step, t.state, t.loader, config_yaml, cfg.checkpoint.keep)
         if validate:
             validator.run(t.ema.module, step)
+            if scorer is not None:
+                scorer.run(t.ema.module, step)
         if stop:
             bar.close()
             report_skipped(run, t)
@@ -557,10 +563,13 @@ class MicroBatch:
     inputs: dict  # the model's keyword inputs: positions, segments, conditioning after CFG dropout
 
 
-def export(run: Setup, t: Trainee, validator: Validator) -> list[Path]:
-    """Final validation samples, the consolidated EMA export and the loss curve; returns the samples written."""
+def export(run: Setup, t: Trainee, validator: Validator, scorer: FIDScorer | None = None) -> list[Path]:
+    """Final validation samples (and FID), the consolidated EMA export and the loss curve; returns the samples
+    written."""
     fabric, step = run.fabric, t.state["step"]
     written = validator.run(t.ema.module, step)
+    if scorer is not None:
+        scorer.run(t.ema.module, step)
     full = gather_full(t.model.module, without_extra_state(t.ema.module.state_dict()), run.groups)
     if fabric.global_rank == 0:
         recipe = run.recipe
