@@ -99,13 +99,14 @@ def main(
         raise typer.Exit(0 if fits else 2)
     from dit_train.rundir import RunDirInUse
     from dit_train.train import Diverged, Interrupted, train
+    from dit_train.wandb_logger import WandBUnavailable
     from ditcore import disk, runs
     from ditcore.models import NotCompiled
 
     try:
         result = train(cfg, resume=resume, overwrite=overwrite)
     except (ConfigError, DatasetError, runs.CheckpointError, Diverged, NotCompiled, FileNotFoundError, ValueError,
-            RunDirInUse) as e:
+            RunDirInUse, WandBUnavailable) as e:
         fail(str(e))
     except Interrupted as e:  # a second Ctrl-C
         typer.echo(f"error: {e}", err=True)
