@@ -86,7 +86,7 @@ PROMPTS = ["a green leaf on sand", "a grey stone"]  # the tiny run's validation 
 @dataclass
 class WandBRun:
     id: str
-    resumed: bool
+    resume: bool  # started to continue a W&B run (resume="allow"), as `wandb sync` then uploads it
     config: dict
     history: dict[int, dict]  # step → {name: value}; a media value is W&B's record of its file (_type, path, ...)
     files: Path  # where those paths are
@@ -124,7 +124,7 @@ def read_wandb_run(folder: Path) -> WandBRun:
             for key in path:
                 where = where.setdefault(key, {})
             where[name] = json.loads(item.value_json)
-    return WandBRun(run.run_id, run.resumed, config, history, Path(folder) / "files")
+    return WandBRun(run.run_id, run.resume, config, history, Path(folder) / "files")
 
 
 @pytest.fixture(scope="module")

@@ -39,6 +39,7 @@ class WandBLogger(Logger):
     def __init__(self, cfg: WandB, run_dir: Path, config: dict, resuming: bool):
         self.cfg, self.run_dir = cfg, Path(run_dir)
         self.run = start(cfg, self.run_dir, config, resuming) if first_process() else None
+        self.run_id = self.run.id if self.run is not None else None  # kept after the run finishes
 
     @property
     def name(self) -> str:
@@ -46,7 +47,7 @@ class WandBLogger(Logger):
 
     @property
     def version(self) -> str | None:
-        return self.run.id if self.run is not None else None
+        return self.run_id
 
     def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
         if self.run is not None:
