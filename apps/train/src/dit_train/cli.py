@@ -65,8 +65,8 @@ def main(
     """Train a diffusion transformer with the EDM objective (Lightning Fabric + Megatron-Core parallelism).
 
     Launch one process (or Fabric starts parallel.devices of them), or run under torchrun for several.
-    Writes RUN_DIR (train.run_dir): checkpoints/, samples/, csv/ and tensorboard/ logs, loss.png, export/; one run
-    at a time (a second one on the same RUN_DIR is refused, naming the first).
+    Writes RUN_DIR (train.run_dir): checkpoints/, samples/, csv/ and tensorboard/ logs (wandb/ with logging.wandb),
+    loss.png, export/; one run at a time (a second one on the same RUN_DIR is refused, naming the first).
     SIGTERM, SIGUSR1, SIGHUP or Ctrl-C saves a checkpoint and exits 0 (a second Ctrl-C exits at once). --plan
     checks a layout before any GPU is spent on it.
     """

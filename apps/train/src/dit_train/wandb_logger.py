@@ -4,8 +4,9 @@ names, same steps), the validation samples (dit_train.media_log) and the resolve
 Only the job's first process (global rank 0) starts a W&B run and writes to it, when the logger is made: a missing
 login or an unreachable server stops the job before anything is built. A run that continues a checkpoint continues
 the W&B run too: its id is kept in RUN_DIR/wandb/run.json (--overwrite removes RUN_DIR/wandb, and the next run gets
-a new id). W&B keeps one value per step: a resume from an older checkpoint (a branch) repeats steps the W&B run
-already has, and W&B keeps their first values (the CSV and TensorBoard logs keep both, as segments).
+a new id). W&B takes a run's steps in increasing order only: where a resume repeats steps the W&B run already has
+(after a crash past the last checkpoint, or a branch), W&B drops them; the CSV and TensorBoard logs keep both, one
+segment each.
 
 wandb is imported here only, when a run starts: with logging.wandb.project unset nothing imports it.
 """
