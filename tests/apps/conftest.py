@@ -92,27 +92,42 @@ class WandBRun:
     files: Path  # where those paths are
 
 
-def read_wandb_run(folder: Path) -> WandBRun:
-    """An offline W&B run (RUN_DIR/wandb/offline-run-*) read back from its transaction log, run-ID.wandb, as `wandb
-    sync` reads it (wandb 0.31 reads it in Go, so here it is in Python): after a 7-byte header (":W&B", 0xBEE1,
-    version), LevelDB's log format — 32 KiB blocks of chunks (CRC-32C, length, type: 1 full, 2 first, 3 middle,
-    4 last; a block's last < 7 bytes are padding) — each record a wandb_internal_pb2.Record."""
+def wandb_records(data: bytes) -> list | None:
+    """The records of a W&B transaction log (None where its end is not written yet): after a 7-byte header (":W&B",
+    0xBEE1, version), LevelDB's log format — 32 KiB blocks of chunks (CRC-32C, length, type: 1 full, 2 first,
+    3 middle, 4 last; a block's last < 7 bytes are padding) — each record a wandb_internal_pb2.Record."""
+    from google.protobuf.message import DecodeError
     from wandb.proto import wandb_internal_pb2 as pb
 
-    (log,) = Path(folder).glob("run-*.wandb")
-    data, block = log.read_bytes(), 32768
     assert data[:4] == b":W&B", data[:7]
-    pos, chunks, records = 7, b"", []
+    block, pos, chunks, records = 32768, 7, b"", []
     while pos + 7 <= len(data):
         if block - pos % block < 7:
             pos += block - pos % block
             continue
         length, kind = struct.unpack_from("<HB", data, pos + 4)
+        if pos + 7 + length > len(data):
+            return None
         chunks += data[pos + 7:pos + 7 + length]
         pos += 7 + length
         if kind in (1, 4):
-            records.append(pb.Record.FromString(chunks))
+            try:
+                records.append(pb.Record.FromString(chunks))
+            except DecodeError:
+                return None
             chunks = b""
+    return records
+
+
+def read_wandb_run(folder: Path, timeout: float = 10.0) -> WandBRun:
+    """An offline W&B run (RUN_DIR/wandb/offline-run-*) read back from its transaction log, run-ID.wandb, as `wandb
+    sync` reads it (wandb 0.31 reads it in Go, so here it is in Python), once it is complete: wandb-core finishes
+    writing it a moment after run.finish() returns, so a run finished in this process is waited for."""
+    (log,) = Path(folder).glob("run-*.wandb")
+    deadline = time.monotonic() + timeout
+    while (records := wandb_records(log.read_bytes())) is None or not records[-1].HasField("exit"):
+        assert time.monotonic() < deadline, f"{log} has no exit record after {timeout} s"
+        time.sleep(0.05)
     (run,) = [r.run for r in records if r.HasField("run")]
     config = {item.key: json.loads(item.value_json) for item in run.config.update if item.key != "_wandb"}
     history = {}

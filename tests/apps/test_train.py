@@ -698,6 +698,7 @@ def test_wandb_online_without_a_login_stops_in_one_line(cli_in_process, dataset,
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
     monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc login either
     monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "wandb-config"))
+    monkeypatch.setenv("WANDB_SILENT", "true")  # what the logger sets in the process, gone again after the test
     proc = cli_in_process("train", *run_args(dataset, tmp_path / "run", 1, "logging.wandb.project=ditcore-test"))
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert proc.stderr.splitlines() == [

@@ -29,8 +29,12 @@ def test_nothing_imports_wandb_when_it_is_off(tmp_path, monkeypatch):
     assert "wandb" not in sys.modules
 
 
-def test_a_resumed_run_continues_its_wandb_run_and_an_overwritten_one_starts_another(tmp_path, read_wandb):
+def test_a_resumed_run_continues_its_wandb_run_and_an_overwritten_one_starts_another(tmp_path, read_wandb,
+                                                                                    monkeypatch):
     from dit_train.wandb_logger import RUN_FILE, WandBLogger
+
+    for name, value in {"WANDB_SILENT": "true", "WANDB_ERROR_REPORTING": "false"}.items():
+        monkeypatch.setenv(name, value)  # what the logger sets in the process, gone again after the test
 
     cfg = load_config(find_config("demo"), ["logging.wandb.project=ditcore-test", "logging.wandb.mode=offline"])
 
