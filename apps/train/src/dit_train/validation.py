@@ -24,6 +24,8 @@ from ditcore.sampling import sample, step_bar, token_grid
 
 @dataclass
 class Clip:
+    """A validation clip (an mp4 under samples/step-*/)."""
+
     name: str  # its file's name, without the suffix: 00-a-red-butterfly-8f
     prompt: str
     frames: np.ndarray  # (F, H, W, 3) uint8
@@ -95,10 +97,11 @@ class Validator:
                 for i, (pixels, prompt) in enumerate(zip(result.pixels, v.prompts, strict=False)):
                     slug = "".join(c if c.isalnum() else "-" for c in prompt.lower())[:48].strip("-")
                     name = f"{i:02d}-{slug}" + (f"-{frames}f" if frames > 1 else "")
-                    path = write_sample(pixels.numpy(), runs.samples_dir(self.run_dir, step) / name, fps=v.fps)
+                    pixels = pixels.numpy()
+                    path = write_sample(pixels, runs.samples_dir(self.run_dir, step) / name, fps=v.fps)
                     made.paths.append(path)
                     if frames > 1:
-                        made.clips.append(Clip(name, prompt, pixels.numpy(), path))
+                        made.clips.append(Clip(name, prompt, pixels, path))
         if sheet:
             grid = contact_sheet(np.stack(sheet, 1), list(v.prompts)[:len(sheet[0])],
                                  [f"seed {v.seed + k}" for k in range(v.seeds)])

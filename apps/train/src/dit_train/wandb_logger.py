@@ -56,7 +56,7 @@ class WandBLogger(Logger):
 
     def log_hyperparams(self, params, *args, **kwargs) -> None:
         if self.run is not None:
-            self.run.config.update(dict(params), allow_val_change=True)
+            self.run.config.update(params if isinstance(params, dict) else vars(params), allow_val_change=True)
 
     def log_samples(self, samples: Samples) -> None:
         """The contact sheet as an image and each clip as a video, from its mp4 (wandb.Video encodes frames only
@@ -99,8 +99,8 @@ def start(cfg: WandB, run_dir: Path, config: dict, resuming: bool):
     try:
         folder.mkdir(parents=True, exist_ok=True)
         run = wandb.init(project=cfg.project, entity=cfg.entity, mode=cfg.mode, dir=str(run_dir), config=config,
-                         # a new run: W&B's new id, recorded below; "allow": also where the W&B run of a
-                         # checkpoint never reached the server (an offline run not synced yet)
+                         # known: continue that W&B run ("allow": it may not be on the server, offline and not
+                         # synced yet); None: a new W&B run, whose id is recorded below
                          id=known, resume="allow" if known else None, name=run_dir.resolve().name,
                          # console off: the run's stdout and stderr stay the terminal's, not copied into W&B;
                          # allow_val_change: a resumed run may change a value (train.steps, say)
