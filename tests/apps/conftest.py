@@ -3,8 +3,10 @@
 import contextlib
 import importlib
 import io
+import json
 import os
 import socket
+import struct
 import subprocess
 import sys
 import tempfile
@@ -81,6 +83,65 @@ def tiny_export(run: Path, num_classes: int = 0, prompts: list[str] | None = Non
 PROMPTS = ["a green leaf on sand", "a grey stone"]  # the tiny run's validation prompts
 
 
+@dataclass
+class WandBRun:
+    id: str
+    resume: bool  # started to continue a W&B run (resume="allow"), as `wandb sync` then uploads it
+    config: dict
+    history: dict[int, dict]  # step → {name: value}; a media value is W&B's record of its file (_type, path, ...)
+    files: Path  # where those paths are
+
+
+def wandb_records(data: bytes) -> list | None:
+    """The records of a W&B transaction log (None where its end is not written yet): after a 7-byte header (":W&B",
+    0xBEE1, version), LevelDB's log format — 32 KiB blocks of chunks (CRC-32C, length, type: 1 full, 2 first,
+    3 middle, 4 last; a block's last < 7 bytes are padding) — each record a wandb_internal_pb2.Record."""
+    from google.protobuf.message import DecodeError
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    assert data[:4] == b":W&B", data[:7]
+    block, pos, chunks, records = 32768, 7, b"", []
+    while pos + 7 <= len(data):
+        if block - pos % block < 7:
+            pos += block - pos % block
+            continue
+        length, kind = struct.unpack_from("<HB", data, pos + 4)
+        if pos + 7 + length > len(data):
+            return None
+        chunks += data[pos + 7:pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):
+            try:
+                records.append(pb.Record.FromString(chunks))
+            except DecodeError:
+                return None
+            chunks = b""
+    return records
+
+
+def read_wandb_run(folder: Path, timeout: float = 10.0) -> WandBRun:
+    """An offline W&B run (RUN_DIR/wandb/offline-run-*) read back from its transaction log, run-ID.wandb, as `wandb
+    sync` reads it (wandb 0.31 reads it in Go, so here it is in Python), once it is complete: wandb-core finishes
+    writing it a moment after run.finish() returns, so a run finished in this process is waited for."""
+    (log,) = Path(folder).glob("run-*.wandb")
+    deadline = time.monotonic() + timeout
+    while (records := wandb_records(log.read_bytes())) is None or not records[-1].HasField("exit"):
+        assert time.monotonic() < deadline, f"{log} has no exit record after {timeout} s"
+        time.sleep(0.05)
+    (run,) = [r.run for r in records if r.HasField("run")]
+    config = {item.key: json.loads(item.value_json) for item in run.config.update if item.key != "_wandb"}
+    history = {}
+    for r in (r.history for r in records if r.HasField("history")):
+        row = history.setdefault(r.step.num, {})
+        for item in r.item:
+            *path, name = list(item.nested_key) or [item.key]
+            where = row
+            for key in path:
+                where = where.setdefault(key, {})
+            where[name] = json.loads(item.value_json)
+    return WandBRun(run.run_id, run.resume, config, history, Path(folder) / "files")
+
+
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     """A run directory: the export of a tiny text-conditioned DiT that trained on 32x48 pixels (most) and 32x32,
@@ -155,6 +216,11 @@ def cli_in_process():
 @pytest.fixture(scope="session")
 def make_export():
     return tiny_export
+
+
+@pytest.fixture(scope="session")
+def read_wandb():
+    return read_wandb_run
 
 
 @pytest.fixture(scope="session")

@@ -30,6 +30,8 @@ TINY = ["model.preset=DiT-Tiny", "model.patch_size=2", "data.seq_length=32", "da
         "train.micro_batch=2", "train.global_batch=4", "optim.lr=3e-3", "optim.warmup_steps=0", "checkpoint.every=3",
         "logging.every=1", "validation.steps=2", "validation.size=32", "validation.prompts=[a red butterfly]",
         "logging.tensorboard=false"]
+# all three logs (W&B's written locally, for `wandb sync`): test_csv_tensorboard_and_wandb_hold_the_same_figures
+ALL_LOGS = ["logging.tensorboard=true", "logging.wandb.project=ditcore-test", "logging.wandb.mode=offline"]
 
 
 def env():
@@ -123,19 +125,25 @@ def test_bad_configs_give_one_clear_line(cli_in_process, args, message):
 def straight(dataset, tmp_path_factory):
     """An uninterrupted 6-step run: every interrupted-and-resumed run must end exactly like it."""
     run = tmp_path_factory.mktemp("straight") / "run"
-    proc = dit_train(*run_args(dataset, run, 6))
+    proc = dit_train(*run_args(dataset, run, 6, *ALL_LOGS))
     assert proc.returncode == 0, proc.stderr[-3000:]
     return run
 
 
-def test_straight_equals_stop_and_resume_one_process(dataset, straight, tmp_path):
+def test_straight_equals_stop_and_resume_one_process(dataset, straight, tmp_path, read_wandb):
     resumed = tmp_path / "resumed"
-    first = dit_train(*run_args(dataset, resumed, 6, "train.stop_at=3"))  # same run, stopped after step 3
+    first = dit_train(*run_args(dataset, resumed, 6, "train.stop_at=3", *ALL_LOGS))  # same run, stopped after step 3
     assert first.returncode == 0, first.stderr[-3000:]
     assert [p.name for p in runs.complete_checkpoints(resumed)] == ["step-0000003"]
-    second = dit_train(*run_args(dataset, resumed, 6), "--resume", "auto")
+    second = dit_train(*run_args(dataset, resumed, 6, *ALL_LOGS), "--resume", "auto")
     assert second.returncode == 0, second.stderr[-3000:]
     assert "resumed from" in second.stdout + second.stderr
+    # the second segment logs into the first one's W&B run, from the step after the checkpoint on
+    a, b = (read_wandb(f) for f in sorted((resumed / runs.WANDB).glob("offline-run-*")))
+    assert b.id == a.id and b.resume and not a.resume
+    assert [s for s in a.history if "loss" in a.history[s]] == [1, 2, 3]
+    assert [s for s in b.history if "loss" in b.history[s]] == [4, 5, 6]
+    assert f"upload it with `wandb sync {resumed / runs.WANDB}/offline-run-*-{a.id}`" in second.stderr
     assert_same_training(straight, resumed, 6)
     a, b = load_file(straight / "export" / "model.safetensors"), load_file(resumed / "export" / "model.safetensors")
     assert all(torch.equal(a[k], b[k]) for k in a)
@@ -636,6 +644,67 @@ def test_tensorboard_names_a_run_after_its_folder_and_each_resumed_segment(tmp_p
     assert sorted(tb.Runs()) == ["demo/run-20260101-120000", "demo/run-20260101-130000"]
     assert [e.value for e in tb.Scalars("demo/run-20260101-130000", "loss")] == [0.5]
     assert (run_dir / runs.CSV / "run-20260101-130000" / "metrics.csv").is_file()  # the CSV log's segment alike
+
+
+def test_csv_tensorboard_and_wandb_hold_the_same_figures(straight, read_wandb):
+    """The straight run logged to all three (W&B offline, read back from its transaction log): the same scalars at the
+    same steps, the contact sheet pixel for pixel and the clip in TensorBoard and W&B, the resolved config in W&B."""
+    import imageio.v3 as iio
+    import numpy as np
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from dit_train.media_log import frame_strip
+    from dit_train.validation import Clip
+
+    (table,) = (straight / runs.CSV).glob("*/metrics.csv")
+    logged = {}
+    for row in csv.DictReader(table.open()):
+        logged.setdefault(int(row.pop("step")), {}).update({k: float(v) for k, v in row.items() if v})
+    assert sorted(logged) == [1, 2, 3, 4, 5, 6] and {"loss", "lr", "grad_norm"} <= logged[6].keys()
+
+    (events,) = (straight / runs.TENSORBOARD).glob("*/*/events.out.tfevents.*")
+    tb = EventAccumulator(str(events.parent), size_guidance={"scalars": 0, "images": 0})
+    tb.Reload()
+    board = {}
+    for tag in tb.Tags()["scalars"]:
+        for event in tb.Scalars(tag):
+            board.setdefault(event.step, {})[tag] = event.value
+    assert board == {step: pytest.approx(values, rel=1e-6) for step, values in logged.items()}  # TB keeps float32
+
+    (folder,) = (straight / runs.WANDB).glob("offline-run-*")
+    wb = read_wandb(folder)
+    scalars = {step: {k: v for k, v in row.items() if not k.startswith(("_", "samples/"))}
+               for step, row in wb.history.items()}
+    assert scalars == logged  # exactly: both keep the float64 values
+    assert wb.config == runs.read_config(runs.step_dir(straight, 6))  # the resolved config, as the checkpoint has it
+
+    sheet = iio.imread(straight / runs.SAMPLES / runs.SHEET)
+    (image,) = tb.Images("samples/grid")
+    assert image.step == 6 and np.array_equal(iio.imread(image.encoded_image_string), sheet)
+    media = wb.history[6]["samples/grid"]
+    assert media["_type"] == "image-file" and np.array_equal(iio.imread(wb.files / media["path"]), sheet)
+
+    (mp4,) = runs.samples_dir(straight, 6).glob("*.mp4")  # the clip: a frame strip in TensorBoard, the mp4 in W&B
+    (strip,) = tb.Images(f"samples/{mp4.stem}")
+    expected = frame_strip(Clip(mp4.stem, "a red butterfly", read_video(mp4), mp4))  # from the mp4's lossy frames
+    shown = iio.imread(strip.encoded_image_string)
+    assert strip.step == 6 and shown.shape == expected.shape
+    assert np.abs(shown.astype(int) - expected).mean() < 4
+    media = wb.history[6][f"samples/{mp4.stem}"]
+    assert media["_type"] == "video-file" and (wb.files / media["path"]).read_bytes() == mp4.read_bytes()
+
+
+def test_wandb_online_without_a_login_stops_in_one_line(cli_in_process, dataset, tmp_path, monkeypatch):
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc login either
+    monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "wandb-config"))
+    monkeypatch.setenv("WANDB_SILENT", "true")  # what the logger sets in the process, gone again after the test
+    proc = cli_in_process("train", *run_args(dataset, tmp_path / "run", 1, "logging.wandb.project=ditcore-test"))
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.splitlines() == [
+        "error: W&B could not start a run (logging.wandb.mode=online): No API key configured. Use `wandb login` to log "
+        "in. — set WANDB_API_KEY (or run `wandb login`) and check the network, or set logging.wandb.mode=offline and "
+        f"upload the run from {tmp_path / 'run' / runs.WANDB} later with `wandb sync`"]
 
 
 @pytest.mark.gpu

@@ -65,8 +65,8 @@ def main(
     """Train a diffusion transformer with the EDM objective (Lightning Fabric + Megatron-Core parallelism).
 
     Launch one process (or Fabric starts parallel.devices of them), or run under torchrun for several.
-    Writes RUN_DIR (train.run_dir): checkpoints/, samples/, csv/ and tensorboard/ logs, loss.png, export/; one run
-    at a time (a second one on the same RUN_DIR is refused, naming the first).
+    Writes RUN_DIR (train.run_dir): checkpoints/, samples/, csv/ and tensorboard/ logs (wandb/ with logging.wandb),
+    loss.png, export/; one run at a time (a second one on the same RUN_DIR is refused, naming the first).
     SIGTERM, SIGUSR1, SIGHUP or Ctrl-C saves a checkpoint and exits 0 (a second Ctrl-C exits at once). --plan
     checks a layout before any GPU is spent on it.
     """
@@ -99,13 +99,14 @@ def main(
         raise typer.Exit(0 if fits else 2)
     from dit_train.rundir import RunDirInUse
     from dit_train.train import Diverged, Interrupted, train
+    from dit_train.wandb_logger import WandBUnavailable
     from ditcore import disk, runs
     from ditcore.models import NotCompiled
 
     try:
         result = train(cfg, resume=resume, overwrite=overwrite)
     except (ConfigError, DatasetError, runs.CheckpointError, Diverged, NotCompiled, FileNotFoundError, ValueError,
-            RunDirInUse) as e:
+            RunDirInUse, WandBUnavailable) as e:
         fail(str(e))
     except Interrupted as e:  # a second Ctrl-C
         typer.echo(f"error: {e}", err=True)

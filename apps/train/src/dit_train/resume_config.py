@@ -112,6 +112,9 @@ RULES: dict[str, str] = {
     "logging.every": APPLY,
     "logging.csv": APPLY,
     "logging.tensorboard": APPLY,
+    "logging.wandb.project": APPLY,  # W&B starts (or stops) logging from the resumed step on
+    "logging.wandb.entity": APPLY,
+    "logging.wandb.mode": APPLY,  # an offline run's steps go online with `wandb sync`
 }
 
 

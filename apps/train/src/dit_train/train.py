@@ -14,12 +14,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from lightning_fabric import Fabric
-from lightning_fabric.loggers import CSVLogger, TensorBoardLogger
+from lightning_fabric.loggers import CSVLogger
 from tqdm import tqdm
 
 from dit_train import checkpoint, rundir
 from dit_train.config import TrainConfig, memory_layout
 from dit_train.evaluation import FIDScorer
+from dit_train.media_log import TensorBoard, log_samples
 from dit_train.metrics import Metrics, bar_postfix
 from dit_train.plots import plot_losses
 from dit_train.recipe import Recipe, model_config, resolve  # noqa: F401 (model_config: where it was before)
@@ -218,7 +219,7 @@ def setup(cfg: TrainConfig, resume: str = "auto", overwrite: bool = False) -> Se
     bf16 = cfg.train.precision == "bf16" or (cfg.train.precision == "auto" and on_gpu)
     prepare_run_dir(run_dir)
     claim = rundir.claim(run_dir, resume, overwrite)  # the lock, before anything is written into the run dir
-    loggers = make_loggers(cfg, run_dir, rundir.csv_version(run_dir))
+    loggers = make_loggers(cfg, run_dir, rundir.csv_version(run_dir), resume)
     strategy = MegatronStrategy(dims, fsdp=cfg.parallel.fsdp)
     num_nodes = int(os.environ.get("WORLD_SIZE", devices)) // devices  # torchrun on several nodes
     fabric = Fabric(accelerator="cuda" if on_gpu else "cpu", devices=devices, num_nodes=num_nodes, strategy=strategy,
@@ -254,8 +255,9 @@ def setup(cfg: TrainConfig, resume: str = "auto", overwrite: bool = False) -> Se
     return Setup(cfg, info, fabric, groups, model_cfg, accum, on_gpu, bf16, loggers, recipe, fsdp_sync)
 
 
-def make_loggers(cfg: TrainConfig, run_dir: Path, segment: str) -> list:
-    """The metrics loggers of this process's part of the run (`segment`: run-<start time>; a resume starts another)."""
+def make_loggers(cfg: TrainConfig, run_dir: Path, segment: str, resume: str = "auto") -> list:
+    """The metrics loggers of this process's part of the run (`segment`: run-<start time>; a resume starts another);
+    `resume` (--resume) says whether it continues a checkpoint, whose W&B run it then continues."""
     loggers = []
     if cfg.logging.csv:
         # written at every log call (Lightning's default buffers 100 calls, so that any stop before train.steps
@@ -266,7 +268,12 @@ def make_loggers(cfg: TrainConfig, run_dir: Path, segment: str) -> list:
         # as "demo/run-20260101-120000" (with --logdir RUN_DIR/tensorboard, as `make demo` says), not "."; each
         # resumed segment is a run of its own, so a branch that repeats steps is not drawn over its parent's curve
         name = Path(run_dir).resolve().name or "run"  # train.run_dir=. names the current folder
-        loggers.append(TensorBoardLogger(str(run_dir), name=runs.TENSORBOARD, version=f"{name}/{segment}"))
+        loggers.append(TensorBoard(str(run_dir), name=runs.TENSORBOARD, version=f"{name}/{segment}"))
+    if cfg.logging.wandb.project:
+        from dit_train.wandb_logger import WandBLogger  # imports wandb, when it starts its run
+
+        resuming = bool(checkpoint.resolve_resume(run_dir, resume))
+        loggers.append(WandBLogger(cfg.logging.wandb, run_dir, cfg.to_dict(), resuming))
     return loggers
 
 
@@ -404,7 +411,7 @@ def fit(run: Setup, t: Trainee, validator: Validator, config_yaml: str, preempte
         if save:
             checkpoint.save(fabric, run.run_dir, step, t.state, t.loader, config_yaml, cfg.checkpoint.keep)
         if validate:
-            validator.run(t.ema.module, step)
+            log_samples(run.loggers, validator.run(t.ema.module, step))
             if scorer is not None:
                 scorer.run(t.ema.module, step)
         if stop:
@@ -567,7 +574,8 @@ def export(run: Setup, t: Trainee, validator: Validator, scorer: FIDScorer | Non
     """Final validation samples (and FID), the consolidated EMA export and the loss curve; returns the samples
     written."""
     fabric, step = run.fabric, t.state["step"]
-    written = validator.run(t.ema.module, step)
+    samples = validator.run(t.ema.module, step)
+    log_samples(run.loggers, samples)
     if scorer is not None:
         scorer.run(t.ema.module, step)
     full = gather_full(t.model.module, without_extra_state(t.ema.module.state_dict()), run.groups)
@@ -585,4 +593,4 @@ def export(run: Setup, t: Trainee, validator: Validator, scorer: FIDScorer | Non
                             "size": run.cfg.validation.size})
         plot_losses(t.state["history"], run.run_dir / runs.LOSS_PLOT)
     fabric.barrier()
-    return written
+    return samples.paths

@@ -4,6 +4,7 @@ first step, that the model can sample the validation sizes at all."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -19,6 +20,27 @@ from ditcore.models import DiTConfig
 from ditcore.parallel import ParallelGroups
 from ditcore.parallel.pipeline import PipelinedModel
 from ditcore.sampling import sample, step_bar, token_grid
+
+
+@dataclass
+class Clip:
+    """A validation clip (an mp4 under samples/step-*/)."""
+
+    name: str  # its file's name, without the suffix: 00-a-red-butterfly-8f
+    prompt: str
+    frames: np.ndarray  # (F, H, W, 3) uint8
+    path: Path  # the mp4
+
+
+@dataclass
+class Samples:
+    """What one validation made: the files written, and the contact sheet and clips as arrays too, for the loggers
+    that show media (dit_train.media_log). Filled on global rank 0; empty on the other ranks, which write nothing."""
+
+    step: int
+    paths: list[Path] = field(default_factory=list)
+    sheet: np.ndarray | None = None  # (H, W, 3) uint8, as in samples/grid.png
+    clips: list[Clip] = field(default_factory=list)
 
 
 class Validator:
@@ -43,21 +65,21 @@ class Validator:
         elif model_cfg.num_classes:
             self.labels = list(range(min(model_cfg.num_classes, len(self.cfg.prompts))))
 
-    def run(self, model, step: int) -> list[Path]:
+    def run(self, model, step: int) -> Samples:
         if not self.enabled:
-            return []
+            return Samples(step)
         v = self.cfg
         calls = v.seeds + (1 if v.clip_frames else 0)  # sample() calls of _sample, v.steps steps each
         with step_bar(calls * v.steps, f"validation samples, step {step}", disable=self.fabric.global_rank != 0,
                       leave=False) as bar:
             return self._sample(model, step, bar)
 
-    def _sample(self, model, step: int, bar) -> list[Path]:
+    def _sample(self, model, step: int, bar) -> Samples:
         """Sample every prompt as an image with `seeds` seeds (and as a clip with the first); write the first seed's
         samples one file each and a contact sheet of the images (prompts × seeds) to the step's folder and to
         samples/grid.png."""
         v = self.cfg
-        written, sheet = [], []
+        made, sheet = Samples(step), []
         if self.groups.dims.pp > 1:  # every stage runs the sampler; the hidden states go through the stages
             model = PipelinedModel(model, self.groups)
         for frames in [v.frames] + ([v.clip_frames] if v.clip_frames else []):
@@ -75,14 +97,18 @@ class Validator:
                 for i, (pixels, prompt) in enumerate(zip(result.pixels, v.prompts, strict=False)):
                     slug = "".join(c if c.isalnum() else "-" for c in prompt.lower())[:48].strip("-")
                     name = f"{i:02d}-{slug}" + (f"-{frames}f" if frames > 1 else "")
-                    written.append(write_sample(pixels.numpy(), runs.samples_dir(self.run_dir, step) / name,
-                                                fps=v.fps))
+                    pixels = pixels.numpy()
+                    path = write_sample(pixels, runs.samples_dir(self.run_dir, step) / name, fps=v.fps)
+                    made.paths.append(path)
+                    if frames > 1:
+                        made.clips.append(Clip(name, prompt, pixels, path))
         if sheet:
             grid = contact_sheet(np.stack(sheet, 1), list(v.prompts)[:len(sheet[0])],
                                  [f"seed {v.seed + k}" for k in range(v.seeds)])
             for path in (runs.samples_dir(self.run_dir, step) / runs.SHEET, self.run_dir / runs.SAMPLES / runs.SHEET):
-                written.append(write_sample(grid[None], path))
-        return written
+                made.paths.append(write_sample(grid[None], path))
+            made.sheet = grid
+        return made
 
 
 def check_validation(v, codec, model_cfg: DiTConfig) -> None:

@@ -36,6 +36,7 @@ from ditcore.runs.folders import (
     SHEET,
     TENSORBOARD,
     TMP_PREFIX,
+    WANDB,
     CheckpointError,
     begin_step,
     complete_checkpoints,
@@ -97,7 +98,8 @@ from ditcore.runs.weights import load_weights
 
 __all__ = [
     "CHECKPOINTS", "CONFIG_FILE", "CSV", "EMA", "EXPORT", "LOCK_FILE", "LOSS_PLOT", "MARKER", "METADATA", "MODEL",
-    "OPTIM", "OUTPUTS", "SAMPLES", "SHEET", "TENSORBOARD", "TMP_PREFIX", "VALUES", "CheckpointError", "SafeReader",
+    "OPTIM", "OUTPUTS", "SAMPLES", "SHEET", "TENSORBOARD", "TMP_PREFIX", "VALUES", "WANDB", "CheckpointError",
+    "SafeReader",
     "begin_step", "by_write_order", "checkpoint_error", "checkpoint_tensors", "complete_checkpoints", "export_dir",
     "files_of_rank", "find_export", "free_step_dir", "is_complete", "lineage", "load_optimizer_hyperparameters",
     "load_tensors", "load_weights", "loader_file", "model_mismatch", "new_run_id", "newest", "next_lineage",
