@@ -109,6 +109,10 @@ RULES: dict[str, str] = {
     "validation.fps": APPLY,
     "validation.seed": APPLY,
     "validation.seeds": APPLY,
+    # FID figures of a segment with other settings differ by the settings, not the training: the new ones apply
+    "validation.fid.num": APPLY,
+    "validation.fid.features": APPLY,
+    "validation.fid.weights": APPLY,
     "logging.every": APPLY,
     "logging.csv": APPLY,
     "logging.tensorboard": APPLY,
