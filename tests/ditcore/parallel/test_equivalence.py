@@ -103,6 +103,15 @@ def test_layout_matches_one_process(request, case):
     assert r["grads_nonzero"] == r["params"] > 40
 
 
+@pytest.mark.parametrize("case", params([c for c in ALL if ":" not in c]))
+def test_heldout_loss_matches_one_process(request, case):
+    """The held-out loss per noise level (ditcore.diffusion.heldout) of a DiT laid out over TP/SP/CP/FSDP/PP, each
+    data-parallel rank scoring its share of the held-out set, equals one process's within fp32 bounds."""
+    abs_diff, rel_diff = case_results(request, case)["heldout"]
+    bound = fp32_tolerance(work(CFG)["output"] + 2, scale=1.0)  # + the squared error
+    assert rel_diff < bound, f"{case}: held-out loss differs by {abs_diff:.2e} (relative {rel_diff:.2e} > {bound:.1e})"
+
+
 @pytest.mark.parametrize("case", ["tp2_sp", "tp2_sp_packed", "cp2", "cp2_packed", "tp2"])
 def test_finalize_grads_is_what_makes_gradients_right(results, case):
     """Under SP, CP (and for TP's per-head QK-norm weights) the raw gradients are partial; finalize_grads fixes them."""

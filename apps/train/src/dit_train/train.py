@@ -19,8 +19,9 @@ from tqdm import tqdm
 
 from dit_train import checkpoint, rundir
 from dit_train.config import TrainConfig, memory_layout
+from dit_train.heldout import HeldOutLoss
 from dit_train.metrics import Metrics, bar_postfix
-from dit_train.plots import plot_losses
+from dit_train.plots import plot_heldout, plot_losses
 from dit_train.recipe import Recipe, model_config, resolve  # noqa: F401 (model_config: where it was before)
 from dit_train.validation import Validator
 from ditcore import durable, init_from, runs
@@ -183,12 +184,13 @@ def train(cfg: TrainConfig, resume: str = "auto", overwrite: bool = False) -> di
         run.recipe.source.tensors.clear()  # the host copy of model.init_from's weights is not read again
     validator = Validator(run.cfg, run.info, run.model_cfg, run.fabric, run.groups, vp=run.recipe.vp,
                           stats=run.recipe.latent_stats)
+    heldout = HeldOutLoss.build(run, trainee.latent_map)  # read and packed once, here
     preempted = Preempted(run.fabric.world_size, run.on_gpu, run.fabric.global_rank)  # until the export is written
     try:
-        result = fit(run, trainee, validator, run.cfg.to_yaml(), preempted)
+        result = fit(run, trainee, validator, run.cfg.to_yaml(), preempted, heldout)
         result["rank"] = run.fabric.global_rank
         if not result["stopped"]:
-            result["samples"] = export(run, trainee, validator)
+            result["samples"] = export(run, trainee, validator, heldout)
         return result
     finally:
         preempted.close()
@@ -357,7 +359,8 @@ def build_model(run: Setup, training: bool) -> torch.nn.Module:
         compile=training and cfg.model.compile)
 
 
-def fit(run: Setup, t: Trainee, validator: Validator, config_yaml: str, preempted: Preempted) -> dict:
+def fit(run: Setup, t: Trainee, validator: Validator, config_yaml: str, preempted: Preempted,
+        heldout: HeldOutLoss | None = None) -> dict:
     """Steps until train.steps (or a stop): log, checkpoint and validate on schedule. The state is updated in place.
 
     Steps are queued on the device without waiting for it: their losses and other recorded values (dit_train.metrics)
@@ -388,7 +391,8 @@ def fit(run: Setup, t: Trainee, validator: Validator, config_yaml: str, preempte
         log = step % cfg.logging.every == 0 or step == cfg.train.steps
         save = step % cfg.checkpoint.every == 0 or step == cfg.train.steps or stop
         validate = bool(cfg.validation.every) and step % cfg.validation.every == 0 and step != cfg.train.steps
-        if not (log or save or validate):
+        score = heldout is not None and heldout.due(step)
+        if not (log or save or validate or score):
             continue
         read = metrics.read_back()  # waits for the device
         check_finite(read, preempted, bar, cfg.optim.lr, data=cfg.data.path)  # may raise Diverged
@@ -397,6 +401,8 @@ def fit(run: Setup, t: Trainee, validator: Validator, config_yaml: str, preempte
             logged = metrics.close_window(peak, run.groups.dims) | {"lr": t.scheduler.get_last_lr()[0]}
             fabric.log_dict(logged, step=step)
             bar.set_postfix(**bar_postfix(logged))
+        if score:  # before the save: a run resumed from this step has this point of the curve too
+            fabric.log_dict(heldout.run_on(scored(t), step, t.state), step=step)
         if save:
             checkpoint.save(fabric, run.run_dir, step, t.state, t.loader, config_yaml, cfg.checkpoint.keep)
         if validate:
@@ -557,10 +563,18 @@ class MicroBatch:
     inputs: dict  # the model's keyword inputs: positions, segments, conditioning after CFG dropout
 
 
-def export(run: Setup, t: Trainee, validator: Validator) -> list[Path]:
-    """Final validation samples, the consolidated EMA export and the loss curve; returns the samples written."""
+def scored(t: Trainee) -> dict[str, torch.nn.Module]:
+    """The weights the held-out loss is computed for (dit_train.heldout), by the name it is logged under."""
+    return {"ema": t.ema.module, "raw": t.model.module}
+
+
+def export(run: Setup, t: Trainee, validator: Validator, heldout: HeldOutLoss | None = None) -> list[Path]:
+    """Final validation samples and held-out losses, the consolidated EMA export and the loss curves; returns the
+    samples written."""
     fabric, step = run.fabric, t.state["step"]
     written = validator.run(t.ema.module, step)
+    if heldout is not None:
+        fabric.log_dict(heldout.run_on(scored(t), step, t.state), step=step)
     full = gather_full(t.model.module, without_extra_state(t.ema.module.state_dict()), run.groups)
     if fabric.global_rank == 0:
         recipe = run.recipe
@@ -575,5 +589,7 @@ def export(run: Setup, t: Trainee, validator: Validator) -> list[Path]:
                             "guidance": run.cfg.validation.guidance, "prompts": list(run.cfg.validation.prompts),
                             "size": run.cfg.validation.size})
         plot_losses(t.state["history"], run.run_dir / runs.LOSS_PLOT)
+        if t.state.get("heldout"):
+            plot_heldout(t.state["heldout"], run.run_dir / runs.HELDOUT_PLOT)
     fabric.barrier()
     return written
