@@ -92,9 +92,10 @@ SHARD = typer.Option(1000, min=1, help="Samples per shard.")
 OVERWRITE = typer.Option(False, help="Replace an existing dataset at --out.")
 KEEP_PARTIAL = typer.Option(False, help="On failure or Ctrl-C keep what was written (to inspect it); by default "
                                         "the partial output is removed.")
-VAL_SAMPLES = typer.Option(0, min=0, help="Hold out this many samples, evenly spread over the source's order "
-                                          "(index (2k+1)·M // 2N of M, for k < N), as a dataset of their own at "
-                                          "OUT/val: dit-train scores its held-out loss on them. 0: none.")
+VAL_SAMPLES = typer.Option(0, min=0, metavar="N", help="Hold out N samples as a dataset of their own at OUT/val, "
+                                                        "for dit-train's held-out loss: of the source's M samples, "
+                                                        "those at index (2k+1)·M // 2N for k < N (evenly spread "
+                                                        "over its order). 0: none.")
 SEED = typer.Option(0, min=0, help="Random seed.")
 
 

@@ -1,5 +1,6 @@
-"""The held-out loss per noise level (ditcore.diffusion.heldout) of the EMA and the raw weights, at every validation
-(validation.every and the end) or every validation.heldout.every steps: logged through Fabric's loggers as
+"""The held-out loss per noise level (ditcore.diffusion.heldout) of the EMA and the raw weights, every
+validation.heldout.every steps (default: at every validation, validation.every) and at the end: logged through
+Fabric's loggers (CSV, TensorBoard, any other) as
 
     heldout/ema/total            the levels' losses weighted by the training distribution of σ (edm.p_mean/p_std)
     heldout/ema/sigma_00=0.002   the loss at level 0 (σ_min), ... up to sigma_07=80 (σ_max) with 8 levels
@@ -73,15 +74,16 @@ def check_same_latents(val: DatasetInfo, info: DatasetInfo, root: Path) -> None:
 class HeldOutLoss:
     """The held-out losses of a run (`build` says whether it has any): `due(step)`, `run(...)` → the logged values."""
 
-    def __init__(self, run, batches: list, loss: EDMLoss, latent_map):
+    def __init__(self, run, batches: list, loss: EDMLoss):
         h = run.cfg.validation.heldout
-        self.run, self.batches, self.loss, self.latent_map = run, batches, loss, latent_map
+        self.run, self.batches, self.loss = run, batches, loss
+        self.latent_map = run.recipe.latent_map(run.fabric.device)  # dataset units → the network's, if they differ
         self.buckets = sigma_buckets(h.buckets, h.sigma_min, h.sigma_max)
         self.weights = bucket_weights(self.buckets, run.cfg.edm.p_mean, run.cfg.edm.p_std)
         self.names = [f"sigma_{k:02d}={s:.3g}" for k, s in enumerate(self.buckets.tolist())]
 
     @classmethod
-    def build(cls, run, latent_map) -> HeldOutLoss | None:
+    def build(cls, run) -> HeldOutLoss | None:
         """Read and pack this rank's held-out samples (`run`: dit_train.train.Setup); None when there are none to
         score: validation.heldout.samples 0, or no held-out set where the default looks (said once)."""
         cfg, fabric, groups = run.cfg, run.fabric, run.groups
@@ -106,10 +108,10 @@ class HeldOutLoss:
         fabric.print(f"held-out loss: {len(samples)} samples of {root} at {h.buckets} noise levels "
                      f"({h.sigma_min:g} to {h.sigma_max:g}), EMA and raw weights")
         e = cfg.edm  # the run's EDM loss; under edm.loss=ddpm too (its levels rounded to the network's under VP)
-        return cls(run, batches, EDMLoss(e.p_mean, e.p_std, max_weight=e.max_weight, vp=run.recipe.vp), latent_map)
+        return cls(run, batches, EDMLoss(e.p_mean, e.p_std, max_weight=e.max_weight, vp=run.recipe.vp))
 
     def due(self, step: int) -> bool:
-        """At validation.heldout.every steps, and at every validation (validation.every; the end: `export`)."""
+        """Every validation.heldout.every steps, else at every validation (validation.every); the end is `export`'s."""
         cfg = self.run.cfg
         every = cfg.validation.heldout.every or cfg.validation.every
         return bool(every) and step % every == 0 and step != cfg.train.steps

@@ -170,6 +170,7 @@ class Trainee:
 
 def train(cfg: TrainConfig, resume: str = "auto", overwrite: bool = False) -> dict:
     run = setup(cfg, resume, overwrite)
+    heldout = HeldOutLoss.build(run)  # read and packed once, here; refused before anything is built
     trainee = build(run)
     # compared, and saved with every checkpoint, resolved: a resume whose auto would resolve otherwise is refused
     ckpt = checkpoint.resume(run.fabric, run.run_dir, resume, trainee.state, trainee.loader, run.cfg)  # verified
@@ -184,7 +185,6 @@ def train(cfg: TrainConfig, resume: str = "auto", overwrite: bool = False) -> di
         run.recipe.source.tensors.clear()  # the host copy of model.init_from's weights is not read again
     validator = Validator(run.cfg, run.info, run.model_cfg, run.fabric, run.groups, vp=run.recipe.vp,
                           stats=run.recipe.latent_stats)
-    heldout = HeldOutLoss.build(run, trainee.latent_map)  # read and packed once, here
     preempted = Preempted(run.fabric.world_size, run.on_gpu, run.fabric.global_rank)  # until the export is written
     try:
         result = fit(run, trainee, validator, run.cfg.to_yaml(), preempted, heldout)
