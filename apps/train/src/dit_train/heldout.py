@@ -36,17 +36,24 @@ def val_path(cfg: TrainConfig) -> tuple[Path, bool]:
 
 
 def read_heldout(root: Path, n: int, patch_size: int, patch_size_t: int, seq_length: int) -> list[TokenSample]:
-    """The first n samples of the dataset at `root` in key order (its shards read directly: the set is small, and
-    no loader order, shuffle or rank split may change which samples these are), patchified."""
+    """The first n samples of the dataset at `root` in key order (its shards read directly: no loader order, shuffle
+    or rank split may change which samples these are), patchified. Only their members are read: the tar headers of
+    a large set (data.val_path may name any dataset) are walked once, seeking over the payloads."""
+    shards = sorted(root.glob("rank*-*.tar"))
+    keys = set()
+    for shard in shards:
+        with tarfile.open(shard, mode="r:") as tar:
+            keys.update(m.name.split(".", 1)[0] for m in tar if m.isfile())
+    chosen = set(sorted(keys)[:n])
     members: dict[str, dict] = {}
-    for shard in sorted(root.glob("rank*-*.tar")):
+    for shard in shards:
         with tarfile.open(shard, mode="r:") as tar:
             for m in tar:
-                if m.isfile():
-                    key, member = m.name.split(".", 1)
+                key, _, member = m.name.partition(".")
+                if m.isfile() and key in chosen:
                     members.setdefault(key, {"__key__": key})[member] = tar.extractfile(m).read()
     samples = []
-    for key in sorted(members)[:n]:
+    for key in sorted(members):
         latent, text, meta = read_sample(members[key])
         _, T, H, W = latent.shape
         grid = (T // patch_size_t, H // patch_size, W // patch_size)
