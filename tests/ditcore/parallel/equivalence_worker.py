@@ -94,7 +94,10 @@ def packed_batch(g, rows=PACKED["dit"]):
 
 SENT = [0]  # tokens this rank's all-to-alls (ST-DiT's CP) sent to other ranks in forward passes
 
-# A held-out set of images and clips (ditcore.diffusion.heldout), packed into rows of 32 tokens, 2 rows a batch
+# A held-out set of images and clips (ditcore.diffusion.heldout), packed into rows of 32 tokens, 2 rows a batch,
+# scored in the cases that cover each kind of layout (the held-out loss is forward passes only)
+HELDOUT_CASES = ("dp2", "tp2_sp_packed", "cp2_packed", "fsdp_dp2", "pp2_packed", "fsdp_tp2_sp_dp2", "hsdp_dp4",
+                 "pp2_tp2_sp_packed")
 HELDOUT_GRIDS = [(1, 4, 4), (1, 2, 4), (2, 2, 3), (1, 3, 3), (1, 2, 2), (2, 4, 4)]
 
 
@@ -226,9 +229,10 @@ def diff(a: torch.Tensor, b: torch.Tensor) -> tuple[float, float]:
 
 
 def run_case(arch: str, dims: ParallelDims, packed: bool, checkpointing: str = "none", fsdp: bool = False,
-             per_row: bool = False, shard: int | None = None, sync: str = "micro_batch") -> dict:
+             per_row: bool = False, shard: int | None = None, sync: str = "micro_batch", heldout: bool = False) -> dict:
     """per_row: a micro-batch per row, whose gradients accumulate (the reference does the same). shard, sync: FSDP's
-    (HSDP's shard group; gathers and reductions every micro-batch or once per step)."""
+    (HSDP's shard group; gathers and reductions every micro-batch or once per step). heldout: compare the held-out
+    loss too."""
     cfg, g = CONFIGS[arch], torch.Generator().manual_seed(7)
     batch = packed_batch(g, PACKED.get(arch, PACKED["dit"])) if packed else unpacked_batch(g)
 
@@ -238,7 +242,7 @@ def run_case(arch: str, dims: ParallelDims, packed: bool, checkpointing: str = "
         for p in ref.parameters():
             p.add_(torch.randn(p.shape, generator=g) * 0.1)
     init = {k: v.clone() for k, v in ref.state_dict().items()}
-    ref_heldout = heldout_losses_of(ref) if arch == "dit" else None
+    ref_heldout = heldout_losses_of(ref) if heldout else None
     ref_out, ref_loss = step(ref, batch, micro=len(batch["x"]) if per_row else 1)
     ref_grads = {k: p.grad.clone() for k, p in ref.named_parameters()}
     optimizer(ref).step()
@@ -260,7 +264,7 @@ def run_case(arch: str, dims: ParallelDims, packed: bool, checkpointing: str = "
     per_rank = batch["x"].shape[0] // dp_size
     mine = slice(dp_rank * per_rank, (dp_rank + 1) * per_rank)
     micro = per_rank if per_row else 1
-    par_heldout = heldout_losses_of(model, groups) if arch == "dit" else None
+    par_heldout = heldout_losses_of(model, groups) if heldout else None
     SENT[0] = 0
     between = {}
     # what the training step sends (ditcore.traffic models it): the consolidations between its parts are this test's
@@ -436,7 +440,10 @@ def main() -> None:
             results[name] = hsdp_checkpoints(Path(sys.argv[1]).parent)
             continue
         case, bf16, _ = case.partition("@bf16")  # "CASE@bf16": only its traffic, under bf16 autocast
-        results[name] = (count_bf16 if bf16 else run_case)(arch or "dit", *CASES[case])
+        if bf16:
+            results[name] = count_bf16(arch or "dit", *CASES[case])
+        else:
+            results[name] = run_case(arch or "dit", *CASES[case], heldout=not arch and case in HELDOUT_CASES)
     if dist.get_rank() == 0:
         with open(sys.argv[1], "w") as f:
             json.dump(results, f, indent=1)
