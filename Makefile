@@ -58,13 +58,16 @@ bench: install
 # the finished run (--resume auto finds its last checkpoint) and only samples again.
 DEMO_DATA := data/butterflies
 DEMO_RUN  := runs/demo
-DEMO_PREPARE := --num 2000 --simple --video-ratio 0.25 --pca-patch 4 --pca-channels 16 --latent-norm global
+# 2064 samples: 2000 to train on and 64 held out (evenly spread) at $(DEMO_DATA)/val for the held-out loss
+DEMO_PREPARE := --num 2064 --val-samples 64 --simple --video-ratio 0.25 --pca-patch 4 --pca-channels 16 \
+	--latent-norm global
 demo: install
 	@test -f $(DEMO_DATA)/ditcore.json || $(BIN)/dit-prepare synthetic --out $(DEMO_DATA) $(DEMO_PREPARE) --overwrite
 	$(BIN)/dit-train --config demo data.path=$(DEMO_DATA) train.run_dir=$(DEMO_RUN) --resume auto
 	@echo
 	@echo "Contact sheet (prompts x seeds): $(DEMO_RUN)/samples/grid.png"
 	@echo "Loss curve:                      $(DEMO_RUN)/loss.png"
+	@echo "Held-out loss per noise level:   $(DEMO_RUN)/heldout.png"
 	@echo "Samples (image and 8-frame clip per prompt): $(DEMO_RUN)/samples/step-*/"
 	@echo "Metrics: $(DEMO_RUN)/csv/    TensorBoard: $(BIN)/tensorboard --logdir $(DEMO_RUN)/tensorboard"
 	@echo "Exported model for sampling on one device: $(DEMO_RUN)/export/"

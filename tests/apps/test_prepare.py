@@ -17,7 +17,7 @@ from ditcore.codecs import LatentStats, load_codec, psnr
 from ditcore.data.loader import build_loader
 from ditcore.data.schema import read_info, read_sample
 from ditcore.data.synthetic import generate
-from ditcore.data.writer import TYPED_CONFIG
+from ditcore.data.writer import TYPED_CONFIG, start_dataset
 
 BIN = Path(sys.executable).parent
 
@@ -581,3 +581,54 @@ def test_folder_with_a_vae_that_does_not_load_is_one_line(tmp_path):
     assert result.exit_code == 2, result.output
     assert result.stderr == f"error: VAE folder '{tmp_path / 'no-vae'}' does not exist — pass an existing folder " \
                             "or a hub id\n", result.output
+
+
+def _keys(root: Path) -> list[str]:
+    import tarfile
+
+    return sorted({m.name.split(".", 1)[0] for shard in root.glob("rank*-*.tar") for m in tarfile.open(shard)})
+
+
+def test_val_samples_hold_out_a_complete_dataset_that_training_never_reads(cli_in_process, tmp_path):
+    """--val-samples N: the evenly spread samples (2k+1)·M // 2N go to OUT/val, a dataset of its own with the same
+    latent description, and out of the training set, its Energon index included (which would find val/'s shards);
+    ditcore.json says so on both sides. --overwrite takes the old val/ away with its training set."""
+    out = tmp_path / "mock"
+    proc = cli_in_process("prepare", "mock", "--out", out, "--num", 12, "--latent-shape", "4,1,4,4",
+                          "--video-latent-shape", "4,2,4,4", "--text-len", 3, "--text-dim", 8, "--val-samples", 3)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "held out  3 samples at val/" in proc.stdout
+    train, val = read_info(out), read_info(out / "val")
+    assert _keys(out / "val") == ["00000002", "00000006", "00000010"]  # (2k+1)·12 // 6
+    assert _keys(out) == [f"{i:08d}" for i in range(12) if i not in (2, 6, 10)]
+    indexed = json.loads((out / ".nv-meta" / ".info.json").read_text())["shard_counts"]
+    assert sum(indexed.values()) == 9 and all("/" not in name for name in indexed)
+    assert train.split["heldout"] == "val" and train.split["samples"] == 3 and train.counts["samples"] == 9
+    assert val.split["heldout_of"] == ".." and val.counts["samples"] == 3
+    assert (val.latent_stats, val.text_encoder, val.codec) == (train.latent_stats, train.text_encoder, train.codec)
+
+    start_dataset(out, overwrite=True)  # what --overwrite does first
+    assert list(out.iterdir()) == []
+    proc = cli_in_process("prepare", "mock", "--out", tmp_path / "o", "--num", 4, "--val-samples", 4)
+    assert proc.returncode == 2 and "--val-samples 4 leaves no training samples of the source's 4" in proc.stderr
+    assert not (tmp_path / "o").exists()
+
+
+def test_an_interrupted_prepare_leaves_no_val_that_passes_for_complete(tmp_path, monkeypatch):
+    """The held-out set is finished first; a failure finishing the training set removes both."""
+    from dit_prepare import pipeline
+    from dit_prepare.sources import MockSource
+
+    finish = pipeline.finish_dataset
+
+    def finish_val_then_fail(root, info):
+        if Path(root).name != "val":
+            assert read_info(Path(root) / "val").counts["samples"] == 2  # complete at this moment
+            raise KeyboardInterrupt
+        finish(root, info)
+
+    monkeypatch.setattr(pipeline, "finish_dataset", finish_val_then_fail)
+    with pytest.raises(KeyboardInterrupt):
+        pipeline.prepare(MockSource(8, (4, 1, 4, 4), (4, 2, 4, 4), 0.5, 3, 8, 0), tmp_path / "o", progress=False,
+                         val_samples=2)
+    assert not (tmp_path / "o").exists()

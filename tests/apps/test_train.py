@@ -121,21 +121,43 @@ def test_bad_configs_give_one_clear_line(cli_in_process, args, message):
 # ---------------------------------------------------------------- training
 
 
+def heldout_args(dataset) -> list[str]:
+    """The held-out loss (dit_train.heldout) on the first 5 samples of the training set itself (a dataset with the
+    same latents), at 3 noise levels, every 2 steps and at the end."""
+    return [f"data.val_path={dataset}", "validation.heldout.samples=5", "validation.heldout.buckets=3",
+            "validation.heldout.every=2"]
+
+
+def csv_rows(run_dir: Path) -> list[dict]:
+    """Every row of the run's CSV metrics, over its segments (oldest first), with the values that row holds."""
+    return [{k: v for k, v in row.items() if v} for log in sorted((run_dir / runs.CSV).glob("*/metrics.csv"))
+            for row in csv.DictReader(log.open())]
+
+
+def heldout_logged(run_dir: Path) -> dict[int, dict[str, str]]:
+    """step → the held-out losses logged at it (as the CSV writes them: every digit)."""
+    return {int(row["step"]): {k: v for k, v in row.items() if k.startswith("heldout/")}
+            for row in csv_rows(run_dir) if "heldout/ema/total" in row}
+
+
 @pytest.fixture(scope="module")
 def straight(dataset, tmp_path_factory):
-    """An uninterrupted 6-step run: every interrupted-and-resumed run must end exactly like it."""
+    """An uninterrupted 6-step run: every interrupted-and-resumed run must end exactly like it. With held-out losses
+    (steps 2, 4 and 6) logged to CSV and TensorBoard."""
     run = tmp_path_factory.mktemp("straight") / "run"
-    proc = dit_train(*run_args(dataset, run, 6, *ALL_LOGS))
+    proc = dit_train(*run_args(dataset, run, 6, *heldout_args(dataset), *ALL_LOGS))
     assert proc.returncode == 0, proc.stderr[-3000:]
     return run
 
 
 def test_straight_equals_stop_and_resume_one_process(dataset, straight, tmp_path, read_wandb):
+    """... and so do the held-out losses: the resumed segment logs exactly the uninterrupted run's figures."""
     resumed = tmp_path / "resumed"
-    first = dit_train(*run_args(dataset, resumed, 6, "train.stop_at=3", *ALL_LOGS))  # same run, stopped after step 3
+    logs = [*heldout_args(dataset), *ALL_LOGS]
+    first = dit_train(*run_args(dataset, resumed, 6, "train.stop_at=3", *logs))  # same run, stopped after step 3
     assert first.returncode == 0, first.stderr[-3000:]
     assert [p.name for p in runs.complete_checkpoints(resumed)] == ["step-0000003"]
-    second = dit_train(*run_args(dataset, resumed, 6, *ALL_LOGS), "--resume", "auto")
+    second = dit_train(*run_args(dataset, resumed, 6, *logs), "--resume", "auto")
     assert second.returncode == 0, second.stderr[-3000:]
     assert "resumed from" in second.stdout + second.stderr
     # the second segment logs into the first one's W&B run, from the step after the checkpoint on
@@ -147,6 +169,24 @@ def test_straight_equals_stop_and_resume_one_process(dataset, straight, tmp_path
     assert_same_training(straight, resumed, 6)
     a, b = load_file(straight / "export" / "model.safetensors"), load_file(resumed / "export" / "model.safetensors")
     assert all(torch.equal(a[k], b[k]) for k in a)
+    logged = heldout_logged(straight)
+    assert sorted(logged) == [2, 4, 6] and len(logged[6]) == 2 * (3 + 1)  # EMA and raw: 3 levels and the total
+    assert heldout_logged(resumed) == logged  # bitwise: every digit, at step 2 before the stop and 4, 6 after it
+    assert runs.read_values(runs.step_dir(resumed, 6))["heldout"] == runs.read_values(runs.step_dir(straight, 6))[
+        "heldout"]  # the curve a resumed run plots (heldout.png) has every point
+    assert (straight / runs.HELDOUT_PLOT).is_file()
+
+
+def test_heldout_losses_reach_tensorboard_as_the_csv_holds_them(straight):
+    from tensorboard.backend.event_processing.event_multiplexer import EventMultiplexer
+
+    tb = EventMultiplexer().AddRunsFromDirectory(str(straight / runs.TENSORBOARD))
+    tb.Reload()
+    (run,) = tb.Runs()
+    for step, values in heldout_logged(straight).items():
+        for name, value in values.items():
+            (event,) = [e for e in tb.Scalars(run, name) if e.step == step]
+            assert event.value == pytest.approx(float(value), rel=1e-7)  # TensorBoard keeps float32
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,9 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from ditcore import runs
+from ditcore.data.packing import TokenSample
 from ditcore.diffusion import EDMLoss, EDMPrecond
+from ditcore.diffusion.heldout import heldout_batches, heldout_totals, sigma_buckets
 from ditcore.layout import grid_positions
 from ditcore.models import apply_activation_checkpointing, build, preset, register
 from ditcore.parallel import (
@@ -37,7 +39,7 @@ from ditcore.parallel.consolidate import gather_full
 from ditcore.parallel.counting import CollectiveCounter
 from ditcore.parallel.fabric import MegatronStrategy
 from ditcore.parallel.fsdp import apply_fsdp, local, local_piece
-from ditcore.parallel.pipeline import one_f_one_b, reduce_grads
+from ditcore.parallel.pipeline import PipelinedModel, one_f_one_b, reduce_grads
 from ditcore.training import stage_forward
 
 CFG = preset("DiT-Tiny", hidden_size=64, depth=2, num_heads=4, in_channels=4, num_classes=5, text_dim=16,
@@ -91,6 +93,29 @@ def packed_batch(g, rows=PACKED["dit"]):
 
 
 SENT = [0]  # tokens this rank's all-to-alls (ST-DiT's CP) sent to other ranks in forward passes
+
+# A held-out set of images and clips (ditcore.diffusion.heldout), packed into rows of 32 tokens, 2 rows a batch,
+# scored in the cases that cover each kind of layout (the held-out loss is forward passes only)
+HELDOUT_CASES = ("dp2", "tp2_sp_packed", "cp2_packed", "fsdp_dp2", "pp2_packed", "fsdp_tp2_sp_dp2", "hsdp_dp4",
+                 "pp2_tp2_sp_packed")
+HELDOUT_GRIDS = [(1, 4, 4), (1, 2, 4), (2, 2, 3), (1, 3, 3), (1, 2, 2), (2, 4, 4)]
+
+
+def heldout_losses_of(model, groups=None) -> torch.Tensor:
+    """The DiT's held-out loss per level: with `groups`, each data-parallel rank scores every dp-th sample and the
+    (sum, count) pairs are reduced over the data-parallel group; under PP through the stages."""
+    g = torch.Generator().manual_seed(11)
+    samples = [TokenSample(key=f"{i:08d}", tokens=torch.randn(t * h * w, CFG.patch_dim, generator=g) * 0.5,
+                           pos=grid_positions((t, h, w)), grid=(t, h, w), text=torch.randn(2 + i, 16, generator=g),
+                           label=i % 6 - 1, fps=8.0, caption="") for i, (t, h, w) in enumerate(HELDOUT_GRIDS)]
+    dp, rank = (groups.dims.dp, groups.dp_rank) if groups else (1, 0)
+    mine = list(range(len(samples)))[rank::dp]
+    batches = heldout_batches([samples[i] for i in mine], mine, seed=3, seq_length=32, rows=2)
+    if groups is not None and groups.dims.pp > 1:
+        model = PipelinedModel(model, groups)
+    sums, counts = heldout_totals(EDMPrecond(model), batches, sigma_buckets(3), EDMLoss(), device="cpu",
+                                  null_class=CFG.num_classes, group=groups.dp_group if groups else None)
+    return sums / counts
 
 
 def counting_all_to_all(x, send, recv, group):
@@ -204,9 +229,10 @@ def diff(a: torch.Tensor, b: torch.Tensor) -> tuple[float, float]:
 
 
 def run_case(arch: str, dims: ParallelDims, packed: bool, checkpointing: str = "none", fsdp: bool = False,
-             per_row: bool = False, shard: int | None = None, sync: str = "micro_batch") -> dict:
+             per_row: bool = False, shard: int | None = None, sync: str = "micro_batch", heldout: bool = False) -> dict:
     """per_row: a micro-batch per row, whose gradients accumulate (the reference does the same). shard, sync: FSDP's
-    (HSDP's shard group; gathers and reductions every micro-batch or once per step)."""
+    (HSDP's shard group; gathers and reductions every micro-batch or once per step). heldout: compare the held-out
+    loss too."""
     cfg, g = CONFIGS[arch], torch.Generator().manual_seed(7)
     batch = packed_batch(g, PACKED.get(arch, PACKED["dit"])) if packed else unpacked_batch(g)
 
@@ -216,6 +242,7 @@ def run_case(arch: str, dims: ParallelDims, packed: bool, checkpointing: str = "
         for p in ref.parameters():
             p.add_(torch.randn(p.shape, generator=g) * 0.1)
     init = {k: v.clone() for k, v in ref.state_dict().items()}
+    ref_heldout = heldout_losses_of(ref) if heldout else None
     ref_out, ref_loss = step(ref, batch, micro=len(batch["x"]) if per_row else 1)
     ref_grads = {k: p.grad.clone() for k, p in ref.named_parameters()}
     optimizer(ref).step()
@@ -237,6 +264,7 @@ def run_case(arch: str, dims: ParallelDims, packed: bool, checkpointing: str = "
     per_rank = batch["x"].shape[0] // dp_size
     mine = slice(dp_rank * per_rank, (dp_rank + 1) * per_rank)
     micro = per_rank if per_row else 1
+    par_heldout = heldout_losses_of(model, groups) if heldout else None
     SENT[0] = 0
     between = {}
     # what the training step sends (ditcore.traffic models it): the consolidations between its parts are this test's
@@ -264,6 +292,8 @@ def run_case(arch: str, dims: ParallelDims, packed: bool, checkpointing: str = "
     loss_avg /= dist.get_world_size(groups.dp_cp_group)
     result = {"output": diff(out, ref_out[mine]), "loss": diff(loss_avg, ref_loss), "all_to_all_tokens": SENT[0],
               "between": between}
+    if ref_heldout is not None:
+        result["heldout"] = diff(par_heldout, ref_heldout)
     traffic = [None] * dist.get_world_size()  # every rank's: pipeline stages send differently
     dist.all_gather_object(traffic, [dataclasses.asdict(c) for c in counter.traffic().collectives])
     result["traffic"] = traffic
@@ -410,7 +440,10 @@ def main() -> None:
             results[name] = hsdp_checkpoints(Path(sys.argv[1]).parent)
             continue
         case, bf16, _ = case.partition("@bf16")  # "CASE@bf16": only its traffic, under bf16 autocast
-        results[name] = (count_bf16 if bf16 else run_case)(arch or "dit", *CASES[case])
+        if bf16:
+            results[name] = count_bf16(arch or "dit", *CASES[case])
+        else:
+            results[name] = run_case(arch or "dit", *CASES[case], heldout=not arch and case in HELDOUT_CASES)
     if dist.get_rank() == 0:
         with open(sys.argv[1], "w") as f:
             json.dump(results, f, indent=1)

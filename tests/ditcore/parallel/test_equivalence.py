@@ -11,7 +11,7 @@ from ditcore.testing import dit_forward_work, dit_grad_work, fp32_tolerance
 from ditcore.traffic import traffic
 
 from .equivalence_worker import CASES as WORKER_CASES
-from .equivalence_worker import CFG, CONFIGS, DATA, GRID, PACKED, B
+from .equivalence_worker import CFG, CONFIGS, DATA, GRID, HELDOUT_CASES, PACKED, B
 from .fourth_arch import ARCH as FOURTH
 
 CASES = ["tp2", "tp2_sp", "cp2", "dp2", "tp2_packed", "tp2_sp_packed", "cp2_packed",
@@ -101,6 +101,15 @@ def test_layout_matches_one_process(request, case):
         assert rel_diff < bound, f"{case}: {what} differs by {abs_diff:.2e} (relative {rel_diff:.2e} > {bound:.1e})"
     # not vacuous: every parameter got a gradient, so every one was compared
     assert r["grads_nonzero"] == r["params"] > 40
+
+
+@pytest.mark.parametrize("case", HELDOUT_CASES)
+def test_heldout_loss_matches_one_process(request, case):
+    """The held-out loss per noise level (ditcore.diffusion.heldout) of a DiT laid out over TP/SP/CP/FSDP/PP, each
+    data-parallel rank scoring its share of the held-out set, equals one process's within fp32 bounds."""
+    abs_diff, rel_diff = case_results(request, case)["heldout"]
+    bound = fp32_tolerance(work(CFG)["output"] + 2, scale=1.0)  # + the squared error
+    assert rel_diff < bound, f"{case}: held-out loss differs by {abs_diff:.2e} (relative {rel_diff:.2e} > {bound:.1e})"
 
 
 @pytest.mark.parametrize("case", ["tp2_sp", "tp2_sp_packed", "cp2", "cp2_packed", "tp2"])

@@ -92,6 +92,10 @@ SHARD = typer.Option(1000, min=1, help="Samples per shard.")
 OVERWRITE = typer.Option(False, help="Replace an existing dataset at --out.")
 KEEP_PARTIAL = typer.Option(False, help="On failure or Ctrl-C keep what was written (to inspect it); by default "
                                         "the partial output is removed.")
+VAL_SAMPLES = typer.Option(0, min=0, metavar="N", help="Hold out N samples as a dataset of their own at OUT/val, "
+                                                        "for dit-train's held-out loss: of the source's M samples, "
+                                                        "those at index (2k+1)·M // 2N for k < N (evenly spread "
+                                                        "over its order). 0: none.")
 SEED = typer.Option(0, min=0, help="Random seed.")
 
 
@@ -131,6 +135,7 @@ class WriteOptions:
     shard_size: int = dataclasses.field(metadata={"option": SHARD})
     overwrite: bool = dataclasses.field(metadata={"option": OVERWRITE})
     keep_partial: bool = dataclasses.field(metadata={"option": KEEP_PARTIAL})
+    val_samples: int = dataclasses.field(metadata={"option": VAL_SAMPLES})
 
 
 def option_groups(*groups: type, **defaults):
@@ -184,7 +189,8 @@ def _run(source_factory, out: Path, choice, encode: EncodeOptions, write: WriteO
         encoder = load_text_encoder(encode.text_encoder)
         summary = prepare(source, out, codec=choice, text_encoder=encoder, fit_samples=encode.fit_samples,
                           workers=encode.workers, shard_size=write.shard_size, overwrite=write.overwrite,
-                          keep_partial=write.keep_partial, num_classes=getattr(source, "num_classes", 0),
+                          keep_partial=write.keep_partial, val_samples=write.val_samples,
+                          num_classes=getattr(source, "num_classes", 0),
                           class_names=getattr(source, "classes", []))  # a class-labelled source has both
     if dist_env()[0] != 0:
         return
@@ -327,9 +333,11 @@ def mock(
     with _one_line_errors():
         summary = prepare(MockSource(num, *shapes, video_ratio, text_len, text_dim, seed), out,
                           shard_size=write.shard_size, overwrite=write.overwrite, keep_partial=write.keep_partial,
-                          progress=False)
+                          progress=False, val_samples=write.val_samples)
     if dist_env()[0] == 0:
         typer.echo(f"dataset   {out}\n{summary.lines()[0]}\ntime      {summary.seconds:.1f} s")
+        if summary.heldout:
+            typer.echo(next(line for line in summary.lines() if line.startswith("held out")))
 
 
 run = entry_point(app)  # the console script: usage errors are one line, exit code 2

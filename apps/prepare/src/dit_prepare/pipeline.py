@@ -5,6 +5,11 @@ A source of latents (`encoded`, the mock source) skips fitting and encoding: its
 Under torchrun every rank writes its own shards (`rank{r}-%06d.tar`) from every world-th sample; rank 0
 indexes and writes ditcore.json once all ranks are done. The codec is fitted and the statistics measured on
 the same first `fit_samples` samples on every rank, so all ranks agree without communicating.
+
+With `val_samples` N, N samples evenly spread over the source's order (`heldout_indices`) are held out of the
+training set and written as a dataset of their own at OUT/val (schema.HELDOUT_DIR): same codec, statistics and text
+encoder, fitted on training samples only. Its ditcore.json is written before the training set's, and both go on
+any failure, so a val/ never passes for complete beside an unfinished training set.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ from tqdm import tqdm
 from dit_prepare.sources import Item, Latents, Skip, SourceError
 from ditcore.codecs import Codec, DiffusersVAECodec, LatentStats, PatchPCACodec, PixelCodec, psnr
 from ditcore.codecs.text import TextEncoder
-from ditcore.data.schema import DatasetInfo
+from ditcore.data.schema import HELDOUT_DIR, DatasetInfo
 from ditcore.data.writer import ShardWriter, finish_dataset, merge_shape_keys, removed_on_failure, start_dataset
 
 
@@ -71,12 +76,17 @@ class Summary:
     shape_keys: dict = field(default_factory=dict)  # latent shape → a few sample keys (ShardWriter.shape_keys)
     seconds: float = 0.0
     fit_psnr: float | None = None
+    heldout: int = 0  # samples written to the held-out split
+
 
     def lines(self) -> list[str]:
         rate = self.samples / self.seconds if self.seconds else 0.0
         out = [f"samples   {self.samples} ({self.images} images, {self.videos} clips) in {self.shards} shards, "
                f"{self.bytes / 2**20:.1f} MiB",
                f"time      {self.seconds:.1f} s ({rate:.1f} samples/s)"]
+        if self.heldout:
+            out.append(f"held out  {self.heldout} samples at {HELDOUT_DIR}/ (a dataset of their own: dit-train's "
+                       "held-out loss)")
         if self.fit_psnr is not None:
             out.append(f"codec     round-trip PSNR {self.fit_psnr:.2f} dB on the fitting samples")
         if not self.skipped:
@@ -154,14 +164,27 @@ def fit_codec(choice: CodecChoice, items: list[Item]) -> tuple[Codec, float | No
     return codec, quality
 
 
+HELDOUT_CHOICE = "evenly spread: index (2k+1)·M // 2N of the source's M, for k < N"
+
+
+def heldout_indices(total: int, n: int) -> list[int]:
+    """The source indices held out (HELDOUT_CHOICE): spread over the whole order, so that a source sorted by class
+    or folder gives a held-out set of every part of it, and the same for the same source and n."""
+    if n and not n < total:
+        raise ValueError(f"--val-samples {n} leaves no training samples of the source's {total}: hold out fewer")
+    return [(2 * k + 1) * total // (2 * n) for k in range(n)]
+
+
 def prepare(source, out: Path, *, codec: CodecChoice | None = None, text_encoder: TextEncoder | None = None,
             fit_samples: int = 256, workers: int = 0, shard_size: int = 1000, overwrite: bool = False,
             progress: bool = True, num_classes: int = 0, class_names: list[str] | None = None,
-            keep_partial: bool = False) -> Summary:
-    """Write the dataset. On any failure or interrupt the partial output is removed unless keep_partial.
+            keep_partial: bool = False, val_samples: int = 0) -> Summary:
+    """Write the dataset (and its held-out split of `val_samples` at out/val). On any failure or interrupt the
+    partial output is removed unless keep_partial.
 
     codec and text_encoder: how a source of pixels is encoded (a source of latents needs neither).
     num_classes, class_names: recorded in ditcore.json for a source whose samples carry a "label"."""
+    heldout = heldout_indices(len(source), val_samples)  # refused before anything is written
     rank, world = dist_env()
     if world > 1:
         import torch.distributed as dist
@@ -174,26 +197,57 @@ def prepare(source, out: Path, *, codec: CodecChoice | None = None, text_encoder
     with removed_on_failure(out, created, keep_partial, rank):
         return _prepare(source, out, codec=codec, text_encoder=text_encoder, fit_samples=fit_samples,
                         workers=workers, shard_size=shard_size, progress=progress, num_classes=num_classes,
-                        class_names=list(class_names or []))
+                        class_names=list(class_names or []), heldout=heldout)
 
 
 def _prepare(source, out: Path, *, codec: CodecChoice | None, text_encoder: TextEncoder | None, fit_samples: int,
-             workers: int, shard_size: int, progress: bool, num_classes: int, class_names: list[str]) -> Summary:
+             workers: int, shard_size: int, progress: bool, num_classes: int, class_names: list[str],
+             heldout: list[int]) -> Summary:
     rank, world = dist_env()
     t0 = time.perf_counter()
-    summary = Summary()
+    summary, val_summary = Summary(), Summary()
+    held = set(heldout)
+    training = [i for i in range(len(source)) if i not in held]
 
     # 1. Fit the codec (PCA) and measure latent statistics on the first fit_samples samples. They are kept for
     #    step 2, so no sample is loaded (a video decoded) twice. A source of latents has nothing to fit.
     if getattr(source, "encoded", False):
-        loaded, encode, describe = {}, (lambda samples: samples), source.info
+        loaded, encode, describe = {}, (lambda samples: samples), (lambda out: source.info())
     else:
-        loaded, encoder = _fit(source, codec, text_encoder, fit_samples, workers, summary)
-        encode, describe = encoder, functools.partial(encoder.info, out)
+        loaded, encoder = _fit(source, codec, text_encoder, training[:fit_samples], workers, summary)
+        encode, describe = encoder, encoder.info
 
-    # 2. Encode and write this rank's samples.
-    mine = range(rank, len(source), world)
-    loaded = {i: it for i, it in loaded.items() if i % world == rank}  # the fitting samples this rank writes
+    # 2. Encode and write this rank's samples (and its share of the held-out ones, into out/val).
+    if heldout:
+        _write_samples(source, heldout[rank::world], {}, encode, Path(out) / HELDOUT_DIR, rank, world, shard_size,
+                       workers, False, val_summary)
+    _write_samples(source, training[rank::world], loaded, encode, out, rank, world, shard_size, workers, progress,
+                   summary)
+
+    # 3. Every rank done → rank 0 indexes and marks the dataset complete: the held-out split first, so that the
+    #    training set is complete only with it.
+    totals = _sum_over_ranks(summary, world)
+    val_totals = _sum_over_ranks(val_summary, world) if heldout else val_summary
+    if rank == 0:
+        split = {}
+        if heldout:
+            _finish(Path(out) / HELDOUT_DIR, describe, val_totals, num_classes, class_names,
+                    {"heldout_of": "..", "samples": val_totals.samples, "chosen": HELDOUT_CHOICE})
+            split = {"heldout": HELDOUT_DIR, "samples": val_totals.samples, "chosen": HELDOUT_CHOICE}
+        _finish(out, describe, totals, num_classes, class_names, split)
+    _barrier(world)
+    totals.seconds = time.perf_counter() - t0
+    totals.fit_psnr = summary.fit_psnr
+    totals.heldout = val_totals.samples
+    return totals
+
+
+def _write_samples(source, mine: list[int], loaded: dict, encode, out: Path, rank: int, world: int,
+                   shard_size: int, workers: int, progress: bool, summary: Summary) -> None:
+    """Encode and write the samples `mine` of the source into this rank's shards of `out`; `loaded`: those of
+    them loaded already (the fitting samples), which are taken from it."""
+    Path(out).mkdir(exist_ok=True)
+    loaded = {i: it for i, it in loaded.items() if i in set(mine)}  # the fitting samples this rank writes
     # closed however the loop ends, so an error message starts on its own line, not after the bar
     with tqdm(total=len(mine), desc=f"rank {rank} encoding" if world > 1 else "encoding", unit="sample",
               disable=not progress or rank != 0) as bar, ShardWriter(out, rank=rank, max_count=shard_size) as writer:
@@ -213,30 +267,26 @@ def _prepare(source, out: Path, *, codec: CodecChoice | None, text_encoder: Text
         summary.bytes, summary.latent_shapes = writer.bytes, writer.latent_shapes
         summary.shape_keys = writer.shape_keys
 
-    # 3. Every rank done → rank 0 indexes and marks the dataset complete.
-    totals = _sum_over_ranks(summary, world)
-    if rank == 0:
-        info = DatasetInfo(
-            **describe(), num_classes=num_classes, class_names=class_names,
-            counts={"samples": totals.samples, "images": totals.images, "videos": totals.videos,
-                    "skipped": dict(totals.skipped), "latent_shapes": dict(totals.latent_shapes)},
-        )
-        info.counts["latent_shape_keys"] = totals.shape_keys  # dit-train names the samples it will skip
-        finish_dataset(out, info)
-        totals.shards = info.counts["shards"]
-    _barrier(world)
-    totals.seconds = time.perf_counter() - t0
-    totals.fit_psnr = summary.fit_psnr
-    return totals
+
+def _finish(out: Path, describe, totals: Summary, num_classes: int, class_names: list[str], split: dict) -> None:
+    info = DatasetInfo(
+        **describe(out), num_classes=num_classes, class_names=class_names, split=split,
+        counts={"samples": totals.samples, "images": totals.images, "videos": totals.videos,
+                "skipped": dict(totals.skipped), "latent_shapes": dict(totals.latent_shapes)},
+    )
+    info.counts["latent_shape_keys"] = totals.shape_keys  # dit-train names the samples it will skip
+    finish_dataset(out, info)
+    totals.shards = info.counts["shards"]
 
 
-def _fit(source, choice: CodecChoice, text_encoder: TextEncoder, fit_samples: int, workers: int,
+def _fit(source, choice: CodecChoice, text_encoder: TextEncoder, indices: list[int], workers: int,
          summary: Summary) -> tuple[dict, Encoder]:
-    """The first fit_samples samples (index → Item or Skip) and the encoder fitted and measured on them."""
-    loaded = dict(iterate(source, range(min(fit_samples, len(source))), workers))
+    """The samples `indices` (index → Item or Skip: the first training samples) and the encoder fitted and
+    measured on them."""
+    loaded = dict(iterate(source, indices, workers))
     fit_items = [it for it in loaded.values() if isinstance(it, Item)]
     if not fit_items:
-        raise SourceError(f"none of the first {min(fit_samples, len(source))} samples could be read (unreadable "
+        raise SourceError(f"none of the first {len(indices)} samples could be read (unreadable "
                           "files or missing captions): nothing to fit the codec on — check the input")
     codec, summary.fit_psnr = fit_codec(choice, fit_items)
     stats = LatentStats.measure(codec.encode(to_tensor(it.pixels)) for it in fit_items)

@@ -231,6 +231,7 @@ def _load(fabric, ckpt: Path, state: dict, loader, changes: resume_config.Compar
     try:
         values = runs.load_tensors(ckpt, _tensors(fabric, state))
         state["step"], state["history"] = values["step"], values["history"]
+        state["heldout"] = values.get("heldout", [])  # [step, held-out losses] (dit_train.heldout)
         # the run's total goes to one rank, so that adding every data-parallel rank's counts keeps it
         state["skipped"] = Counter(values.get("skipped", {}) if fabric.global_rank == 0 else {})
         _restore_schedule(state["optimizer"], state["scheduler"], values["scheduler"])
@@ -277,7 +278,8 @@ def _tensors(fabric, state: dict) -> dict[str, torch.Tensor]:
 
 
 def _values(state: dict) -> dict:
-    return {"step": state["step"], "history": state["history"], "scheduler": state["scheduler"].state_dict(),
+    return {"step": state["step"], "history": state["history"], "heldout": state.get("heldout", []),
+            "scheduler": state["scheduler"].state_dict(),
             "optim_groups": runs.optimizer_hyperparameters(state["optimizer"]), **state.get("network", {})}
 
 

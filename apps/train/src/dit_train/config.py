@@ -265,6 +265,8 @@ class HeldOut(Section):
     sigma_min: Number = Field(0.002, gt=0)
     sigma_max: Number = Field(80.0, gt=0)
     seed: int = Field(0, description="the held-out noise: the same at every validation and across resumes")
+    every: int = Field(0, ge=0, description="steps between held-out losses (a few forward passes, far cheaper than "
+                                            "sampling); 0: at every validation (validation.every and the end)")
 
     @model_validator(mode="after")
     def _levels_in_order(self) -> HeldOut:

@@ -80,7 +80,7 @@ class FIDScorer:
         return reference if first else dataset_reference(self.cfg.data.path, **kwargs)
 
     def run(self, model, step: int) -> dict[str, float]:
-        """Sample, score and log; collective over all ranks. Returns {fid/<features>: value} (empty when off)."""
+        """Sample and score; collective over all ranks. Returns {fid/<features>: value} to log (empty when off)."""
         if not self.enabled:
             return {}
         from ditcore.eval import score_samples
@@ -95,7 +95,6 @@ class FIDScorer:
             value = score_samples(model, self.codec, self.stats, self.distance, self.plan, text_states=self.states,
                                   rank=g.dp_rank, world=g.dims.dp, prediction=self.cfg.edm.prediction, vp=self.vp,
                                   callback=bar)
-        self.fabric.log_dict({self.key: value}, step=step)
         self.fabric.print(f"step {step}: {NAMES[self.cfg.validation.fid.features]} {value:.4f} of {self.plan.num} "
                           f"samples against {self.reference.n} images of {self.cfg.data.path}")
         return {self.key: value}

@@ -20,9 +20,10 @@ from tqdm import tqdm
 from dit_train import checkpoint, rundir
 from dit_train.config import TrainConfig, memory_layout
 from dit_train.evaluation import FIDScorer
+from dit_train.heldout import HeldOutLoss
 from dit_train.media_log import TensorBoard, log_samples
 from dit_train.metrics import Metrics, bar_postfix
-from dit_train.plots import plot_losses
+from dit_train.plots import plot_heldout, plot_losses
 from dit_train.recipe import Recipe, model_config, resolve  # noqa: F401 (model_config: where it was before)
 from dit_train.validation import Validator
 from ditcore import durable, init_from, runs
@@ -171,6 +172,7 @@ class Trainee:
 
 def train(cfg: TrainConfig, resume: str = "auto", overwrite: bool = False) -> dict:
     run = setup(cfg, resume, overwrite)
+    heldout = HeldOutLoss.build(run)  # read and packed once, here; refused before anything is built
     trainee = build(run)
     # compared, and saved with every checkpoint, resolved: a resume whose auto would resolve otherwise is refused
     ckpt = checkpoint.resume(run.fabric, run.run_dir, resume, trainee.state, trainee.loader, run.cfg)  # verified
@@ -189,10 +191,10 @@ def train(cfg: TrainConfig, resume: str = "auto", overwrite: bool = False) -> di
                        stats=run.recipe.latent_stats)  # the reference statistics: computed here once, or read
     preempted = Preempted(run.fabric.world_size, run.on_gpu, run.fabric.global_rank)  # until the export is written
     try:
-        result = fit(run, trainee, validator, run.cfg.to_yaml(), preempted, scorer)
+        result = fit(run, trainee, validator, run.cfg.to_yaml(), preempted, heldout, scorer)
         result["rank"] = run.fabric.global_rank
         if not result["stopped"]:
-            result["samples"] = export(run, trainee, validator, scorer)
+            result["samples"] = export(run, trainee, validator, heldout, scorer)
         return result
     finally:
         preempted.close()
@@ -368,7 +370,7 @@ def build_model(run: Setup, training: bool) -> torch.nn.Module:
 
 
 def fit(run: Setup, t: Trainee, validator: Validator, config_yaml: str, preempted: Preempted,
-        scorer: FIDScorer | None = None) -> dict:
+        heldout: HeldOutLoss | None, scorer: FIDScorer) -> dict:
     """Steps until train.steps (or a stop): log, checkpoint and validate on schedule. The state is updated in place.
 
     Steps are queued on the device without waiting for it: their losses and other recorded values (dit_train.metrics)
@@ -399,21 +401,26 @@ def fit(run: Setup, t: Trainee, validator: Validator, config_yaml: str, preempte
         log = step % cfg.logging.every == 0 or step == cfg.train.steps
         save = step % cfg.checkpoint.every == 0 or step == cfg.train.steps or stop
         validate = bool(cfg.validation.every) and step % cfg.validation.every == 0 and step != cfg.train.steps
-        if not (log or save or validate):
+        score = heldout is not None and heldout.due(step)
+        if not (log or save or validate or score):
             continue
         read = metrics.read_back()  # waits for the device
         check_finite(read, preempted, bar, cfg.optim.lr, data=cfg.data.path)  # may raise Diverged
         t.state["history"] += [[s, values["loss"]] for s, values in read]
+        figures = {}  # the step's figures, logged together: one row of the CSV
         if log:
-            logged = metrics.close_window(peak, run.groups.dims) | {"lr": t.scheduler.get_last_lr()[0]}
-            fabric.log_dict(logged, step=step)
-            bar.set_postfix(**bar_postfix(logged))
+            figures = metrics.close_window(peak, run.groups.dims) | {"lr": t.scheduler.get_last_lr()[0]}
+            bar.set_postfix(**bar_postfix(figures))
+        if score:  # before the save: a run resumed from this step has this point of the curve too
+            figures |= heldout.run_on(scored(t), step, t.state)
+        if validate:
+            figures |= scorer.run(t.ema.module, step)
+        if figures:
+            fabric.log_dict(figures, step=step)
         if save:
             checkpoint.save(fabric, run.run_dir, step, t.state, t.loader, config_yaml, cfg.checkpoint.keep)
         if validate:
             log_samples(run.loggers, validator.run(t.ema.module, step))
-            if scorer is not None:
-                scorer.run(t.ema.module, step)
         if stop:
             bar.close()
             report_skipped(run, t)
@@ -570,14 +577,21 @@ class MicroBatch:
     inputs: dict  # the model's keyword inputs: positions, segments, conditioning after CFG dropout
 
 
-def export(run: Setup, t: Trainee, validator: Validator, scorer: FIDScorer | None = None) -> list[Path]:
-    """Final validation samples (and FID), the consolidated EMA export and the loss curve; returns the samples
-    written."""
+def scored(t: Trainee) -> dict[str, torch.nn.Module]:
+    """The weights the held-out loss is computed for (dit_train.heldout), by the name it is logged under."""
+    return {"ema": t.ema.module, "raw": t.model.module}
+
+
+def export(run: Setup, t: Trainee, validator: Validator, heldout: HeldOutLoss | None, scorer: FIDScorer
+           ) -> list[Path]:
+    """Final validation samples, held-out losses and FID, the consolidated EMA export and the loss curves; returns
+    the samples written."""
     fabric, step = run.fabric, t.state["step"]
+    figures = heldout.run_on(scored(t), step, t.state) if heldout is not None else {}
+    if figures := figures | scorer.run(t.ema.module, step):
+        fabric.log_dict(figures, step=step)
     samples = validator.run(t.ema.module, step)
     log_samples(run.loggers, samples)
-    if scorer is not None:
-        scorer.run(t.ema.module, step)
     full = gather_full(t.model.module, without_extra_state(t.ema.module.state_dict()), run.groups)
     if fabric.global_rank == 0:
         recipe = run.recipe
@@ -592,5 +606,7 @@ def export(run: Setup, t: Trainee, validator: Validator, scorer: FIDScorer | Non
                             "guidance": run.cfg.validation.guidance, "prompts": list(run.cfg.validation.prompts),
                             "size": run.cfg.validation.size})
         plot_losses(t.state["history"], run.run_dir / runs.LOSS_PLOT)
+        if t.state.get("heldout"):
+            plot_heldout(t.state["heldout"], run.run_dir / runs.HELDOUT_PLOT)
     fabric.barrier()
     return samples.paths

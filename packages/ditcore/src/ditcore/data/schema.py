@@ -40,6 +40,7 @@ INFO_FILE = "ditcore.json"
 LATENT, TEXT, META = "latent.safetensors", "text.safetensors", "json"
 LEGACY_LATENT, LEGACY_TEXT = "latent.pth", "text.pth"  # datasets written before safetensors members
 TYPED_CONFIG, CRUDE_CONFIG = "dataset.yaml", "dataset_crude.yaml"  # in .nv-meta/; Energon's CLI reads dataset.yaml
+HELDOUT_DIR = "val"  # dit-prepare --val-samples N: the held-out split, a dataset of its own inside the training set's
 
 
 @dataclass
@@ -55,12 +56,16 @@ class DatasetInfo:
     counts: dict = field(default_factory=dict)  # samples, images, videos, shards, skipped: {reason: n}
     num_classes: int = 0  # > 0 for class-labelled datasets
     class_names: list[str] = field(default_factory=list)  # label i's name, for labels 0..len-1 (may be fewer)
+    # a held-out split: the training set's {"heldout": "val", "samples": N, "chosen": how}; the held-out set's
+    # {"heldout_of": "..", "samples": N, "chosen": how} (dit-prepare --val-samples)
+    split: dict = field(default_factory=dict)
     format: str = FORMAT
 
     def write(self, root: Path) -> None:
         data = asdict(self)
-        if not self.class_names:  # an unlabelled dataset's file stays as before: older ditcores read it
-            del data["class_names"]
+        for optional in ("class_names", "split"):  # a dataset without them keeps the file as before: older ditcores
+            if not data[optional]:                 # read it
+                del data[optional]
         tmp = root / f".{INFO_FILE}.tmp"
         durable.write_text(tmp, json.dumps(data, indent=1))
         os.replace(tmp, root / INFO_FILE)  # atomic: the file is either absent or complete

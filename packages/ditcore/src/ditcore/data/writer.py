@@ -13,7 +13,17 @@ import webdataset as wds
 import yaml
 
 from ditcore import durable
-from ditcore.data.schema import CRUDE_CONFIG, INFO_FILE, LATENT, META, TEXT, TYPED_CONFIG, DatasetInfo, to_record
+from ditcore.data.schema import (
+    CRUDE_CONFIG,
+    HELDOUT_DIR,
+    INFO_FILE,
+    LATENT,
+    META,
+    TEXT,
+    TYPED_CONFIG,
+    DatasetInfo,
+    to_record,
+)
 
 SHARD_PATTERN = "rank{rank}-%06d.tar"  # as the reference recipe: every rank writes its own shards
 SHAPE_KEYS = 3  # sample keys recorded per latent shape (ditcore.json counts.latent_shape_keys)
@@ -49,9 +59,16 @@ def remove_dataset_files(root: Path, rank: int | None = None) -> None:
     """Delete what dit-prepare writes into `root` (only that: other files in the folder stay).
 
     The completion marker goes first, so an interrupted removal never leaves something that passes for
-    complete. With `rank`, only that rank's shards (each rank removes its own, rank 0 the shared files).
+    complete. With `rank`, only that rank's shards (each rank removes its own, rank 0 the shared files). A held-out
+    split (root/val) goes with its training set: left behind, it would pass for the held-out part of a new one.
     """
     root = Path(root)
+    heldout = root / HELDOUT_DIR
+    if heldout.is_dir():
+        remove_dataset_files(heldout, rank)
+        if rank in (None, 0):
+            with contextlib.suppress(OSError):  # kept if the user put other files there
+                heldout.rmdir()
     shards = f"rank{rank}-*.tar*" if rank is not None else "rank*-*.tar*"
     shared = rank in (None, 0)
     if shared:
@@ -116,9 +133,11 @@ class ShardWriter:
 
 def energon_prepare(root: Path) -> None:
     """Index the shards with Energon (train split only), non-interactively, and write its two configs (schema.py)."""
+    # --exclude "/": only the shards at the top, which dit-prepare writes; Energon would index those of the
+    # held-out split in root/val too (it looks for **/*.tar), training on them
     cmd = [sys.executable, "-m", "megatron.energon.cli.main", "prepare", str(root), "--non-interactive",
            "--split-ratio", "1,0,0", "--sample-type", "CrudeWebdataset", "--dataset-yaml-name", CRUDE_CONFIG,
-           "--force-overwrite", "--no-progress"]
+           "--force-overwrite", "--no-progress", "--exclude", "/"]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0 or not (Path(root) / ".nv-meta" / CRUDE_CONFIG).is_file():
         tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]

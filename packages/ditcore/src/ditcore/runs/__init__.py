@@ -28,6 +28,7 @@ from ditcore.runs.folders import (
     CHECKPOINTS,
     CSV,
     EXPORT,
+    HELDOUT_PLOT,
     LOCK_FILE,
     LOSS_PLOT,
     MARKER,
@@ -97,9 +98,9 @@ from ditcore.runs.tensors import (
 from ditcore.runs.weights import load_weights
 
 __all__ = [
-    "CHECKPOINTS", "CONFIG_FILE", "CSV", "EMA", "EXPORT", "LOCK_FILE", "LOSS_PLOT", "MARKER", "METADATA", "MODEL",
-    "OPTIM", "OUTPUTS", "SAMPLES", "SHEET", "TENSORBOARD", "TMP_PREFIX", "VALUES", "WANDB", "CheckpointError",
-    "SafeReader",
+    "CHECKPOINTS", "CONFIG_FILE", "CSV", "EMA", "EXPORT", "HELDOUT_PLOT", "LOCK_FILE", "LOSS_PLOT", "MARKER",
+    "METADATA", "MODEL", "OPTIM", "OUTPUTS", "SAMPLES", "SHEET", "TENSORBOARD", "TMP_PREFIX", "VALUES", "WANDB",
+    "CheckpointError", "SafeReader",
     "begin_step", "by_write_order", "checkpoint_error", "checkpoint_tensors", "complete_checkpoints", "export_dir",
     "files_of_rank", "find_export", "free_step_dir", "is_complete", "lineage", "load_optimizer_hyperparameters",
     "load_tensors", "load_weights", "loader_file", "model_mismatch", "new_run_id", "newest", "next_lineage",

@@ -12,12 +12,13 @@ from ditcore.export import WEIGHTS
 CHECKPOINTS, EXPORT, SAMPLES = "checkpoints", "export", "samples"
 CSV, TENSORBOARD, WANDB = "csv", "tensorboard", "wandb"  # the log folders (wandb: logging.wandb's)
 LOSS_PLOT = "loss.png"
+HELDOUT_PLOT = "heldout.png"  # the held-out loss per noise level over the steps (dit_train.heldout)
 SHEET = "grid.png"  # the contact sheet of validation samples: prompts × seeds
 MARKER = "COMPLETE"  # the manifest (ditcore.runs.manifest): its presence is what makes a checkpoint complete
 TMP_PREFIX = ".tmp-"
 LOCK_FILE = ".lock"  # held by the training run that writes in the run dir (dit_train.rundir)
 # what dit-train writes in a run dir, and all --overwrite removes
-OUTPUTS = (CHECKPOINTS, EXPORT, SAMPLES, CSV, TENSORBOARD, WANDB, LOSS_PLOT)
+OUTPUTS = (CHECKPOINTS, EXPORT, SAMPLES, CSV, TENSORBOARD, WANDB, LOSS_PLOT, HELDOUT_PLOT)
 _STEP = re.compile(r"^step-(\d{7})(?:-(\d+))?$")  # -N: the N-th checkpoint of that step in the folder (a branch)
 
 
