@@ -9,7 +9,9 @@ misplaced 16-pixel tile: 82/128 frames pass every shape test). Asserted with a m
 80% butterflies for images.
 """
 
+import csv
 import importlib.util
+import itertools
 import os
 import shutil
 import subprocess
@@ -29,6 +31,9 @@ IMAGE_COLOUR = 0.9  # measured 1.0 (32/32, twice)
 IMAGE_BUTTERFLY = 0.8  # measured 0.97 (31/32) and 0.91 (29/32)
 CLIP_COLOUR = 0.9  # measured 1.0 (16/16)
 CLIP_SHOWN = 0.7  # measured 0.88 (14/16)
+# the held-out EMA loss (weighted total) every 250 steps: measured 1.32, 0.34, 0.19, 0.15, 0.13, 0.115, 0.108, 0.105
+HELDOUT_DROP = 4  # the last at most a quarter of the first (measured 1/12.6)
+HELDOUT_RISE = 1.05  # no point more than 5% above the one before (measured: each below it)
 
 
 @pytest.mark.slow  # the whole demo: about 12 minutes on 2 cores
@@ -49,3 +54,10 @@ def test_make_demo_draws_butterflies_of_the_prompted_colour(tmp_path):
     assert rates.clip_colour / rates.clips >= CLIP_COLOUR, rates.lines()
     assert rates.image_butterfly / rates.images >= IMAGE_BUTTERFLY, rates.lines()
     assert rates.clip_shown / rates.clips >= CLIP_SHOWN, rates.lines()
+    # the figure that says the model got better: the held-out loss at fixed noise levels falls as training goes on
+    assert (run / "heldout.png").is_file() and f"{run}/heldout.png" in proc.stdout
+    totals = [float(row["heldout/ema/total"]) for log in sorted((run / "csv").glob("*/metrics.csv"))
+              for row in csv.DictReader(log.open()) if row.get("heldout/ema/total")]
+    assert len(totals) == 8, totals  # steps 250, 500, ..., 1750 and the end (1900)
+    assert totals[-1] <= totals[0] / HELDOUT_DROP, totals
+    assert all(b <= a * HELDOUT_RISE for a, b in itertools.pairwise(totals)), totals
