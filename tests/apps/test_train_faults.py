@@ -29,7 +29,7 @@ def mock_data(root: Path, text_len: int) -> Path:
     from dit_prepare.cli import mock
 
     mock(out=root, num=16, latent_shape="4,1,8,8", video_latent_shape="4,2,4,4", video_ratio=0.5, text_len=text_len,
-         text_dim=16, seed=0, shard_size=1000, overwrite=False, keep_partial=False)
+         text_dim=16, seed=0, shard_size=1000, overwrite=False, keep_partial=False, val_samples=0)
     return root
 
 

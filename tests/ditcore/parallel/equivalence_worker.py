@@ -21,7 +21,7 @@ from torch.nn.parallel import DistributedDataParallel
 from ditcore import runs
 from ditcore.data.packing import TokenSample
 from ditcore.diffusion import EDMLoss, EDMPrecond
-from ditcore.diffusion.heldout import heldout_batches, heldout_totals, sigma_buckets
+from ditcore.eval.heldout import heldout_batches, heldout_totals, sigma_buckets
 from ditcore.layout import grid_positions
 from ditcore.models import apply_activation_checkpointing, build, preset, register
 from ditcore.parallel import (
@@ -94,7 +94,7 @@ def packed_batch(g, rows=PACKED["dit"]):
 
 SENT = [0]  # tokens this rank's all-to-alls (ST-DiT's CP) sent to other ranks in forward passes
 
-# A held-out set of images and clips (ditcore.diffusion.heldout), packed into rows of 32 tokens, 2 rows a batch,
+# A held-out set of images and clips (ditcore.eval.heldout), packed into rows of 32 tokens, 2 rows a batch,
 # scored in the cases that cover each kind of layout (the held-out loss is forward passes only)
 HELDOUT_CASES = ("dp2", "tp2_sp_packed", "cp2_packed", "fsdp_dp2", "pp2_packed", "fsdp_tp2_sp_dp2", "hsdp_dp4",
                  "pp2_tp2_sp_packed")

@@ -105,7 +105,7 @@ def test_layout_matches_one_process(request, case):
 
 @pytest.mark.parametrize("case", HELDOUT_CASES)
 def test_heldout_loss_matches_one_process(request, case):
-    """The held-out loss per noise level (ditcore.diffusion.heldout) of a DiT laid out over TP/SP/CP/FSDP/PP, each
+    """The held-out loss per noise level (ditcore.eval.heldout) of a DiT laid out over TP/SP/CP/FSDP/PP, each
     data-parallel rank scoring its share of the held-out set, equals one process's within fp32 bounds."""
     abs_diff, rel_diff = case_results(request, case)["heldout"]
     bound = fp32_tolerance(work(CFG)["output"] + 2, scale=1.0)  # + the squared error

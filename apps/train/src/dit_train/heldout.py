@@ -1,4 +1,4 @@
-"""The held-out loss per noise level (ditcore.diffusion.heldout) of the EMA and the raw weights, every
+"""The held-out loss per noise level (ditcore.eval.heldout) of the EMA and the raw weights, every
 validation.heldout.every steps (default: at every validation, validation.every) and at the end: logged through
 Fabric's loggers (CSV, TensorBoard, any other) as
 
@@ -22,8 +22,8 @@ from dit_train.config import TrainConfig
 from ditcore.data.packing import TokenSample
 from ditcore.data.schema import HELDOUT_DIR, DatasetError, DatasetInfo, read_info, read_sample
 from ditcore.diffusion import EDMLoss
-from ditcore.diffusion.heldout import bucket_weights, heldout_batches, heldout_totals, sigma_buckets
 from ditcore.errors import ConfigError
+from ditcore.eval.heldout import bucket_weights, heldout_batches, heldout_totals, sigma_buckets
 from ditcore.layout import grid_positions, patchify
 from ditcore.parallel.pipeline import PipelinedModel
 

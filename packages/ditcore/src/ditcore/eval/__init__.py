@@ -1,4 +1,5 @@
-"""FID and FD_DINOv2: the Fréchet distance between the features of sampled images and of a reference set.
+"""How good a model is: FID and FD_DINOv2 here, the Fréchet distance between the features of sampled images and of
+a reference set; the loss on held-out data at fixed noise levels in ditcore.eval.heldout.
 
 The distance is torchmetrics' `FrechetInceptionDistance`, picked over torch-fidelity and clean-fid for correctness
 where they differ:

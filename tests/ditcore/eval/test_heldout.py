@@ -7,7 +7,7 @@ import torch
 
 from ditcore.data.packing import TokenSample
 from ditcore.diffusion import EDMLoss, EDMPrecond
-from ditcore.diffusion.heldout import (
+from ditcore.eval.heldout import (
     bucket_weights,
     heldout_batches,
     heldout_losses,
