@@ -12,7 +12,7 @@ from ditcore.codecs import LatentStats, PixelCodec
 from ditcore.data.schema import DatasetInfo, read_info
 from ditcore.data.writer import ShardWriter, finish_dataset, start_dataset
 from ditcore.eval import FeatureNet, FrechetDistance, ReferenceError, ReferenceStats, dataset_reference, load_reference
-from ditcore.eval.reference import to_uint8
+from ditcore.sampling import to_uint8
 
 SIZE, N = 16, 96
 

@@ -15,16 +15,22 @@ here runs between validations.
 
 from __future__ import annotations
 
-import tarfile
 from pathlib import Path
 
 from dit_train.config import TrainConfig
 from ditcore.data.packing import TokenSample
-from ditcore.data.schema import HELDOUT_DIR, DatasetError, DatasetInfo, read_info, read_sample
+from ditcore.data.schema import (
+    HELDOUT_DIR,
+    DatasetError,
+    DatasetInfo,
+    read_info,
+    read_sample,
+    shard_keys,
+    shard_samples,
+)
 from ditcore.diffusion import EDMLoss
 from ditcore.errors import ConfigError
 from ditcore.eval.heldout import bucket_weights, heldout_batches, heldout_totals, sigma_buckets
-from ditcore.layout import grid_positions, patchify
 from ditcore.parallel.pipeline import PipelinedModel
 
 
@@ -40,18 +46,8 @@ def read_heldout(root: Path, n: int, patch_size: int, patch_size_t: int, seq_len
     or rank split may change which samples these are), patchified. Only their members are read: the tar headers of
     a large set (data.val_path may name any dataset) are walked once, seeking over the payloads."""
     shards = sorted(root.glob("rank*-*.tar"))
-    keys = set()
-    for shard in shards:
-        with tarfile.open(shard, mode="r:") as tar:
-            keys.update(m.name.split(".", 1)[0] for m in tar if m.isfile())
-    chosen = set(sorted(keys)[:n])
-    members: dict[str, dict] = {}
-    for shard in shards:
-        with tarfile.open(shard, mode="r:") as tar:
-            for m in tar:
-                key, _, member = m.name.partition(".")
-                if m.isfile() and key in chosen:
-                    members.setdefault(key, {"__key__": key})[member] = tar.extractfile(m).read()
+    chosen = set(sorted(set().union(*map(shard_keys, shards)))[:n])
+    members = {sample["__key__"]: sample for shard in shards for sample in shard_samples(shard, chosen)}
     samples = []
     for key in sorted(members):
         latent, text, meta = read_sample(members[key])
@@ -61,10 +57,7 @@ def read_heldout(root: Path, n: int, patch_size: int, patch_size_t: int, seq_len
             raise DatasetError(f"held-out sample {key} of '{root}' (latent {T}x{H}x{W}) does not fit patch "
                                f"{patch_size_t}x{patch_size}x{patch_size} and data.seq_length={seq_length} — "
                                "prepare the held-out set with the training set (dit-prepare --val-samples N)")
-        samples.append(TokenSample(key=key, tokens=patchify(latent[None].float(), patch_size, patch_size_t)[0],
-                                   pos=grid_positions(grid), grid=grid, text=text.float(),
-                                   label=int(meta.get("label", -1)), fps=float(meta.get("fps", 0.0)),
-                                   caption=str(meta.get("caption", ""))))
+        samples.append(TokenSample.of(key, latent, text, meta, patch_size, patch_size_t))
     return samples
 
 

@@ -147,5 +147,9 @@ def sample(
                          callback=callback)
     latents = unpatchify(tokens, grid, cfg.patch_size, cfg.patch_size_t)  # (B, C, T', H', W')
     pixels = codec.decode(stats.denormalize(latents.float().cpu()))  # (B, 3, F, H, W) in [-1, 1]
-    pixels = ((pixels + 1) * 127.5).round().clamp(0, 255).to(torch.uint8).permute(0, 2, 3, 4, 1)
-    return SampleResult(pixels=pixels, latents=latents, nfe=nfe)
+    return SampleResult(pixels=to_uint8(pixels).permute(0, 2, 3, 4, 1), latents=latents, nfe=nfe)
+
+
+def to_uint8(pixels: torch.Tensor) -> torch.Tensor:
+    """Decoded pixels in [-1, 1] → uint8, rounded: the samples' values, and a reference's images scored like them."""
+    return ((pixels + 1) * 127.5).round().clamp(0, 255).to(torch.uint8)

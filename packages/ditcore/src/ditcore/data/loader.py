@@ -42,7 +42,6 @@ from ditcore import quiet
 from ditcore.data.fit import latent_shapes, tokens_of
 from ditcore.data.packing import PackedBatch, PackedRow, TokenSample, collate, first_fit_decreasing
 from ditcore.data.schema import INFO_FILE, DatasetError, crude_config, read_info, read_sample
-from ditcore.layout import grid_positions, patchify
 
 log = logging.getLogger(__name__)
 
@@ -243,12 +242,7 @@ class PackingTaskEncoder(TaskEncoder):
         if n > self.seq_length:
             self._skip(sample, "longer_than_seq_length", f"{n} tokens, data.seq_length={self.seq_length}")
         self._in_a_row.clear()
-        meta = sample.meta
-        item = TokenSample(
-            key=sample.__key__, tokens=patchify(z[None].float(), self.p, self.pt)[0], pos=grid_positions(grid),
-            grid=grid, text=text.float(), label=int(meta.get("label", -1)), fps=float(meta.get("fps", 0.0)),
-            caption=str(meta.get("caption", "")),
-        )
+        item = TokenSample.of(sample.__key__, z, text, sample.meta, self.p, self.pt)
         return EncodedSample.derive_from(sample, item=item)
 
     def select_samples_to_pack(self, samples: list[EncodedSample]) -> list[list[EncodedSample]]:

@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ditcore.layout import grid_positions, patchify
+
 
 def first_fit_decreasing(lengths: list[int], capacity: int) -> list[list[int]]:
     """Group item indices into bins of total length <= capacity, longest items first.
@@ -45,6 +47,16 @@ class TokenSample:
     label: int  # class label, -1 if none
     fps: float
     caption: str
+
+    @classmethod
+    def of(cls, key: str, latent: torch.Tensor, text: torch.Tensor, meta: dict, patch_size: int, patch_size_t: int
+           ) -> TokenSample:
+        """A dataset sample (latent (C, T, H, W) divisible by the patch, text states, metadata), patchified."""
+        _, T, H, W = latent.shape
+        grid = (T // patch_size_t, H // patch_size, W // patch_size)
+        return cls(key=key, tokens=patchify(latent[None].float(), patch_size, patch_size_t)[0],
+                   pos=grid_positions(grid), grid=grid, text=text.float(), label=int(meta.get("label", -1)),
+                   fps=float(meta.get("fps", 0.0)), caption=str(meta.get("caption", "")))
 
 
 @dataclass

@@ -23,6 +23,8 @@ from __future__ import annotations
 import json
 import logging
 import os
+import tarfile
+from collections.abc import Container, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -142,6 +144,31 @@ def read_sample(sample: dict) -> tuple[torch.Tensor, torch.Tensor, dict]:
     if not isinstance(meta, dict):
         raise ValueError(f"sample {sample.get('__key__')}: its {META} is a {type(meta).__name__}, not an object")
     return latent, text, meta
+
+
+def shard_keys(path: Path) -> set[str]:
+    """The sample keys of a shard, from its tar headers alone (the payloads are seeked over, not read)."""
+    with tarfile.open(path, mode="r:") as tar:
+        return {m.name.partition(".")[0] for m in tar if m.isfile()}
+
+
+def shard_samples(path: Path, keys: Container[str] | None = None) -> Iterator[dict]:
+    """A shard's crude samples ({member name: raw bytes, '__key__': key}, for read_sample) in the shard's order,
+    members grouped by the name before the first dot as WebDataset groups them; with `keys`, only those samples (the
+    other members' payloads are never read). Outside the loader: for the few samples scoring reads in a fixed order."""
+    sample: dict = {}
+    with tarfile.open(path, mode="r:") as tar:
+        for member in tar:
+            key, _, kind = member.name.partition(".")
+            if not member.isfile() or (keys is not None and key not in keys):
+                continue
+            if sample and sample["__key__"] != key:
+                yield sample
+                sample = {}
+            sample["__key__"] = key
+            sample[kind] = tar.extractfile(member).read()
+    if sample:
+        yield sample
 
 
 def _member_tensor(sample: dict, name: str, member: str, legacy: str) -> torch.Tensor:

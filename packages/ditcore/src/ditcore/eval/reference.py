@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import tarfile
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -152,6 +151,7 @@ def dataset_reference(root: str | Path, *, net, height: int | None = None, width
     from ditcore.data.loader import dataset_fingerprint
     from ditcore.data.schema import read_info
     from ditcore.eval.frechet import FrechetDistance
+    from ditcore.sampling import to_uint8
 
     root = Path(root)
     info = read_info(root)  # DatasetError: no dataset there, or an unfinished one
@@ -197,11 +197,6 @@ def dataset_reference(root: str | Path, *, net, height: int | None = None, width
     return stats
 
 
-def to_uint8(pixels: torch.Tensor) -> torch.Tensor:
-    """Pixels in [-1, 1] → uint8, rounded as ditcore.sampling rounds the samples."""
-    return ((pixels + 1) * 127.5).round().clamp(0, 255).to(torch.uint8)
-
-
 def image_size(root: Path, info, height: int | None, width: int | None) -> tuple[int, int]:
     """(H, W) pixels: the one asked for, else the dataset's most common image size (by dit-prepare's record)."""
     from ditcore.data.fit import latent_shapes
@@ -227,12 +222,12 @@ def _images_of_size(info, h: int, w: int) -> int | None:
 
 def _image_latents(root: Path, h: int | None, w: int | None, batch: int, limit: int | None) -> Iterator[torch.Tensor]:
     """Batches (B, C, 1, h, w) of the dataset's image latents of that latent size (None: any), in shard order."""
-    from ditcore.data.schema import read_sample
+    from ditcore.data.schema import read_sample, shard_samples
 
     shards = sorted(json.loads((root / ".nv-meta" / ".info.json").read_text()).get("shard_counts", {}))
     taken, pending = 0, []
     for name in shards:
-        for sample in _tar_samples(root / name):
+        for sample in shard_samples(root / name):
             try:
                 latent, _, _ = read_sample(sample)
             except ValueError:
@@ -248,21 +243,3 @@ def _image_latents(root: Path, h: int | None, w: int | None, batch: int, limit: 
                 return
     if pending:
         yield torch.stack(pending)
-
-
-def _tar_samples(path: Path) -> Iterator[dict]:
-    """A WebDataset shard's samples as {member: bytes, '__key__': key}: members grouped by the name before the first
-    dot, as WebDataset groups them."""
-    sample: dict = {}
-    with tarfile.open(path, mode="r:") as tar:
-        for member in tar:
-            if not member.isfile():
-                continue
-            key, _, kind = member.name.partition(".")
-            if sample and sample["__key__"] != key:
-                yield sample
-                sample = {}
-            sample["__key__"] = key
-            sample[kind] = tar.extractfile(member).read()
-    if sample:
-        yield sample
