@@ -21,11 +21,10 @@ from tqdm import tqdm
 
 from dit_sample.generate import RequestError, Sampler
 from ditcore import durable, runs
-from ditcore.eval import FrechetDistance, SamplePlan, feature_net, load_reference, score_samples
+from ditcore.eval import FIGURE, FrechetDistance, SamplePlan, feature_net, load_reference, score_samples
 from ditcore.sampling import step_bar, token_grid
 
 EVAL = "eval"
-NAMES = {"inception": "FID", "dinov2": "FD_DINOv2"}
 
 
 def evaluate(checkpoint: str | Path, reference: str | Path, num: int, *, features: str = "inception",
@@ -56,11 +55,11 @@ def evaluate(checkpoint: str | Path, reference: str | Path, num: int, *, feature
         plan = SamplePlan(num, height, width, steps=steps, guidance=guidance, seed=seed, batch=batch)
         distance = FrechetDistance(net, ref, device=device, holds_reference=rank == 0)
         t0 = time.perf_counter()
-        with step_bar(len(plan.batches(rank, world)) * steps, f"{NAMES[features]} samples", disable=rank != 0) as bar:
+        with step_bar(len(plan.batches(rank, world)) * steps, f"{FIGURE[features]} samples", disable=rank != 0) as bar:
             value = score_samples(model, sampler.exported.codec, sampler.exported.stats, distance, plan,
                                   text_states=states, rank=rank, world=world, prediction=sampler.exported.prediction,
                                   vp=sampler.exported.vp, callback=bar)
-        result = {"what": NAMES[features], "value": value, "step": sampler.exported.extra.get("step"), "num": num,
+        result = {"what": FIGURE[features], "value": value, "step": sampler.exported.extra.get("step"), "num": num,
                   "features": net.name, "reference": str(reference), "reference_n": ref.n, "height": height,
                   "width": width, "steps": steps, "guidance": guidance, "seed": seed, "ranks": world,
                   "checkpoint": str(sampler.path), "seconds": round(time.perf_counter() - t0, 2)}
@@ -119,8 +118,5 @@ def _write(export: Path, result: dict) -> Path:
     durable.make_writable_dir(folder)
     slug = "".join(c if c.isalnum() or c in "-_." else "-" for c in result["features"])
     path = folder / f"{result['what'].lower()}-{slug}-step{result['step']}-n{result['num']}.json"
-    tmp = folder / f".{path.name}.{os.getpid()}"
-    durable.write_text(tmp, json.dumps(result, indent=1))
-    os.replace(tmp, path)
-    durable.fsync_dir(folder)
+    durable.replace_text(path, json.dumps(result, indent=1))
     return path

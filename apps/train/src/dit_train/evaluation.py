@@ -19,13 +19,20 @@ from ditcore.codecs import LatentStats, load_codec
 from ditcore.codecs.text import load_text_encoder
 from ditcore.diffusion.vp import DiscreteVP
 from ditcore.errors import ConfigError
-from ditcore.eval import FeatureError, FrechetDistance, ReferenceError, SamplePlan, dataset_reference, feature_net
+from ditcore.eval import (
+    FIGURE,
+    FeatureError,
+    FrechetDistance,
+    ReferenceError,
+    SamplePlan,
+    dataset_reference,
+    feature_net,
+)
 from ditcore.parallel import ParallelGroups
 from ditcore.parallel.pipeline import PipelinedModel
 from ditcore.sampling import step_bar, token_grid
 
 BATCH = 16  # samples per sampler call on each rank
-NAMES = {"inception": "FID", "dinov2": "FD_DINOv2"}
 
 
 class FIDScorer:
@@ -90,11 +97,11 @@ class FIDScorer:
             model = PipelinedModel(model, g)
         self.distance.reset()
         batches = len(self.plan.batches(g.dp_rank, g.dims.dp))
-        with step_bar(batches * self.plan.steps, f"{NAMES[self.cfg.validation.fid.features]} samples, step {step}",
+        with step_bar(batches * self.plan.steps, f"{FIGURE[self.cfg.validation.fid.features]} samples, step {step}",
                       disable=self.fabric.global_rank != 0, leave=False) as bar:
             value = score_samples(model, self.codec, self.stats, self.distance, self.plan, text_states=self.states,
                                   rank=g.dp_rank, world=g.dims.dp, prediction=self.cfg.edm.prediction, vp=self.vp,
                                   callback=bar)
-        self.fabric.print(f"step {step}: {NAMES[self.cfg.validation.fid.features]} {value:.4f} of {self.plan.num} "
+        self.fabric.print(f"step {step}: {FIGURE[self.cfg.validation.fid.features]} {value:.4f} of {self.plan.num} "
                           f"samples against {self.reference.n} images of {self.cfg.data.path}")
         return {self.key: value}

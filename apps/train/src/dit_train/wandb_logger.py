@@ -127,8 +127,4 @@ def recorded_id(folder: Path) -> str | None:
 
 
 def record_id(folder: Path, run_id: str) -> None:
-    """Written under a temporary name and renamed: the file is the old one or the new one, never half of either."""
-    tmp = folder / f".{RUN_FILE}.tmp"
-    durable.write_text(tmp, json.dumps({"id": run_id}) + "\n")
-    os.replace(tmp, folder / RUN_FILE)
-    durable.fsync_dir(folder)
+    durable.replace_text(folder / RUN_FILE, json.dumps({"id": run_id}) + "\n")

@@ -78,6 +78,16 @@ def write_text(path: str | Path, text: str) -> None:
         os.fsync(f.fileno())
 
 
+def replace_text(path: str | Path, text: str) -> None:
+    """Write a small file whole: under a temporary name beside it, fsynced, renamed over `path`, the folder fsynced.
+    A reader sees the old file or the new one, never part of either; a crash leaves at most a stray .tmp file."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    write_text(tmp, text)
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
 def digest(path: str | Path, chunk: int = 1 << 24) -> dict:
     """Size and CRC-32 of a file: enough to tell a truncated or corrupted file from the one written."""
     crc, size = 0, 0

@@ -131,6 +131,11 @@ class EDMLoss:
             return sigma
         return self.vp.round_sigma(sigma)
 
+    def weight(self, sigma: torch.Tensor) -> torch.Tensor:
+        """λ(σ) = (σ² + σ_d²)/(σ σ_d)², capped at max_weight where one is set."""
+        weight = edm_weight(sigma, self.sigma_data)
+        return weight if self.max_weight is None else weight.clamp(max=self.max_weight)
+
     @staticmethod
     def noisy(x: torch.Tensor, sigma: torch.Tensor, noise: torch.Tensor, seg: torch.Tensor | None = None):
         """x + σ n, each token with its sample's σ."""
@@ -145,9 +150,7 @@ class EDMLoss:
             noise = torch.randn(x.shape, device=x.device, generator=generator, dtype=x.dtype)
         sigma_tok = per_token(sigma.reshape(B, -1), seg)[..., None]  # (B, N or 1, 1)
         D = denoiser(self.noisy(x, sigma, noise, seg), sigma, seg=seg, **cond)
-        weight = edm_weight(sigma_tok, self.sigma_data)
-        if self.max_weight is not None:
-            weight = weight.clamp(max=self.max_weight)
+        weight = self.weight(sigma_tok)
         per_elem = weight * (D.float() - x.float()) ** 2  # (B, N, F)
         if mask is None:
             return per_elem.mean()

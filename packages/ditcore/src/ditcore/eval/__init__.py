@@ -19,11 +19,11 @@ where they differ:
 torch-fidelity (the Inception weights) is the optional extra `ditcore[fid]`; DINOv2 loads through transformers.
 """
 
-from ditcore.eval.features import FEATURES, DINOv2Features, FeatureError, FeatureNet, feature_net
+from ditcore.eval.features import FEATURES, FIGURE, DINOv2Features, FeatureError, FeatureNet, feature_net
 from ditcore.eval.frechet import FrechetDistance
 from ditcore.eval.reference import ReferenceError, ReferenceStats, dataset_reference, load_reference
 from ditcore.eval.sampled import SamplePlan, score_samples
 
-__all__ = ["FEATURES", "DINOv2Features", "FeatureError", "FeatureNet", "FrechetDistance", "ReferenceError",
+__all__ = ["FEATURES", "FIGURE", "DINOv2Features", "FeatureError", "FeatureNet", "FrechetDistance", "ReferenceError",
            "ReferenceStats", "SamplePlan", "dataset_reference", "feature_net", "load_reference",
            "score_samples"]

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 FEATURES = ("inception", "dinov2")
+FIGURE = {"inception": "FID", "dinov2": "FD_DINOv2"}  # what the distance is called with each network's features
 DINOV2_DEFAULT = "facebook/dinov2-large"  # FD_DINOv2's ViT-L/14
 DINOV2_SIZE = 224
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from ditcore.data.packing import PackedBatch, PackedRow, TokenSample, collate, first_fit_decreasing
-from ditcore.diffusion.edm import EDMLoss, edm_weight
+from ditcore.diffusion.edm import EDMLoss
 
 
 def sigma_buckets(n: int = 8, sigma_min: float = 0.002, sigma_max: float = 80.0) -> torch.Tensor:
@@ -62,9 +62,7 @@ def heldout_losses(denoiser, x: torch.Tensor, noise: torch.Tensor, buckets: torc
             if loss.vp is not None:
                 sigma = loss.vp.round_sigma(sigma)
             D = denoiser(loss.noisy(x, sigma, noise, seg), sigma, seg=seg, **cond)
-            weight = edm_weight(sigma[:, :1].double(), loss.sigma_data)[..., None]  # one σ for every sample
-            if loss.max_weight is not None:
-                weight = weight.clamp(max=loss.max_weight)
+            weight = loss.weight(sigma[:, :1].double())[..., None]  # one σ for every sample
             err = ((D.double() - x.double()) ** 2).sum(-1)  # (B, N)
             sums.append((weight[..., 0] * err * keep).sum())
             counts.append(keep.sum().double() * x.shape[-1])

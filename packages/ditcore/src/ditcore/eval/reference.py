@@ -80,10 +80,7 @@ class ReferenceStats:
         save_file({"mu": self.mu.contiguous(), "sigma": self.sigma.contiguous()}, str(tmp))
         durable.fsync_file(tmp)
         os.replace(tmp, path)
-        info, tmp = path.with_suffix(".json"), path.with_name(f".{path.stem}.json.{os.getpid()}")
-        durable.write_text(tmp, json.dumps(self.describe(), indent=1))
-        os.replace(tmp, info)
-        durable.fsync_dir(path.parent)
+        durable.replace_text(path.with_suffix(".json"), json.dumps(self.describe(), indent=1))
 
     @classmethod
     def read(cls, path: Path) -> ReferenceStats:
