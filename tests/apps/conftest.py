@@ -119,14 +119,25 @@ def wandb_records(data: bytes) -> list | None:
     return records
 
 
-def read_wandb_run(folder: Path, timeout: float = 10.0) -> WandBRun:
+def finished_wandb_records(folder: Path) -> list | None:
+    """The records of the one transaction log in `folder`, once its last record is the run's exit record; None
+    before (no log yet, a chunk half written, no record at all, or not the exit yet)."""
+    logs = list(Path(folder).glob("run-*.wandb"))
+    if len(logs) != 1:
+        return None
+    records = wandb_records(logs[0].read_bytes())
+    return records if records and records[-1].HasField("exit") else None
+
+
+def read_wandb_run(folder: Path, timeout: float = 60.0) -> WandBRun:
     """An offline W&B run (RUN_DIR/wandb/offline-run-*) read back from its transaction log, run-ID.wandb, as `wandb
-    sync` reads it (wandb 0.31 reads it in Go, so here it is in Python), once it is complete: wandb-core finishes
-    writing it a moment after run.finish() returns, so a run finished in this process is waited for."""
-    (log,) = Path(folder).glob("run-*.wandb")
+    sync` reads it (wandb 0.31 reads it in Go, so here it is in Python), once it is complete: wandb-core creates and
+    finishes writing it a moment after run.finish() returns, so the read waits for its exit record (the completion
+    marker) with a deadline generous enough for a loaded machine."""
     deadline = time.monotonic() + timeout
-    while (records := wandb_records(log.read_bytes())) is None or not records[-1].HasField("exit"):
-        assert time.monotonic() < deadline, f"{log} has no exit record after {timeout} s"
+    while (records := finished_wandb_records(folder)) is None:
+        assert time.monotonic() < deadline, f"{folder} has no W&B transaction log ending in an exit record after " \
+                                            f"{timeout} s: {sorted(p.name for p in Path(folder).iterdir())}"
         time.sleep(0.05)
     (run,) = [r.run for r in records if r.HasField("run")]
     config = {item.key: json.loads(item.value_json) for item in run.config.update if item.key != "_wandb"}
