@@ -3,8 +3,9 @@
 `read(path)` reads, without running any code:
 - an original DiT checkpoint file (facebookresearch/DiT's state-dict naming: its published DiT-XL-2-256x256.pt, or
   a safetensors file of the same names; a training checkpoint of its train.py gives its EMA weights);
-- a diffusers `DiTTransformer2DModel` folder (config.json + weights), or a whole diffusers DiT pipeline folder
-  (its transformer/, and its scheduler/ and vae/ when present);
+- a diffusers `DiTTransformer2DModel` folder (config.json + weights; a `Transformer2DModel` config of a DiT too, as
+  diffusers remaps it), or a whole diffusers DiT pipeline folder (its transformer/, and its scheduler/ and vae/ when
+  present: `schedule_from_diffusers` says which scheduler settings are honoured);
 and returns the ditcore config inferred from the weights, the weights in ditcore's names and layouts, and the
 discrete-time schedule the network was trained with (DiT's, unless the pipeline's scheduler says otherwise): such
 networks are DDPM ε-predictors, sampled and fine-tuned under VP preconditioning (ditcore.diffusion.vp).
@@ -52,7 +53,8 @@ class Imported:
         c = self.cfg
         what = (f"{self.kind} {self.path}: width {c.hidden_size}, depth {c.depth}, {c.num_heads} heads, patch "
                 f"{c.patch_size}, {c.in_channels} channels, {c.num_classes} classes, grid {c.max_grid[1]}x"
-                f"{c.max_grid[2]}" + (", learned Σ" if c.learn_sigma else ""))
+                f"{c.max_grid[2]}" + (", learned Σ" if c.learn_sigma else "") +
+                (", each block's own embedders" if c.block_embedders else ""))
         if self.vp is None:
             return what + ", EDM preconditioning"
         return what + f", DDPM ({self.vp.timesteps} {self.vp.beta_schedule} timesteps, VP preconditioning)"
