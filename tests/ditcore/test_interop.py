@@ -399,6 +399,29 @@ def test_a_folder_as_the_hub_wrote_it_loads_in_diffusers_and_samples_alike_in_di
     assert (loop32 - theirs32).abs().max() <= (theirs32.double() - theirs64).abs().max()
 
 
+def test_a_sharded_save_loads_and_a_shard_outside_the_folder_is_refused(tmp_path):
+    """save_pretrained splits a large model into shards named by an index, which diffusers loads: so does ditcore,
+    reading only files beside the index."""
+    theirs = diffusers_dit_model(shared=False)
+    theirs.save_pretrained(tmp_path / "sharded", max_shard_size="200KB")
+    index = tmp_path / "sharded" / "diffusion_pytorch_model.safetensors.index.json"
+    assert index.is_file() and len(set(json.loads(index.read_text())["weight_map"].values())) > 1
+    got = interop.read(tmp_path / "sharded")
+    assert got.tensors.keys() == imported(theirs, tmp_path / "whole")[1].tensors.keys()
+    loaded = DiTTransformer2DModel.from_pretrained(tmp_path / "sharded", low_cpu_mem_usage=False).eval()
+    ours = DiT(got.cfg).eval()
+    ours.load_state_dict(got.tensors)
+    x, t, y = inputs(theirs)
+    with torch.no_grad():
+        assert_close_fp32(ours_forward(ours, x, t, y), loaded(x, timestep=t, class_labels=y).sample,
+                          work=dit_forward_work(got.cfg, 16))
+    mapping = json.loads(index.read_text())
+    first = next(iter(mapping["weight_map"]))
+    index.write_text(json.dumps(mapping | {"weight_map": mapping["weight_map"] | {first: "../elsewhere.safetensors"}}))
+    with pytest.raises(ConversionError, match="names the shard '../elsewhere.safetensors', which is not a file in"):
+        interop.read(tmp_path / "sharded")
+
+
 def test_a_hostile_pickled_bin_in_a_folder_is_refused_and_never_runs(tmp_path):
     """The hub folder's .bin is a plain state dict, read with weights_only; one that holds anything else is refused in
     one line, and its payload does not run."""

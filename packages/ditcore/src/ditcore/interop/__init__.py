@@ -191,14 +191,37 @@ def _load_file(path: Path) -> dict[str, torch.Tensor]:
 
 
 def _load_weights(folder: Path) -> dict[str, torch.Tensor]:
+    """A diffusers folder's weights: its safetensors file, the shards its index names (save_pretrained splits a large
+    model), or its pickled .bin read as plain tensors (diffusers' first saves, the hub's DiT-XL-2-256 among them)."""
     weights = folder / diffusers_dit.WEIGHTS_FILE
     if weights.is_file():
         return tensorfile.load(weights, "download or save the model again")
+    index = folder / (diffusers_dit.WEIGHTS_FILE + ".index.json")
+    if index.is_file():
+        return _load_shards(folder, index)
     legacy = folder / "diffusion_pytorch_model.bin"
     if legacy.is_file():
         return _load_file(legacy)
     raise ConversionError(f"'{folder}' has a {diffusers_dit.CONFIG_FILE} but no {diffusers_dit.WEIGHTS_FILE}: "
                           "save the model again (save_pretrained) or download its weights")
+
+
+def _load_shards(folder: Path, index: Path) -> dict[str, torch.Tensor]:
+    shards = _json(index).get("weight_map")
+    if not isinstance(shards, dict) or not all(isinstance(v, str) for v in shards.values()):
+        raise ConversionError(f"'{index}' has no weight_map (tensor name → shard file): download or save the model "
+                              "again")
+    state = {}
+    for name in sorted(set(shards.values())):
+        shard = folder / name
+        if Path(name).name != name or not shard.is_file():  # a plain file beside the index, never a path elsewhere
+            raise ConversionError(f"'{index}' names the shard {name!r}, which is not a file in {folder}: download "
+                                  "the model's every shard")
+        state |= tensorfile.load(shard, "download or save the model again")
+    if missing := shards.keys() - state.keys():
+        raise ConversionError(f"'{index}' maps {len(missing)} tensors (e.g. {sorted(missing)[0]}) to shards that do "
+                              "not hold them: download or save the model again")
+    return state
 
 
 def _json(path: Path) -> dict:
