@@ -25,7 +25,7 @@ from ditcore.init_from import read_source
 from ditcore.interop import read
 from ditcore.layout import SIGMA_DATA
 
-from ..ditcore.test_interop import as_original_dit, diffusers_dit_model, original_state_dict
+from ..ditcore.test_interop import HUB_SCHEDULER, as_original_dit, diffusers_dit_model, hub_folder, original_state_dict
 
 BIN = Path(sys.executable).parent
 
@@ -53,7 +53,8 @@ def test_a_foreign_dit_makes_the_run_vp_ddpm_in_its_architecture_and_units(dit_f
     r = recipe(f"model.init_from={dit_file}")
     theirs = read(dit_file).cfg
     assert (r.cfg.edm.precond, r.cfg.edm.loss, r.vp) == ("vp", "ddpm", DiscreteVP())
-    assert r.cfg.edm.vp.model_dump() == DiscreteVP().to_dict()  # saved resolved with every checkpoint
+    # saved resolved with every checkpoint: the schedule trained on (DDIM's step settings travel in the export: vp)
+    assert r.cfg.edm.vp.schedule() == DiscreteVP()
     assert r.model_cfg == theirs and r.model_cfg.learn_sigma and r.model_cfg.hidden_size == 384
     loss = r.loss()
     assert isinstance(loss, DDPMLoss) and loss.learn_sigma and r.denoiser(torch.nn.Identity()).vp == DiscreteVP()
@@ -67,6 +68,21 @@ def test_a_foreign_dit_makes_the_run_vp_ddpm_in_its_architecture_and_units(dit_f
     # EDM's objective by choice, through the same preconditioning: σ on the network's levels
     edm = recipe(f"model.init_from={dit_file}", "edm.loss=edm")
     assert isinstance(edm.loss(), EDMLoss) and edm.loss().vp == DiscreteVP() and edm.cfg.edm.precond == "vp"
+
+
+def test_a_pipelines_ddim_settings_travel_to_the_export_and_its_schedule_to_training(tmp_path):
+    """A pipeline whose scheduler samples DDIM otherwise than DiT (spacing, final ᾱ, clipping): the run trains on its
+    schedule (edm.vp, which a resume compares, holds that alone, and may be given as the same) and records all of
+    it, so that the export samples as the pipeline's scheduler did."""
+    import json
+
+    root = hub_folder(tmp_path / "pipe", diffusers_dit_model(), "safetensors")
+    ddim = dict(timestep_spacing="trailing", set_alpha_to_one=False, clip_sample=True)
+    (root / "scheduler" / "scheduler_config.json").write_text(json.dumps(HUB_SCHEDULER | ddim))
+    r = recipe(f"model.init_from={root}")
+    assert r.vp == DiscreteVP(**ddim) and r.cfg.edm.vp.schedule() == DiscreteVP()
+    assert r.recorded()["vp"] == DiscreteVP(**ddim).to_dict()
+    assert recipe(f"model.init_from={root}", "edm.vp.timesteps=1000").vp == r.vp  # the same schedule: agrees
 
 
 @pytest.mark.parametrize(("classes", "expected"), [(0, 10), (10, 10), (5, 5)])

@@ -21,7 +21,7 @@ from ditcore.media import read_video
 from ditcore.models import DiT
 from ditcore.models.dit import DiTConfig, sincos_2d
 from ditcore.sampling import sample
-from ditcore.testing import assert_close_fp32, dit_forward_work
+from ditcore.testing import assert_close_fp32, dit_forward_work, dit_pipeline_loop
 
 diffusers = pytest.importorskip("diffusers")
 
@@ -96,6 +96,11 @@ def as_dit_does(model: DiT, vae_folder, **request) -> np.ndarray:
     of `model`: pixels (B, H, W, 3) uint8. Its latents come from ditcore.sampling.sample itself."""
     any_stats = LatentStats(torch.zeros(4), torch.ones(4))  # only the latents are used, in the network's units
     latents = sample(model, DiffusersVAECodec(vae_folder), any_stats, vp=DiscreteVP(), **request).latents
+    return decoded_as_dit(latents, vae_folder)
+
+
+def decoded_as_dit(latents: torch.Tensor, vae_folder) -> np.ndarray:
+    """Latents (B, C, 1, H, W) in the network's units decoded as DiT's sample.py does: pixels (B, H, W, 3) uint8."""
     vae = diffusers.AutoencoderKL.from_pretrained(vae_folder).eval()
     with torch.no_grad():
         images = vae.decode(latents[:, :, 0] / SD_SCALING).sample.clamp(-1, 1)  # (B, 3, H, W)
@@ -178,7 +183,9 @@ def test_generate_samples_a_diffusers_pipeline_with_its_own_vae_and_schedule(pip
     model = DiT(imported.cfg).eval()
     model.load_state_dict(imported.tensors)
     stats = LatentStats(torch.zeros(4), torch.full((4,), SIGMA_DATA / SD_SCALING))
-    vp = DiscreteVP(beta_schedule="scaled_linear", beta_start=0.00085, beta_end=0.012)
+    # its scheduler's: DDIMScheduler's defaults (x̂₀ clipped at ±1) on the schedule it was given
+    vp = DiscreteVP(beta_schedule="scaled_linear", beta_start=0.00085, beta_end=0.012, clip_sample=True)
+    assert imported.vp == vp
     expected = sample(model, DiffusersVAECodec(pipeline / "vae"), stats, vp=vp, schedule="ddim", class_labels=[4],
                       steps=3, guidance=4.0, solver="euler", height=16, width=16)
     assert np.array_equal(read_video(out)[0], expected.pixels[0, 0].numpy())
@@ -196,6 +203,67 @@ def test_the_app_opens_a_pipeline_with_class_labels_only(pipeline):
     assert props["class"]["visible"] and not props["prompt"]["visible"] and not props["checkpoint"]["visible"]
     assert props["frames"]["value"] == 1 and (props["height"]["value"], props["width"]["value"]) == (16, 16)
     assert any("diffusers DiTTransformer2DModel" in str(c["props"].get("value")) for c in components)
+
+
+def test_generate_samples_a_diffusers_made_dit_with_its_own_block_embedders_as_diffusers_ddim(vae_folder, tmp_path):
+    """A DiT as diffusers makes it (each block its own timestep/class embedders), every weight moved off its zero
+    initialisation, saved by DiTPipeline.save_pretrained with a scheduler of DDIM settings other than DiT's: dit-sample
+    generate samples it to the latents of diffusers' own DDIM loop (guidance 4, the pipeline's steps) from the same
+    x_T, within float32 error, and its png is their decoding to one level."""
+    from dit_sample.generate import Sampler
+
+    torch.manual_seed(3)
+    theirs = diffusers.DiTTransformer2DModel(num_attention_heads=4, attention_head_dim=16, in_channels=4,
+                                             out_channels=8, num_layers=2, sample_size=8, patch_size=2,
+                                             num_embeds_ada_norm=10).eval()
+    with torch.no_grad():
+        for p in theirs.parameters():
+            p.normal_(0, p.shape[1] ** -0.5 if p.ndim == 2 else 0.3)
+    # trailing at 3 steps lands each step off the next timestep, the last one on ᾱ_0 (clip_sample, whose clamped
+    # outputs hide the float32 error this test measures, is checked against diffusers in tests/ditcore/test_interop.py)
+    scheduler = diffusers.DDIMScheduler(timestep_spacing="trailing", set_alpha_to_one=False, clip_sample=False)
+    root = tmp_path / "DiT-own"
+    diffusers.DiTPipeline(transformer=theirs, vae=diffusers.AutoencoderKL.from_pretrained(vae_folder),
+                          scheduler=scheduler).save_pretrained(root)
+    labels, steps, seed = [3, 7], 3, 5
+    out = tmp_path / "own.png"
+    result = invoke("generate", "--checkpoint", root, "--class", 3, "--class", 7, "--steps", steps, "--schedule",
+                    "ddim", "--solver", "euler", "--seed", seed, "--out", out)
+    assert result.exit_code == 0, result.output
+    request = dict(class_labels=labels, steps=steps, guidance=4.0, seed=seed, height=16, width=16, solver="euler",
+                   schedule="ddim")
+    sampler = Sampler.load(root)
+    assert sampler.exported.model.cfg.block_embedders
+    ours = sampler.run(**request)[0].latents[:, :, 0]  # what generate sampled: the same Sampler, the same request
+    # ditcore's x_T: randn of the seed over (B, tokens, patch features), in the image's layout
+    noise = torch.randn(2, 16, 16, generator=torch.Generator().manual_seed(seed))
+    x_T = unpatchify(noise, (1, 4, 4), 2)[:, :, 0]
+    loaded = diffusers.DiTTransformer2DModel.from_pretrained(root / "transformer", low_cpu_mem_usage=False).eval()
+    theirs32 = dit_pipeline_loop(loaded, diffusers.DDIMScheduler.from_pretrained(root / "scheduler"), x_T, labels,
+                                 10, 4.0, steps)
+    theirs64 = dit_pipeline_loop(loaded.double(), diffusers.DDIMScheduler.from_pretrained(root / "scheduler"),
+                                 x_T.double(), labels, 10, 4.0, steps, sampler.exported.vp.alphas_cumprod())
+    fp32_error = (theirs32.double() - theirs64).abs().max().item()
+    assert 0 < fp32_error < 1e-5 * theirs64.abs().max().item()
+    assert (ours.double() - theirs64).abs().max().item() <= 2 * fp32_error
+    expected = decoded_as_dit(theirs32[:, :, None], vae_folder)
+    for i in range(2):
+        assert np.abs(read_video(tmp_path / f"own-{i}.png")[0].astype(int) - expected[i]).max() <= 1
+
+
+def test_a_scheduler_setting_ditcore_does_not_follow_stops_generate_in_one_line(pipeline, tmp_path):
+    import shutil
+
+    root = shutil.copytree(pipeline, tmp_path / "pipe")
+    config = json.loads((root / "scheduler" / "scheduler_config.json").read_text())
+    (root / "scheduler" / "scheduler_config.json").write_text(json.dumps(config | {"thresholding": True}))
+    result = invoke("generate", "--checkpoint", root, "--class", 1, "--out", tmp_path / "x.png")
+    assert result.exit_code == 2 and result.stderr.startswith("error: the scheduler says thresholding=True")
+    assert len(result.stderr.splitlines()) == 1
+    heun = invoke("generate", "--checkpoint", pipeline, "--class", 1, "--schedule", "ddim", "--solver", "heun",
+                  "--out", tmp_path / "y.png")
+    assert heun.exit_code == 2 and len(heun.stderr.splitlines()) == 1
+    assert heun.stderr.startswith("error: schedule ddim with solver heun: this schedule's clip_sample")
 
 
 # ---------------------------------------------------------------- dit-sample export --format diffusers

@@ -373,6 +373,29 @@ def test_other_architectures_train_and_their_exports_sample(cli_in_process, data
     assert sample.returncode == 0 and out.stat().st_size > 0, sample.stderr[-3000:]
 
 
+def test_a_dit_with_block_embedders_trains_and_its_export_samples(cli_in_process, dataset, tmp_path):
+    """model.block_embedders (diffusers' DiT layout: every later block embeds the noise level itself) through the
+    same loop: each later block's own embedders get gradients (AdamW's first moments), the export holds them, and
+    it samples."""
+    from ditcore.export import load_export
+
+    run = tmp_path / "run"
+    proc = dit_train(*run_args(dataset, run, 4, "model.block_embedders=true", "checkpoint.every=4"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    optim = final_state(run, 4)["optim"]
+    model = load_export(run / "export").model
+    assert model.cfg.block_embedders and model.cfg.depth > 1
+    for i in range(1, model.cfg.depth):
+        for name in ("t_embedder.mlp.0.weight", "t_embedder.mlp.2.weight"):
+            moments = [t for k, t in optim.items() if f"blocks.{i}.{name}" in k and "exp_avg" in k]
+            assert moments and all(m.abs().sum() > 0 for m in moments), (i, name, sorted(optim)[:4])
+            assert model.blocks[i].get_parameter(name).abs().sum() > 0
+    out = tmp_path / "own.png"
+    sample = cli_in_process("sample", "generate", "--checkpoint", run, "--prompt", "a red butterfly", "--steps", 2,
+                            "--height", 32, "--width", 32, "--out", out)
+    assert sample.returncode == 0 and out.stat().st_size > 0, sample.stderr[-3000:]
+
+
 def test_st_dit_trains_with_context_parallelism_on_two_processes(dataset, tmp_path):
     """model.arch=stdit parallel.cp=2: training rows (images and 4-frame clips, split by the all-to-all where every
     rank's half holds whole frames and lines) and the validation samples (a 2x2-token image, whose half would cut

@@ -1,3 +1,5 @@
+import re
+
 import pytest
 import torch
 from torch import nn
@@ -18,21 +20,23 @@ def test_forward_macs_match_the_paper(name, gflops):
 
 
 def per_token_linear_weights(model: DiT) -> int:
-    """Independent count: weights of every nn.Linear that is applied to latent tokens."""
-    skip = (model.t_embedder, getattr(model, "text_embedder", None), model.final.adaLN)
+    """Independent count: weights of every nn.Linear that is applied to latent tokens (not the conditioning's or the
+    text's embedders, the model's or a block's own, nor the adaLN linears of the per-sample conditioning)."""
     total = 0
     for name, m in model.named_modules():
-        if not isinstance(m, nn.Linear) or any(m is s or any(m is c for c in s.modules()) for s in skip if s):
+        if not isinstance(m, nn.Linear) or re.search(r"(^|\.)(t|fps|text)_embedder\.", name):
             continue
-        if ".adaLN" in name or name.endswith("cross.kv"):
+        if ".adaLN" in name or name.startswith("final.adaLN") or name.endswith("cross.kv"):
             continue
         total += m.weight.numel()
     return total
 
 
 @pytest.mark.parametrize("text_dim", [0, 32])
-def test_per_token_parameters_match_the_model(text_dim):
-    cfg = preset("DiT-Tiny", text_dim=text_dim, in_channels=3, patch_size_t=2)
+@pytest.mark.parametrize("block_embedders", [False, True])
+def test_per_token_parameters_match_the_model(text_dim, block_embedders):
+    cfg = preset("DiT-Tiny", text_dim=text_dim, in_channels=3, patch_size_t=2, num_classes=5, fps_cond=True,
+                 block_embedders=block_embedders)
     with torch.device("meta"):
         model = DiT(cfg)
     assert count_params(cfg).per_token_params == per_token_linear_weights(model)
@@ -63,7 +67,8 @@ def test_batch_flops_counts_every_sample_at_its_own_length():
 
 @pytest.mark.parametrize("name", [arch.tiny for arch in ARCHS.values()])
 @pytest.mark.parametrize("text_dim", [0, 16])
-def test_weight_counts_match_the_matmuls_of_a_forward(name, text_dim):
+@pytest.mark.parametrize("block_embedders", [False, True])
+def test_weight_counts_match_the_matmuls_of_a_forward(name, text_dim, block_embedders):
     """torch's FLOP counter over one forward of one sample (N tokens, L text tokens): its matmuls with weights are
     per_token·N + per_text_token·L + per_sample multiply-accumulates (attention's own products run in SDPA, which
     the counter leaves out on the CPU, and are the separate 2·L·d·N² term)."""
@@ -72,16 +77,22 @@ def test_weight_counts_match_the_matmuls_of_a_forward(name, text_dim):
     from ditcore.layout import grid_positions
     from ditcore.models import build
 
-    cfg = preset(name, in_channels=4, text_dim=text_dim)
+    cfg = preset(name, in_channels=4, text_dim=text_dim, fps_cond=block_embedders, block_embedders=block_embedders)
     model = build(cfg)
     N, L = 32, 5
     cond = {"text": torch.randn(1, L, text_dim)} if text_dim else {}
+    cond |= {"fps": torch.ones(1, 1)} if cfg.fps_cond else {}
     with FlopCounterMode(display=False) as counter, torch.no_grad():
         model(torch.randn(1, N, cfg.patch_dim), torch.zeros(1, 1), grid_positions((2, 4, 4)), **cond)
     ops = counter.get_flop_counts()["Global"]
     macs = sum(int(v) for op, v in ops.items() if str(op) in ("aten.mm", "aten.addmm", "aten.bmm")) // 2
     c = count_params(cfg)
     assert macs == c.per_token_params * N + c.per_text_token_params * (L if text_dim else 0) + c.per_sample_params
+    if block_embedders:  # every block after the first embeds the noise level and the fps once per sample
+        shared = count_params(cfg.replace(block_embedders=False))
+        D = cfg.hidden_size
+        assert c.per_sample_params - shared.per_sample_params == (cfg.depth - 1) * 2 * (256 * D + D * D)
+        assert (c.per_token_params, c.per_text_token_params) == (shared.per_token_params, shared.per_text_token_params)
 
 
 @pytest.mark.parametrize("name", ["DiT-Tiny", "ST-DiT-Tiny"])

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import re
 
 import pytest
 import torch
@@ -13,13 +14,13 @@ from diffusers import DDIMScheduler, DiTTransformer2DModel
 
 from ditcore import interop
 from ditcore.codecs import LatentStats
-from ditcore.diffusion import EDMPrecond, edm_sampler
+from ditcore.diffusion import EDMPrecond, ddim_sampler, edm_sampler, guided
 from ditcore.diffusion.vp import DiscreteVP
 from ditcore.interop import ConversionError, diffusers_dit, original
 from ditcore.layout import grid_positions, patchify, unpatchify
 from ditcore.models import DiT
 from ditcore.models.dit import DiTConfig
-from ditcore.testing import EPS32, Payload, assert_close_fp32, dit_forward_work
+from ditcore.testing import EPS32, Payload, assert_close_fp32, dit_forward_work, dit_pipeline_loop
 
 # XL's head width (72) and learned Σ, at a size a CPU runs in milliseconds: 2 blocks of 2 heads, 8x8 latents, patch 2
 XL_SHAPED = dict(num_attention_heads=2, attention_head_dim=72, in_channels=4, out_channels=8, num_layers=2,
@@ -36,10 +37,12 @@ def randomise(model: torch.nn.Module, seed: int) -> torch.nn.Module:
     return model
 
 
-def diffusers_dit_model(seed: int = 0, **changes) -> DiTTransformer2DModel:
+def diffusers_dit_model(seed: int = 0, shared: bool = True, **changes) -> DiTTransformer2DModel:
+    """shared: one embedder copied into every block, as diffusers' conversion of the original DiT holds it; else
+    each block's own, as a DiT made or trained in diffusers has them."""
     model = randomise(DiTTransformer2DModel(**(XL_SHAPED | changes)), seed).eval()
-    with torch.no_grad():  # diffusers' converted DiTs hold one embedder, copied into every block
-        for block in model.transformer_blocks[1:]:
+    with torch.no_grad():
+        for block in model.transformer_blocks[1:] if shared else []:
             block.norm1.emb.load_state_dict(model.transformer_blocks[0].norm1.emb.state_dict())
     return model
 
@@ -73,8 +76,8 @@ def test_converted_diffusers_weights_give_diffusers_forward(tmp_path, changes):
     cfg = got.cfg
     assert (cfg.hidden_size, cfg.depth, cfg.num_heads, cfg.learn_sigma) == \
         (144, 2, 2, theirs.config.out_channels == 8)
-    assert (cfg.freq_shift, cfg.mlp_norm_eps, cfg.pos_embed, cfg.max_grid) == \
-        (1, theirs.config.norm_eps, "sincos_2d", (1, 4, 4))
+    assert (cfg.freq_shift, cfg.mlp_norm_eps, cfg.pos_embed, cfg.max_grid, cfg.block_embedders) == \
+        (1, theirs.config.norm_eps, "sincos_2d", (1, 4, 4), False)  # copies of one embedder: ditcore's shared one
     x, t, y = inputs(theirs)
     with torch.no_grad():
         expected = theirs(x, timestep=t, class_labels=y).sample
@@ -254,13 +257,29 @@ def test_original_import_refuses_what_it_cannot_convert(tmp_path):
         original.to_ditcore(state, num_heads=2)
 
 
-def test_diffusers_blocks_with_their_own_embedders_are_refused(tmp_path):
-    theirs = diffusers_dit_model()
+def test_diffusers_blocks_with_their_own_embedders_load_per_block_and_export_back(tmp_path):
+    """A DiT whose blocks' embedders differ (made or trained in diffusers) imports with block_embedders and computes
+    diffusers' forward; exported, diffusers loads it as its own and computes the same again, every tensor intact."""
+    theirs = diffusers_dit_model(seed=4, shared=False)
+    ours, got = imported(theirs, tmp_path / "transformer")
+    assert got.cfg.block_embedders
+    x, t, y = inputs(theirs)
+    work = dit_forward_work(got.cfg, 16)
     with torch.no_grad():
-        theirs.transformer_blocks[1].norm1.emb.timestep_embedder.linear_1.bias.add_(1.0)
-    theirs.save_pretrained(tmp_path / "t")
-    with pytest.raises(ConversionError, match="block 1's timestep/class embedder differs from block 0's"):
-        interop.read(tmp_path / "t")
+        expected = theirs(x, timestep=t, class_labels=y).sample
+        assert_close_fp32(ours_forward(ours, x, t, y), expected, work=work)
+        shared = DiT(got.cfg.replace(block_embedders=False)).eval()  # block 1 read with block 0's embedders
+        shared.load_state_dict({k: v for k, v in got.tensors.items()
+                                if not re.match(r"blocks\.\d+\.\w+_embedder", k)})
+        assert (ours_forward(shared, x, t, y) - expected).abs().max() > 1e-2 * expected.abs().max()  # not vacuous
+    out = interop.export_diffusers(tmp_path / "exported", got.cfg, got.tensors, got.vp)
+    again = DiTTransformer2DModel.from_pretrained(out, low_cpu_mem_usage=False).eval()
+    assert again.state_dict().keys() == theirs.state_dict().keys()
+    assert all(torch.equal(again.state_dict()[k], v) for k, v in theirs.state_dict().items())
+    with torch.no_grad():
+        assert_close_fp32(again(x, timestep=t, class_labels=y).sample, ours_forward(ours, x, t, y), work=work)
+    back = interop.read(out)
+    assert back.cfg == got.cfg and all(torch.equal(back.tensors[k], v) for k, v in got.tensors.items())
 
 
 def test_a_pipeline_folder_gives_its_schedule_and_vae(tmp_path):
@@ -270,10 +289,261 @@ def test_a_pipeline_folder_gives_its_schedule_and_vae(tmp_path):
         tmp_path / "pipe" / "scheduler")
     (tmp_path / "pipe" / "model_index.json").write_text(json.dumps({"_class_name": "DiTPipeline"}))
     got = interop.read(tmp_path / "pipe")
-    assert got.vp == DiscreteVP(beta_schedule="scaled_linear", beta_start=0.00085, beta_end=0.012)
+    # DDIMScheduler's default clip_sample=True is its config's too
+    assert got.vp == DiscreteVP(beta_schedule="scaled_linear", beta_start=0.00085, beta_end=0.012, clip_sample=True)
     assert got.vae is None  # the pipeline has no vae/ here
     # the schedule itself equals diffusers' (its float32 products against our float64: ~T ε relative)
     ours = got.vp.alphas_cumprod()
     theirs_a = DDIMScheduler.from_pretrained(tmp_path / "pipe" / "scheduler").alphas_cumprod.double()
     assert ((ours - theirs_a).abs() / ours).max() < 1000 * EPS32
     assert diffusers_dit.refusal(got.cfg) is None
+
+# --------------------------------------------------------------------------------------------------
+# Folders as the hub's were written: facebook/DiT-XL-2-256 came from diffusers' scripts/convert_dit_to_diffusers.py
+# under diffusers 0.12, which saved the transformer as a Transformer2DModel (pickled weights; safetensors were added to
+# the hub later) and the scheduler as DDIMScheduler(num_train_timesteps=1000, beta_schedule="linear",
+# prediction_type="epsilon", clip_sample=False)
+
+# Transformer2DModel's config fields in diffusers 0.12 (no norm_eps yet: the DiT default, 1e-5, applies), DiT-XL/2's
+# values but for the size
+HUB_TRANSFORMER = {"_class_name": "Transformer2DModel", "_diffusers_version": "0.12.0.dev0",
+                   "activation_fn": "gelu-approximate", "attention_bias": True, "cross_attention_dim": None,
+                   "dropout": 0.0, "norm_elementwise_affine": False, "norm_num_groups": 32,
+                   "norm_type": "ada_norm_zero", "num_vector_embeds": None, "only_cross_attention": False,
+                   "upcast_attention": False, "use_linear_projection": False}
+HUB_SCHEDULER = {"_class_name": "DDIMScheduler", "_diffusers_version": "0.12.0.dev0", "beta_end": 0.02,
+                 "beta_schedule": "linear", "beta_start": 0.0001, "clip_sample": False, "num_train_timesteps": 1000,
+                 "prediction_type": "epsilon", "set_alpha_to_one": True, "steps_offset": 0, "trained_betas": None}
+HUB_INDEX = {"_class_name": "DiTPipeline", "_diffusers_version": "0.12.0.dev0",
+             "scheduler": ["diffusers", "DDIMScheduler"], "transformer": ["diffusers", "Transformer2DModel"],
+             "vae": ["diffusers", "AutoencoderKL"]}
+
+
+def tiny_vae(folder):
+    from diffusers import AutoencoderKL
+
+    torch.manual_seed(0)
+    AutoencoderKL(block_out_channels=(8, 16), down_block_types=("DownEncoderBlock2D",) * 2,
+                  up_block_types=("UpDecoderBlock2D",) * 2, layers_per_block=1, latent_channels=4,
+                  norm_num_groups=8).save_pretrained(folder)
+
+
+def hub_folder(root, theirs: DiTTransformer2DModel, weights: str = "bin"):
+    """A DiT pipeline folder laid out as facebook/DiT-XL-2-256's: model_index.json naming the Transformer2DModel,
+    transformer/config.json written as a Transformer2DModel, its weights pickled (.bin, torch.save of the state
+    dict) or as safetensors, scheduler/ and vae/."""
+    from safetensors.torch import save_file
+
+    (root / "transformer").mkdir(parents=True)
+    c = theirs.config
+    config = HUB_TRANSFORMER | {k: c[k] for k in ("attention_head_dim", "in_channels", "num_attention_heads",
+                                                  "num_embeds_ada_norm", "num_layers", "out_channels", "patch_size",
+                                                  "sample_size")}
+    (root / "transformer" / "config.json").write_text(json.dumps(config, indent=2))
+    state = {k: v.contiguous() for k, v in theirs.state_dict().items()}
+    if weights == "bin":
+        torch.save(state, root / "transformer" / "diffusion_pytorch_model.bin")
+    else:
+        save_file(state, root / "transformer" / "diffusion_pytorch_model.safetensors")
+    (root / "scheduler").mkdir()
+    (root / "scheduler" / "scheduler_config.json").write_text(json.dumps(HUB_SCHEDULER, indent=2))
+    tiny_vae(root / "vae")
+    labels = {str(i): f"class {i}" for i in range(c.num_embeds_ada_norm)}
+    (root / "model_index.json").write_text(json.dumps(HUB_INDEX | {"id2label": labels}, indent=2))
+    return root
+
+
+@pytest.mark.parametrize("weights", ["bin", "safetensors"])
+def test_a_folder_as_the_hub_wrote_it_loads_in_diffusers_and_samples_alike_in_ditcore(tmp_path, weights):
+    """diffusers itself loads the folder (Transformer2DModel remapped to DiTTransformer2DModel by its norm_type, as
+    diffusers does) to the network it was written from, exactly; ditcore reads it too (DiT's schedule, from the
+    scheduler's config), and its DDIM under guidance from the same x_T lands where DiTPipeline's own call does,
+    within float32 error (1000 classes: DiTPipeline's null class is fixed at 1000)."""
+    from diffusers import DiTPipeline, Transformer2DModel
+
+    theirs = diffusers_dit_model(seed=8, num_embeds_ada_norm=1000)
+    root = hub_folder(tmp_path / "DiT-XL-2-256", theirs, weights)
+    x, t, y = inputs(theirs)
+    pipe = DiTPipeline.from_pretrained(root)
+    legacy = Transformer2DModel.from_pretrained(root / "transformer")
+    with torch.no_grad():
+        expected = theirs(x, timestep=t, class_labels=y).sample
+        for loaded in (pipe.transformer, legacy, DiTTransformer2DModel.from_pretrained(root / "transformer")):
+            assert type(loaded) is DiTTransformer2DModel
+            assert torch.equal(loaded.eval()(x, timestep=t, class_labels=y).sample, expected)
+    assert type(pipe.scheduler) is DDIMScheduler and not pipe.scheduler.config.clip_sample
+
+    got = interop.read(root)
+    assert got.kind == "diffusers DiTTransformer2DModel" and got.vp == DiscreteVP() and got.vae == root / "vae"
+    assert not got.cfg.block_embedders and got.cfg.num_classes == 1000
+    ours = DiT(got.cfg).eval()
+    ours.load_state_dict(got.tensors)
+    with torch.no_grad():
+        assert_close_fp32(ours_forward(ours, x, t, y), expected, work=dit_forward_work(got.cfg, 16))
+
+    # DiTPipeline's own call: its x_T is randn of its generator, its latents what it hands the VAE (x scaling)
+    steps, labels, guidance = 6, [3, 999], 4.0
+    seen = []
+    decode = pipe.vae.decode
+    pipe.vae.decode = lambda z, *a, **k: (seen.append(z.clone()), decode(z, *a, **k))[1]
+    pipe(class_labels=labels, num_inference_steps=steps, guidance_scale=guidance,
+         generator=torch.Generator().manual_seed(9), output_type="pt")
+    theirs32 = seen[0] * pipe.vae.config.scaling_factor
+    x_T = torch.randn(2, 4, 8, 8, generator=torch.Generator().manual_seed(9))
+    loop32 = dit_pipeline_loop(pipe.transformer, pipe.scheduler, x_T, labels, 1000, guidance, steps)
+    theirs64 = dit_pipeline_loop(copy.deepcopy(pipe.transformer).double(), copy.deepcopy(pipe.scheduler),
+                                 x_T.double(), labels, 1000, guidance, steps, got.vp.alphas_cumprod())
+    ours_x = ours_ddim(ours, got.vp, x_T, labels, guidance, steps)
+    assert_within_fp32_error(ours_x, theirs32, theirs64)
+    # the float64 reference is the pipeline's loop: the same loop in float32 is the pipeline's call to float32 error
+    assert (loop32 - theirs32).abs().max() <= (theirs32.double() - theirs64).abs().max()
+
+
+def test_a_sharded_save_loads_and_a_shard_outside_the_folder_is_refused(tmp_path):
+    """save_pretrained splits a large model into shards named by an index, which diffusers loads: so does ditcore,
+    reading only files beside the index."""
+    theirs = diffusers_dit_model(shared=False)
+    theirs.save_pretrained(tmp_path / "sharded", max_shard_size="200KB")
+    index = tmp_path / "sharded" / "diffusion_pytorch_model.safetensors.index.json"
+    assert index.is_file() and len(set(json.loads(index.read_text())["weight_map"].values())) > 1
+    got = interop.read(tmp_path / "sharded")
+    assert got.tensors.keys() == imported(theirs, tmp_path / "whole")[1].tensors.keys()
+    loaded = DiTTransformer2DModel.from_pretrained(tmp_path / "sharded", low_cpu_mem_usage=False).eval()
+    ours = DiT(got.cfg).eval()
+    ours.load_state_dict(got.tensors)
+    x, t, y = inputs(theirs)
+    with torch.no_grad():
+        assert_close_fp32(ours_forward(ours, x, t, y), loaded(x, timestep=t, class_labels=y).sample,
+                          work=dit_forward_work(got.cfg, 16))
+    mapping = json.loads(index.read_text())
+    first = next(iter(mapping["weight_map"]))
+    index.write_text(json.dumps(mapping | {"weight_map": mapping["weight_map"] | {first: "../elsewhere.safetensors"}}))
+    refused = re.escape("names the shard '../elsewhere.safetensors', which is not a file in")
+    with pytest.raises(ConversionError, match=refused):
+        interop.read(tmp_path / "sharded")
+
+
+def test_a_hostile_pickled_bin_in_a_folder_is_refused_and_never_runs(tmp_path):
+    """The hub folder's .bin is a plain state dict, read with weights_only; one that holds anything else is refused in
+    one line, and its payload does not run."""
+    theirs = diffusers_dit_model()
+    root = hub_folder(tmp_path / "pipe", theirs, "bin")
+    marker = tmp_path / "pwned"
+    torch.save({**theirs.state_dict(), "payload": Payload(marker)}, root / "transformer" /
+               "diffusion_pytorch_model.bin")
+    with pytest.raises(ConversionError, match="loads no pickled Python objects") as e:
+        interop.read(root)
+    assert len(str(e.value).splitlines()) == 1 and not marker.exists()
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    (dict(norm_type="ada_norm_single"), "Transformer2DModel with norm_type='ada_norm_single', which diffusers loads "
+                                        "as another model than a DiT"),
+    (dict(norm_type=None), "norm_type=None"),
+    (dict(cross_attention_dim=64), "Transformer2DModel with cross_attention_dim=64: not a DiT"),
+    (dict(_class_name="UNet2DModel"), "holds a 'UNet2DModel', not a DiTTransformer2DModel"),
+])
+def test_a_transformer_config_that_is_not_a_dit_is_refused_naming_the_field(tmp_path, change, message):
+    root = hub_folder(tmp_path / "pipe", diffusers_dit_model())
+    config = json.loads((root / "transformer" / "config.json").read_text())
+    (root / "transformer" / "config.json").write_text(json.dumps(config | change))
+    with pytest.raises(ConversionError, match=re.escape(message)) as e:
+        interop.read(root)
+    assert len(str(e.value).splitlines()) == 1
+
+
+# --------------------------------------------------------------------------------------------------
+# Scheduler settings: every field that moves the sampled timesteps or ᾱ, honoured (DDIM's loop equals diffusers')
+# or refused by name
+
+
+def ours_ddim(model: DiT, vp: DiscreteVP, x_T, labels: list[int], guidance: float, steps: int) -> torch.Tensor:
+    """ditcore's DDIM (ditcore.diffusion.ddim_sampler, float64 state, float32 network) of latents x_T under
+    guidance, as ditcore.sampling composes it."""
+    precond = EDMPrecond(model, vp=vp)
+    p, size = model.cfg.patch_size, x_T.shape[-1]
+    pos = grid_positions((1, size // p, size // p))
+    y = torch.tensor(labels + ([model.null_class] * len(labels) if guidance != 1 else []))[:, None]
+    denoise = lambda z, s: _latents_denoise(lambda t, s: precond(t, s.expand(len(t)), pos=pos, class_labels=y),
+                                            z, s, model)
+    with torch.no_grad():
+        return ddim_sampler(guided(denoise, guidance) if guidance != 1 else denoise, x_T.double(), vp, steps)
+
+
+def assert_within_fp32_error(ours: torch.Tensor, theirs32: torch.Tensor, theirs64: torch.Tensor) -> None:
+    """diffusers' float32 loop's distance from the same loop in float64 is this computation's float32 error (the
+    random network's x̂₀ reach hundreds, so it is measured, not worked out): ditcore's, float32 network and float64
+    sampler, is as close to the float64 result, within 2x."""
+    fp32_error = (theirs32.double() - theirs64).abs().max().item()
+    assert 0 < fp32_error < 1e-5 * theirs64.abs().max().item()
+    assert (ours.double() - theirs64).abs().max().item() <= 2 * fp32_error
+
+
+SETTINGS = {  # (scheduler class, its settings, steps)
+    "steps_offset=1": ("DDIMScheduler", dict(steps_offset=1), 10),
+    "trailing": ("DDIMScheduler", dict(timestep_spacing="trailing"), 10),
+    "trailing-7": ("DDIMScheduler", dict(timestep_spacing="trailing"), 7),  # each step lands off the next timestep
+    "linspace": ("DDIMScheduler", dict(timestep_spacing="linspace"), 10),
+    "set_alpha_to_one=False": ("DDIMScheduler", dict(set_alpha_to_one=False), 10),
+    "set_alpha_to_one=False,steps_offset=1": ("DDIMScheduler", dict(set_alpha_to_one=False, steps_offset=1), 10),
+    "clip_sample": ("DDIMScheduler", dict(clip_sample=True, clip_sample_range=3.0), 10),
+    # a DDPMScheduler config is sampled as DDIMScheduler.from_config(it) samples it
+    "DDPMScheduler": ("DDPMScheduler", dict(timestep_spacing="trailing", beta_schedule="scaled_linear",
+                                            beta_start=0.00085, beta_end=0.012), 10),
+}
+
+
+@pytest.mark.parametrize("setting", SETTINGS)
+def test_ddim_under_each_scheduler_setting_is_diffusers_ddim(tmp_path, setting):
+    import diffusers
+
+    kind, settings, steps = SETTINGS[setting]
+    config = getattr(diffusers, kind)(**({"clip_sample": False} | settings)).config
+    vp = interop.schedule_from_diffusers(dict(config))
+    scheduler = DDIMScheduler.from_config(config)
+    scheduler.set_timesteps(steps)
+    assert vp.ddim_timesteps(steps)[0] == scheduler.timesteps.tolist()
+    theirs = diffusers_dit_model(seed=5)
+    ours, _ = imported(theirs, tmp_path / "transformer")
+    x_T, labels = inputs(theirs, batch=2, seed=6)[0], [1, 7]
+    theirs32 = dit_pipeline_loop(theirs, scheduler, x_T, labels, 10, 1.0, steps)
+    theirs64 = dit_pipeline_loop(copy.deepcopy(theirs).double(), copy.deepcopy(scheduler), x_T.double(), labels, 10,
+                                 1.0, steps, vp.alphas_cumprod())
+    assert_within_fp32_error(ours_ddim(ours, vp, x_T, labels, 1.0, steps), theirs32, theirs64)
+    # the setting is not idle: DDIM with DiT's own settings on the same schedule lands elsewhere
+    plain = ours_ddim(ours, vp.trained(), x_T, labels, 1.0, steps)
+    assert (plain.double() - theirs64).abs().max() > 10 * (theirs32.double() - theirs64).abs().max()
+
+
+@pytest.mark.parametrize(("kind", "change", "message"), [
+    ("DDIMScheduler", dict(thresholding=True), "the scheduler says thresholding=True: dynamic thresholding"),
+    ("DDIMScheduler", dict(rescale_betas_zero_snr=True), "the scheduler says rescale_betas_zero_snr=True: zero "
+                                                         "terminal SNR"),
+    ("DDIMScheduler", dict(trained_betas=[1e-4] * 1000), "the scheduler says trained_betas=[0.0001,"),
+    ("DDIMScheduler", dict(beta_schedule="sigmoid"), "the scheduler's beta_schedule='sigmoid' is not supported"),
+    ("DDIMScheduler", dict(prediction_type="v_prediction"), "the scheduler says prediction_type='v_prediction'"),
+    ("DDIMScheduler", dict(timestep_spacing="karras"), "timestep_spacing='karras' is unknown"),
+    ("DPMSolverMultistepScheduler", {}, "the scheduler is a 'DPMSolverMultistepScheduler' (_class_name): ditcore "
+                                        "reads DDIMScheduler and DDPMScheduler configs"),
+    ("EulerDiscreteScheduler", {}, "the scheduler is a 'EulerDiscreteScheduler' (_class_name)"),
+])
+def test_a_scheduler_setting_ditcore_does_not_follow_is_refused_naming_it(tmp_path, kind, change, message):
+    """Through a pipeline folder, as a user meets it: one line naming the field and its value."""
+    root = hub_folder(tmp_path / "pipe", diffusers_dit_model())
+    config = HUB_SCHEDULER | {"_class_name": kind} | change
+    (root / "scheduler" / "scheduler_config.json").write_text(json.dumps(config))
+    with pytest.raises(ConversionError, match=re.escape(message)) as e:
+        interop.read(root)
+    assert len(str(e.value).splitlines()) == 1
+
+
+def test_ddim_steps_only_ddim_takes_are_refused_for_heun_and_an_offset_past_the_end():
+    clipped = DiscreteVP(clip_sample=True)
+    assert clipped.ddim_refusal(10, "euler") is None
+    assert clipped.ddim_refusal(10, "heun").startswith("schedule ddim with solver heun: this schedule's clip_sample")
+    assert DiscreteVP(timestep_spacing="trailing").ddim_refusal(10, "heun") is None  # 10 divides 1000: same levels
+    assert "timestep_spacing=trailing at 7 steps" in DiscreteVP(timestep_spacing="trailing").ddim_refusal(7, "heun")
+    assert "set_alpha_to_one=False" in DiscreteVP(set_alpha_to_one=False).ddim_refusal(10, "heun")
+    with pytest.raises(ValueError, match=re.escape("1000 DDIM steps with timestep_spacing=leading and steps_offset=1 "
+                                                   "reach timestep 1000, outside the network's 0..999")):
+        DiscreteVP(steps_offset=1).ddim_timesteps(1000)

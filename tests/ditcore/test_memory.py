@@ -67,6 +67,8 @@ CONFIGS = {
     "classes": preset("DiT-Tiny", num_classes=5, hidden_size=96, num_heads=4),
     "everything": preset("DiT-Tiny", text_dim=24, num_classes=7, fps_cond=True, depth=3, hidden_size=128),
     "video": preset("DiT-Tiny", patch_size_t=2, in_channels=8, depth=4, qk_norm=False, pos_embed="sincos"),
+    # every block after the first with its own embedders (diffusers' DiT layout)
+    "block-embedders": preset("DiT-Tiny", text_dim=24, num_classes=7, fps_cond=True, depth=3, block_embedders=True),
 }
 
 # Batches: a model, rows (each a list of the (T, H, W) token grids of the samples packed into it), tokens per row,
@@ -76,6 +78,8 @@ SHAPES = {
     "plain-1x64": (preset("DiT-Tiny", depth=4, hidden_size=128), [[(1, 4, 8), (2, 4, 4)]], 64, 0),
     "fps-3x32": (preset("DiT-Tiny", depth=3, hidden_size=96, text_dim=24, fps_cond=True),
                  [[(2, 4, 4)], [(1, 4, 4), (1, 4, 4)], [(1, 2, 4)]], 32, 6),
+    "own-embedders-2x48": (preset("DiT-Tiny", depth=3, num_classes=5, fps_cond=True, block_embedders=True),
+                           [[(3, 4, 4)], [(2, 3, 4), (1, 4, 4)]], 48, 0),
 }
 
 
@@ -128,7 +132,7 @@ def train_one_step(cfg):
     return model, optimizer, ema
 
 
-@pytest.mark.parametrize("name", ["text", "everything"])
+@pytest.mark.parametrize("name", ["text", "everything", "block-embedders"])
 def test_state_bytes_are_those_of_a_real_training_step(name):
     cfg = CONFIGS[name]
     model, optimizer, ema = train_one_step(cfg)
@@ -364,7 +368,7 @@ def shape_of(case: str):
     cfg, rows, N, L = SHAPES[shape]
     if name:
         cfg = preset(name, text_dim=cfg.text_dim, num_classes=cfg.num_classes, fps_cond=cfg.fps_cond,
-                     depth=2 * cfg.depth)
+                     block_embedders=cfg.block_embedders, depth=2 * cfg.depth)
     return cfg, rows, N, L
 
 
@@ -529,8 +533,9 @@ def stage_model(cfg, pp: int, stage: int, device="meta") -> DiT:
 
 
 @pytest.mark.parametrize("pp", [2, 3])
-def test_a_pipeline_stage_holds_its_blocks_and_the_embedders(pp):
-    cfg = CONFIGS["everything"]  # depth 3, every embedder
+@pytest.mark.parametrize("name", ["everything", "block-embedders"])
+def test_a_pipeline_stage_holds_its_blocks_and_the_embedders(pp, name):
+    cfg = CONFIGS[name]  # depth 3, every embedder (and with block_embedders each later block's own)
     whole = sum(p.numel() for p in DiT(cfg).parameters())
     for stage in range(pp):
         params = list(stage_model(cfg, pp, stage).parameters())

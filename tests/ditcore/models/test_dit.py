@@ -113,6 +113,36 @@ def test_packed_rows_equal_samples_run_alone(arch, pos_embed, attention):
     assert (packed[0, :16] - x[0, :16]).abs().mean() > 0.1
 
 
+@pytest.mark.parametrize("arch", TINY)
+def test_blocks_with_their_own_embedders_condition_on_them(arch):
+    """block_embedders: block 0 and the final layer read the model's embedders, every later block its own. With
+    copies of the model's in every block it is the shared model exactly (the same operations); a change to one
+    block's embedders changes the output, and every block's embedders get a gradient."""
+    cfg = tiny(arch, text_dim=24, num_classes=5, fps_cond=True, in_channels=4)
+    shared = randomize(build(cfg)).eval()
+    own = build(cfg.replace(block_embedders=True)).eval()
+    state = shared.state_dict()
+    for i in range(1, cfg.depth):
+        state |= {f"blocks.{i}.{k}": v for k, v in shared.state_dict().items()
+                  if k.split(".")[0] in ("t_embedder", "y_embedder", "fps_embedder")}
+    own.load_state_dict(state)  # strict: exactly the shared model's tensors and each later block's copies
+    g = torch.Generator().manual_seed(3)
+    x, c_noise = torch.randn(2, 16, cfg.patch_dim, generator=g), torch.randn(2, 1, generator=g)
+    cond = dict(class_labels=torch.tensor([[1], [5]]), fps=torch.tensor([[8.0], [24.0]]),
+                text=torch.randn(2, 3, 24, generator=g))
+    pos = grid_positions((1, 4, 4))
+    with torch.no_grad():
+        assert torch.equal(own(x, c_noise, pos, **cond), shared(x, c_noise, pos, **cond))
+        own.blocks[cfg.depth - 1].y_embedder.weight[1].add_(1.0)  # the last block's row for class 1 only
+        moved = own(x, c_noise, pos, **cond) - shared(x, c_noise, pos, **cond)
+    assert moved[0].abs().max() > 1e-3 and torch.equal(moved[1], torch.zeros_like(moved[1]))  # class 5 unmoved
+    own.train()
+    own(x, c_noise, pos, **cond).square().sum().backward()
+    for i in range(1, cfg.depth):
+        for name in ("t_embedder.mlp.0.weight", "y_embedder.weight", "fps_embedder.mlp.2.weight"):
+            assert own.blocks[i].get_parameter(name).grad.abs().sum() > 0, (i, name)
+
+
 @pytest.mark.parametrize("attention", ["sdpa", "flex"])
 def test_text_padding_is_not_attended(attention):
     cfg = tiny(text_dim=24)
@@ -191,14 +221,17 @@ def dit_init_kind(name: str, shape: torch.Size) -> str:
     block_zero = parts[0] == "blocks" and parts[2:] in (["adaLN", "1"], ["cross", "proj"])
     if module in ("final.linear", "final.adaLN.1") or block_zero:
         return "zero"  # adaLN-Zero: every block starts as the identity, the model's output at zero
-    if module in ("y_embedder", "t_embedder.mlp.0", "t_embedder.mlp.2", "fps_embedder.mlp.0", "fps_embedder.mlp.2"):
+    own = module.split(".", 2)[2] if parts[0] == "blocks" and len(parts) > 2 else None  # block_embedders: a block's
+    if {module, own} & {"y_embedder", "t_embedder.mlp.0", "t_embedder.mlp.2", "fps_embedder.mlp.0",
+                        "fps_embedder.mlp.2"}:
         return "normal"
     return "xavier" if len(shape) == 2 else "one"
 
 
-def test_initialisation_follows_dit():
+@pytest.mark.parametrize("block_embedders", [False, True])
+def test_initialisation_follows_dit(block_embedders):
     torch.manual_seed(0)
-    model = DiT(tiny(text_dim=24, num_classes=5, fps_cond=True))
+    model = DiT(tiny(text_dim=24, num_classes=5, fps_cond=True, block_embedders=block_embedders))
     kinds = {}
     for name, p in model.named_parameters():
         kind = kinds[name] = dit_init_kind(name, p.shape)
@@ -213,7 +246,9 @@ def test_initialisation_follows_dit():
             assert p.abs().max() <= bound and p.abs().max() > 0.95 * bound, name  # >= 1024 values reach the edge
             assert abs(p.std().item() / (bound / 3**0.5) - 1) < 0.1, name
     counts = {k: list(kinds.values()).count(k) for k in ("zero", "one", "normal", "xavier")}
-    assert counts["normal"] == 5 and counts["xavier"] >= 15 and counts["one"] >= 10, counts  # not vacuous
+    # not vacuous: the model's 5 embedder weights, and block 1's own 5 (DiT-Tiny has 2 blocks)
+    assert counts["normal"] == (10 if block_embedders else 5) and counts["xavier"] >= 15 and counts["one"] >= 10, \
+        counts
 
 
 def test_the_global_seed_decides_the_weights():

@@ -9,7 +9,7 @@ from ditcore.models.dit import DIT_PLAN
 from ditcore.models.moviegen import MOVIEGEN_PLAN
 from ditcore.models.plan import ColumnParallel, Plan
 
-FULL = dict(text_dim=24, num_classes=5, fps_cond=True)  # every optional layer of the DiT
+FULL = dict(text_dim=24, num_classes=5, fps_cond=True, block_embedders=True)  # every optional layer of the DiT
 
 
 @pytest.mark.parametrize("changes", [{}, FULL, dict(text_dim=24), dict(num_classes=5)])

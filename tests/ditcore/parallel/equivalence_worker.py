@@ -50,6 +50,7 @@ DATA = dict(in_channels=4, num_classes=5, text_dim=16, fps_cond=True)
 # ("stdit_cut": ST-DiT on the DiT's packed rows, whose halves cut a 3x3-token image: its CP gathers instead)
 CONFIGS = {"dit": CFG, "moviegen": preset("MovieGen-Tiny", **DATA), "stdit": preset("ST-DiT-Tiny", **DATA)}
 CONFIGS["stdit_cut"] = CONFIGS["stdit"]
+CONFIGS["embedders"] = CFG.replace(block_embedders=True)  # "embedders:CASE": each later block its own embedders
 B, GRID = 4, (2, 4, 4)  # 4 rows of 32 tokens
 
 

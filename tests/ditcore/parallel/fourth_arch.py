@@ -39,8 +39,8 @@ class ReGLU(nn.Module):
 
 
 class ReGLUBlock(DiTBlock):
-    def __init__(self, cfg: ReGLUConfig):
-        super().__init__(cfg)
+    def __init__(self, cfg: ReGLUConfig, **options):  # DiTBlock's options (own_embedders: block_embedders)
+        super().__init__(cfg, **options)
         self.mlp = ReGLU(cfg.hidden_size, cfg.ffn)
 
 
@@ -50,7 +50,7 @@ class ReGLUDiT(DiT):
 
 # Gate and up split by hidden units alike (contiguous column splits), so each rank multiplies matching halves.
 PLAN = Plan(
-    modules={k: v for k, v in DIT_PLAN.modules.items() if not k.startswith("blocks.*.mlp.")} | {
+    modules={k: v for k, v in DIT_PLAN.modules.items() if not k.startswith("blocks.*[0-9].mlp.")} | {
         "blocks.*.mlp.gate": ColumnParallel(),
         "blocks.*.mlp.up": ColumnParallel(),
         "blocks.*.mlp.down": RowParallel(),

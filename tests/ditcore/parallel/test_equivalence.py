@@ -27,7 +27,10 @@ CASES = ["tp2", "tp2_sp", "cp2", "dp2", "tp2_packed", "tp2_sp_packed", "cp2_pack
          "stdit:cp2_packed_selective", "stdit:pp2_packed",  # the all-to-all outside the checkpoints; two stages
          "stdit_cut:cp2_packed",  # rows whose halves cut a frame: gathered instead
          # an architecture registered outside ditcore (fourth_arch.py, test_registry.py): its own TP plan, with SP
-         "reglu:tp2_sp_packed"]
+         "reglu:tp2_sp_packed",
+         # the DiT with each later block's own embedders (block_embedders): replicated under TP, inside each block's
+         # FSDP unit, on each block's pipeline stage
+         "embedders:tp2_sp_packed", "embedders:fsdp_dp2", "embedders:pp2_packed"]
 CASES_4 = ["fsdp_tp2_sp_dp2",  # 4 processes: TP=2 × FSDP over DP=2
            "hsdp_dp4",  # HSDP: sharded over 2 ranks, replicated twice
            "pp2_tp2_sp_packed",  # two stages of TP=2 + SP

@@ -24,7 +24,7 @@ from ditcore.models.dit import DIT_PLAN
 from .fourth_arch import ARCH as FOURTH
 from .fourth_arch import ReGLUConfig, ReGLUDiT
 
-FULL = dict(text_dim=24, num_classes=5, fps_cond=True)  # every optional layer
+FULL = dict(text_dim=24, num_classes=5, fps_cond=True, block_embedders=True)  # every optional layer
 
 
 @pytest.fixture

@@ -132,6 +132,13 @@ class Sampler:
         if schedule == "ddim" and steps > vp.timesteps:
             raise RequestError(f"steps={steps} is more than the network's {vp.timesteps} timesteps that schedule "
                                f"ddim steps through: expected 1..{vp.timesteps}")
+        if schedule == "ddim":
+            try:  # a steps_offset may push the timesteps past the network's last
+                why = vp.ddim_refusal(steps, solver)
+            except ValueError as e:
+                raise RequestError(str(e)) from None
+            if why:
+                raise RequestError(why)
         if self.class_conditional:
             n = self.exported.model.cfg.num_classes
             if not class_labels or any(not _is_number(c, int) or not 0 <= c < n for c in class_labels):

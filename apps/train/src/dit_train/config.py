@@ -88,6 +88,9 @@ class Model(Section):
     mlp_norm_eps: Number | None = Field(None, gt=0, lt=1, description="eps of the LayerNorm before each MLP (1e-6 "
                                                                       "DiT's, 1e-5 diffusers' port); default: the "
                                                                       "preset's")
+    block_embedders: bool | None = Field(None, description="every block after the first with its own timestep/class/"
+                                                           "fps embedders, as diffusers' DiTTransformer2DModel "
+                                                           "(off: one set shared, DiT's); default: the preset's")
     compile: bool = Field(False, description="torch.compile each block")
     activation_checkpointing: Literal["none", "block", "selective"] = Field(
         "none", description="recompute in backward, for memory: block: each block's whole forward; selective: all "

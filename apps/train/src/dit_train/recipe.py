@@ -32,7 +32,7 @@ from ditcore.training import LatentMap
 
 # model keys that override one DiTConfig field each (model.max_grid bounds positions only: it may differ)
 ARCH_KEYS = ("patch_size", "patch_size_t", "depth", "num_heads", "pos_embed", "qk_norm", "fps_cond", "learn_sigma",
-             "freq_shift", "mlp_norm_eps")
+             "freq_shift", "mlp_norm_eps", "block_embedders")
 PRESET_FIELDS = ("hidden_size", "depth", "num_heads", "patch_size", "patch_size_t", "mlp_ratio")
 
 
@@ -93,7 +93,7 @@ def resolve(cfg: TrainConfig, info) -> Recipe:
     vp = None
     if precond == "vp":
         vp = src_vp or e.vp.schedule()
-        if src_vp is not None and _set(e, "vp") and e.vp.schedule() != src_vp:
+        if src_vp is not None and _set(e, "vp") and e.vp.schedule() != src_vp.trained():
             raise ConfigError("edm.vp", e.vp.model_dump(), f"the schedule {_named(source)} was trained with, "
                                                            f"{src_vp.to_dict()} — leave edm.vp unset")
         if e.prediction == "x":
@@ -116,7 +116,9 @@ def resolve(cfg: TrainConfig, info) -> Recipe:
                                                           f"{_named(source)} was trained on (this dataset's have "
                                                           f"{len(data_stats.mean)}) — prepare the data with its VAE")
     edm = e.model_copy(update={"precond": precond, "loss": loss,
-                               "vp": VPSchedule(**vp.to_dict()) if vp is not None else e.vp})
+                               # the schedule trained on (the export records DDIM's steps through it too: vp)
+                               "vp": VPSchedule(**{k: getattr(vp, k) for k in VPSchedule.model_fields})
+                               if vp is not None else e.vp})
     return Recipe(cfg.model_copy(update={"edm": edm}), model_cfg, vp, data_stats, latent_stats, source)
 
 
@@ -128,7 +130,8 @@ def model_config(cfg: TrainConfig, info, source: init_from.Source | None = None)
     m = cfg.model
     changes = dict(in_channels=info.latent_channels, text_dim=info.text_encoder["dim"], num_classes=info.num_classes,
                    pos_embed=m.pos_embed, qk_norm=m.qk_norm, fps_cond=m.fps_cond)
-    for key in ("patch_size", "patch_size_t", "depth", "num_heads", "learn_sigma", "freq_shift", "mlp_norm_eps"):
+    for key in ("patch_size", "patch_size_t", "depth", "num_heads", "learn_sigma", "freq_shift", "mlp_norm_eps",
+                "block_embedders"):
         if getattr(m, key) is not None:
             changes[key] = getattr(m, key)
     if m.max_grid is not None:

@@ -48,6 +48,7 @@ RULES: dict[str, str] = {
     "model.learn_sigma": MODEL,
     "model.freq_shift": MODEL,
     "model.mlp_norm_eps": MODEL,
+    "model.block_embedders": MODEL,
     "model.compile": APPLY,
     "model.activation_checkpointing": APPLY,
     "model.attention": APPLY,

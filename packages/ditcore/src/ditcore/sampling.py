@@ -15,7 +15,7 @@ import torch
 from tqdm import tqdm
 
 from ditcore.codecs import Codec, LatentStats
-from ditcore.diffusion import EDMPrecond, edm_sampler, guided
+from ditcore.diffusion import EDMPrecond, ddim_sampler, edm_sampler, guided
 from ditcore.diffusion.vp import DiscreteVP
 from ditcore.layout import grid_positions, unpatchify
 from ditcore.models.dit import DiT, DiTConfig
@@ -100,7 +100,8 @@ def sample(
 
     prediction: what the network was trained to output (ditcore.diffusion.edm; an export records it).
     vp: a DDPM network's schedule (VP preconditioning, ditcore.diffusion.vp), None for EDM's.
-    schedule: karras (EDM's noise levels, Eq. 5) or ddim (a DDPM network's: DDIM's timesteps)."""
+    schedule: karras (EDM's noise levels, Eq. 5) or ddim (a DDPM network's: DDIM's timesteps, as vp says; with solver
+    euler DDIM itself, ditcore.diffusion.sampler.ddim_sampler)."""
     cfg = model.cfg
     B = len(text_states) if text_states is not None else len(class_labels) if class_labels is not None else num
     if not B:
@@ -129,6 +130,8 @@ def sample(
     if schedule == "ddim" and vp is None:
         raise ValueError("schedule ddim steps through a DDPM network's timesteps: this model is EDM-preconditioned "
                          "(no timesteps) — use schedule karras")
+    if schedule == "ddim" and (why := vp.ddim_refusal(steps, solver)):
+        raise ValueError(why)
     precond = EDMPrecond(model, prediction=prediction, vp=vp).eval()
     sigma_min, sigma_max = precond.sigma_range(SIGMA_MIN, SIGMA_MAX)
     nfe = 0
@@ -140,11 +143,14 @@ def sample(
 
     g = torch.Generator(device="cpu").manual_seed(seed)
     noise = torch.randn(B, pos.shape[0], cfg.patch_dim, generator=g).to(device)
-    tokens = edm_sampler(guided(denoise, guidance) if use_cfg else denoise, noise, steps=steps, solver=solver,
-                         sigma_min=sigma_min, sigma_max=sigma_max,
-                         sigmas=vp.ddim_sigmas(steps) if schedule == "ddim" else None,
-                         round_sigma=None if vp is None else precond.round_sigma, prior_std=precond.prior_std,
-                         callback=callback)
+    D = guided(denoise, guidance) if use_cfg else denoise
+    if schedule == "ddim" and solver == "euler":  # DDIM itself, as the network's scheduler steps
+        tokens = ddim_sampler(D, noise, vp, steps, callback=callback)
+    else:
+        tokens = edm_sampler(D, noise, steps=steps, solver=solver, sigma_min=sigma_min, sigma_max=sigma_max,
+                             sigmas=vp.ddim_sigmas(steps) if schedule == "ddim" else None,
+                             round_sigma=None if vp is None else precond.round_sigma, prior_std=precond.prior_std,
+                             callback=callback)
     latents = unpatchify(tokens, grid, cfg.patch_size, cfg.patch_size_t)  # (B, C, T', H', W')
     pixels = codec.decode(stats.denormalize(latents.float().cpu()))  # (B, 3, F, H, W) in [-1, 1]
     return SampleResult(pixels=to_uint8(pixels).permute(0, 2, 3, 4, 1), latents=latents, nfe=nfe)

@@ -254,3 +254,30 @@ class Payload:
 
     def __reduce__(self):
         return (os.system, (f"touch {shlex.quote(self.marker)}",))
+
+
+@torch.no_grad()
+def dit_pipeline_loop(transformer, scheduler, x_T: torch.Tensor, class_labels: list[int], null_class: int,
+                      guidance: float, steps: int, alphas_cumprod: torch.Tensor | None = None) -> torch.Tensor:
+    """diffusers' own sampling of a DiT (a DiTTransformer2DModel and a diffusers scheduler) as DiTPipeline.__call__
+    steps it, from a given x_T (the pipeline draws its own, and fixes the null class at 1000): one batch of
+    [conditional rows; null-class rows] under guidance, ε guided over all latent channels, the learned-Σ half
+    dropped, `scheduler.step`. In x_T's dtype. alphas_cumprod (float64, the transformer in float64 too) makes it the
+    float64 reference: its distance from the float32 loop is this computation's float32 error."""
+    scheduler.set_timesteps(steps)
+    if alphas_cumprod is not None:  # the scheduler's own tables are float32
+        scheduler.alphas_cumprod = alphas_cumprod
+        if hasattr(scheduler, "final_alpha_cumprod"):  # DDIM's last landing
+            scheduler.final_alpha_cumprod = alphas_cumprod.new_tensor(1.0) if scheduler.config.set_alpha_to_one \
+                else alphas_cumprod[0]
+    C, y = x_T.shape[1], torch.tensor(class_labels)
+    labels = torch.cat([y, torch.full_like(y, null_class)]) if guidance > 1 else y
+    x = x_T
+    for t in scheduler.timesteps:
+        rows = torch.cat([x, x]) if guidance > 1 else x
+        eps = transformer(rows, timestep=t.expand(len(rows)), class_labels=labels).sample[:, :C]
+        if guidance > 1:
+            cond, uncond = eps.chunk(2)
+            eps = uncond + guidance * (cond - uncond)
+        x = scheduler.step(eps, t, x).prev_sample
+    return x

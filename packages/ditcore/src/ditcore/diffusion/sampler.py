@@ -1,4 +1,4 @@
-"""EDM sampling (Karras et al. 2022, Algorithm 2) and classifier-free guidance.
+"""EDM sampling (Karras et al. 2022, Algorithm 2), DDIM as diffusers' scheduler steps, and classifier-free guidance.
 
 `denoise(x, sigma)` is any callable that returns the denoised estimate D(x; σ) for a 0-dim σ. Heun is the
 true second-order method: its correction evaluates D at (x_next, σ_next), so N steps cost 2N − 1 calls
@@ -11,6 +11,8 @@ import math
 from collections.abc import Callable
 
 import torch
+
+from ditcore.diffusion.vp import DiscreteVP
 
 Denoiser = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -86,6 +88,32 @@ def edm_sampler(
         x = x_next
         if callback is not None:
             callback(i, steps)
+    return x.to(noise.dtype)
+
+
+@torch.no_grad()
+def ddim_sampler(denoise: Denoiser, noise: torch.Tensor, vp: DiscreteVP, steps: int,
+                 callback: Callable[[int, int], None] | None = None) -> torch.Tensor:
+    """DDIM (η = 0) as diffusers' DDIMScheduler steps with `vp`'s settings, for a network under VP preconditioning,
+    in ditcore's x = x_t/√ᾱ_t (float64 state; the denoiser sees the noise's dtype).
+
+    At each timestep t of `vp.ddim_steps`, x̂₀ = D(x; σ_t) (clamped under clip_sample; ε̂ = (x − D)/σ_t is the
+    unclamped one, as the scheduler keeps the network's), and the step lands on x̂₀ + σ_p ε̂ at its landing level σ_p.
+    Where that is not the next timestep's level (diffusers' trailing or linspace spacing when steps does not divide
+    T) the scheduler reads the landed x_t as the next timestep's: x is rescaled by √ᾱ_p/√ᾱ_next. The result is the
+    last landing's x_t, √ᾱ_final·(x̂₀ + σ_final ε̂): x̂₀ when the final ᾱ is 1. x_T = noise·√(σ_T² + 1), DDPM's prior."""
+    levels, lands = (s.to(noise.device) for s in vp.ddim_steps(steps))
+    after = torch.cat([levels[1:], levels.new_zeros(1)])  # the level each step's result is read at; 0: the output
+    x = noise.to(torch.float64) * (levels[0] ** 2 + 1).sqrt()
+    for i in range(len(levels)):
+        sigma = levels[i]
+        x0 = denoise(x.to(noise.dtype), sigma.to(noise.dtype)).to(torch.float64)
+        eps = (x - x0) / sigma
+        if vp.clip_sample:
+            x0 = x0.clamp(-vp.clip_sample_range, vp.clip_sample_range)
+        x = (x0 + lands[i] * eps) * ((after[i] ** 2 + 1) / (lands[i] ** 2 + 1)).sqrt()
+        if callback is not None:
+            callback(i, len(levels))
     return x.to(noise.dtype)
 
 

@@ -12,7 +12,9 @@ preconditioning rounds the same way, and so do the samplers, `round_sigma`, so t
 Euler steps of this D on DDIM's timesteps are DDIM (η = 0) exactly: x' = D + σ'·(x − D)/σ is DDIM's update written
 in x/√ᾱ.
 
-`DiscreteVP` is the schedule a checkpoint was trained with: its T and β's, as diffusers' schedulers name them.
+`DiscreteVP` is the schedule a checkpoint was trained with: its T and β's, as diffusers' schedulers name them; and
+how DDIM steps through it, as a diffusers DDIMScheduler config says (`ddim_steps`: which timesteps, where each step
+lands, the final ᾱ, clipping of x̂₀): ditcore.diffusion.sampler.ddim_sampler is that scheduler's loop.
 """
 
 from __future__ import annotations
@@ -22,10 +24,12 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Literal
 
+import numpy as np
 import torch
 
 BetaSchedule = Literal["linear", "scaled_linear", "squaredcos_cap_v2"]
 BETA_SCHEDULES = ("linear", "scaled_linear", "squaredcos_cap_v2")
+TIMESTEP_SPACINGS = ("leading", "trailing", "linspace")
 
 
 @dataclass(frozen=True)
@@ -36,6 +40,13 @@ class DiscreteVP:
     beta_start: float = 1e-4
     beta_end: float = 0.02
     beta_schedule: BetaSchedule = "linear"
+    # DDIM's steps through it, named and defaulted as diffusers' DDIMScheduler has them, except clip_sample (DiT
+    # samples without clipping; a scheduler config read by ditcore.interop gives its own)
+    timestep_spacing: Literal["leading", "trailing", "linspace"] = "leading"
+    steps_offset: int = 0  # added to leading spacing's timesteps (diffusers: leading only)
+    set_alpha_to_one: bool = True  # the last step lands on ᾱ = 1 (σ = 0); False: on ᾱ_0, σ_0
+    clip_sample: bool = False  # clamp DDIM's x̂₀ to ±clip_sample_range
+    clip_sample_range: float = 1.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.timesteps, int) or self.timesteps < 2:
@@ -46,6 +57,18 @@ class DiscreteVP:
         if self.beta_schedule != "squaredcos_cap_v2" and not 0 < self.beta_start < self.beta_end < 1:
             raise ValueError(f"vp beta_start={self.beta_start}, beta_end={self.beta_end}: expected "
                              "0 < beta_start < beta_end < 1 (DiT: 1e-4 and 0.02)")
+        if self.timestep_spacing not in TIMESTEP_SPACINGS:
+            raise ValueError(f"vp timestep_spacing={self.timestep_spacing!r} is unknown: expected one of "
+                             f"{', '.join(TIMESTEP_SPACINGS)}")
+        if not isinstance(self.steps_offset, int) or not 0 <= self.steps_offset < self.timesteps:
+            raise ValueError(f"vp steps_offset={self.steps_offset!r} is invalid: expected an integer in "
+                             f"0..{self.timesteps - 1}")
+        if not self.clip_sample_range > 0:
+            raise ValueError(f"vp clip_sample_range={self.clip_sample_range!r} is invalid: expected a number > 0")
+
+    def trained(self) -> DiscreteVP:
+        """The schedule alone (T and β's), DDIM's step settings at their defaults: what training reads."""
+        return DiscreteVP(self.timesteps, self.beta_start, self.beta_end, self.beta_schedule)
 
     def betas(self) -> torch.Tensor:
         T = self.timesteps
@@ -89,13 +112,55 @@ class DiscreteVP:
         rounded = self.levels(sigma.device)[self.timestep(sigma)].to(sigma.dtype)
         return torch.where(sigma == 0, sigma, rounded)
 
-    def ddim_sigmas(self, steps: int, offset: int = 0) -> torch.Tensor:
-        """σ of DDIM's timesteps (diffusers' `leading` spacing: t = k·⌊T/steps⌋ + offset, highest first), then 0."""
-        if not 1 <= steps <= self.timesteps:
-            raise ValueError(f"steps={steps} is invalid for a {self.timesteps}-timestep network: expected 1.."
-                             f"{self.timesteps}")
-        t = torch.arange(steps - 1, -1, -1) * (self.timesteps // steps) + offset
-        return torch.cat([self.sigmas()[t], torch.zeros(1, dtype=torch.float64)])
+    def ddim_timesteps(self, steps: int) -> tuple[list[int], list[int]]:
+        """(the timesteps DDIM evaluates the network at, highest first; the timestep each step lands on, −1 for the
+        final ᾱ), by diffusers' DDIMScheduler rules: `set_timesteps` spaces them (leading: k·⌊T/steps⌋ + offset;
+        trailing: round(T − k·T/steps) − 1; linspace: round of steps points over 0..T−1) and `step` lands t on
+        t − ⌊T/steps⌋, which is the next timestep for leading spacing, and for the others only when steps divides
+        T (else the next step reads that x_t as the next timestep's, as diffusers does)."""
+        T = self.timesteps
+        if not 1 <= steps <= T:
+            raise ValueError(f"steps={steps} is invalid for a {T}-timestep network: expected 1..{T}")
+        if self.timestep_spacing == "leading":
+            t = (np.arange(0, steps) * (T // steps)).round()[::-1].astype(np.int64) + self.steps_offset
+        elif self.timestep_spacing == "trailing":  # numpy's float arange and rounding, as diffusers computes it
+            t = np.round(np.arange(T, 0, -T / steps)).astype(np.int64) - 1
+        else:
+            t = np.linspace(0, T - 1, steps).round()[::-1].astype(np.int64)
+        if t.min() < 0 or t.max() >= T:
+            raise ValueError(f"{steps} DDIM steps with timestep_spacing={self.timestep_spacing} and steps_offset="
+                             f"{self.steps_offset} reach timestep {int(t.max() if t.max() >= T else t.min())}, "
+                             f"outside the network's 0..{T - 1}: choose another number of steps")
+        lands = t - T // steps
+        return t.tolist(), np.where(lands >= 0, lands, -1).tolist()
+
+    def ddim_steps(self, steps: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(σ of the timesteps DDIM evaluates the network at; σ each step lands on, the last one the final ᾱ's: 0,
+        or σ_0 without set_alpha_to_one), float64: `ddim_timesteps` as noise levels."""
+        t, lands = self.ddim_timesteps(steps)
+        sigmas = self.sigmas()
+        final = torch.zeros((), dtype=torch.float64) if self.set_alpha_to_one else sigmas[0]
+        return sigmas[t], torch.stack([sigmas[p] if p >= 0 else final for p in lands])
+
+    def ddim_refusal(self, steps: int, solver: str) -> str | None:
+        """Why `solver` cannot step through these DDIM steps as the scheduler does, or None. Euler is DDIM itself
+        (ditcore.diffusion.sampler.ddim_sampler); another solver through `ddim_sigmas` steps between the same
+        levels only when the steps need nothing of DDIM's own: no clipping, a final ᾱ of 1, each step landing on
+        the next timestep."""
+        levels, lands = self.ddim_steps(steps)
+        if solver == "euler":
+            return None
+        why = (f"clip_sample (x̂₀ clamped to ±{self.clip_sample_range})" if self.clip_sample else
+               "set_alpha_to_one=False (the last step lands on ᾱ_0, not 1)" if not self.set_alpha_to_one else
+               f"timestep_spacing={self.timestep_spacing} at {steps} steps (a step lands ⌊T/steps⌋ below its "
+               "timestep, not on the next one)" if not torch.equal(lands[:-1], levels[1:]) else None)
+        return why and (f"schedule ddim with solver {solver}: this schedule's {why} is a DDIM step, which only "
+                        "solver euler (DDIM itself) takes: use solver euler, or schedule karras")
+
+    def ddim_sigmas(self, steps: int) -> torch.Tensor:
+        """σ of DDIM's timesteps (`ddim_timesteps`), then 0: the levels another solver steps through (only DDIM's own
+        loop, ditcore.diffusion.sampler.ddim_sampler, lands, clips and ends as the scheduler does)."""
+        return torch.cat([self.ddim_steps(steps)[0], torch.zeros(1, dtype=torch.float64)])
 
     def to_dict(self) -> dict:
         return asdict(self)

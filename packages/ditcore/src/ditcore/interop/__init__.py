@@ -3,8 +3,9 @@
 `read(path)` reads, without running any code:
 - an original DiT checkpoint file (facebookresearch/DiT's state-dict naming: its published DiT-XL-2-256x256.pt, or
   a safetensors file of the same names; a training checkpoint of its train.py gives its EMA weights);
-- a diffusers `DiTTransformer2DModel` folder (config.json + weights), or a whole diffusers DiT pipeline folder
-  (its transformer/, and its scheduler/ and vae/ when present);
+- a diffusers `DiTTransformer2DModel` folder (config.json + weights; a `Transformer2DModel` config of a DiT too, as
+  diffusers remaps it), or a whole diffusers DiT pipeline folder (its transformer/, and its scheduler/ and vae/ when
+  present: `schedule_from_diffusers` says which scheduler settings are honoured);
 and returns the ditcore config inferred from the weights, the weights in ditcore's names and layouts, and the
 discrete-time schedule the network was trained with (DiT's, unless the pipeline's scheduler says otherwise): such
 networks are DDPM ε-predictors, sampled and fine-tuned under VP preconditioning (ditcore.diffusion.vp).
@@ -52,7 +53,8 @@ class Imported:
         c = self.cfg
         what = (f"{self.kind} {self.path}: width {c.hidden_size}, depth {c.depth}, {c.num_heads} heads, patch "
                 f"{c.patch_size}, {c.in_channels} channels, {c.num_classes} classes, grid {c.max_grid[1]}x"
-                f"{c.max_grid[2]}" + (", learned Σ" if c.learn_sigma else ""))
+                f"{c.max_grid[2]}" + (", learned Σ" if c.learn_sigma else "") +
+                (", each block's own embedders" if c.block_embedders else ""))
         if self.vp is None:
             return what + ", EDM preconditioning"
         return what + f", DDPM ({self.vp.timesteps} {self.vp.beta_schedule} timesteps, VP preconditioning)"
@@ -84,9 +86,7 @@ def read(path: str | Path, num_heads: int | None = None) -> Imported:
         if (path / "scheduler" / SCHEDULER_CONFIG).is_file():
             vp = schedule_from_diffusers(_json(path / "scheduler" / SCHEDULER_CONFIG))
     config = _json(folder / diffusers_dit.CONFIG_FILE)
-    if config.get("_class_name") != diffusers_dit.CLASS_NAME:
-        raise ConversionError(f"'{folder}' holds a {config.get('_class_name')!r}, not a {diffusers_dit.CLASS_NAME}: "
-                              f"expected {KINDS}")
+    diffusers_dit.check_class(config, str(folder / diffusers_dit.CONFIG_FILE))
     stats = None
     if (folder / SIDECAR).is_file():  # exported by ditcore: its preconditioning and latent units travel with it
         sidecar = _json(folder / SIDECAR)
@@ -99,17 +99,47 @@ def read(path: str | Path, num_heads: int | None = None) -> Imported:
     return Imported(path, f"diffusers {diffusers_dit.CLASS_NAME}", cfg, _finite(path, tensors), vp, vae, stats)
 
 
+# The scheduler classes whose configs ditcore reads, and how each one's DDIM defaults differ: a DDPMScheduler config is
+# sampled as DDIMScheduler.from_config(it) samples (its absent set_alpha_to_one: DDIM's default)
+SCHEDULERS = ("DDIMScheduler", "DDPMScheduler")
+_REFUSED = {  # fields that change the timesteps or ᾱ in a way ditcore does not follow: (the value it takes, why)
+    "thresholding": (False, "dynamic thresholding of x̂₀ (per-sample quantiles) has no ditcore counterpart"),
+    "rescale_betas_zero_snr": (False, "zero terminal SNR makes σ_T infinite, which VP preconditioning cannot take"),
+    "trained_betas": (None, "an explicit β table: ditcore's schedule is one of "
+                            f"{', '.join(BETA_SCHEDULES)} from beta_start to beta_end"),
+}
+
+
 def schedule_from_diffusers(config: dict) -> DiscreteVP:
-    """The DiscreteVP of a diffusers scheduler config (DDPM, DDIM, …: they share these fields)."""
+    """The DiscreteVP of a diffusers DDIMScheduler or DDPMScheduler config: its schedule, and DDIM's steps through
+    it (spacing, offset, final ᾱ, clipping; a field absent takes diffusers' default). ConversionError, naming the
+    field, for anything that changes the timesteps or ᾱ in a way ditcore does not follow."""
+    name = config.get("_class_name", "DDIMScheduler")
+    if name not in SCHEDULERS:
+        raise ConversionError(f"the scheduler is a {name!r} (_class_name): ditcore reads {' and '.join(SCHEDULERS)} "
+                              "configs, whose DDIM loop it reproduces — save the pipeline with "
+                              "DDIMScheduler.from_config(pipe.scheduler.config), or drop its scheduler/ for DiT's")
     if config.get("prediction_type", "epsilon") != "epsilon":
         raise ConversionError(f"the scheduler says prediction_type={config['prediction_type']!r}: ditcore's VP "
                               "preconditioning takes ε-prediction networks")
-    if config.get("trained_betas") is not None or config.get("beta_schedule", "linear") not in BETA_SCHEDULES:
-        raise ConversionError(f"the scheduler's beta_schedule={config.get('beta_schedule')!r} (or trained_betas) "
-                              f"is not supported: expected one of {', '.join(BETA_SCHEDULES)}")
-    return DiscreteVP(timesteps=int(config.get("num_train_timesteps", 1000)),
-                      beta_start=float(config.get("beta_start", 1e-4)), beta_end=float(config.get("beta_end", 0.02)),
-                      beta_schedule=config.get("beta_schedule", "linear"))
+    for key, (fine, why) in _REFUSED.items():
+        if config.get(key, fine) != fine:
+            raise ConversionError(f"the scheduler says {key}={config[key]!r}: {why}")
+    if config.get("beta_schedule", "linear") not in BETA_SCHEDULES:
+        raise ConversionError(f"the scheduler's beta_schedule={config['beta_schedule']!r} is not supported: expected "
+                              f"one of {', '.join(BETA_SCHEDULES)}")
+    try:
+        return DiscreteVP(timesteps=int(config.get("num_train_timesteps", 1000)),
+                          beta_start=float(config.get("beta_start", 1e-4)),
+                          beta_end=float(config.get("beta_end", 0.02)),
+                          beta_schedule=config.get("beta_schedule", "linear"),
+                          timestep_spacing=config.get("timestep_spacing", "leading"),
+                          steps_offset=config.get("steps_offset", 0),
+                          set_alpha_to_one=bool(config.get("set_alpha_to_one", True)),
+                          clip_sample=bool(config.get("clip_sample", True)),  # both classes' default
+                          clip_sample_range=float(config.get("clip_sample_range", 1.0)))
+    except (TypeError, ValueError) as e:
+        raise ConversionError(f"the scheduler config does not give a schedule: {e}") from None
 
 
 def export_diffusers(out: str | Path, cfg: DiTConfig, tensors: dict[str, torch.Tensor], vp: DiscreteVP | None,
@@ -161,14 +191,37 @@ def _load_file(path: Path) -> dict[str, torch.Tensor]:
 
 
 def _load_weights(folder: Path) -> dict[str, torch.Tensor]:
+    """A diffusers folder's weights: its safetensors file, the shards its index names (save_pretrained splits a large
+    model), or its pickled .bin read as plain tensors (diffusers' first saves, the hub's DiT-XL-2-256 among them)."""
     weights = folder / diffusers_dit.WEIGHTS_FILE
     if weights.is_file():
         return tensorfile.load(weights, "download or save the model again")
+    index = folder / (diffusers_dit.WEIGHTS_FILE + ".index.json")
+    if index.is_file():
+        return _load_shards(folder, index)
     legacy = folder / "diffusion_pytorch_model.bin"
     if legacy.is_file():
         return _load_file(legacy)
     raise ConversionError(f"'{folder}' has a {diffusers_dit.CONFIG_FILE} but no {diffusers_dit.WEIGHTS_FILE}: "
                           "save the model again (save_pretrained) or download its weights")
+
+
+def _load_shards(folder: Path, index: Path) -> dict[str, torch.Tensor]:
+    shards = _json(index).get("weight_map")
+    if not isinstance(shards, dict) or not all(isinstance(v, str) for v in shards.values()):
+        raise ConversionError(f"'{index}' has no weight_map (tensor name → shard file): download or save the model "
+                              "again")
+    state = {}
+    for name in sorted(set(shards.values())):
+        shard = folder / name
+        if Path(name).name != name or not shard.is_file():  # a plain file beside the index, never a path elsewhere
+            raise ConversionError(f"'{index}' names the shard {name!r}, which is not a file in {folder}: download "
+                                  "the model's every shard")
+        state |= tensorfile.load(shard, "download or save the model again")
+    if missing := shards.keys() - state.keys():
+        raise ConversionError(f"'{index}' maps {len(missing)} tensors (e.g. {sorted(missing)[0]}) to shards that do "
+                              "not hold them: download or save the model again")
+    return state
 
 
 def _json(path: Path) -> dict:

@@ -5,9 +5,9 @@ weights and loading the original's are different conversions:
 - its timestep sinusoid uses frequencies 10000^(-k/(half − 1)) (`downscale_freq_shift=1`), the original's
   10000^(-k/half): ditcore's `freq_shift=1`;
 - the LayerNorm before each MLP has eps `norm_eps` (1e-5 by default), the original's 1e-6: `mlp_norm_eps`;
-- every block holds its own copy of the timestep and class embedders (the same weights, converted from the
-  original's one), and the final layer reads block 0's: ditcore's one embedder is block 0's, and an import refuses
-  blocks whose copies differ.
+- every block holds its own timestep and class embedders, and the final layer reads block 0's. Converted from the
+  original DiT they are copies of its one (ditcore's one embedder, shared); trained in diffusers they differ
+  (ditcore's `block_embedders`: block 0's are the model's, as for diffusers' final layer).
 Its position table is non-persistent (not in the weights), computed as DiT's for its `sample_size`.
 Names map one to one, except the attention's separate q, k, v (ditcore: one qkv, rows (heads, 3, head_dim)) and the
 patch layouts that the original shares (ditcore.interop.original).
@@ -24,6 +24,9 @@ from ditcore.models.dit import DiTConfig
 
 CONFIG_FILE, WEIGHTS_FILE = "config.json", "diffusion_pytorch_model.safetensors"
 CLASS_NAME = "DiTTransformer2DModel"
+# diffusers' DiT was first published as a Transformer2DModel (facebook/DiT-XL-2-256's config.json), which diffusers
+# loads as the class its norm_type names (its models/model_loading_utils.py, _CLASS_REMAPPING_DICT): this one's.
+LEGACY_CLASS_NAME, LEGACY_NORM_TYPE = "Transformer2DModel", "ada_norm_zero"
 _EMBEDDERS = "transformer_blocks.{i}.norm1.emb."
 
 _NAMES = [  # diffusers' name prefix ↔ ditcore's, for every tensor that maps one to one ({i}: a block's number)
@@ -31,6 +34,9 @@ _NAMES = [  # diffusers' name prefix ↔ ditcore's, for every tensor that maps o
     (_EMBEDDERS.format(i=0) + "timestep_embedder.linear_1.", "t_embedder.mlp.0."),
     (_EMBEDDERS.format(i=0) + "timestep_embedder.linear_2.", "t_embedder.mlp.2."),
     (_EMBEDDERS.format(i=0) + "class_embedder.embedding_table.", "y_embedder."),
+    (_EMBEDDERS + "timestep_embedder.linear_1.", "blocks.{i}.t_embedder.mlp.0."),  # block_embedders, blocks 1…
+    (_EMBEDDERS + "timestep_embedder.linear_2.", "blocks.{i}.t_embedder.mlp.2."),
+    (_EMBEDDERS + "class_embedder.embedding_table.", "blocks.{i}.y_embedder."),
     ("transformer_blocks.{i}.norm1.linear.", "blocks.{i}.adaLN.1."),
     ("transformer_blocks.{i}.attn1.to_out.0.", "blocks.{i}.attn.proj."),
     ("transformer_blocks.{i}.ff.net.0.proj.", "blocks.{i}.mlp.0."),
@@ -40,9 +46,26 @@ _NAMES = [  # diffusers' name prefix ↔ ditcore's, for every tensor that maps o
 ]
 
 
+def check_class(config: dict, where: str) -> None:
+    """Refuse, naming the field, a config.json that diffusers does not load as a DiTTransformer2DModel."""
+    name = config.get("_class_name")
+    if name == LEGACY_CLASS_NAME:
+        norm = config.get("norm_type", "layer_norm")  # Transformer2DModel's default
+        if norm != LEGACY_NORM_TYPE:
+            raise ConversionError(f"'{where}' holds a {LEGACY_CLASS_NAME} with norm_type={norm!r}, which diffusers "
+                                  f"loads as another model than a DiT (a DiT's is {LEGACY_NORM_TYPE!r})")
+        for key in ("cross_attention_dim", "num_vector_embeds"):  # a DiT neither cross-attends nor embeds tokens
+            if config.get(key) is not None:
+                raise ConversionError(f"'{where}' holds a {LEGACY_CLASS_NAME} with {key}={config[key]!r}: not a DiT "
+                                      f"(a DiT's is null)")
+    elif name != CLASS_NAME:
+        raise ConversionError(f"'{where}' holds a {name!r}, not a {CLASS_NAME} (nor a {LEGACY_CLASS_NAME} with "
+                              f"norm_type {LEGACY_NORM_TYPE!r}, as diffusers' first DiTs were saved)")
+
+
 def config_from_diffusers(config: dict) -> DiTConfig:
-    """The DiTConfig of a DiTTransformer2DModel config.json; ConversionError naming the first setting ditcore's DiT
-    does not have."""
+    """The DiTConfig of a DiTTransformer2DModel config.json (a field it lacks takes that class's default, as when
+    diffusers loads it); ConversionError naming the first setting ditcore's DiT does not have."""
     need = {"norm_type": "ada_norm_zero", "activation_fn": "gelu-approximate", "attention_bias": True,
             "norm_elementwise_affine": False}
     for key, value in need.items():
@@ -57,7 +80,7 @@ def config_from_diffusers(config: dict) -> DiTConfig:
                               f"{C}, or {2 * C} with learned Σ")
     if size % p:
         raise ConversionError(f"{CLASS_NAME} with sample_size={size} that patch_size={p} does not divide")
-    classes = config.get("num_embeds_ada_norm") or 0
+    classes = config.get("num_embeds_ada_norm", 1000) or 0
     return DiTConfig(hidden_size=heads * head_dim, depth=config.get("num_layers", 28), num_heads=heads, patch_size=p,
                      in_channels=C, num_classes=classes, pos_embed="sincos_2d", max_grid=(1, size // p, size // p),
                      qk_norm=False, learn_sigma=c_out == 2 * C, freq_shift=1,
@@ -67,14 +90,15 @@ def config_from_diffusers(config: dict) -> DiTConfig:
 def to_ditcore(config: dict, state: dict[str, torch.Tensor]) -> tuple[DiTConfig, dict[str, torch.Tensor]]:
     """(config, ditcore one-device state dict) of a DiTTransformer2DModel's config.json and weights."""
     cfg = config_from_diffusers(config)
-    _check_shared_embedders(state, cfg.depth)
+    shared = _shared_embedders(state, cfg.depth)
+    cfg = cfg.replace(block_embedders=not shared)
     table = state.get(_EMBEDDERS.format(i=0) + "class_embedder.embedding_table.weight")
     if cfg.num_classes and table is not None and table.shape[0] != cfg.num_classes + 1:
         raise ConversionError(f"the class table has {table.shape[0]} rows for num_embeds_ada_norm={cfg.num_classes}: "
                               "it was built without label dropout, so it has no null class for guidance")
     out = {}
     for name, t in state.items():
-        if name.startswith("transformer_blocks.") and ".norm1.emb." in name and not name.startswith(
+        if shared and name.startswith("transformer_blocks.") and ".norm1.emb." in name and not name.startswith(
                 "transformer_blocks.0."):
             continue  # the copies of block 0's embedders
         if m := re.fullmatch(r"transformer_blocks\.(\d+)\.attn1\.to_([qkv])\.(weight|bias)", name):
@@ -145,7 +169,7 @@ def to_diffusers(cfg: DiTConfig, state: dict[str, torch.Tensor], approximate: bo
         elif name.startswith("final.linear."):
             t = output_rows(t, p, to_ditcore=False)
         new = _rename(name, to_ditcore=False)
-        if new.startswith("transformer_blocks.0.norm1.emb."):  # every block holds the embedders: a copy each
+        if new.startswith("transformer_blocks.0.norm1.emb.") and not cfg.block_embedders:  # one, copied to each
             for i in range(cfg.depth):
                 out[new.replace("transformer_blocks.0.", f"transformer_blocks.{i}.", 1)] = t.clone()
         else:
@@ -174,12 +198,10 @@ def _split_heads(qkv: torch.Tensor, heads: int) -> list[torch.Tensor]:
     return [p.reshape(-1, *qkv.shape[1:]).contiguous() for p in parts]
 
 
-def _check_shared_embedders(state: dict[str, torch.Tensor], depth: int) -> None:
+def _shared_embedders(state: dict[str, torch.Tensor], depth: int) -> bool:
+    """Whether every block's embedders equal block 0's (a conversion of the original DiT) or differ (trained in
+    diffusers, or fresh from its constructor)."""
     first = _EMBEDDERS.format(i=0)
-    for i in range(1, depth):
-        for name in (k for k in state if k.startswith(first)):
-            other = name.replace(first, _EMBEDDERS.format(i=i), 1)
-            if other in state and not torch.equal(state[other], state[name]):
-                raise ConversionError(f"block {i}'s timestep/class embedder differs from block 0's ({other}): "
-                                      "ditcore's DiT has one, shared by every block (as the original DiT and "
-                                      "diffusers' conversion of it)")
+    return all(torch.equal(state[other], state[name])
+               for i in range(1, depth) for name in state if name.startswith(first)
+               if (other := name.replace(first, _EMBEDDERS.format(i=i), 1)) in state)

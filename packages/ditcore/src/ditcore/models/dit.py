@@ -61,6 +61,10 @@ class DiTConfig:
     learn_sigma: bool = False
     freq_shift: int = 0
     mlp_norm_eps: float = 1e-6
+    # Every block after the first with its own timestep/class (and fps) embedders, as diffusers' DiTTransformer2DModel
+    # holds them (transformer_blocks.N.norm1.emb); the model's own condition the first block and the final layer, as
+    # diffusers' block 0's do. Off: one set shared by every block, as the original DiT.
+    block_embedders: bool = False
 
     def __post_init__(self) -> None:
         def need(ok: bool, field: str, allowed: str) -> None:
@@ -210,6 +214,32 @@ class ScalarEmbedder(nn.Module):
         return self.mlp(sinusoidal(t, self.freq_dim, shift=self.shift).to(self.mlp[0].weight.dtype))
 
 
+def add_embedders(owner: nn.Module, cfg: DiTConfig) -> None:
+    """The conditioning embedders of cfg as `owner`'s t_embedder, y_embedder, fps_embedder: the model's, and with
+    cfg.block_embedders every later block's."""
+    D = cfg.hidden_size
+    owner.t_embedder = ScalarEmbedder(D, shift=cfg.freq_shift)
+    if cfg.num_classes:
+        owner.y_embedder = nn.Embedding(cfg.num_classes + 1, D)  # index num_classes = null class
+    if cfg.fps_cond:
+        owner.fps_embedder = ScalarEmbedder(D)
+
+
+def embed_conditioning(owner: nn.Module, c_noise, class_labels=None, fps=None) -> torch.Tensor:
+    """Per-sample conditioning vector (B, S, D) of (B, S) noise levels, labels and fps, by `owner`'s embedders."""
+    c = owner.t_embedder(c_noise)
+    if getattr(owner, "y_embedder", None) is not None:
+        if class_labels is None:
+            raise ValueError("this model is class-conditional: pass class_labels "
+                             f"(use {owner.y_embedder.num_embeddings - 1} for the null class)")
+        c = c + owner.y_embedder(class_labels)
+    if getattr(owner, "fps_embedder", None) is not None:
+        if fps is None:
+            raise ValueError("this model is fps-conditioned: pass fps")
+        c = c + owner.fps_embedder(fps)
+    return c
+
+
 # --------------------------------------------------------------------------------------------------
 # Attention. Inside the blocks activations are sequence-first, (N, B, D), the layout Megatron-Core's
 # sequence-parallel layers split and gather along.
@@ -246,6 +276,9 @@ class AttentionInputs:
     rows: RowSplit  # whole-row keys/values for this rank's queries (its `keys_values`; ST-DiT: its Orders)
     text: torch.Tensor | None = None  # (B, L, D) projected text tokens
     text_mask: Mask | None = None  # cross-attention: queries over text tokens
+    # (c_noise, class_labels, fps), each (B, S): what a block with its own embedders (cfg.block_embedders) embeds,
+    # inside its own forward (FSDP gathers a block's parameters for its forward only)
+    conditioning: tuple | None = None
 
     def text_masks(self) -> list[Mask]:
         """Every cross-attention mask the blocks take (an architecture whose blocks differ has several)."""
@@ -340,9 +373,14 @@ def modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch
 
 
 class DiTBlock(nn.Module):
-    def __init__(self, cfg: DiTConfig):
+    own_embedders = False  # a block of its own embedders (DiTConfig.block_embedders) says so
+
+    def __init__(self, cfg: DiTConfig, own_embedders: bool = False):
         super().__init__()
         D = cfg.hidden_size
+        if own_embedders:  # it conditions on its own embedding of the inputs
+            self.own_embedders = True
+            add_embedders(self, cfg)
         self.norm1 = LayerNorm(D, elementwise_affine=False, eps=1e-6)
         self.attn = SelfAttention(cfg)
         if cfg.text_dim:
@@ -354,6 +392,8 @@ class DiTBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, c: torch.Tensor, seg: torch.Tensor | None, a: AttentionInputs):
         # x: (n, B, D) this rank's tokens; c: (B, S, D) per-sample conditioning → six (n or 1, B, D) modulations
+        if self.own_embedders:
+            c = embed_conditioning(self, *a.conditioning)
         mods = per_token(self.adaLN(c), seg).transpose(0, 1)
         shift_a, scale_a, gate_a, shift_m, scale_m, gate_m = mods.chunk(6, dim=-1)
         x = torch.addcmul(x, gate_a, self.attn(modulate(self.norm1(x), shift_a, scale_a), a))
@@ -386,6 +426,9 @@ def symbolic_sizes(c: torch.Tensor, a: AttentionInputs) -> None:
     them dynamic, and again when the recompile limit is near (tests/ditcore/parallel/test_compile.py counts). A size
     of 1 (one sample per row) still gets a graph of its own: dynamo specialises 0 and 1."""
     torch._dynamo.maybe_mark_dynamic(c, 1)
+    for t in a.conditioning or ():  # what blocks with their own embedders embed (cfg.block_embedders)
+        if t is not None:
+            torch._dynamo.maybe_mark_dynamic(t, 1)
     if a.text is not None and a.text.shape[1] > 1:
         torch._dynamo.maybe_mark_dynamic(a.text, 1)
         for mask in a.text_masks():
@@ -404,11 +447,7 @@ class DiT(nn.Module):
         self.attention = check_backend(attention)  # ditcore.models.attention: auto | sdpa | flex
         D = cfg.hidden_size
         self.x_embedder = nn.Linear(cfg.patch_dim, D)  # a Conv3d with kernel = stride = patch, on tokens
-        self.t_embedder = ScalarEmbedder(D, shift=cfg.freq_shift)
-        if cfg.num_classes:
-            self.y_embedder = nn.Embedding(cfg.num_classes + 1, D)  # index num_classes = null class
-        if cfg.fps_cond:
-            self.fps_embedder = ScalarEmbedder(D)
+        add_embedders(self, cfg)
         if cfg.text_dim:
             self.text_embedder = nn.Sequential(
                 nn.Linear(cfg.text_dim, D), nn.GELU(approximate="tanh"), nn.Linear(D, D))
@@ -419,6 +458,8 @@ class DiT(nn.Module):
 
     def new_block(self, i: int) -> nn.Module:
         """The i-th block (of `cfg.depth`): a `block_class`; an architecture whose blocks differ overrides it."""
+        if self.cfg.block_embedders and i > 0:
+            return self.block_class(self.cfg, own_embedders=True)
         return self.block_class(self.cfg)
 
     @staticmethod
@@ -458,7 +499,7 @@ class DiT(nn.Module):
         owner_name, _, kind = name.rpartition(".")
         owner = self.get_submodule(owner_name)  # the same path after ditcore.parallel swaps in parallel linears
         # by path, as a pipeline stage holds only some of the modules (ditcore.parallel.pipeline)
-        small = re.fullmatch(r"(t_embedder|fps_embedder)\.mlp\.[02]|y_embedder", owner_name)
+        small = re.fullmatch(r"(blocks\.\d+\.)?((t_embedder|fps_embedder)\.mlp\.[02]|y_embedder)", owner_name)
         # adaLN-Zero; cross-attention has no gate: its output projection is zero instead
         zero = re.fullmatch(r"final\.(adaLN\.1|linear)|blocks\.\d+\.(adaLN\.1|cross\.proj)", owner_name)
         value = torch.empty(shape, device=device)
@@ -476,17 +517,7 @@ class DiT(nn.Module):
 
     def condition(self, c_noise, class_labels=None, fps=None) -> torch.Tensor:
         """Per-sample conditioning vector (B, S, D) from (B, S) noise levels, labels and fps."""
-        c = self.t_embedder(c_noise)
-        if self.cfg.num_classes:
-            if class_labels is None:
-                raise ValueError("this model is class-conditional: pass class_labels "
-                                 f"(use {self.null_class} for the null class)")
-            c = c + self.y_embedder(class_labels)
-        if self.cfg.fps_cond:
-            if fps is None:
-                raise ValueError("this model is fps-conditioned: pass fps")
-            c = c + self.fps_embedder(fps)
-        return c
+        return embed_conditioning(self, c_noise, class_labels, fps)
 
     def attention_inputs(self, backend: str, B: int, pos, seg, text, text_seg, span: slice, dtype,
                          grids=None) -> AttentionInputs:
@@ -560,7 +591,8 @@ class DiT(nn.Module):
             check_positions(pos, cfg.max_grid)
         attn_span, local = self.rows.spans(N)  # tokens this rank's attention sees; tokens it holds
         seg_local = None if seg is None else seg[:, local]
-        c = self.condition(c_noise.reshape(B, -1), class_labels, fps)  # (B, S, D)
+        conditioning = (c_noise.reshape(B, -1), class_labels, fps)
+        c = self.condition(*conditioning)  # (B, S, D)
 
         if self.x_embedder is not None:
             h = self.x_embedder(x[:, local].transpose(0, 1))  # (n, B, D): sequence first from here on
@@ -574,6 +606,8 @@ class DiT(nn.Module):
             h = hidden
         backend = resolve(self.attention, x.device, training=torch.is_grad_enabled())
         a = self.attention_inputs(backend, B, pos, seg, text, text_seg, attn_span, h.dtype, grids)
+        if cfg.block_embedders:
+            a.conditioning = conditioning
         symbolic_sizes(c, a)
 
         for block in self.blocks:
@@ -647,6 +681,9 @@ DIT_PLAN = Plan(
         "t_embedder.*": Replicated(partial_grad="never"),
         "y_embedder": Replicated(partial_grad="never"),
         "fps_embedder.*": Replicated(partial_grad="never"),
+        "blocks.*.t_embedder.*": Replicated(partial_grad="never"),  # block_embedders: each feeds its block's adaLN
+        "blocks.*.y_embedder": Replicated(partial_grad="never"),
+        "blocks.*.fps_embedder.*": Replicated(partial_grad="never"),
         # Feeds only the column-parallel cross-attention K/V, whose input gradient Megatron already sums over TP.
         "text_embedder.*": Replicated(partial_grad="never"),
         "blocks.*.adaLN.1": ADALN,
@@ -658,8 +695,9 @@ DIT_PLAN = Plan(
         "blocks.*.cross.kv": ColumnParallel(sequence_parallel=False),  # reads text tokens, never sequence-split
         "blocks.*.cross.[qk]_norm": Replicated(partial_grad="tp"),
         "blocks.*.cross.proj": RowParallel(),
-        "blocks.*.mlp.0": ColumnParallel(),
-        "blocks.*.mlp.2": RowParallel(),
+        # [0-9]: a block's own MLP, not its embedders' (block_embedders: blocks.N.t_embedder.mlp.0)
+        "blocks.*[0-9].mlp.0": ColumnParallel(),
+        "blocks.*[0-9].mlp.2": RowParallel(),
         "final.adaLN.1": ADALN,
         "final.linear": Replicated(),
     },

@@ -22,7 +22,17 @@ from torch import nn
 
 from ditcore.errors import ConfigError
 from ditcore.models.attention import attend
-from ditcore.models.dit import DIT_PLAN, AttentionInputs, DiT, DiTBlock, DiTConfig, RMSNorm, apply_rope, no_text
+from ditcore.models.dit import (
+    DIT_PLAN,
+    AttentionInputs,
+    DiT,
+    DiTBlock,
+    DiTConfig,
+    RMSNorm,
+    add_embedders,
+    apply_rope,
+    no_text,
+)
 from ditcore.models.plan import ColumnParallel, Plan, RowParallel
 from ditcore.models.registry import Architecture, register
 
@@ -126,9 +136,12 @@ class SwiGLU(nn.Module):
 class MovieGenBlock(DiTBlock):
     """DiTBlock's forward (adaLN-modulated attention and MLP, cross-attention between them) over Llama's layers."""
 
-    def __init__(self, cfg: MovieGenConfig):
+    def __init__(self, cfg: MovieGenConfig, own_embedders: bool = False):
         nn.Module.__init__(self)  # the layers are these, not the DiT block's
         D = cfg.hidden_size
+        if own_embedders:  # DiTConfig.block_embedders
+            self.own_embedders = True
+            add_embedders(self, cfg)
         self.norm1 = RMSNorm(D, eps=cfg.norm_eps, elementwise_affine=False)  # adaLN scales it
         self.attn = GroupedSelfAttention(cfg)
         if cfg.text_dim:
@@ -170,7 +183,7 @@ PRESETS: dict[str, MovieGenConfig] = {
 
 # The DiT's tensor-parallel plan with grouped-query attention and a SwiGLU MLP
 MOVIEGEN_PLAN = Plan(
-    modules={k: v for k, v in DIT_PLAN.modules.items() if not k.startswith("blocks.*.mlp.")} | {
+    modules={k: v for k, v in DIT_PLAN.modules.items() if not k.startswith("blocks.*[0-9].mlp.")} | {
         # attn.qkv's output features are laid out (kv group, [queries, key, value], head_dim): a split by groups;
         # cross.kv's (kv group, 2, head_dim), likewise; mlp.gate_up's (hidden, [gate, up]): a split by hidden units
         "blocks.*.mlp.gate_up": ColumnParallel(),

@@ -283,11 +283,12 @@ class STDiT(DiT):
         self.rows = LineRows()
 
     def new_block(self, i: int) -> nn.Module:
-        return (TemporalBlock if i % 2 else DiTBlock)(self.cfg)
+        return (TemporalBlock if i % 2 else DiTBlock)(self.cfg, own_embedders=self.cfg.block_embedders and i > 0)
 
     def run_block(self, block: nn.Module, h: torch.Tensor, c: torch.Tensor, seg: torch.Tensor | None, a: STInputs):
         if not isinstance(block, TemporalBlock):  # a spatial block, or one another pipeline stage holds
             return block(h, c, seg, a)
+        a.lines.conditioning = a.conditioning  # what a block with its own embedders embeds (block_embedders)
         h = block(a.orders.to_lines(h), c, a.lines_seg, a.lines)
         return a.orders.to_frames(h)
 
