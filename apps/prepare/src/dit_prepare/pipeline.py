@@ -14,8 +14,10 @@ any failure, so a val/ never passes for complete beside an unfinished training s
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
+import multiprocessing
 import os
 import signal
 import time
@@ -29,6 +31,7 @@ import torch
 from tqdm import tqdm
 
 from dit_prepare.sources import Item, Latents, Skip, SourceError
+from ditcore import stopping
 from ditcore.codecs import Codec, DiffusersVAECodec, LatentStats, PatchPCACodec, PixelCodec, psnr
 from ditcore.codecs.text import TextEncoder
 from ditcore.data.schema import HELDOUT_DIR, DatasetInfo
@@ -123,27 +126,52 @@ def dist_env() -> tuple[int, int]:
     return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
 
 
-def _load(args) -> Item | Skip:
-    source, i = args
+def _load(source, i: int) -> Item | Skip:
     try:
         return source.load(i)
     except Skip as e:
         return e
 
 
+def _load_chunk(args) -> list[Item | Skip]:
+    source, chunk = args
+    return [_load(source, i) for i in chunk]
+
+
+CHUNK = 4  # samples per task handed to a worker
+
+
 def iterate(source, indices, workers: int):
-    """(index, Item or Skip) in index order; `workers` processes load/render in parallel."""
+    """(index, Item or Skip) in index order; `workers` processes load/render in parallel. A signal stops it before
+    the next sample, or within POLL_S while it waits for one (ditcore.stopping); the pool is then terminated and
+    joined (Pool.__exit__), so no worker outlives the command."""
     if workers <= 1:
         for i in indices:
-            yield i, _load((source, i))
+            stopping.check()
+            yield i, _load(source, i)
         return
-    with get_context("spawn").Pool(workers, initializer=_ignore_sigint) as pool:
-        yield from zip(indices, pool.imap(_load, ((source, i) for i in indices), chunksize=4), strict=True)
+    with get_context("spawn").Pool(workers, initializer=_leave_signals) as pool:
+        # chunks of our own: imap's chunksize gives a plain generator, which cannot wait with a timeout
+        results = pool.imap(_load_chunk, ((source, indices[k:k + CHUNK]) for k in range(0, len(indices), CHUNK)))
+        for k in range(0, len(indices), CHUNK):
+            yield from zip(indices[k:k + CHUNK], _next(results), strict=True)
 
 
-def _ignore_sigint() -> None:
-    """Workers leave Ctrl-C to the main process, which stops the pool and cleans up (no traceback per worker)."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+def _next(results):
+    """The pool's next result, waited for in slices of POLL_S with a look at the signals between them."""
+    while True:
+        stopping.check()
+        try:
+            return results.next(timeout=stopping.POLL_S)
+        except multiprocessing.TimeoutError:
+            pass
+
+
+def _leave_signals() -> None:
+    """Workers leave Ctrl-C and a closed terminal (signals a terminal sends its whole process group) to the main
+    process, which stops the pool and cleans up (no traceback per worker). SIGTERM stays: Pool.terminate sends it."""
+    for sig in (signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_IGN)
 
 
 def to_tensor(pixels: np.ndarray) -> torch.Tensor:
@@ -248,13 +276,16 @@ def _write_samples(source, mine: list[int], loaded: dict, encode, out: Path, ran
     them loaded already (the fitting samples), which are taken from it."""
     Path(out).mkdir(exist_ok=True)
     loaded = {i: it for i, it in loaded.items() if i in set(mine)}  # the fitting samples this rank writes
-    # closed however the loop ends, so an error message starts on its own line, not after the bar
+    # the fitting samples come first in index order (they are the first ones), then the rest are loaded: by a pool,
+    # stopped and joined however the loop ends
+    rest = contextlib.closing(iterate(source, [i for i in mine if i not in loaded], workers))
+    # the bar is closed however the loop ends too, so an error message starts on its own line, not after the bar
     with tqdm(total=len(mine), desc=f"rank {rank} encoding" if world > 1 else "encoding", unit="sample",
-              disable=not progress or rank != 0) as bar, ShardWriter(out, rank=rank, max_count=shard_size) as writer:
+              disable=not progress or rank != 0) as bar, ShardWriter(out, rank=rank, max_count=shard_size) as writer, \
+            rest as others:
         pending: list[Item | Latents] = []
-        # the fitting samples come first in index order (they are the first ones), then the rest are loaded
-        rest = iterate(source, [i for i in mine if i not in loaded], workers)
-        for _, item in itertools.chain(((i, loaded.pop(i)) for i in list(loaded)), rest):
+        for _, item in itertools.chain(((i, loaded.pop(i)) for i in list(loaded)), others):
+            stopping.check()  # the fitting samples too, which iterate() does not see again
             bar.update()
             if isinstance(item, Skip):
                 summary.skip(str(item), item.file)
