@@ -17,11 +17,12 @@ from __future__ import annotations
 import contextlib
 import functools
 import itertools
-import multiprocessing
 import os
 import signal
 import time
-from collections import Counter
+from collections import Counter, deque
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from multiprocessing import get_context
 from pathlib import Path
@@ -133,43 +134,77 @@ def _load(source, i: int) -> Item | Skip:
         return e
 
 
-def _load_chunk(args) -> list[Item | Skip]:
-    source, chunk = args
+def _load_chunk(source, chunk: list[int]) -> list[Item | Skip]:
     return [_load(source, i) for i in chunk]
 
 
 CHUNK = 4  # samples per task handed to a worker
+AHEAD = 4  # tasks queued per worker
 
 
 def iterate(source, indices, workers: int):
     """(index, Item or Skip) in index order; `workers` processes load/render in parallel. A signal stops it before
-    the next sample, or within POLL_S while it waits for one (ditcore.stopping); the pool is then terminated and
-    joined (Pool.__exit__), so no worker outlives the command."""
+    the next sample, or within POLL_S while it waits for one (ditcore.stopping); the workers are then killed and
+    joined, so none outlives the command."""
     if workers <= 1:
         for i in indices:
             stopping.check()
             yield i, _load(source, i)
         return
-    with get_context("spawn").Pool(workers, initializer=_leave_signals) as pool:
-        # chunks of our own: imap's chunksize gives a plain generator, which cannot wait with a timeout
-        results = pool.imap(_load_chunk, ((source, indices[k:k + CHUNK]) for k in range(0, len(indices), CHUNK)))
-        for k in range(0, len(indices), CHUNK):
-            yield from zip(indices[k:k + CHUNK], _next(results), strict=True)
+    chunks = iter([indices[k:k + CHUNK] for k in range(0, len(indices), CHUNK)])
+    # An executor, not multiprocessing.Pool: Pool.terminate can wait forever on a queue lock that a worker killed
+    # by the same SIGTERM (`timeout`, `docker stop` signal the whole process group) held; an executor whose worker
+    # died fails its futures instead.
+    pool = ProcessPoolExecutor(workers, mp_context=get_context("spawn"), initializer=_leave_signals)
+    try:
+        pending = deque((c, _submit(pool, source, c)) for c in itertools.islice(chunks, AHEAD * workers))
+        while pending:
+            chunk, future = pending.popleft()
+            yield from zip(chunk, _result(future), strict=True)
+            pending.extend((c, _submit(pool, source, c)) for c in itertools.islice(chunks, 1))
+    finally:
+        _stop(pool)
 
 
-def _next(results):
-    """The pool's next result, waited for in slices of POLL_S with a look at the signals between them."""
+def _submit(pool: ProcessPoolExecutor, source, chunk: list[int]):
+    try:
+        return pool.submit(_load_chunk, source, chunk)
+    except BrokenProcessPool:
+        _signalled_or_raise()
+
+
+def _result(future):
+    """The task's result, waited for in slices of POLL_S with a look at the signals between them."""
     while True:
         stopping.check()
         try:
-            return results.next(timeout=stopping.POLL_S)
-        except multiprocessing.TimeoutError:
+            return future.result(timeout=stopping.POLL_S)
+        except TimeoutError:
             pass
+        except BrokenProcessPool:
+            _signalled_or_raise()
+
+
+def _signalled_or_raise() -> None:
+    """The workers were killed: by a signal to the whole process group, which this process is about to act on (its
+    handler runs on the main thread, maybe a moment after the executor's thread saw them go), or by something else."""
+    time.sleep(stopping.POLL_S)
+    stopping.check()
+    raise
+
+
+def _stop(pool: ProcessPoolExecutor) -> None:
+    """Drop the queued tasks, kill the workers (they may be in the middle of a sample) and join them."""
+    workers = list((pool._processes or {}).values())  # no public handle on them before Python 3.14's kill_workers
+    pool.shutdown(wait=False, cancel_futures=True)
+    for worker in workers:
+        worker.kill()
+    pool.shutdown(wait=True)
 
 
 def _leave_signals() -> None:
     """Workers leave Ctrl-C and a closed terminal (signals a terminal sends its whole process group) to the main
-    process, which stops the pool and cleans up (no traceback per worker). SIGTERM stays: Pool.terminate sends it."""
+    process, which stops them and cleans up (no traceback per worker)."""
     for sig in (signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, signal.SIG_IGN)
 
