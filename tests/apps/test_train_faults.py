@@ -206,13 +206,16 @@ def test_a_second_ctrl_c_during_a_checkpoint_exits_at_once_and_publishes_nothing
     assert logged_steps(run) == [1, 2, 3, 4]
 
 
-def test_ctrl_c_and_sighup_ask_for_a_stop_and_only_a_later_ctrl_c_exits_at_once(capfd):
+def test_ctrl_c_sighup_and_sigusr1_ask_for_a_stop_and_only_a_later_ctrl_c_exits_at_once(capfd):
     """Under torchrun one Ctrl-C arrives twice within milliseconds (the terminal's, and the agent's copy): that is
     one press; a press after REPEAT_S is a second one."""
     preempted = training.Preempted(world_size=1, on_gpu=False)
     try:
         os.kill(os.getpid(), signal.SIGHUP)
         assert preempted.signalled()
+        preempted.flag = False
+        os.kill(os.getpid(), signal.SIGUSR1)  # Slurm's, before the time limit (infra/slurm/train.sbatch)
+        assert preempted.signalled() and preempted.signals.received == [signal.SIGHUP, signal.SIGUSR1]
         preempted.flag = False
         os.kill(os.getpid(), signal.SIGINT)
         os.kill(os.getpid(), signal.SIGINT)  # the same press, forwarded

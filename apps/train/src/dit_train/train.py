@@ -76,8 +76,8 @@ class Preempted:
         self.world_size, self.rank = world_size, rank
         self.interrupted_at: float | None = None  # the first Ctrl-C
         self.group = dist.new_group(backend="gloo") if world_size > 1 and on_gpu else None  # CPU: the default is
+        self.flag = False
         self.signals = stopping.Signals(self.SIGNALS, then=self._handle).__enter__()
-        self.flag = stopping.requested() is not None  # one an enclosing block recorded before training began
 
     def close(self) -> None:
         """Give the signals back to the handlers they had before."""

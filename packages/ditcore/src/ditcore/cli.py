@@ -35,16 +35,12 @@ def stop_on_signal() -> Iterator[stopping.Signals]:
     """Around a command's work: Ctrl-C, SIGTERM and SIGHUP are recorded (ditcore.stopping) and its loops stop at
     their next check; the interrupt ends in one line, `error: interrupted by SIGNAL — <notes: what was kept or
     removed>`, and exit code 128 + the signal. Printed while the signals are still recorded, so that a second one
-    cannot cut the cleanup short. A signal that came after the last check still ends in that line and exit code."""
+    cannot cut the cleanup short. A signal that came after the loop's last check ends the same way."""
     with stopping.Signals() as signals:
         try:
             yield signals
-            try:
-                signals.check()
-            except stopping.Stopped as e:
-                e.add_note("it came after the work was done: what it wrote is complete")
-                raise
-        except KeyboardInterrupt as e:  # Stopped; or a KeyboardInterrupt raised before the handlers were in place
+            signals.check()
+        except KeyboardInterrupt as e:  # Stopped; any other KeyboardInterrupt ends the same way
             typer.echo(" — ".join([f"error: {e or 'interrupted'}", *getattr(e, "__notes__", [])]), err=True)
             raise typer.Exit(getattr(e, "exit_code", 130)) from None
 
