@@ -19,10 +19,10 @@ import functools
 import itertools
 import os
 import signal
+import threading
 import time
 from collections import Counter, deque
 from concurrent.futures import ProcessPoolExecutor
-from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from multiprocessing import get_context
 from pathlib import Path
@@ -144,33 +144,23 @@ AHEAD = 4  # tasks queued per worker
 
 def iterate(source, indices, workers: int):
     """(index, Item or Skip) in index order; `workers` processes load/render in parallel. A signal stops it before
-    the next sample, or within POLL_S while it waits for one (ditcore.stopping); the workers are then killed and
-    joined, so none outlives the command."""
+    the next sample, or within POLL_S while it waits for one (ditcore.stopping); the workers then finish the sample
+    in hand and are joined, so none outlives the command."""
     if workers <= 1:
         for i in indices:
             stopping.check()
             yield i, _load(source, i)
         return
     chunks = iter([indices[k:k + CHUNK] for k in range(0, len(indices), CHUNK)])
-    # An executor, not multiprocessing.Pool: Pool.terminate can wait forever on a queue lock that a worker killed
-    # by the same SIGTERM (`timeout`, `docker stop` signal the whole process group) held; an executor whose worker
-    # died fails its futures instead.
-    pool = ProcessPoolExecutor(workers, mp_context=get_context("spawn"), initializer=_leave_signals)
+    pool = ProcessPoolExecutor(workers, mp_context=get_context("spawn"), initializer=_worker_start)
     try:
-        pending = deque((c, _submit(pool, source, c)) for c in itertools.islice(chunks, AHEAD * workers))
+        pending = deque((c, pool.submit(_load_chunk, source, c)) for c in itertools.islice(chunks, AHEAD * workers))
         while pending:
             chunk, future = pending.popleft()
             yield from zip(chunk, _result(future), strict=True)
-            pending.extend((c, _submit(pool, source, c)) for c in itertools.islice(chunks, 1))
+            pending.extend((c, pool.submit(_load_chunk, source, c)) for c in itertools.islice(chunks, 1))
     finally:
         _stop(pool)
-
-
-def _submit(pool: ProcessPoolExecutor, source, chunk: list[int]):
-    try:
-        return pool.submit(_load_chunk, source, chunk)
-    except BrokenProcessPool:
-        _signalled_or_raise()
 
 
 def _result(future):
@@ -181,32 +171,39 @@ def _result(future):
             return future.result(timeout=stopping.POLL_S)
         except TimeoutError:
             pass
-        except BrokenProcessPool:
-            _signalled_or_raise()
 
 
-def _signalled_or_raise() -> None:
-    """The workers were killed: by a signal to the whole process group, which this process is about to act on (its
-    handler runs on the main thread, maybe a moment after the executor's thread saw them go), or by something else."""
-    time.sleep(stopping.POLL_S)
-    stopping.check()
-    raise
+WORKERS_STOP_S = 30.0  # how long the workers may take to finish the samples in hand before they are killed
 
 
 def _stop(pool: ProcessPoolExecutor) -> None:
-    """Drop the queued tasks, kill the workers (they may be in the middle of a sample) and join them."""
-    workers = list((pool._processes or {}).values())  # no public handle on them before Python 3.14's kill_workers
+    """Drop the queued tasks, let the workers finish the ones in hand (a worker killed while it sends a result
+    leaves half a message that the executor's thread then waits on for ever, and Python's exit with it) and join
+    them; kill any that does not end in WORKERS_STOP_S."""
+    workers = list((pool._processes or {}).values())  # no public handle on them before Python 3.14
     pool.shutdown(wait=False, cancel_futures=True)
+    deadline = time.monotonic() + WORKERS_STOP_S
     for worker in workers:
-        worker.kill()
-    pool.shutdown(wait=True)
+        worker.join(max(0.0, deadline - time.monotonic()))
+        if worker.is_alive():
+            worker.kill()
+            worker.join()
 
 
-def _leave_signals() -> None:
-    """Workers leave Ctrl-C and a closed terminal (signals a terminal sends its whole process group) to the main
-    process, which stops them and cleans up (no traceback per worker)."""
-    for sig in (signal.SIGINT, signal.SIGHUP):
+def _worker_start() -> None:
+    """Workers leave Ctrl-C, SIGTERM and a closed terminal (signals a terminal, `timeout` or `docker stop` send the
+    whole process group) to the main process, which stops them when it is done with them (no traceback per
+    worker, no result cut in half); and a worker whose main process is gone (killed) ends by itself."""
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, signal.SIG_IGN)
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(1)
+
+    threading.Thread(target=watch, daemon=True).start()
 
 
 def to_tensor(pixels: np.ndarray) -> torch.Tensor:
