@@ -1,5 +1,36 @@
+import contextlib
+import subprocess
+import sys
+
 import pytest
 import torch
+
+
+def pytest_addoption(parser):
+    parser.addoption("--cpu-load", type=int, default=0, metavar="N",
+                     help="Run N CPU-bound processes beside the tests for the whole session (the load of a busy CI "
+                          "machine: races that one test alone never shows).")
+
+
+@contextlib.contextmanager
+def cpu_bound_processes(n: int):
+    """n processes that each keep a core busy, stopped (killed and reaped) however the block ends. Each also ends
+    by itself once its parent is gone, so that not even a killed pytest leaves one spinning."""
+    spin = "import os\nparent = os.getppid()\nwhile os.getppid() == parent:\n    pass"
+    procs = [subprocess.Popen([sys.executable, "-c", spin]) for _ in range(n)]
+    try:
+        yield procs
+    finally:
+        for proc in procs:
+            proc.kill()
+        for proc in procs:
+            proc.wait()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _cpu_load(request):
+    with cpu_bound_processes(request.config.getoption("--cpu-load")):
+        yield
 
 
 @pytest.fixture(autouse=True)

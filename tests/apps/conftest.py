@@ -5,6 +5,7 @@ import importlib
 import io
 import json
 import os
+import signal
 import socket
 import struct
 import subprocess
@@ -204,6 +205,66 @@ def launch(checkpoint: Path, *args, extra_env: dict | None = None):
         finally:
             proc.terminate()
             proc.wait(timeout=30)
+
+
+@dataclass
+class Signalled:
+    returncode: int
+    out: str
+    err: str
+    seconds: float  # from the first signal to the process's exit
+
+
+def signal_when_ready(cmd: list, sig: int, ready, *, group: bool = False, env: dict | None = None,
+                      wait_s: float = 180, exit_s: float = 120) -> Signalled:
+    """Run `cmd`; once `ready(stderr so far)` is true (a progress marker the command wrote: a shard, a logged step, a
+    sampler step; polled, up to wait_s) send it `sig` — to its whole process group with `group`, as a terminal's
+    Ctrl-C, `timeout` or Slurm do — and time it until it exits. Every process it started must be gone by then. The
+    command is killed however the test ends. Output goes to files: a pipe nobody reads can fill and stall it."""
+    import psutil
+
+    with tempfile.TemporaryDirectory() as logs:
+        out, err = Path(logs) / "out", Path(logs) / "err"  # read by name: a shared file offset would move theirs
+        with out.open("w") as stdout, err.open("w") as stderr:
+            # a shell starts background jobs with SIGINT ignored; a user's Ctrl-C reaches a foreground process:
+            # restore it
+            proc = subprocess.Popen(list(map(str, cmd)), stdout=stdout, stderr=stderr, env=env,
+                                    start_new_session=group,
+                                    preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+        try:
+            deadline = time.monotonic() + wait_s
+            while not ready(err.read_text(errors="replace")):
+                assert proc.poll() is None, f"it ended (exit {proc.returncode}) before the signal: {err.read_text()}"
+                assert time.monotonic() < deadline, f"no progress within {wait_s} s: {err.read_text()[-3000:]}"
+                time.sleep(0.05)
+            children = psutil.Process(proc.pid).children(recursive=True)
+            t0 = time.monotonic()
+            os.killpg(proc.pid, sig) if group else proc.send_signal(sig)
+            proc.wait(timeout=exit_s)
+            seconds = time.monotonic() - t0
+            _, alive = psutil.wait_procs(children, timeout=1)
+            alive = [p for p in alive if _running(p)]  # a zombie has ended: its parent went before reaping it
+            assert not alive, f"{len(alive)} of its processes outlived it: {alive}"
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL) if group else proc.kill()
+                proc.wait()
+        print(f"{Path(cmd[0]).name} {signal.Signals(sig).name}: {seconds:.2f} s from the signal to the exit")
+        return Signalled(proc.returncode, out.read_text(errors="replace"), err.read_text(errors="replace"), seconds)
+
+
+def _running(process) -> bool:
+    import psutil
+
+    try:
+        return process.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+@pytest.fixture(scope="session")
+def signalled():
+    return signal_when_ready
 
 
 @pytest.fixture

@@ -10,7 +10,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -246,24 +245,27 @@ def test_folder_skips_what_it_cannot_read_and_keeps_unicode_captions(media, tmp_
     assert captions == {"ein Schmetterling über Blüten 🦋", "蝴蝶在花上", "бабочка", "a red butterfly"}
 
 
-@pytest.mark.parametrize("keep", [False, pytest.param(True, marks=SLOW)])
-def test_ctrl_c_during_prepare_removes_the_partial_output_unless_kept(tmp_path, keep):
+STOP_S = 20  # the most seconds from a signal to the exit of a command that checks for it between samples
+
+
+@pytest.mark.parametrize(("sig", "keep"), [(signal.SIGINT, False), (signal.SIGTERM, False),
+                                           pytest.param(signal.SIGINT, True, marks=SLOW)])
+def test_ctrl_c_during_prepare_removes_the_partial_output_unless_kept(signalled, tmp_path, sig, keep):
+    """Ctrl-C (to the process) or SIGTERM (to its whole process group, loader pool included, as `timeout` and
+    `docker stop` send it) stops it at the next sample, every time. Before: a KeyboardInterrupt raised wherever the
+    main thread was could be dropped on the way, and under load it went on to encode all 4,000 samples."""
     out = tmp_path / "o"
     env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
-    cmd = [str(BIN / "dit-prepare"), "synthetic", "--out", str(out), "--num", "4000", "--size", "32",
-           "--shard-size", "50", "--fit-samples", "16", *(["--keep-partial"] if keep else [])]
-    # A shell starts background jobs with SIGINT ignored; a user's Ctrl-C reaches a foreground process: restore it.
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
-    deadline = time.monotonic() + 180
-    while not list(out.glob("rank0-000001.tar")) and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.1)  # a full shard is written: we are in the middle of encoding
-    assert proc.poll() is None, proc.communicate()[1][-3000:]
-    proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=120)
-    lines = [ln for ln in err.replace("\r", "\n").splitlines() if ln.startswith("error")]  # past the progress bars
-    assert proc.returncode == 130 and "Traceback" not in err, err[-3000:]
-    assert len(lines) == 1 and lines[0].startswith("error: interrupted"), err[-3000:]
+    workers = 2 if sig == signal.SIGTERM else 0
+    cmd = [BIN / "dit-prepare", "synthetic", "--out", out, "--num", "4000", "--size", "32", "--shard-size", "50",
+           "--fit-samples", "16", "--workers", workers, *(["--keep-partial"] if keep else [])]
+    # the second shard is open: the first is full, we are in the middle of encoding
+    proc = signalled(cmd, sig, lambda err: (out / "rank0-000001.tar").exists(), group=workers > 0, env=env)
+    lines = [ln for ln in proc.err.replace("\r", "\n").splitlines() if ln.startswith("error")]  # past the bars
+    assert proc.returncode == 128 + sig and "Traceback" not in proc.err, proc.err[-3000:]
+    said = {signal.SIGINT: "Ctrl-C", signal.SIGTERM: "SIGTERM"}[sig]
+    assert len(lines) == 1 and lines[0].startswith(f"error: interrupted by {said} — "), lines
+    assert proc.seconds < STOP_S
     if keep:
         assert "kept the partial output" in lines[0] and list(out.glob("rank0-*.tar"))
         assert not (out / "ditcore.json").exists()  # incomplete: dit-train refuses it

@@ -72,6 +72,22 @@ def test_synthetic_dataset_is_complete_and_accepted_by_energon(synthetic):
     energon_accepts(out)
 
 
+def test_worker_processes_write_the_same_dataset(synthetic, cli_in_process, tmp_path):
+    """--workers 2 (an executor of spawned processes, stopped and joined at the end: dit_prepare.pipeline.iterate)
+    writes the samples of one process, in the same order, byte for byte."""
+    from ditcore.data.schema import shard_samples
+
+    out, _ = synthetic
+    pooled = tmp_path / "pooled"
+    proc = cli_in_process("prepare", "synthetic", "--out", pooled, "--num", 24, "--size", 32, "--frames", 4,
+                          "--fit-samples", 24, "--shard-size", 10, "--workers", 2)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    shards = sorted(p.name for p in out.glob("rank0-*.tar"))
+    assert shards == sorted(p.name for p in pooled.glob("rank0-*.tar")) and len(shards) == 3
+    for name in shards:
+        assert list(shard_samples(out / name)) == list(shard_samples(pooled / name))
+
+
 def test_prepared_samples_decode_back_close_to_the_inputs(synthetic):
     out, _ = synthetic
     for i in (0, 1, 2, 3):

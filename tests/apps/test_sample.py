@@ -3,6 +3,7 @@
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import urllib.request
@@ -126,6 +127,25 @@ def test_examples_come_from_the_run_and_older_exports_read_its_config(make_expor
 
 
 # ---------------------------------------------------------------- the page
+
+
+STOP_S = 20  # the most seconds from a signal to the exit: one sampler step, then the one line
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_stops_generate_at_the_next_step_and_writes_nothing(make_export, signalled, tmp_path, sig):
+    """Ctrl-C or SIGTERM while it samples (500 Heun steps: a minute or more on 2 cores): stopped at the next step,
+    one line, exit 128 + the signal, no file. Before: SIGTERM ended it without a word."""
+    run = make_export(tmp_path / "run", num_classes=4)  # class-conditional: no text encoder to load
+    out = tmp_path / "s.png"
+    cmd = [BIN / "dit-sample", "generate", "--checkpoint", run, "--class", 1, "--steps", 500, "--height", 64,
+           "--width", 64, "--out", out]
+    proc = signalled(cmd, sig, lambda err: re.search(r"sampling: .*\b[1-9]\d*/500", err), env=env())
+    said = {signal.SIGINT: "Ctrl-C", signal.SIGTERM: "SIGTERM"}[sig]
+    lines = [ln for ln in proc.err.replace("\r", "\n").splitlines() if ln.startswith("error")]  # past the bar
+    assert proc.returncode == 128 + sig and "Traceback" not in proc.err, proc.err[-3000:]
+    assert lines == [f"error: interrupted by {said} — no sample was written to {out}"], lines
+    assert not out.exists() and proc.seconds < STOP_S
 
 
 @pytest.mark.skipif(not Path(CHROMIUM).exists(), reason="Debian chromium is not installed (.ci/run installs it)")

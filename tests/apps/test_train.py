@@ -409,18 +409,21 @@ def test_st_dit_trains_with_context_parallelism_on_two_processes(dataset, tmp_pa
     assert list((run / "samples").glob("step-*/*.png"))
 
 
+STOP_S = 30  # the most seconds from a signal to the exit: the step it is in, a checkpoint, the loggers' last writes
+
+
+def metrics_written(run: Path) -> bool:
+    """Training is under way: the first step's metrics are on disk (the CSV is written at every log call)."""
+    return any(f.stat().st_size and f.read_text().count("\n") >= 2 for f in (run / "csv").glob("*/metrics.csv"))
+
+
 @pytest.mark.slow
-def test_sigterm_saves_a_complete_checkpoint_and_exits_0(dataset, tmp_path):
+def test_sigterm_saves_a_complete_checkpoint_and_exits_0(dataset, tmp_path, signalled):
     run = tmp_path / "run"
-    proc = subprocess.Popen([str(BIN / "dit-train"), *run_args(dataset, run, 100000, "checkpoint.every=100000")],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env())
-    deadline = time.monotonic() + 120
-    while not list((run / "csv").glob("*/metrics.csv")) and time.monotonic() < deadline:
-        time.sleep(0.5)  # training has started once the first metrics are flushed
-    time.sleep(2)
-    proc.send_signal(signal.SIGTERM)
-    out, err = proc.communicate(timeout=120)
-    assert proc.returncode == 0, err[-3000:]
+    proc = signalled([BIN / "dit-train", *run_args(dataset, run, 100000, "checkpoint.every=100000")], signal.SIGTERM,
+                     lambda err: metrics_written(run), env=env())
+    out, err = proc.out, proc.err
+    assert proc.returncode == 0 and proc.seconds < STOP_S, err[-3000:]
     saved = runs.complete_checkpoints(run)
     assert len(saved) == 1 and "stopped by signal" in out + err
     step = int(saved[0].name.split("-")[1])
@@ -430,19 +433,15 @@ def test_sigterm_saves_a_complete_checkpoint_and_exits_0(dataset, tmp_path):
 
 
 @pytest.mark.slow
-def test_sigterm_to_the_whole_process_group_with_loader_workers_saves_and_exits_0(dataset, tmp_path):
+def test_sigterm_to_the_whole_process_group_with_loader_workers_saves_and_exits_0(dataset, tmp_path, signalled):
     """Slurm's cancel, `docker stop` and `timeout` signal the process group: the loader workers get SIGTERM too."""
     run = tmp_path / "run"
     args = run_args(dataset, run, 100000, "checkpoint.every=100000", "data.num_workers=2")
-    proc = subprocess.Popen([str(BIN / "dit-train"), *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=env(), start_new_session=True)  # its own process group, as under setsid
-    deadline = time.monotonic() + 120
-    while not list((run / "csv").glob("*/metrics.csv")) and time.monotonic() < deadline:
-        time.sleep(0.5)
-    time.sleep(2)
-    os.killpg(proc.pid, signal.SIGTERM)  # kill -TERM -- -PID
-    out, err = proc.communicate(timeout=120)
-    assert proc.returncode == 0, err[-3000:]
+    # its own process group, as under setsid; kill -TERM -- -PID
+    proc = signalled([BIN / "dit-train", *args], signal.SIGTERM, lambda err: metrics_written(run), group=True,
+                     env=env())
+    out, err = proc.out, proc.err
+    assert proc.returncode == 0 and proc.seconds < STOP_S, err[-3000:]
     assert "killed by signal" not in err
     saved = runs.complete_checkpoints(run)
     assert len(saved) == 1 and "stopped by signal" in out + err

@@ -8,13 +8,12 @@ import dataclasses
 import enum
 import functools
 import inspect
-import signal
 import typing
 from pathlib import Path
 
 import typer
 
-from ditcore.cli import entry_point, fail, version_option
+from ditcore.cli import entry_point, fail, stop_on_signal, version_option
 
 app = typer.Typer(
     name="dit-prepare",
@@ -201,23 +200,16 @@ def _run(source_factory, out: Path, choice, encode: EncodeOptions, write: WriteO
 
 @contextlib.contextmanager
 def _one_line_errors():
-    """Bad input → `error: ...` (with what happened to the partial output) and exit 2; Ctrl-C or SIGTERM → 130."""
+    """Bad input → `error: ...` (with what happened to the partial output) and exit 2; Ctrl-C, SIGTERM or SIGHUP stop
+    the pipeline at its next sample (ditcore.stopping) → `error: interrupted by ...` and the same note, exit 128 + the
+    signal."""
     from dit_prepare.sources import SourceError
 
-    previous = signal.signal(signal.SIGTERM, _interrupt)
-    try:
-        yield
-    except KeyboardInterrupt as e:
-        typer.echo(" — ".join(["error: interrupted", *getattr(e, "__notes__", [])]), err=True)
-        raise typer.Exit(130) from None
-    except (SourceError, FileExistsError, ValueError, OSError, RuntimeError) as e:
-        fail(" — ".join([str(e), *getattr(e, "__notes__", [])]))
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-
-
-def _interrupt(signum, frame):
-    raise KeyboardInterrupt  # SIGTERM (kill, Slurm) cleans up like Ctrl-C
+    with stop_on_signal():
+        try:
+            yield
+        except (SourceError, FileExistsError, ValueError, OSError, RuntimeError) as e:
+            fail(" — ".join([str(e), *getattr(e, "__notes__", [])]))
 
 
 @app.command()

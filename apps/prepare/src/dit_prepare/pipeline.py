@@ -14,12 +14,15 @@ any failure, so a val/ never passes for complete beside an unfinished training s
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import os
 import signal
+import threading
 import time
-from collections import Counter
+from collections import Counter, deque
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from multiprocessing import get_context
 from pathlib import Path
@@ -29,6 +32,7 @@ import torch
 from tqdm import tqdm
 
 from dit_prepare.sources import Item, Latents, Skip, SourceError
+from ditcore import stopping
 from ditcore.codecs import Codec, DiffusersVAECodec, LatentStats, PatchPCACodec, PixelCodec, psnr
 from ditcore.codecs.text import TextEncoder
 from ditcore.data.schema import HELDOUT_DIR, DatasetInfo
@@ -123,27 +127,83 @@ def dist_env() -> tuple[int, int]:
     return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
 
 
-def _load(args) -> Item | Skip:
-    source, i = args
+def _load(source, i: int) -> Item | Skip:
     try:
         return source.load(i)
     except Skip as e:
         return e
 
 
+def _load_chunk(source, chunk: list[int]) -> list[Item | Skip]:
+    return [_load(source, i) for i in chunk]
+
+
+CHUNK = 4  # samples per task handed to a worker
+AHEAD = 4  # tasks queued per worker
+
+
 def iterate(source, indices, workers: int):
-    """(index, Item or Skip) in index order; `workers` processes load/render in parallel."""
+    """(index, Item or Skip) in index order; `workers` processes load/render in parallel. A signal stops it before
+    the next sample, or within POLL_S while it waits for one (ditcore.stopping); the workers then finish the sample
+    in hand and are joined, so none outlives the command."""
     if workers <= 1:
         for i in indices:
-            yield i, _load((source, i))
+            stopping.check()
+            yield i, _load(source, i)
         return
-    with get_context("spawn").Pool(workers, initializer=_ignore_sigint) as pool:
-        yield from zip(indices, pool.imap(_load, ((source, i) for i in indices), chunksize=4), strict=True)
+    chunks = iter([indices[k:k + CHUNK] for k in range(0, len(indices), CHUNK)])
+    pool = ProcessPoolExecutor(workers, mp_context=get_context("spawn"), initializer=_worker_start)
+    try:
+        pending = deque((c, pool.submit(_load_chunk, source, c)) for c in itertools.islice(chunks, AHEAD * workers))
+        while pending:
+            chunk, future = pending.popleft()
+            yield from zip(chunk, _result(future), strict=True)
+            pending.extend((c, pool.submit(_load_chunk, source, c)) for c in itertools.islice(chunks, 1))
+    finally:
+        _stop(pool)
 
 
-def _ignore_sigint() -> None:
-    """Workers leave Ctrl-C to the main process, which stops the pool and cleans up (no traceback per worker)."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+def _result(future):
+    """The task's result, waited for in slices of POLL_S with a look at the signals between them."""
+    while True:
+        stopping.check()
+        try:
+            return future.result(timeout=stopping.POLL_S)
+        except TimeoutError:
+            pass
+
+
+WORKERS_STOP_S = 30.0  # how long the workers may take to finish the samples in hand before they are killed
+
+
+def _stop(pool: ProcessPoolExecutor) -> None:
+    """Drop the queued tasks, let the workers finish the ones in hand (a worker killed while it sends a result
+    leaves half a message that the executor's thread then waits on for ever, and Python's exit with it) and join
+    them; kill any that does not end in WORKERS_STOP_S."""
+    workers = list((pool._processes or {}).values())  # no public handle on them before Python 3.14
+    pool.shutdown(wait=False, cancel_futures=True)
+    deadline = time.monotonic() + WORKERS_STOP_S
+    for worker in workers:
+        worker.join(max(0.0, deadline - time.monotonic()))
+        if worker.is_alive():
+            worker.kill()
+            worker.join()
+
+
+def _worker_start() -> None:
+    """Workers leave Ctrl-C, SIGTERM and a closed terminal (signals a terminal, `timeout` or `docker stop` send the
+    whole process group) to the main process, which stops them when it is done with them (no traceback per
+    worker, no result cut in half); and a worker whose main process is gone (killed) ends by itself."""
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_IGN)
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(1)
+
+    threading.Thread(target=watch, daemon=True).start()
 
 
 def to_tensor(pixels: np.ndarray) -> torch.Tensor:
@@ -248,13 +308,16 @@ def _write_samples(source, mine: list[int], loaded: dict, encode, out: Path, ran
     them loaded already (the fitting samples), which are taken from it."""
     Path(out).mkdir(exist_ok=True)
     loaded = {i: it for i, it in loaded.items() if i in set(mine)}  # the fitting samples this rank writes
-    # closed however the loop ends, so an error message starts on its own line, not after the bar
+    # the fitting samples come first in index order (they are the first ones), then the rest are loaded: by a pool,
+    # stopped and joined however the loop ends
+    rest = contextlib.closing(iterate(source, [i for i in mine if i not in loaded], workers))
+    # the bar is closed however the loop ends too, so an error message starts on its own line, not after the bar
     with tqdm(total=len(mine), desc=f"rank {rank} encoding" if world > 1 else "encoding", unit="sample",
-              disable=not progress or rank != 0) as bar, ShardWriter(out, rank=rank, max_count=shard_size) as writer:
+              disable=not progress or rank != 0) as bar, ShardWriter(out, rank=rank, max_count=shard_size) as writer, \
+            rest as others:
         pending: list[Item | Latents] = []
-        # the fitting samples come first in index order (they are the first ones), then the rest are loaded
-        rest = iterate(source, [i for i in mine if i not in loaded], workers)
-        for _, item in itertools.chain(((i, loaded.pop(i)) for i in list(loaded)), rest):
+        for _, item in itertools.chain(((i, loaded.pop(i)) for i in list(loaded)), others):
+            stopping.check()  # the fitting samples too, which iterate() does not see again
             bar.update()
             if isinstance(item, Skip):
                 summary.skip(str(item), item.file)

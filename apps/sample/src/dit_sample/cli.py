@@ -5,12 +5,12 @@ from __future__ import annotations
 import enum
 import os
 import shlex
-import signal
+import time
 from pathlib import Path
 
 import typer
 
-from ditcore.cli import entry_point, fail, version_option
+from ditcore.cli import entry_point, fail, stop_on_signal, version_option
 
 app = typer.Typer(
     name="dit-sample",
@@ -88,6 +88,7 @@ def generate(
 ) -> None:
     """Sample prompts and write an mp4 (frames > 1) or png (frames = 1) for each."""
     from dit_sample.generate import RequestError, Sampler
+    from ditcore import stopping
     from ditcore.codecs import HubLoadError
     from ditcore.disk import DiskFull
     from ditcore.media import write_sample
@@ -96,39 +97,43 @@ def generate(
     problem = output_problem(out)
     if problem:
         fail(problem)
-    try:
-        sampler = Sampler.load(checkpoint, vae, num_heads)
-        if "imported" in sampler.exported.extra:
-            typer.echo(f"sampling {sampler.exported.extra['imported']}")
-        if not sampler.class_conditional and not prompt:
-            example = f", e.g. --prompt {shlex.quote(sampler.prompts()[0])}" if sampler.prompts() else ""
-            raise RequestError(f"--prompt is required: describe what to draw{example}")
-        guidance = sampler.exported.guidance if guidance is None else guidance
-        trained_height, trained_width = sampler.default_size()
-        height = trained_height if height is None else height
-        width = trained_width if width is None else width
-        request = dict(prompts=prompt, negative_prompt=negative_prompt, class_labels=class_label, steps=steps,
-                       guidance=guidance, seed=seed, frames=frames, height=height, width=width, solver=str(solver),
-                       schedule=str(schedule))
-        sampler.check(**request)  # a bad request is refused before the text encoder loads (seconds)
-        sampler.load_text()  # before the bar starts: the bar counts sampling steps only
-        with step_bar(steps, "sampling") as bar:
-            result, seconds = sampler.run(**request, fps=fps, callback=bar)
-    except (RequestError, FileNotFoundError, ValueError, KeyError, HubLoadError) as e:
-        fail(str(e))
-    n = result.pixels.shape[0]
-    for i, pixels in enumerate(result.pixels):
-        target = out if n == 1 else out.with_name(f"{out.stem}-{i}{out.suffix}")
+    with stop_on_signal():  # loading, each sampling step and the writing: Ctrl-C or SIGTERM stop it
         try:
-            written = write_sample(pixels.numpy(), target, fps=fps)
-        except DiskFull as e:  # names the file and the space free
+            sampler = Sampler.load(checkpoint, vae, num_heads)
+            if "imported" in sampler.exported.extra:
+                typer.echo(f"sampling {sampler.exported.extra['imported']}")
+            if not sampler.class_conditional and not prompt:
+                example = f", e.g. --prompt {shlex.quote(sampler.prompts()[0])}" if sampler.prompts() else ""
+                raise RequestError(f"--prompt is required: describe what to draw{example}")
+            guidance = sampler.exported.guidance if guidance is None else guidance
+            trained_height, trained_width = sampler.default_size()
+            height = trained_height if height is None else height
+            width = trained_width if width is None else width
+            request = dict(prompts=prompt, negative_prompt=negative_prompt, class_labels=class_label, steps=steps,
+                           guidance=guidance, seed=seed, frames=frames, height=height, width=width, solver=str(solver),
+                           schedule=str(schedule))
+            sampler.check(**request)  # a bad request is refused before the text encoder loads (seconds)
+            sampler.load_text()  # before the bar starts: the bar counts sampling steps only
+            with step_bar(steps, "sampling") as bar:  # a signal stops it at the next step: nothing is written
+                result, seconds = sampler.run(**request, fps=fps, callback=stopping.checked(bar))
+        except (RequestError, FileNotFoundError, ValueError, KeyError, HubLoadError) as e:
             fail(str(e))
-        except (OSError, RuntimeError) as e:  # e.g. the disk filled up, or ffmpeg could not write there
-            fail(f"could not write {target}: {e}")
-        typer.echo(f"wrote {written}")
-    typer.echo(f"{n} sample(s) of {frames}x{height}x{width}: {result.nfe} denoiser evaluations "
-               f"({'2x' if guidance != 1 else '1x'} batch for guidance), seed {seed}: generated in {seconds:.2f} s, "
-               f"{sampler.loaded()}")
+        except stopping.Stopped as e:
+            e.add_note(f"no sample was written to {out}")
+            raise
+        n = result.pixels.shape[0]
+        for i, pixels in enumerate(result.pixels):
+            target = out if n == 1 else out.with_name(f"{out.stem}-{i}{out.suffix}")
+            try:
+                written = write_sample(pixels.numpy(), target, fps=fps)
+            except DiskFull as e:  # names the file and the space free
+                fail(str(e))
+            except (OSError, RuntimeError) as e:  # e.g. the disk filled up, or ffmpeg could not write there
+                fail(f"could not write {target}: {e}")
+            typer.echo(f"wrote {written}")
+        typer.echo(f"{n} sample(s) of {frames}x{height}x{width}: {result.nfe} denoiser evaluations "
+                   f"({'2x' if guidance != 1 else '1x'} batch for guidance), seed {seed}: generated in "
+                   f"{seconds:.2f} s, {sampler.loaded()}")
 
 
 class Features(enum.StrEnum):  # ditcore.eval.FEATURES
@@ -168,11 +173,13 @@ def evaluate(
     from ditcore.data.schema import DatasetError
     from ditcore.eval import FeatureError, ReferenceError
 
-    try:
-        result, written = run_eval(checkpoint, reference, num, features=str(features), weights=weights, steps=steps,
-                                   guidance=guidance, seed=seed, batch=batch, height=height, width=width)
-    except (RequestError, ReferenceError, FeatureError, DatasetError, FileNotFoundError, HubLoadError) as e:
-        fail(str(e))
+    with stop_on_signal():  # at the next sampler step (dit_sample.evaluate): no score is written
+        try:
+            result, written = run_eval(checkpoint, reference, num, features=str(features), weights=weights,
+                                       steps=steps, guidance=guidance, seed=seed, batch=batch, height=height,
+                                       width=width)
+        except (RequestError, ReferenceError, FeatureError, DatasetError, FileNotFoundError, HubLoadError) as e:
+            fail(str(e))
     if written is not None:
         typer.echo(f"{result['what']} {result['value']:.4f} of {num} samples (step {result['step']}, "
                    f"{result['height']}x{result['width']}, {steps} steps, guidance {result['guidance']}, seed {seed}) "
@@ -195,6 +202,7 @@ def serve(
 ) -> None:
     """Run the Gradio app: prompt → video/image in the browser. Never opens a public share link."""
     from dit_sample.app import build_app, exposure_warning, launch_options, port_problem
+    from ditcore import stopping
     from ditcore.codecs import HubLoadError
 
     problem = port_problem(host, port)  # before the model loads: a taken port should fail in seconds
@@ -203,19 +211,25 @@ def serve(
     warning = exposure_warning(host)
     if warning:
         typer.echo(warning, err=True)
-    try:
-        demo = build_app(checkpoint, concurrency=concurrency, queue_size=queue_size,
-                         max_token_steps=max_token_steps, vae=vae, num_heads=num_heads)
-    except (FileNotFoundError, ValueError, KeyError, HubLoadError) as e:
-        fail(str(e))
-    typer.echo(f"serving {checkpoint} on http://{host}:{port}")
-    # `docker stop`, systemd and `kill` send SIGTERM: stop as on Ctrl-C, so that the server closes and the app's
-    # temporary folder of request outputs is removed (by default SIGTERM ends Python without its exit handlers)
-    signal.signal(signal.SIGTERM, _interrupt)
-    try:
-        demo.launch(server_name=host, server_port=port, share=False, quiet=True, **launch_options())
-    except OSError as e:  # the port was taken between the check and the launch
-        fail(f"cannot serve on {host}:{port}: {e} — pass a free port with --port")
+    # Ctrl-C, and the SIGTERM of `docker stop`, systemd and `kill`, are recorded (by default SIGTERM would end Python
+    # without its exit handlers): the server then closes and the app's temporary folder of request outputs goes
+    with stopping.Signals() as signals:
+        try:
+            demo = build_app(checkpoint, concurrency=concurrency, queue_size=queue_size,
+                             max_token_steps=max_token_steps, vae=vae, num_heads=num_heads)
+        except (FileNotFoundError, ValueError, KeyError, HubLoadError) as e:
+            fail(str(e))
+        typer.echo(f"serving {checkpoint} on http://{host}:{port}")
+        try:
+            demo.launch(server_name=host, server_port=port, share=False, quiet=True, prevent_thread_lock=True,
+                        **launch_options())
+        except OSError as e:  # the port was taken between the check and the launch
+            fail(f"cannot serve on {host}:{port}: {e} — pass a free port with --port")
+        while not signals.received and demo.is_running:
+            time.sleep(stopping.POLL_S)
+        demo.close()
+    if signals.received:
+        typer.echo(f"stopped serving ({stopping.name(signals.received[0])})")
 
 
 @app.command()
@@ -246,10 +260,6 @@ def export(
         fail(str(e))
     for line in lines:
         typer.echo(line)
-
-
-def _interrupt(signum, frame):
-    raise KeyboardInterrupt
 
 
 run = entry_point(app)  # the console script: usage errors are one line, exit code 2

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from dit_sample.generate import RequestError, Sampler
-from ditcore import durable, runs
+from ditcore import durable, runs, stopping
 from ditcore.eval import FIGURE, FrechetDistance, SamplePlan, feature_net, load_reference, score_samples
 from ditcore.sampling import step_bar, token_grid
 
@@ -58,7 +58,7 @@ def evaluate(checkpoint: str | Path, reference: str | Path, num: int, *, feature
         with step_bar(len(plan.batches(rank, world)) * steps, f"{FIGURE[features]} samples", disable=rank != 0) as bar:
             value = score_samples(model, sampler.exported.codec, sampler.exported.stats, distance, plan,
                                   text_states=states, rank=rank, world=world, prediction=sampler.exported.prediction,
-                                  vp=sampler.exported.vp, callback=bar)
+                                  vp=sampler.exported.vp, callback=stopping.checked(bar))
         result = {"what": FIGURE[features], "value": value, "step": sampler.exported.extra.get("step"), "num": num,
                   "features": net.name, "reference": str(reference), "reference_n": ref.n, "height": height,
                   "width": width, "steps": steps, "guidance": guidance, "seed": seed, "ranks": world,
@@ -83,7 +83,7 @@ def _reference(reference, net, height, width, device, rank):
     kwargs = {"net": net, "height": height, "width": width, "device": device}
     if rank == 0:
         with tqdm(desc="reference images", unit="image", dynamic_ncols=True, leave=False) as bar:
-            ref = load_reference(reference, net.name, progress=bar.update, **kwargs)
+            ref = load_reference(reference, net.name, progress=stopping.checked(bar.update), **kwargs)
     if dist.is_initialized():
         dist.barrier()
     return ref if rank == 0 else load_reference(reference, net.name, **kwargs)  # the cache rank 0 wrote

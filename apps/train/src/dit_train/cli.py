@@ -111,6 +111,10 @@ def main(
     except Interrupted as e:  # a second Ctrl-C
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(130) from None
+    except KeyboardInterrupt:  # before the first step, when Python's own handler was still the one
+        typer.echo("error: interrupted by Ctrl-C before training began: no step was taken, nothing was saved",
+                   err=True)
+        raise typer.Exit(130) from None
     except OSError as e:  # a full disk where no writer said so itself (a checkpoint's manifest, the logs)
         if not disk.is_disk_full(e):
             raise

@@ -26,7 +26,7 @@ from dit_train.metrics import Metrics, bar_postfix
 from dit_train.plots import plot_heldout, plot_losses
 from dit_train.recipe import Recipe, model_config, resolve  # noqa: F401 (model_config: where it was before)
 from dit_train.validation import Validator
-from ditcore import durable, init_from, runs
+from ditcore import durable, init_from, runs, stopping
 from ditcore.data.fit import fit_report
 from ditcore.data.loader import build_loader, check_samples_fit, next_batch
 from ditcore.data.packing import PackedBatch
@@ -59,8 +59,9 @@ class Interrupted(KeyboardInterrupt):
 
 class Preempted:
     """SIGTERM / SIGUSR1 (Slurm preemption or time limit), SIGINT (Ctrl-C) and SIGHUP (the terminal closed) →
-    finish the step, checkpoint, exit 0. A second Ctrl-C exits at once (Interrupted): a checkpoint being written
-    stays an unpublished .tmp-step-* folder, which never passes as complete and which the next save removes.
+    finish the step, checkpoint, exit 0: the handler only records the signal (ditcore.stopping), the loop looks at it
+    after every step. A second Ctrl-C exits at once (Interrupted): a checkpoint being written stays an unpublished
+    .tmp-step-* folder, which never passes as complete and which the next save removes.
 
     Every rank must stop at the same step, so the ranks agree on such flags over a CPU (gloo) group: an
     all-reduce of a host tensor, which never waits for the GPU's queue of work.
@@ -72,18 +73,17 @@ class Preempted:
     REPEAT_S = 1.0
 
     def __init__(self, world_size: int, on_gpu: bool, rank: int = 0):
-        self.flag = False
         self.world_size, self.rank = world_size, rank
         self.interrupted_at: float | None = None  # the first Ctrl-C
         self.group = dist.new_group(backend="gloo") if world_size > 1 and on_gpu else None  # CPU: the default is
-        self.previous = {sig: signal.signal(sig, self._handle) for sig in self.SIGNALS}
+        self.flag = False
+        self.signals = stopping.Signals(self.SIGNALS, then=self._handle).__enter__()
 
     def close(self) -> None:
         """Give the signals back to the handlers they had before."""
-        for sig, handler in self.previous.items():
-            signal.signal(sig, handler)
+        self.signals.__exit__(None, None, None)
 
-    def _handle(self, signum, frame):
+    def _handle(self, signum: int) -> None:
         if signum == signal.SIGINT:
             now = time.monotonic()
             if self.interrupted_at is not None and now - self.interrupted_at > self.REPEAT_S:
@@ -197,9 +197,9 @@ def train(cfg: TrainConfig, resume: str = "auto", overwrite: bool = False) -> di
             result["samples"] = export(run, trainee, validator, heldout, scorer)
         return result
     finally:
-        preempted.close()
         for logger in run.loggers:  # whatever ended the run, every logged value is on disk
             logger.finalize("success")
+        preempted.close()  # after: a signal meanwhile is recorded, not raised in the middle of a logger's writes
 
 
 def setup(cfg: TrainConfig, resume: str = "auto", overwrite: bool = False) -> Setup:

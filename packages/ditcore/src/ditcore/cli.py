@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from importlib.metadata import version
 
 import typer
 from typer._click import exceptions as click  # typer vendors its own click; its errors are these classes
 
-from ditcore import quiet
+from ditcore import quiet, stopping
 
 
 def version_option(dist_name: str):
@@ -27,6 +28,21 @@ def fail(message: str):
     """A problem a command found in what it was given: `error: <message>` on stderr, exit code 2, no traceback."""
     typer.echo(f"error: {message}", err=True)
     raise typer.Exit(2)
+
+
+@contextlib.contextmanager
+def stop_on_signal() -> Iterator[stopping.Signals]:
+    """Around a command's work: Ctrl-C, SIGTERM and SIGHUP are recorded (ditcore.stopping) and its loops stop at
+    their next check; the interrupt ends in one line, `error: interrupted by SIGNAL — <notes: what was kept or
+    removed>`, and exit code 128 + the signal. Printed while the signals are still recorded, so that a second one
+    cannot cut the cleanup short. A signal that came after the loop's last check ends the same way."""
+    with stopping.Signals() as signals:
+        try:
+            yield signals
+            signals.check()
+        except KeyboardInterrupt as e:  # Stopped; any other KeyboardInterrupt ends the same way
+            typer.echo(" — ".join([f"error: {e or 'interrupted'}", *getattr(e, "__notes__", [])]), err=True)
+            raise typer.Exit(getattr(e, "exit_code", 130)) from None
 
 
 def entry_point(app: typer.Typer) -> Callable[[], None]:
