@@ -153,3 +153,13 @@ def test_a_lock_file_planted_as_a_link_is_refused_not_followed(tmp_path):
     with pytest.raises(rundir.ConfigError, match=r"train.run_dir=.* is invalid: .*\.lock"):
         rundir.RunDirLock.acquire(tmp_path / "run")
     assert target.read_text() == "not ours"
+
+
+@pytest.mark.parametrize("plant", [os.mkfifo, os.mkdir], ids=["fifo", "directory"])
+def test_a_lock_file_that_is_not_a_regular_file_is_refused_by_name_without_waiting(tmp_path, plant):
+    """A FIFO as .lock was an OSError traceback from ftruncate (and opening it for reading alone would wait for a
+    writer); a folder as .lock: both one ConfigError naming the file and saying to remove it."""
+    (tmp_path / "run").mkdir()
+    plant(tmp_path / "run" / runs.LOCK_FILE)
+    with pytest.raises(rundir.ConfigError, match=r"train.run_dir=.* is invalid: .*\.lock.*remove"):
+        rundir.RunDirLock.acquire(tmp_path / "run")

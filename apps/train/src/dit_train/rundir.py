@@ -20,6 +20,7 @@ import json
 import os
 import shlex
 import socket
+import stat
 import sys
 import time
 from dataclasses import dataclass
@@ -45,10 +46,16 @@ class RunDirLock:
         """Lock run_dir and record this process as its holder; RunDirInUse naming the holder if another has it."""
         path = Path(run_dir) / runs.LOCK_FILE
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)  # a planted link is refused, not followed
+            # a planted link is refused, not followed; O_NONBLOCK: opening a planted FIFO must not wait for a writer
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
+            os.set_blocking(fd, True)
         except OSError as e:
             raise ConfigError("train.run_dir", str(run_dir), f"a folder whose {runs.LOCK_FILE} file dit-train can open "
                                                              f"and lock ({e.strerror}: remove {path})") from None
+        if not stat.S_ISREG(os.fstat(fd).st_mode):  # a FIFO, a device: it cannot hold the record, nor a lock
+            os.close(fd)
+            raise ConfigError("train.run_dir", str(run_dir), f"a folder whose {runs.LOCK_FILE} is a regular file "
+                                                             f"({path} is not one: remove it)")
         try:
             fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as e:
