@@ -6,6 +6,7 @@ seconds of start-up less a case); test_cli_shells.py checks that the console scr
 
 import json
 import os
+import pickle
 import shutil
 import signal
 import subprocess
@@ -57,6 +58,7 @@ def configs(tmp_path_factory):
     (d / "list.yaml").write_text("- model\n- train\n")
     (d / "binary.yaml").write_bytes(bytes(range(128, 256)))
     (d / "section.yaml").write_text("train: 5\n")
+    (d / "tagged.yaml").write_text(f'model: !!python/object/apply:os.system ["touch {d / "ran"}"]\n')
     return d
 
 
@@ -68,6 +70,8 @@ def configs(tmp_path_factory):
         (["--config", "{cfg}/list.yaml"], ["a YAML mapping of sections"]),
         (["--config", "{cfg}/binary.yaml"], ["this one is binary"]),
         (["--config", "{cfg}/section.yaml"], ["train=5 is invalid: expected a mapping of keys"]),
+        (["--config", "{cfg}/tagged.yaml"], ["expected valid YAML", "constructor for the tag",
+                                              "python/object/apply:os.system"]),
         (["--config", "{cfg}"], ["expected an existing YAML file"]),
         (["--config", "demo", "train.steps=abc"], ["train.steps='abc' is invalid: expected an integer"]),
         (["--config", "demo", "train.steps=1.5"], ["train.steps=1.5 is invalid: expected an integer"]),
@@ -96,6 +100,23 @@ def configs(tmp_path_factory):
 def test_bad_config_is_one_line(cli_in_process, configs, args, fragments):
     proc = cli_in_process("train", "--print-config", *(a.format(cfg=configs) for a in args))
     assert_one_line_error(proc, *fragments)
+    assert not (configs / "ran").exists()  # a YAML tag that names a Python call is refused, never run
+
+
+def test_a_bad_config_under_torchrun_is_one_line_from_the_job(configs):
+    """Every process reads the config and finds the same problem: the node's first one says it in one line, and
+    each ends with exit code 2, without a traceback of its own. torchrun then reports its failed processes (its own
+    traceback and summary, exit code 1), as it does whenever one of them fails."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--master-port=0",
+           str(BIN / "dit-train"), "--config", str(configs / "tagged.yaml")]
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env)
+    ours = [ln for ln in (proc.stdout + proc.stderr).splitlines() if ln.startswith("error: ")]
+    assert len(ours) == 1 and "python/object/apply:os.system" in ours[0], proc.stderr[-3000:]
+    # the first process to end ended with 2 (torchrun then stops the other with SIGTERM, if it has not ended yet)
+    assert "failed (exitcode: 2)" in proc.stderr, proc.stderr[-3000:]
+    assert proc.stderr.count("Traceback") == 1 and "ChildFailedError" in proc.stderr, proc.stderr[-3000:]
+    assert not (configs / "ran").exists()
 
 
 def train_args(data, run, *extra):
@@ -138,6 +159,7 @@ DATASET_PROBLEMS = {"data_is_a_file", "missing_data", "unfinished", "corrupt_inf
         pytest.param("run_dir_is_a_file", ["train.run_dir=", "this is a file"], marks=SLOW),
         pytest.param("run_dir_read_only", ["train.run_dir=", "a folder this user can write"], marks=SLOW),
         ("resume_not_a_checkpoint", ["not a complete checkpoint"]),
+        ("lock_is_a_fifo", ["train.run_dir=", "a folder whose .lock is a regular file", "is not one: remove it"]),
     ],
 )
 def test_bad_training_setup_is_one_line(cli_in_process, mock_data, tmp_path, case, fragments):
@@ -159,6 +181,9 @@ def test_bad_training_setup_is_one_line(cli_in_process, mock_data, tmp_path, cas
         run.write_text("x")
     elif case == "run_dir_read_only":
         run = READ_ONLY
+    elif case == "lock_is_a_fifo":  # opened for writing alone, a FIFO waits for a reader: the test would time out
+        run.mkdir()
+        os.mkfifo(run / ".lock")
     resume = ["--resume", str(tmp_path)] if case == "resume_not_a_checkpoint" else []
     # the dataset's problems are the first thing dit-train checks, before it starts processes: in this one
     proc = (cli_in_process if case in DATASET_PROBLEMS else cli)("train", *train_args(data, run, *extra), *resume)
@@ -167,6 +192,16 @@ def test_bad_training_setup_is_one_line(cli_in_process, mock_data, tmp_path, cas
 
 
 # ---------------------------------------------------------------- dit-prepare
+
+
+class Planted:
+    """A pickle that runs a shell command when unpickled (what a hostile .bin holds): it touches `marker`."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
 
 
 @pytest.fixture(scope="module")
@@ -194,6 +229,13 @@ def media(tmp_path_factory):
     (mixed / "empty.mp4").write_bytes(b"")
     (mixed / "empty.txt").write_text("zero-byte video")
     (mixed / "nocaption.png").write_bytes((mixed / "img0.png").read_bytes())
+    for name in (b"cls_a", b"cls_\xff"):  # ImageNet's layout with one class folder whose name is not UTF-8
+        (root / "classes" / os.fsdecode(name)).mkdir(parents=True)
+        (root / "classes" / os.fsdecode(name) / "img.png").write_bytes((mixed / "img0.png").read_bytes())
+    vae = root / "pickled_vae"  # a diffusers VAE folder whose only weights are a planted pickle
+    vae.mkdir()
+    (vae / "config.json").write_text(json.dumps({"_class_name": "AutoencoderKL", "latent_channels": 4}))
+    (vae / "diffusion_pytorch_model.bin").write_bytes(pickle.dumps(Planted(root / "ran"), protocol=2))
     return root
 
 
@@ -205,6 +247,8 @@ def media(tmp_path_factory):
                                                          "removed the partial output"]),
         (["folder", "{media}/empty/notes.md", "--out", "{tmp}/o"], ["does not exist or is not a folder"]),
         (["folder", "{media}/nope", "--out", "{tmp}/o"], ["does not exist or is not a folder"]),
+        (["folder", "{media}/classes", "--out", "{tmp}/o", "--labels", "subfolders"],
+         ["the class folder b'cls_\\xff' of", "not named in UTF-8 text", "rename it"]),
         (["synthetic", "--out", "{media}/empty/notes.md", "--num", "4"], ["is a file — choose a folder"]),
         (["synthetic", "--out", "{media}/mixed", "--num", "4"], ["already exists and is not empty", "--overwrite"]),
         (["synthetic", "--out", str(READ_ONLY), "--num", "4"], ["cannot be written"]),
@@ -216,6 +260,9 @@ def media(tmp_path_factory):
         (["synthetic", "--out", "{tmp}/o", "--text-encoder", "clip"], ["text encoder 'clip' is unknown"]),
         (["synthetic", "--out", "{tmp}/o", "--codec", "vae"], ["--codec vae needs --vae"]),
         (["synthetic", "--out", "{tmp}/o", "--codec", "vae", "--vae", "{tmp}/novae"], ["does not exist"]),
+        (["synthetic", "--out", "{tmp}/o", "--codec", "vae", "--vae", "{media}/pickled_vae"],
+         ["VAE weights", "pickled_vae/diffusion_pytorch_model.bin' does not load as tensors",
+          "unsupported GLOBAL posix.system", "save the weights as safetensors"]),
         (["mock", "--out", "{tmp}/o", "--latent-shape", "4,1,8"], ["expected four positive integers"]),
         (["folder", "--out", "{tmp}/o"], ["Missing argument 'path'", "dit-prepare folder --help"]),
     ],

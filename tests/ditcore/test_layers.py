@@ -13,8 +13,8 @@ SRC = Path(__file__).resolve().parents[2] / "packages" / "ditcore" / "src"
 # Lowest first. Within a layer, subpackages never import each other (models, codecs, data and diffusion are
 # siblings that share only the layout below them).
 LAYERS = [
-    {"ditcore.durable", "ditcore.quiet", "ditcore.stopping"},  # files written whole with the umask's mode; third parties
-    # quietened; a signal recorded and acted on at the next safe point
+    # files written whole with the umask's mode; third parties quietened; a signal recorded, acted on at a safe point
+    {"ditcore.durable", "ditcore.quiet", "ditcore.stopping"},
     {"ditcore.disk", "ditcore.safe_state", "ditcore.tensorfile"},  # files read safely, written whole
     {"ditcore", "ditcore.errors", "ditcore.layout", "ditcore.media", "ditcore.cli"},
     {"ditcore.models", "ditcore.codecs", "ditcore.data", "ditcore.diffusion"},

@@ -124,3 +124,35 @@ def test_bad_arguments(tmp_path):
         DiffusersVAECodec("./no/such/vae")
     with pytest.raises(ValueError, match="vae_class='VQModel' is not supported: expected one of AutoencoderKL"):
         DiffusersVAECodec(tmp_path, "VQModel")
+
+
+class _Planted:
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):  # what a hostile pickle holds: a call, run by any unpickler that allows it
+        import os
+
+        return os.system, (f"touch {self.marker}",)
+
+
+def test_pickled_weights_load_as_tensors_and_a_pickle_holding_code_is_refused_unrun(vae_dirs, tmp_path):
+    """A folder whose weights are a .bin (diffusers' first saves) loads through torch's weights-only unpickler, to
+    the same weights; one whose .bin holds a call is refused naming the file and the call, which never ran."""
+    import pickle
+
+    from ditcore.safe_state import UnsafeFileError
+
+    codec = DiffusersVAECodec(vae_dirs / "kl", "AutoencoderKL", subfolder="vae")
+    codec.vae.save_pretrained(tmp_path / "bin", safe_serialization=False)
+    assert [p.name for p in (tmp_path / "bin").glob("*.bin")] == ["diffusion_pytorch_model.bin"]
+    assert not any((tmp_path / "bin").glob("*.safetensors"))
+    loaded = DiffusersVAECodec(tmp_path / "bin", "AutoencoderKL").vae.state_dict()
+    assert all(torch.equal(loaded[k], v) for k, v in codec.vae.state_dict().items())
+    (tmp_path / "evil").mkdir()
+    (tmp_path / "evil" / "config.json").write_bytes((tmp_path / "bin" / "config.json").read_bytes())
+    (tmp_path / "evil" / "diffusion_pytorch_model.bin").write_bytes(pickle.dumps(_Planted(tmp_path / "ran")))
+    with pytest.raises(UnsafeFileError, match=r"VAE weights '.*evil/diffusion_pytorch_model.bin' does not load as "
+                                              r"tensors \(.*(GLOBAL posix.system|Unsupported operand).*safetensors"):
+        DiffusersVAECodec(tmp_path / "evil", "AutoencoderKL")
+    assert not (tmp_path / "ran").exists()

@@ -343,6 +343,13 @@ class FolderSource:
             raise SourceError(f"--labels {labels!r} is unknown: expected none or subfolders")
         # every folder, as ImageFolder's find_classes: a folder's index does not depend on what is inside it
         classes = sorted(p.name for p in self.root.iterdir() if p.is_dir())
+        for name in classes:
+            try:
+                name.encode("utf-8")  # a name that is not UTF-8 holds surrogates: no caption or JSON can carry it
+            except UnicodeEncodeError:
+                raise SourceError(f"--labels subfolders: the class folder {os.fsencode(name)!r} of '{self.root}' is "
+                                  "not named in UTF-8 text (its name is the class's name and caption): rename "
+                                  "it") from None
         if not any(len(p.relative_to(self.root).parts) > 1 for p in self.files):
             raise SourceError(f"--labels subfolders: input folder '{self.root}' has no images or videos in "
                               "subfolders — put each class's files in ROOT/CLASS_NAME/ (ImageNet's layout)")

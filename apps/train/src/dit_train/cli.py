@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import typer
@@ -77,6 +78,8 @@ def main(
     try:
         cfg = load_config(find_config(config) if config else None, overrides or [])
     except ConfigError as e:
+        if os.environ.get("LOCAL_RANK", "0") != "0":  # under torchrun each process reads the same file: the node's
+            raise typer.Exit(2) from None  # first says why, the others end with the same exit code, silently
         fail(str(e))
     if print_config:
         typer.echo(cfg.to_yaml(), nl=False)

@@ -19,6 +19,7 @@ import dataclasses
 import io
 import json
 import pickle
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -159,8 +160,13 @@ def weights_only_load(data: bytes, *, what: str, fix: str):
     """torch.load of bytes with torch's weights-only unpickler (tensors and plain values, nothing else). Its refusal
     is many lines that suggest weights_only=False; here it is one line naming what the file tried to load."""
     try:
-        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+        with warnings.catch_warnings():  # a pickle of protocol > 2 is warned about before it is read or refused
+            warnings.filterwarnings("ignore", message="Detected pickle protocol", category=UserWarning)
+            return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except Exception as e:  # UnpicklingError (refused), RuntimeError (not a torch file), EOFError (truncated), …
         lines = [line.strip() for line in str(e).splitlines() if line.strip()]
-        reason = next((line for line in lines if "GLOBAL" in line), lines[0] if lines else type(e).__name__)
+        # what was refused: a global it named (GLOBAL posix.system) or an opcode it does not run (Unsupported
+        # operand 149: a protocol-4 pickle's STACK_GLOBAL), rather than torch's advice to load it unsafely
+        reason = next((line for line in lines if "GLOBAL" in line or line.startswith("Unsupported")),
+                      lines[0] if lines else type(e).__name__)
         raise UnsafeFileError(f"{what} does not load as tensors ({reason}) — {fix}") from None

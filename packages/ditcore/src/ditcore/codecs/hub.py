@@ -8,6 +8,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ditcore.safe_state import weights_only_load
+
+# the names diffusers and transformers give pickled weights (a .bin is read only where no safetensors file is)
+PICKLED_WEIGHTS = ("diffusion_pytorch_model*.bin", "pytorch_model*.bin")
+
 
 class HubLoadError(OSError):
     """A model named by hub id could not be fetched (no network, unknown id, gated repository)."""
@@ -23,6 +28,7 @@ def from_pretrained(cls, source: str | Path, what: str, **kwargs):
     or a hub id. `what` names the model in errors, e.g. "VAE"."""
     folder = Path(source).expanduser()
     if folder.is_dir():
+        check_pickled_weights(folder / (kwargs.get("subfolder") or ""), what)
         return cls.from_pretrained(str(folder), local_files_only=True, **kwargs)
     if looks_like_path(str(source)):
         raise FileNotFoundError(f"{what} folder {str(source)!r} does not exist — pass an existing folder or a hub id")
@@ -35,3 +41,15 @@ def from_pretrained(cls, source: str | Path, what: str, **kwargs):
             f"holds its files instead (e.g. one written by save_pretrained, or `hf download {source} --local-dir "
             f"DIR` on a machine with network). The loader said: {reason}"
         ) from None
+
+
+def check_pickled_weights(folder: Path, what: str) -> None:
+    """Where a local folder holds its weights only as pickles (diffusers' and transformers' first saves), each is
+    read first with torch's weights-only unpickler: a file that holds more than tensors is refused in one line naming
+    it and what it tried to load, before the library's loader (and its page of log lines) sees it."""
+    if any(folder.glob("*.safetensors")):
+        return  # the libraries then read the safetensors file and never the pickle
+    for path in sorted(p for pattern in PICKLED_WEIGHTS for p in folder.glob(pattern)):
+        weights_only_load(path.read_bytes(), what=f"{what} weights '{path}'",
+                          fix="ditcore loads no pickled Python objects: save the weights as safetensors "
+                              "(save_pretrained(..., safe_serialization=True)) on a machine you trust")
