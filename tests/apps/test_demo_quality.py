@@ -37,6 +37,7 @@ HELDOUT_RISE = 1.05  # no point more than 5% above the one before (measured: eac
 
 
 @pytest.mark.slow  # the whole demo: about 12 minutes on 2 cores
+@pytest.mark.demo  # its own target, make test-demo: not in make test-slow (and so not in CI) until issue 47
 @pytest.mark.skipif(not shutil.which("make"), reason="make is not installed")
 def test_make_demo_draws_butterflies_of_the_prompted_colour(tmp_path):
     data, run = tmp_path / "data", tmp_path / "run"

@@ -143,6 +143,19 @@ def test_a_vp_sample_through_the_sampler_is_ditcore_sampling_bitwise(original, v
     assert torch.equal(got.latents, expected.latents) and torch.equal(got.pixels, expected.pixels)
 
 
+def random_diffusers_dit(seed: int):
+    """A tiny DiTTransformer2DModel of diffusers (each block its own embedders), every weight moved off its zero
+    initialisation (its output layers start at zero: a test of them would see nothing)."""
+    torch.manual_seed(seed)
+    theirs = diffusers.DiTTransformer2DModel(num_attention_heads=4, attention_head_dim=16, in_channels=4,
+                                             out_channels=8, num_layers=2, sample_size=8, patch_size=2,
+                                             num_embeds_ada_norm=10).eval()
+    with torch.no_grad():
+        for p in theirs.parameters():
+            p.normal_(0, p.shape[1] ** -0.5 if p.ndim == 2 else 0.3)
+    return theirs
+
+
 @pytest.fixture(scope="module")
 def pipeline(tmp_path_factory, vae_folder):
     """A diffusers DiT pipeline folder as DiTPipeline.save_pretrained writes it: transformer/ (diffusers' own
@@ -151,13 +164,8 @@ def pipeline(tmp_path_factory, vae_folder):
     import shutil
 
     root = tmp_path_factory.mktemp("pipe") / "DiT-tiny"
-    torch.manual_seed(2)
-    theirs = diffusers.DiTTransformer2DModel(num_attention_heads=4, attention_head_dim=16, in_channels=4,
-                                             out_channels=8, num_layers=2, sample_size=8, patch_size=2,
-                                             num_embeds_ada_norm=10).eval()
+    theirs = random_diffusers_dit(seed=2)
     with torch.no_grad():
-        for p in theirs.parameters():
-            p.normal_(0, p.shape[1] ** -0.5 if p.ndim == 2 else 0.3)
         for block in theirs.transformer_blocks[1:]:
             block.norm1.emb.load_state_dict(theirs.transformer_blocks[0].norm1.emb.state_dict())
     theirs.save_pretrained(root / "transformer")
@@ -212,13 +220,7 @@ def test_generate_samples_a_diffusers_made_dit_with_its_own_block_embedders_as_d
     x_T, within float32 error, and its png is their decoding to one level."""
     from dit_sample.generate import Sampler
 
-    torch.manual_seed(3)
-    theirs = diffusers.DiTTransformer2DModel(num_attention_heads=4, attention_head_dim=16, in_channels=4,
-                                             out_channels=8, num_layers=2, sample_size=8, patch_size=2,
-                                             num_embeds_ada_norm=10).eval()
-    with torch.no_grad():
-        for p in theirs.parameters():
-            p.normal_(0, p.shape[1] ** -0.5 if p.ndim == 2 else 0.3)
+    theirs = random_diffusers_dit(seed=3)
     # trailing at 3 steps lands each step off the next timestep, the last one on ᾱ_0 (clip_sample, whose clamped
     # outputs hide the float32 error this test measures, is checked against diffusers in tests/ditcore/test_interop.py)
     scheduler = diffusers.DDIMScheduler(timestep_spacing="trailing", set_alpha_to_one=False, clip_sample=False)

@@ -68,6 +68,15 @@ def ours_forward(model: DiT, x, t, y) -> torch.Tensor:
     return model.forward_latents(x[:, :, None], t.float(), class_labels=y)[:, :, 0]
 
 
+def assert_imported_forward(got: interop.Imported, x, t, y, expected: torch.Tensor) -> DiT:
+    """A DiT built from what was read, loaded strictly, gives `expected` on (x, t, y) within float32 error."""
+    ours = DiT(got.cfg).eval()
+    ours.load_state_dict(got.tensors)
+    with torch.no_grad():
+        assert_close_fp32(ours_forward(ours, x, t, y), expected, work=dit_forward_work(got.cfg, 16))
+    return ours
+
+
 @pytest.mark.parametrize("changes", [{}, dict(out_channels=4, norm_eps=1e-6, num_embeds_ada_norm=1000)],
                          ids=["learned_sigma", "fixed_sigma"])
 def test_converted_diffusers_weights_give_diffusers_forward(tmp_path, changes):
@@ -228,12 +237,9 @@ def test_an_original_dit_state_dict_converts_and_runs(tmp_path):
     assert got.kind == "DiT checkpoint" and got.vp == DiscreteVP()
     assert (got.cfg.hidden_size, got.cfg.num_heads, got.cfg.num_classes, got.cfg.learn_sigma, got.cfg.freq_shift,
             got.cfg.mlp_norm_eps, got.cfg.max_grid) == (384, 6, 10, True, 0, 1e-6, (1, 4, 4))
-    ours = DiT(got.cfg).eval()
-    ours.load_state_dict(got.tensors)
     x, t, y = inputs(theirs)
     with torch.no_grad():
-        assert_close_fp32(ours_forward(ours, x, t, y), theirs(x, timestep=t, class_labels=y).sample,
-                          work=dit_forward_work(got.cfg, 16))
+        assert_imported_forward(got, x, t, y, theirs(x, timestep=t, class_labels=y).sample)
     # DiT's train.py checkpoint keeps {model, ema, opt, args}: its EMA weights are taken, its argparse args (plain
     # data) allowed; anything that would run code on loading is refused in one line, and nothing runs
     args = argparse.Namespace(model="DiT-S/2", image_size=64)
@@ -376,10 +382,7 @@ def test_a_folder_as_the_hub_wrote_it_loads_in_diffusers_and_samples_alike_in_di
     got = interop.read(root)
     assert got.kind == "diffusers DiTTransformer2DModel" and got.vp == DiscreteVP() and got.vae == root / "vae"
     assert not got.cfg.block_embedders and got.cfg.num_classes == 1000
-    ours = DiT(got.cfg).eval()
-    ours.load_state_dict(got.tensors)
-    with torch.no_grad():
-        assert_close_fp32(ours_forward(ours, x, t, y), expected, work=dit_forward_work(got.cfg, 16))
+    ours = assert_imported_forward(got, x, t, y, expected)
 
     # DiTPipeline's own call: its x_T is randn of its generator, its latents what it hands the VAE (x scaling)
     steps, labels, guidance = 6, [3, 999], 4.0
@@ -409,12 +412,9 @@ def test_a_sharded_save_loads_and_a_shard_outside_the_folder_is_refused(tmp_path
     got = interop.read(tmp_path / "sharded")
     assert got.tensors.keys() == imported(theirs, tmp_path / "whole")[1].tensors.keys()
     loaded = DiTTransformer2DModel.from_pretrained(tmp_path / "sharded", low_cpu_mem_usage=False).eval()
-    ours = DiT(got.cfg).eval()
-    ours.load_state_dict(got.tensors)
     x, t, y = inputs(theirs)
     with torch.no_grad():
-        assert_close_fp32(ours_forward(ours, x, t, y), loaded(x, timestep=t, class_labels=y).sample,
-                          work=dit_forward_work(got.cfg, 16))
+        assert_imported_forward(got, x, t, y, loaded(x, timestep=t, class_labels=y).sample)
     mapping = json.loads(index.read_text())
     first = next(iter(mapping["weight_map"]))
     index.write_text(json.dumps(mapping | {"weight_map": mapping["weight_map"] | {first: "../elsewhere.safetensors"}}))
