@@ -147,7 +147,7 @@ DATASET_PROBLEMS = {"data_is_a_file", "missing_data", "unfinished", "corrupt_inf
 @pytest.mark.parametrize(
     ("case", "fragments"),
     [
-        ("layout", ["parallel", "expected a divisor of the world size 1"]),
+        pytest.param("layout", ["parallel", "expected a divisor of the world size 1"], marks=SLOW),
         pytest.param("data_is_a_file", ["is a file; expected the folder dit-prepare wrote"], marks=SLOW),
         ("missing_data", ["does not exist — run dit-prepare first"]),
         pytest.param("unfinished", ["is not a finished ditcore dataset", "--overwrite"], marks=SLOW),
@@ -158,8 +158,9 @@ DATASET_PROBLEMS = {"data_is_a_file", "missing_data", "unfinished", "corrupt_inf
         pytest.param("patch_does_not_divide", ["is divisible by the patch 1x3x3"], marks=SLOW),
         pytest.param("run_dir_is_a_file", ["train.run_dir=", "this is a file"], marks=SLOW),
         pytest.param("run_dir_read_only", ["train.run_dir=", "a folder this user can write"], marks=SLOW),
-        ("resume_not_a_checkpoint", ["not a complete checkpoint"]),
-        ("lock_is_a_fifo", ["train.run_dir=", "a folder whose .lock is a regular file", "is not one: remove it"]),
+        pytest.param("resume_not_a_checkpoint", ["not a complete checkpoint"], marks=SLOW),
+        pytest.param("lock_is_a_fifo", ["train.run_dir=", "a folder whose .lock is a regular file",
+                                        "is not one: remove it"], marks=SLOW),  # test_run_dir.py has it in process
     ],
 )
 def test_bad_training_setup_is_one_line(cli_in_process, mock_data, tmp_path, case, fragments):
@@ -295,7 +296,7 @@ def test_folder_skips_what_it_cannot_read_and_keeps_unicode_captions(media, tmp_
 STOP_S = 20  # the most seconds from a signal to the exit of a command that checks for it between samples
 
 
-@pytest.mark.parametrize(("sig", "keep"), [(signal.SIGINT, False), (signal.SIGTERM, False),
+@pytest.mark.parametrize(("sig", "keep"), [(signal.SIGINT, False), pytest.param(signal.SIGTERM, False, marks=SLOW),
                                            pytest.param(signal.SIGINT, True, marks=SLOW)])
 def test_ctrl_c_during_prepare_removes_the_partial_output_unless_kept(signalled, tmp_path, sig, keep):
     """Ctrl-C (to the process) or SIGTERM (to its whole process group, loader pool included, as `timeout` and

@@ -170,7 +170,9 @@ def test_a_run_is_checked_against_the_same_headroom_as_plan(tmp_path):
     assert code == 0 and gib(out)["total"] == 59.93 and "fits in 79 GiB" in out
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+# on the CPU: 31 s on 2 cores, in make test-slow, which CI runs
+@pytest.mark.parametrize("device", [pytest.param("cpu", marks=pytest.mark.slow),
+                                    pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_a_wide_stack_trains_with_fsdp_within_10_percent_of_its_plan(cli_in_process, tmp_path, device):
     """On a GPU, the real dit-train (bf16, FSDP, selective recomputation) with a 7B-wide stack of 8 blocks on
     8192-token rows of two 4096-token clips with 32 text tokens each: its measured peak

@@ -390,6 +390,7 @@ PHOTOGRAPHS = {
 }
 
 
+@pytest.mark.slow  # 72 s on 2 cores: make test-slow, which CI runs
 def test_own_photographs_with_default_settings_train_the_demo_model(tmp_path):
     """Photographs nobody here made, of many sizes and aspect ratios, grey and colour → `dit-prepare folder` with
     its defaults → `dit-train --config demo`: every photograph is used (nothing skipped by either), the summary says

@@ -160,6 +160,7 @@ def latents(tmp_path_factory) -> Path:
     return out
 
 
+@pytest.mark.slow  # 61 s on 2 cores: make test-slow, which CI runs
 def test_dit_train_fine_tunes_an_original_dit_checkpoint_and_exports_it_for_vp_sampling(dit_file, latents, tmp_path):
     run = tmp_path / "run"
     common = [f"model.init_from={dit_file}", f"data.path={latents}", "data.seq_length=32", "data.num_workers=0",

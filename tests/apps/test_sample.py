@@ -28,6 +28,7 @@ def generate(*args):
                           env=env(), timeout=300)
 
 
+@pytest.mark.slow  # 45 s on 2 cores: make test-slow, which CI runs
 def test_same_seed_same_output_and_the_requested_frames(checkpoint, tmp_path):
     a, b, c = tmp_path / "a.mp4", tmp_path / "b.mp4", tmp_path / "c.mp4"
     common = ["--checkpoint", checkpoint, "--prompt", "a red butterfly", "--steps", 3, "--frames", 5,

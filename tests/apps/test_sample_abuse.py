@@ -246,6 +246,7 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+@pytest.mark.slow  # 32 s on 2 cores: make test-slow, which CI runs
 def test_a_cancelled_request_stops_sampling_and_the_next_one_is_served_at_once(serve, run_dir, tmp_path):
     """A caller who cancels (or closes the page) frees the queue slot; the sampling must stop too, not run on beside
     the next request: that is how 3 cancelled requests once grew the server from 1.2 to 2.6 GB. A server of its own:

@@ -326,6 +326,7 @@ def test_loss_decreases_and_outputs_are_written(dataset, tmp_path):
     assert not wrong, wrong  # the run dir's lock is 0644 less the umask, on purpose (dit_train.rundir)
 
 
+@pytest.mark.slow  # 52 s on 2 cores: make test-slow, which CI runs
 def test_skipped_samples_are_reported_per_window_and_in_total_across_a_resume(dataset, tmp_path):
     """Clips (16 tokens) do not fit rows of 8 tokens, images (4) do: the loader passes over every clip it meets. The
     metrics' skipped column counts them per window, and the run's total (kept in checkpoints) is printed at the end."""
@@ -373,6 +374,7 @@ def test_other_architectures_train_and_their_exports_sample(cli_in_process, data
     assert sample.returncode == 0 and out.stat().st_size > 0, sample.stderr[-3000:]
 
 
+@pytest.mark.slow  # 35 s on 2 cores: make test-slow, which CI runs
 def test_a_dit_with_block_embedders_trains_and_its_export_samples(cli_in_process, dataset, tmp_path):
     """model.block_embedders (diffusers' DiT layout: every later block embeds the noise level itself) through the
     same loop: each later block's own embedders get gradients (AdamW's first moments), the export holds them, and
@@ -396,6 +398,7 @@ def test_a_dit_with_block_embedders_trains_and_its_export_samples(cli_in_process
     assert sample.returncode == 0 and out.stat().st_size > 0, sample.stderr[-3000:]
 
 
+@pytest.mark.slow  # 91 s on 2 cores: make test-slow, which CI runs
 def test_st_dit_trains_with_context_parallelism_on_two_processes(dataset, tmp_path):
     """model.arch=stdit parallel.cp=2: training rows (images and 4-frame clips, split by the all-to-all where every
     rank's half holds whole frames and lines) and the validation samples (a 2x2-token image, whose half would cut
@@ -649,6 +652,7 @@ def test_a_branch_keeps_the_other_trajectory_and_auto_follows_the_branch(two_che
     assert runs.read_values(run / "checkpoints" / "step-0000004-2")["step"] == 4
 
 
+@pytest.mark.slow  # 34 s on 2 cores: make test-slow, which CI runs
 def test_resume_none_over_checkpoints_needs_overwrite_which_says_what_it_removes(two_checkpoints, dataset, tmp_path):
     run = tmp_path / "run"
     shutil.copytree(two_checkpoints, run)

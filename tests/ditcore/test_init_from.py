@@ -104,6 +104,7 @@ def test_each_tensor_parallel_rank_takes_its_shard_of_the_source(source, rank):
     #                                          the final layer's adaLN's 2
 
 
+@pytest.mark.slow  # 42 s on 2 cores: make test-slow, which CI runs
 def test_every_layout_starts_from_the_same_weights_on_two_processes(source, tmp_path):
     """TP=2 + SP, FSDP over DP=2, TP=2 + FSDP and two pipeline stages, each consolidated after init_from."""
     proc = torchrun("init_from_worker.py", str(source), str(tmp_path))

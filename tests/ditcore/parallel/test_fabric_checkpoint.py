@@ -19,6 +19,9 @@ from ditcore.testing import assert_close_fp32, dit_forward_work, dit_grad_work, 
 from .conftest import HERE, free_port
 from .fabric_worker import CFG, POS, ROWS, SAVE_AT, STEPS, batch
 
+# three torchrun jobs, 150 s on 2 cores: make test-slow, which CI runs
+pytestmark = pytest.mark.slow
+
 
 def fabric_launch(*args):
     env = {**os.environ, "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
