@@ -39,23 +39,23 @@ def _deterministic():
     yield
 
 
-# Seconds the longest test files took in the default run on 2 cores (pytest --durations=0 summed by file; measured
-# beside another job on the same cores, load average 7.8 at the median: the order is what counts).
+# Seconds the longest test files took in the default run on 2 cores (pytest --durations=0 summed by file, at
+# 3840292 with nothing else running; the slow-only files with their slow run's time: the order is what counts).
 # `make test` runs two files at a time (pytest-xdist --dist loadfile --no-loadscope-reorder: files are handed out in
 # collection order, as a worker frees up; xdist's own reordering, by the number of tests in a file, would put files
-# of one or two long tests such as test_compile_stdit last, where one worker ran them alone for minutes): the longest
-# go first, so that none of them starts last while the other worker has nothing left to do. Within a file, and among
-# the others, pytest-randomly's order stays (the sort is stable).
+# of one or two long tests last, where one worker ran them alone for minutes): the longest go first, so that none
+# of them starts last while the other worker has nothing left to do. Within a file, and among the others,
+# pytest-randomly's order stays (the sort is stable).
 LONGEST_FILES = {
-    "tests/apps/test_train.py": 368, "tests/ditcore/parallel/test_equivalence.py": 170,
-    "tests/apps/test_sample_abuse.py": 160, "tests/apps/test_bad_inputs.py": 157,
-    "tests/ditcore/models/test_attention.py": 157, "tests/ditcore/parallel/test_fabric_checkpoint.py": 131,
-    "tests/ditcore/data/test_loader.py": 129, "tests/apps/test_prepare.py": 127, "tests/ditcore/test_memory.py": 109,
-    "tests/ditcore/parallel/test_compile_stdit.py": 107, "tests/apps/test_memory_plan.py": 107,
-    "tests/apps/test_no_code_runs.py": 89, "tests/apps/test_resume_config.py": 78,
-    "tests/apps/test_train_faults.py": 77, "tests/ditcore/parallel/test_compile.py": 71,
-    "tests/apps/test_sample.py": 65, "tests/ditcore/test_init_from.py": 53, "tests/apps/test_cli_shells.py": 52,
-    "tests/apps/test_recipe.py": 60, "tests/apps/test_sample_interop.py": 30,
+    "tests/apps/test_train.py": 369, "tests/ditcore/parallel/test_equivalence.py": 241,
+    "tests/ditcore/parallel/test_fabric_checkpoint.py": 150, "tests/ditcore/test_memory.py": 130,
+    "tests/ditcore/parallel/test_compile.py": 112, "tests/apps/test_sample_abuse.py": 94,
+    "tests/apps/test_prepare.py": 88, "tests/ditcore/parallel/test_compile_stdit.py": 81,
+    "tests/apps/test_no_code_runs.py": 68, "tests/apps/test_bad_inputs.py": 63, "tests/apps/test_cli_shells.py": 62,
+    "tests/apps/test_train_faults.py": 58, "tests/apps/test_resume_config.py": 55, "tests/apps/test_sample.py": 55,
+    "tests/ditcore/data/test_loader.py": 52, "tests/ditcore/models/test_attention.py": 45,
+    "tests/apps/test_memory_plan.py": 45, "tests/ditcore/test_init_from.py": 42, "tests/ditcore/test_interop.py": 25,
+    "tests/apps/test_recipe.py": 25, "tests/ditcore/data/test_energon_cli.py": 25,
 }
 
 

@@ -354,9 +354,10 @@ def test_skipped_samples_are_reported_per_window_and_in_total_across_a_resume(da
     assert len(column) == 4 and totals[0] == sum(column[:2]) > 0 and totals[1] == sum(column) > totals[0]
 
 
-# ST-DiT's run is slow-marked: test_st_dit_trains_with_context_parallelism_on_two_processes trains it by default
-@pytest.mark.parametrize(("arch", "size", "frames"), [("moviegen", "MovieGen-Tiny", 1),
-                                                     pytest.param("stdit", "ST-DiT-Tiny", 4, marks=pytest.mark.slow)])
+# 34 s and more a case on 2 cores: make test-slow, which CI runs (test_equivalence.py has both architectures' steps
+# against one process by default)
+@pytest.mark.slow
+@pytest.mark.parametrize(("arch", "size", "frames"), [("moviegen", "MovieGen-Tiny", 1), ("stdit", "ST-DiT-Tiny", 4)])
 def test_other_architectures_train_and_their_exports_sample(cli_in_process, dataset, tmp_path, arch, size, frames):
     """model.arch=moviegen (MovieGen's Llama-style blocks) and stdit (spatial and temporal blocks, on the dataset's
     images and 4-frame clips) through the same loop, export and sampler (ST-DiT samples a clip)."""
