@@ -40,7 +40,7 @@ def _deterministic():
 
 
 # Seconds the longest test files took in the default run on 2 cores (pytest --durations=0 summed by file, at
-# 3840292 with nothing else running; the slow-only files with their slow run's time: the order is what counts).
+# 3840292 with nothing else running; files now slow-only keep their time from before: the order is what counts).
 # `make test` runs two files at a time (pytest-xdist --dist loadfile --no-loadscope-reorder: files are handed out in
 # collection order, as a worker frees up; xdist's own reordering, by the number of tests in a file, would put files
 # of one or two long tests last, where one worker ran them alone for minutes): the longest go first, so that none
