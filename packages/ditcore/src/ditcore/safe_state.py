@@ -20,7 +20,9 @@ import io
 import json
 import pickle
 import warnings
+import zipfile
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -156,13 +158,17 @@ def restricted_loads(data: bytes, admitted: Mapping[tuple[str, str], Any] = {}, 
         raise UnsafeFileError(f"{what} does not unpickle ({type(e).__name__}: {e}) — {fix}") from None
 
 
-def weights_only_load(data: bytes, *, what: str, fix: str):
-    """torch.load of bytes with torch's weights-only unpickler (tensors and plain values, nothing else). Its refusal
-    is many lines that suggest weights_only=False; here it is one line naming what the file tried to load."""
+def weights_only_load(data: bytes | Path, *, what: str, fix: str):
+    """torch.load of bytes, or of a file, with torch's weights-only unpickler (tensors and plain values, nothing
+    else). A file in torch's zip format is memory-mapped: its tensors' bytes are not read until used, so checking a
+    large file costs its pickle alone. Its refusal is many lines that suggest weights_only=False; here it is one line
+    naming what the file tried to load."""
+    mmap = isinstance(data, Path) and zipfile.is_zipfile(data)
     try:
         with warnings.catch_warnings():  # a pickle of protocol > 2 is warned about before it is read or refused
             warnings.filterwarnings("ignore", message="Detected pickle protocol", category=UserWarning)
-            return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+            source = data if isinstance(data, Path) else io.BytesIO(data)
+            return torch.load(source, map_location="cpu", weights_only=True, mmap=mmap)
     except Exception as e:  # UnpicklingError (refused), RuntimeError (not a torch file), EOFError (truncated), …
         lines = [line.strip() for line in str(e).splitlines() if line.strip()]
         # what was refused: a global it named (GLOBAL posix.system) or an opcode it does not run (Unsupported

@@ -45,11 +45,12 @@ def from_pretrained(cls, source: str | Path, what: str, **kwargs):
 
 def check_pickled_weights(folder: Path, what: str) -> None:
     """Where a local folder holds its weights only as pickles (diffusers' and transformers' first saves), each is
-    read first with torch's weights-only unpickler: a file that holds more than tensors is refused in one line naming
-    it and what it tried to load, before the library's loader (and its page of log lines) sees it."""
+    read first with torch's weights-only unpickler (memory-mapped: the tensors' bytes are left to the library's own
+    load): a file that holds more than tensors is refused in one line naming it and what it tried to load, before the
+    library's loader (and its page of log lines) sees it."""
     if any(folder.glob("*.safetensors")):
         return  # the libraries then read the safetensors file and never the pickle
     for path in sorted(p for pattern in PICKLED_WEIGHTS for p in folder.glob(pattern)):
-        weights_only_load(path.read_bytes(), what=f"{what} weights '{path}'",
+        weights_only_load(path, what=f"{what} weights '{path}'",
                           fix="ditcore loads no pickled Python objects: save the weights as safetensors "
                               "(save_pretrained(..., safe_serialization=True)) on a machine you trust")
