@@ -91,6 +91,29 @@ def test_loader_resumes_exactly(dataset, workers):
         assert torch.equal(got.x, want.x) and torch.equal(got.seg, want.seg) and torch.equal(got.text, want.text)
 
 
+def test_workers_start_whatever_garbage_the_trainer_holds(dataset):
+    """A process group dropped in a reference cycle (an earlier run, test or fabric in the process) is garbage
+    that a forked worker would collect, joining gloo threads that exist only in the trainer: it aborted."""
+    import gc
+
+    import torch.distributed as dist
+
+    class Cycle:
+        pass
+
+    store = dist.TCPStore("127.0.0.1", 0, 1, True)
+    garbage = Cycle()
+    garbage.self, garbage.store, garbage.group = garbage, store, dist.ProcessGroupGloo(store, 0, 1)
+    garbage.group.allreduce([torch.ones(2)]).wait()  # its threads have run
+    del garbage, store
+    gc.disable()  # the cycle stays until the workers fork, as it may in a trainer
+    try:
+        batches = [next(it) for it in [iter(loader(dataset, num_workers=2))] for _ in range(2)]
+    finally:
+        gc.enable()
+    assert all(b.x.shape == (3, SEQ, 16) for b in batches)
+
+
 def test_data_parallel_ranks_get_disjoint_samples(dataset):
     keys = []
     for rank in (0, 1):

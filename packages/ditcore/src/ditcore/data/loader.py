@@ -11,6 +11,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import functools
+import gc
 import hashlib
 import json
 import logging
@@ -27,11 +28,11 @@ import yaml
 from megatron.energon import (
     Cooker,
     CrudeSample,
+    SavableDataLoader,
     SkipSample,
     TaskEncoder,
     WorkerConfig,
     basic_sample_keys,
-    get_savable_loader,
     get_train_dataset,
     stateless,
 )
@@ -373,6 +374,18 @@ def _init_worker(init, worker_id: int) -> None:
         init(worker_id)
 
 
+class _Loader(SavableDataLoader):
+    """Energon's loader, whose workers are forked from a process without garbage.
+    A forked worker collects the garbage it inherits (Energon's GcDataset calls gc.collect() in it): a dead
+    process group or store still waiting there would join threads that exist only in the trainer, and the
+    worker would abort ("terminate called after throwing an instance of 'std::system_error'")."""
+
+    def __iter__(self):
+        if self.num_workers > 0 and self._epoch_iterator is None:  # the workers start on this iteration
+            gc.collect()
+        return super().__iter__()
+
+
 @functools.cache
 def _stop_workers_at_exit() -> None:
     """Registered once, after multiprocessing's own exit hook, so it runs first: that hook terminates daemon
@@ -439,7 +452,7 @@ def build_loader(
         shuffle_buffer_size=shuffle_buffer_size, max_samples_per_sequence=max_samples_per_sequence,
         packing_buffer_size=packing_buffer_size or 4 * batch_size, **({"split_config": split_config} if bad else {}),
     )
-    loader = get_savable_loader(dataset)
+    loader = _Loader(dataset)
     loader.worker_init_fn = functools.partial(_init_worker, loader.worker_init_fn)
     _stop_workers_at_exit()
     loader.skipped_at_start = {"broken_shard": _indexed_count(root, bad)} if bad else {}
