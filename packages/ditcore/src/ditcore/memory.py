@@ -48,12 +48,10 @@ torch.compile usually keeps less, as its partitioner recomputes cheap elementwis
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import fnmatch
 import functools
 import math
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -66,12 +64,11 @@ from torch.utils._pytree import tree_leaves
 from ditcore.diffusion import EDMLoss, EDMPrecond
 from ditcore.errors import ConfigError
 from ditcore.flops import block_period, fake_model
+from ditcore.job import Layout
 from ditcore.layout import grid_rows
 from ditcore.models import apply_activation_checkpointing, attention, build, plan_for
 from ditcore.models.dit import DiTConfig, RowSplit
 from ditcore.models.plan import ColumnParallel, RowParallel
-from ditcore.models.techniques import ACTIVATION_CHECKPOINTING
-from ditcore.parallel.dims import ParallelDims
 from ditcore.parallel.pipeline import stage_blocks
 from ditcore.parallel.tensor_parallel import in_compute_dtype
 
@@ -80,91 +77,6 @@ DTYPE_BYTES = {"fp32": 4, "bf16": 2}
 FP32 = 4
 ADAM_STATES = 2  # exp_avg, exp_avg_sq
 ADAM_STEP_BYTES = 4  # AdamW's step counter: a float32 tensor per parameter tensor
-
-
-@dataclass(frozen=True)
-class Layout:
-    """Everything besides the architecture that decides a rank's memory: parallel layout, batch shape, techniques.
-
-    Errors name the dit-train config keys these come from.
-    """
-
-    world_size: int = 1
-    tp: int = 1
-    cp: int = 1
-    pp: int = 1  # pipeline stages: the blocks split into pp consecutive runs, one per rank
-    sequence_parallel: bool = False
-    fsdp: bool = False
-    reduce_dtype: Literal["fp32", "bf16"] = "fp32"  # with fsdp: the dtype gradients are reduce-scattered in
-    fsdp_shard: int | None = None  # with fsdp: ranks each parameter is sharded over (HSDP); None: all dp x cp ranks
-    fsdp_sync: Literal["micro_batch", "step"] = "micro_batch"  # with fsdp: gather/reduce every micro-batch or once
-    micro_batch: int = 1  # packed rows per forward on one rank
-    micro_batches: int = 1  # per optimizer step on one rank (gradient accumulation): global_batch / (micro_batch*dp)
-    seq_length: int = 256  # tokens per row
-    text_len: int = 0  # text tokens per row, padding included (ignored by a model without text)
-    samples_per_row: int = 1  # per-sample conditioning is (B, S, ...): small, but counted
-    packed: bool = True  # rows pack several samples: per-token modulation, masked attention
-    precision: Literal["bf16", "fp32"] = "bf16"  # bf16: autocast with fp32 master weights, as dit-train on a GPU
-    activation_checkpointing: Literal["none", "block", "selective"] = "none"
-    device: Literal["cuda", "cpu"] = "cuda"  # CUDA fuses RMSNorm; the CPU decomposes it, in fp32
-    attention: Literal["flex", "sdpa"] = "flex"  # dit-train's `auto` trains with flex on a GPU
-    compile: bool = False  # compiled blocks: selective checkpointing then sees (and keeps) flex's output too
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.world_size, int) or self.world_size < 1:
-            raise ConfigError("world_size", self.world_size, "an integer >= 1 (processes, one per GPU)")
-        dims = ParallelDims(self.tp, self.cp, self.pp, sequence_parallel=self.sequence_parallel)
-        dims.resolve(self.world_size).check_fsdp(self.fsdp)
-        if self.fsdp:
-            dims.resolve(self.world_size).check_fsdp_shard(self.fsdp_shard)
-        for key, value in (("train.micro_batch", self.micro_batch), ("data.seq_length", self.seq_length),
-                           ("samples_per_row", self.samples_per_row), ("micro_batches", self.micro_batches)):
-            if not isinstance(value, int) or value < 1:
-                raise ConfigError(key, value, "an integer >= 1")
-        if not isinstance(self.text_len, int) or self.text_len < 0:
-            raise ConfigError("text_len", self.text_len, "an integer >= 0 (text tokens per row)")
-        choices = {"parallel.reduce_dtype": ("reduce_dtype", ("fp32", "bf16")),
-                   "parallel.fsdp_sync": ("fsdp_sync", ("micro_batch", "step")),
-                   "train.precision": ("precision", ("bf16", "fp32")),
-                   "model.activation_checkpointing": ("activation_checkpointing", ACTIVATION_CHECKPOINTING),
-                   "device": ("device", ("cuda", "cpu")), "model.attention": ("attention", ("flex", "sdpa"))}
-        for key, (field, allowed) in choices.items():
-            if getattr(self, field) not in allowed:
-                raise ConfigError(key, getattr(self, field), "one of " + ", ".join(map(repr, allowed)))
-        if self.device == "cpu" and self.attention == "flex":
-            raise ConfigError("model.attention", "flex", "sdpa on a CPU: FlexAttention has no CPU backward")
-
-    @property
-    def dp(self) -> int:
-        return self.world_size // (self.tp * self.cp * self.pp)
-
-    @property
-    def shards(self) -> int:
-        """Ranks that FSDP2 shards each parameter over: data parallel x context parallel, or HSDP's fsdp_shard of them
-        (1 without fsdp)."""
-        return (self.fsdp_shard or self.dp * self.cp) if self.fsdp else 1
-
-    def in_flight(self, stage: int) -> int:
-        """Micro-batches whose activations pipeline stage `stage` keeps at once at its peak (1F1B; 1 without pp)."""
-        return min(self.pp - stage, self.micro_batches)
-
-    def replace(self, **changes) -> Layout:
-        return dataclasses.replace(self, **changes)
-
-    def describe(self) -> str:
-        sp = " + sequence parallel" if self.sequence_parallel and self.tp > 1 else ""
-        if self.fsdp:
-            replicas = self.dp * self.cp // self.shards
-            wrap = (f"HSDP: FSDP2 over {self.shards} ranks, replicated x {replicas}" if replicas > 1 else
-                    f"FSDP2 over dp x cp = {self.shards}")
-            wrap += f", reduce in {self.reduce_dtype}, " + ("gathered and reduced once per step"
-                                                           if self.fsdp_sync == "step" else "every micro-batch")
-        elif self.pp > 1:
-            n = self.micro_batches
-            wrap = f"1F1B pipeline, {n} micro-batch{'es' if n > 1 else ''} a step; no DDP, no FSDP"
-        else:
-            wrap = "DDP, no FSDP"
-        return f"world {self.world_size} = tp {self.tp}{sp} x cp {self.cp} x pp {self.pp} x dp {self.dp}; {wrap}"
 
 
 # The parts of a Plan that add up to its total, and how a table names them.
@@ -283,7 +195,7 @@ def parameters(cfg: DiTConfig, tp: int = 1) -> list[Param]:
         dim = plan.partition_dim(name)
         if dim is not None:
             if shape[dim] % tp:
-                raise ConfigError("parallel.tp", tp, f"a divisor of {shape[dim]}, the size of {name} it splits")
+                raise ConfigError("tp", tp, f"a divisor of {shape[dim]}, the size of {name} it splits")
             shape[dim] //= tp
         owner = model.get_submodule(name.rpartition(".")[0])
         params.append(Param(name, tuple(shape), p.numel(), cast=not isinstance(owner, nn.Embedding)))
@@ -313,8 +225,7 @@ def plan_from(cfg: DiTConfig, layout: Layout, stage: int | None = None) -> Plan:
     """Bytes per GPU of training `cfg` in `layout` (the module docstring says what each part counts): on a rank of
     pipeline stage `stage`, or by default of the most loaded stage (with pp = 1, the only one)."""
     lay = layout
-    ParallelDims(lay.tp, lay.cp, lay.pp, sequence_parallel=lay.sequence_parallel).check_model(
-        cfg.num_heads, lay.seq_length, cfg.depth, cfg.kv_heads)
+    lay.dims.check_model(cfg.num_heads, lay.seq_length, cfg.depth, cfg.kv_heads)
     if stage is not None and not (isinstance(stage, int) and 0 <= stage < lay.pp):
         raise ValueError(f"stage={stage!r} is invalid: expected a pipeline stage in [0, {lay.pp})")
     params = parameters(cfg, lay.tp)
@@ -361,8 +272,9 @@ def _fsdp_buffers(lay: Layout, mine: list[Param]) -> int:
 
 
 def choose_fsdp_sync(cfg: DiTConfig, layout: Layout, gpu_bytes: float | None, headroom: Headroom = HEADROOM) -> Layout:
-    """parallel.fsdp_sync=auto: gather and reduce once per step where the plan with it fits a GPU of gpu_bytes (None:
-    on a CPU, whose memory the plan does not bound), else every micro-batch. Without fsdp, the layout as it is."""
+    """An fsdp_sync left to the plan (dit-train's `auto`): gather and reduce once per step where the plan with it fits
+    a GPU of gpu_bytes (None: on a CPU, whose memory the plan does not bound), else every micro-batch. Without fsdp,
+    the layout as it is."""
     if not layout.fsdp:
         return layout
     step = layout.replace(fsdp_sync="step")
@@ -781,28 +693,27 @@ class _RankOrders:
 # Advice: what to change when a plan does not fit
 
 
-def advise(cfg: DiTConfig, layout: Layout, gpu_bytes: float, headroom: Headroom = HEADROOM) -> tuple[list[str], Plan]:
-    """Config overrides that make the plan fit, and the plan they give (which may still not fit).
+def advise(cfg: DiTConfig, layout: Layout, gpu_bytes: float,
+           headroom: Headroom = HEADROOM) -> tuple[list[dict], Plan]:
+    """The changes of the layout's fields (one dict for each step of advice) that make the plan fit, and the plan they
+    give (which may still not fit).
 
     Changes are tried in order of what they cost in speed: FSDP's gathers and reductions every micro-batch rather than
     once per step, sharding the state (fsdp: communication only), recomputing (selective, then block), a larger
-    tensor-parallel degree, one row per micro-batch. One is kept when it lowers the total; trying stops as soon as the
-    plan fits.
+    tensor-parallel degree (with sequence parallelism), one row per micro-batch. One is kept when it lowers the total;
+    trying stops as soon as the plan fits.
     """
-    candidates = [("fsdp_sync", "parallel.fsdp_sync=micro_batch", {"fsdp_sync": "micro_batch"})]
-    candidates += [("fsdp", "parallel.fsdp=true", {"fsdp": True})]
-    candidates += [("checkpointing", f"model.activation_checkpointing={mode}", {"activation_checkpointing": mode})
-                   for mode in ("selective", "block")]
+    candidates = [("fsdp_sync", {"fsdp_sync": "micro_batch"}), ("fsdp", {"fsdp": True})]
+    candidates += [("checkpointing", {"activation_checkpointing": mode}) for mode in ("selective", "block")]
     tp = layout.tp * 2
     while tp <= layout.world_size // (layout.cp * layout.pp):
-        sp = "" if layout.sequence_parallel else " parallel.sequence_parallel=true"
-        candidates.append(("tp", f"parallel.tp={tp}{sp}", {"tp": tp, "sequence_parallel": True}))
+        candidates.append(("tp", {"tp": tp, "sequence_parallel": True}))
         tp *= 2
     if layout.micro_batch > 1:
-        candidates.append(("micro_batch", "train.micro_batch=1", {"micro_batch": 1}))
+        candidates.append(("micro_batch", {"micro_batch": 1}))
 
-    plan, changes, overrides = plan_from(cfg, layout), {}, {}
-    for group, text, change in candidates:
+    plan, changes, kept = plan_from(cfg, layout), {}, {}
+    for group, change in candidates:
         if plan.fits(gpu_bytes, headroom):
             break
         try:
@@ -810,9 +721,9 @@ def advise(cfg: DiTConfig, layout: Layout, gpu_bytes: float, headroom: Headroom 
         except ConfigError:  # e.g. a tp that does not divide the heads
             continue
         if trial.total < plan.total:
-            plan, overrides[group] = trial, text
+            plan, kept[group] = trial, {k: v for k, v in change.items() if getattr(layout, k) != v}
             changes |= change
-    return list(overrides.values()), plan
+    return list(kept.values()), plan
 
 
 # --------------------------------------------------------------------------------------------------

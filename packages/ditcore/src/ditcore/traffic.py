@@ -44,7 +44,8 @@ from torch import nn
 
 from ditcore.diffusion import EDMLoss, EDMPrecond
 from ditcore.flops import block_period, fake_model
-from ditcore.memory import Layout, fit_grid, meta_model, on_stage, planned_batch, rank_share
+from ditcore.job import Layout
+from ditcore.memory import fit_grid, meta_model, on_stage, planned_batch, rank_share
 from ditcore.models import plan_for
 from ditcore.models.dit import DiTConfig
 from ditcore.models.plan import ColumnParallel, RowParallel
