@@ -48,7 +48,6 @@ torch.compile usually keeps less, as its partitioner recomputes cheap elementwis
 from __future__ import annotations
 
 import contextlib
-import fnmatch
 import functools
 import math
 from dataclasses import dataclass
@@ -67,10 +66,9 @@ from ditcore.flops import block_period, fake_model
 from ditcore.job import Layout
 from ditcore.layout import grid_rows
 from ditcore.models import apply_activation_checkpointing, attention, build, plan_for
-from ditcore.models.dit import DiTConfig, RowSplit
-from ditcore.models.plan import ColumnParallel, RowParallel
+from ditcore.models.dit import DiTConfig
 from ditcore.parallel.pipeline import stage_blocks
-from ditcore.parallel.tensor_parallel import in_compute_dtype
+from ditcore.parallel.standins import rank_share
 
 GiB = 2**30
 DTYPE_BYTES = {"fp32": 4, "bf16": 2}
@@ -324,8 +322,9 @@ def _activations(cfg: DiTConfig, lay: Layout) -> Activations:
 
 
 @dataclass(frozen=True)
-class _RecordKey:
-    """What a record depends on: a rank's shapes and the kernels it runs."""
+class RankShapes:
+    """What a run of the model at one rank's shapes depends on (`rank_model`): the key of the memory record's and the
+    traffic probe's caches."""
 
     tp: int
     sp: bool
@@ -336,16 +335,26 @@ class _RecordKey:
     samples_per_row: int
     packed: bool
     precision: str
-    checkpointing: str
-    cuda: bool
-    flex: bool
-    compile: bool
+
+    @classmethod
+    def of(cls, lay: Layout) -> RankShapes:
+        return RankShapes(lay.tp, lay.sequence_parallel and lay.tp > 1, lay.cp, lay.micro_batch, lay.seq_length,
+                          lay.text_len, lay.samples_per_row, lay.packed, lay.precision)
+
+
+@dataclass(frozen=True)
+class _RecordKey(RankShapes):
+    """A record's: the shapes, and the kernels it runs."""
+
+    checkpointing: str = "none"
+    cuda: bool = True
+    flex: bool = True
+    compile: bool = False
 
     @classmethod
     def of(cls, lay: Layout, checkpointing: str) -> _RecordKey:
-        return cls(lay.tp, lay.sequence_parallel and lay.tp > 1, lay.cp, lay.micro_batch, lay.seq_length,
-                   lay.text_len, lay.samples_per_row, lay.packed, lay.precision, checkpointing, lay.device == "cuda",
-                   lay.attention == "flex", lay.compile)
+        return cls(**vars(RankShapes.of(lay)), checkpointing=checkpointing, cuda=lay.device == "cuda",
+                   flex=lay.attention == "flex", compile=lay.compile)
 
 
 @dataclass(frozen=True)
@@ -498,6 +507,26 @@ class _Meter(TorchDispatchMode):
 REAL_BELOW = 2**22
 
 
+def rank_model(cfg: DiTConfig, key: RankShapes, flex: bool = False) -> tuple[nn.Module, int, int]:
+    """(model, N, cp): one period of cfg's blocks (`block_period`) as a rank of `key` holds them (`rank_share`), on fake
+    tensors, with flex attention or sdpa; its rows hold N tokens, the keys and values gathered over cp ranks. An
+    architecture that moves whole frames to ranks (`context_parallel = "all_to_all"`) runs rows of seq_length / cp
+    tokens, as a rank holds them, and gathers over none."""
+    whole = meta_model(cfg)
+    period = block_period(whole)
+    gather_cp = key.cp > 1 and whole.context_parallel == "all_gather"
+    N = key.seq_length if key.cp == 1 or gather_cp else key.seq_length // key.cp
+    cp = key.cp if gather_cp else 1
+    sp = key.tp if key.sp else 1
+    # A small rank runs for real: much faster, the same storages (REAL_BELOW). Not with flex, which attend() would
+    # give dense copies of q, k and v on a real CPU tensor (for the CPU's flex kernel).
+    held = sum(p.numel() for p in whole.blocks[:period].parameters())
+    real = not flex and held // key.tp + key.micro_batch * N * max(cfg.hidden_size, N // cp) // cp < REAL_BELOW
+    model = fake_model(cfg.replace(depth=period), "flex" if flex else "sdpa",
+                       change=lambda m: rank_share(m, key.tp, sp, cp), real=real)
+    return model, N, cp
+
+
 @functools.lru_cache(maxsize=256)
 def _record(cfg: DiTConfig, key: _RecordKey) -> _Record:
     """Run the model's training forward (EDM preconditioning and loss, as dit-train) on fake tensors at a rank's
@@ -511,18 +540,8 @@ def _record(cfg: DiTConfig, key: _RecordKey) -> _Record:
     layers; with context parallelism its rows split (an architecture that moves whole frames to ranks,
     `context_parallel = "all_to_all"`, is planned as rows of seq_length / cp tokens, as a rank holds them).
     """
-    whole = meta_model(cfg)
-    period = block_period(whole)
-    gather_cp = key.cp > 1 and whole.context_parallel == "all_gather"
-    N = key.seq_length if key.cp == 1 or gather_cp else key.seq_length // key.cp
-    cp = key.cp if gather_cp else 1
-    sp = key.tp if key.sp else 1
-    # A small rank runs for real: much faster, the same storages (REAL_BELOW). Not with flex, which attend() would
-    # give dense copies of q, k and v on a real CPU tensor (for the CPU's flex kernel).
-    B, D, held = key.micro_batch, cfg.hidden_size, sum(p.numel() for p in whole.blocks[:period].parameters())
-    real = not key.flex and held // key.tp + B * N * max(D, N // cp) // cp < REAL_BELOW
-    model = fake_model(cfg.replace(depth=period), "flex" if key.flex else "sdpa",
-                       change=lambda m: rank_share(m, key.tp, sp, cp), real=real)
+    model, N, cp = rank_model(cfg, key, key.flex)
+    period, sp, B = len(model.blocks), key.tp if key.sp else 1, key.micro_batch
     apply_activation_checkpointing(model, key.checkpointing)
     meter = _Meter({StorageWeakRef(p.untyped_storage()) for p in model.parameters()}, key.cuda)
     hooks = [block.register_forward_pre_hook(lambda _, args, i=i: setattr(meter, "region", i))
@@ -588,105 +607,6 @@ def fit_grid(n: int, max_grid: tuple[int, int, int]) -> tuple[int, int, int]:
         if tokens // (W * H) <= max_grid[0]:
             return tokens // (W * H), H, W
     raise ValueError(f"no token grid of {n} tokens fits max_grid={max_grid}")
-
-
-class _Gathered(torch.autograd.Function):
-    """A sequence-parallel column-parallel matmul's memory (ditcore.parallel.tensor_parallel._GatheredLinear): the
-    rank's tokens gathered tp times, and only its own kept for backward."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, tp: int) -> torch.Tensor:
-        ctx.save_for_backward(x, weight)
-        return F.linear(x.repeat(tp, *[1] * (x.ndim - 1)), weight)
-
-    @staticmethod
-    def backward(ctx, grad):  # never run: the record is a forward
-        raise NotImplementedError
-
-
-class _RankLinear(nn.Module):
-    """A tensor-parallel rank's linear as ditcore.parallel.tensor_parallel makes it, on one process: its share of the
-    weight, the matmul's output a tensor of its own (the bias added after it), a row-parallel output summed (a new
-    tensor), or under sequence parallelism reduce-scattered to the rank's tokens; a column-parallel output whose
-    features are gathered (`gather`: adaLN's) all-gathered into a new tensor of every rank's features."""
-
-    def __init__(self, linear: nn.Linear, column: bool, tp: int, sp: int, gather: bool = False):
-        super().__init__()
-        out_f, in_f = linear.weight.shape
-        self.column, self.sp, self.gather = column, sp, tp if gather else 1
-        self.weight = nn.Parameter(torch.empty(out_f // tp if column else out_f, in_f if column else in_f // tp,
-                                               device=linear.weight.device))
-        self.bias = None if linear.bias is None else nn.Parameter(
-            torch.empty(out_f // tp if column else out_f, device=linear.weight.device))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.column:
-            y = _Gathered.apply(in_compute_dtype(x), self.weight, self.sp) if self.sp > 1 else F.linear(x, self.weight)
-        else:
-            y = F.linear(x, self.weight)
-            y = y[: y.shape[0] // self.sp].clone()  # summed over the ranks: a tensor of its own (its tokens)
-        y = y if self.bias is None else y + self.bias.to(y.dtype)
-        return y.repeat(*[1] * (y.ndim - 1), self.gather) if self.gather > 1 else y
-
-
-def rank_share(model: nn.Module, tp: int, sp: int, cp: int) -> None:
-    """Make a meta model one rank's: the layers its TP plan splits cut to their share and its attention modules'
-    heads divided (as ditcore.parallel.tensor_parallel does), and its rows split over sequence- and context-parallel
-    ranks (`_RankRows`)."""
-    if tp > 1:
-        plan = plan_for(model)
-        for name, module in list(model.named_modules()):
-            if any(fnmatch.fnmatchcase(name, pattern) for pattern in plan.heads):
-                module.num_heads //= tp
-                if hasattr(module, "num_kv_heads"):
-                    module.num_kv_heads //= tp
-            style = plan.module_style(name)
-            if isinstance(style, ColumnParallel | RowParallel):
-                column = isinstance(style, ColumnParallel)
-                gathers = sp if not column or (style.sequence_parallel and not style.gather_output) else 1
-                layer = _RankLinear(module, column, tp, gathers, gather=column and style.gather_output)
-                parent, _, child = name.rpartition(".")
-                model.get_submodule(parent).register_module(child, layer)
-    if sp * cp > 1:
-        model.rows = _RankRows(model.rows, sp, cp)
-
-
-class _RankRows(RowSplit):
-    """A rank's slice of every row, on one process (ditcore.parallel.context_parallel.SplitRows): its queries are
-    the row's 1/cp, the tokens it holds a 1/sp of those, the keys and values gathered whole (new tensors), the output
-    too. A model that regroups tokens between blocks (ST-DiT) gets its own `orders`, gathering its 1/sp first."""
-
-    def __init__(self, base: RowSplit, sp: int, cp: int):
-        self.base, self.sp, self.cp = base, sp, cp
-
-    def spans(self, n: int) -> tuple[slice, slice]:
-        return slice(0, n // self.cp), slice(0, n // (self.cp * self.sp))
-
-    def keys_values(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return (k, v) if self.cp == 1 else (k.repeat(1, 1, self.cp, 1), v.repeat(1, 1, self.cp, 1))
-
-    def gather(self, out: torch.Tensor) -> torch.Tensor:
-        return out.repeat(self.cp * self.sp, 1, 1)
-
-    def orders(self, *args):
-        return _RankOrders(self.base.orders(*args), self.sp)
-
-
-class _RankOrders:
-    """ST-DiT's moves between frames and lines order under sequence parallelism (context_parallel.SwapRows): the
-    ranks' pieces gathered, moved, and this rank's piece kept."""
-
-    def __init__(self, whole, sp: int):
-        self.whole, self.sp, self.local = whole, sp, whole.local
-
-    def keys_values(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.whole.keys_values(k, v)
-
-    def to_lines(self, x: torch.Tensor) -> torch.Tensor:
-        return self.whole.to_lines(x.repeat(self.sp, 1, 1))[: x.shape[0]].clone()
-
-    def to_frames(self, x: torch.Tensor) -> torch.Tensor:
-        return self.whole.to_frames(x.repeat(self.sp, 1, 1))[: x.shape[0]].clone()
 
 
 # --------------------------------------------------------------------------------------------------
