@@ -2,6 +2,7 @@
 
 import math
 from pathlib import Path
+from typing import get_args
 
 import pytest
 
@@ -187,3 +188,16 @@ def test_a_layout_written_as_overrides_reads_back_as_the_same_layout():
     with pytest.raises(ConfigError) as e:
         memory_layout(load_config(DEMO, ["parallel.fsdp=true", "parallel.fsdp_shard=3"]), 4, 0)
     assert (e.value.key, e.value.value) == ("parallel.fsdp_shard", 3)
+
+
+def test_the_config_offers_the_layout_s_choices():
+    """Each layout key of the config takes what ditcore.job.Layout takes (the one owner of those rules), and `auto`
+    where dit-train decides."""
+    from dit_train.config import LAYOUT_KEYS, TrainConfig
+    from ditcore.job import CHOICES
+
+    for field, allowed in CHOICES.items():
+        if field in LAYOUT_KEYS:
+            section, name = LAYOUT_KEYS[field].split(".")
+            offered = set(get_args(TrainConfig.model_fields[section].annotation.model_fields[name].annotation))
+            assert offered - {"auto"} == set(allowed), field

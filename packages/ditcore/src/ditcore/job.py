@@ -16,9 +16,11 @@ from typing import Literal
 from ditcore.errors import ConfigError
 from ditcore.models.techniques import ACTIVATION_CHECKPOINTING
 from ditcore.parallel.dims import ParallelDims
+from ditcore.parallel.fsdp import SYNCS
 
-# The choices of a Layout's fields that are not numbers: the one list of each, which Layout checks.
-CHOICES = {"reduce_dtype": ("fp32", "bf16"), "fsdp_sync": ("micro_batch", "step"), "precision": ("bf16", "fp32"),
+# The choices of a Layout's fields that are not numbers, which Layout checks (from their owners where they have one:
+# the techniques, apply_fsdp); dit-train's config offers them, and `auto` (tests/apps/test_config.py holds them equal).
+CHOICES = {"reduce_dtype": ("fp32", "bf16"), "fsdp_sync": SYNCS, "precision": ("bf16", "fp32"),
            "activation_checkpointing": ACTIVATION_CHECKPOINTING, "device": ("cuda", "cpu"),
            "attention": ("flex", "sdpa")}
 
