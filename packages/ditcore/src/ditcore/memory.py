@@ -31,7 +31,7 @@ One rank of a layout holds, in bytes:
   itself (`_record`): its training forward runs on fake tensors (shapes only: nothing is allocated, whatever the
   width) at a rank's shapes, with the layout's checkpointing, and what is alive at its end is counted by where it was
   made. CUDA's kernels keep some things otherwise than the CPU's that the record runs: flex attention, fused RMSNorm
-  and LayerNorm's statistics (`_flex_keeps`, `_CudaNorms`, `CUDA_KEEPS`). With pp > 1 the non-interleaved 1F1B
+  and LayerNorm's statistics (`flex_keeps`, `CudaNorms`, `CUDA_KEEPS`). With pp > 1 the non-interleaved 1F1B
   schedule keeps, at its peak, min(pp - s, micro_batches) micro-batches in flight on stage s, each holding what its
   forward kept there: its blocks', the conditioning's (every stage), the patch embedder's (the first stage; the
   others keep the hidden states they received instead), the final layer's and the loss's (the last).
@@ -53,19 +53,18 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
-from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from ditcore.cuda_keeps import CUDA_KEEPS, CudaNorms, flex_keeps
 from ditcore.diffusion import EDMLoss, EDMPrecond
 from ditcore.errors import ConfigError
 from ditcore.flops import block_period, fake_model
 from ditcore.job import Layout
 from ditcore.layout import grid_rows
-from ditcore.models import apply_activation_checkpointing, attention, build, plan_for
+from ditcore.models import apply_activation_checkpointing, build, plan_for
 from ditcore.models.dit import DiTConfig
 from ditcore.parallel.pipeline import stage_blocks
 from ditcore.parallel.standins import rank_share
@@ -367,82 +366,6 @@ class _Record:
     hidden: int
 
 
-# What CUDA's kernels keep that the CPU's, which the record runs, keep otherwise (a layout for CUDA records with them):
-# - LayerNorm: its mean and rstd in fp32; the CPU's in the input's dtype (CUDA_KEEPS: op → its outputs' dtypes);
-# - RMSNorm: the fused kernel keeps its input and rstd (fp32); the CPU decomposes it in fp32 and keeps fp32 copies and
-#   the normalised values (_FusedRMSNorm);
-# - FlexAttention: block masks, no dense (B, 1, Nq, Nk) mask; q, k, v, its output and logsumexp (fp32) (_flex_keeps).
-# SDPA's kernels keep the same on both: the output and logsumexp (flash, memory-efficient; the CPU's flash).
-CUDA_KEEPS = {torch.ops.aten.native_layer_norm.default: ((1, torch.float32), (2, torch.float32))}
-
-
-class _FusedRMSNorm(torch.autograd.Function):
-    """RMSNorm as CUDA's fused kernel (aten._fused_rms_norm) keeps it: its input and rstd (fp32)."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, shape, weight: torch.Tensor | None, eps: float | None) -> torch.Tensor:
-        with torch.no_grad():
-            out = F.rms_norm(x, shape, weight, eps)
-        ctx.save_for_backward(x, x.new_empty((*x.shape[:-len(shape)], *[1] * len(shape)), dtype=torch.float32),
-                              weight)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):  # never run: the record is a forward
-        raise NotImplementedError
-
-
-class _CudaNorms(TorchFunctionMode):
-    """F.rms_norm as on CUDA (`_FusedRMSNorm`)."""
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        if func is F.rms_norm:
-            x, shape, weight, eps = [*args, None, None][:4]
-            kwargs = kwargs or {}
-            return _FusedRMSNorm.apply(x, tuple(shape), kwargs.get("weight", weight), kwargs.get("eps", eps))
-        return func(*args, **(kwargs or {}))
-
-
-class _EagerFlex(torch.autograd.Function):
-    """What FlexAttention's autograd keeps: q, k, v, its output and logsumexp (fp32); made by ops that selective
-    checkpointing does not keep (an eager block calls a separately compiled kernel, which its policy cannot see)."""
-
-    @staticmethod
-    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        out, lse = torch.empty_like(q), q.new_empty(q.shape[:-1], dtype=torch.float32)
-        ctx.save_for_backward(q, k, v, out, lse)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):  # never run: the record is a forward
-        raise NotImplementedError
-
-
-@contextlib.contextmanager
-def _flex_keeps(compiled: bool):
-    """FlexAttention as CUDA runs it, for a record on fake CPU tensors (the CPU has no flex backward): its block
-    masks made by create_block_mask itself (no dense mask), its kernel one that keeps what flex's keeps. In compiled
-    blocks selective checkpointing sees flex and keeps its output: the CPU's flash kernel without a mask, which keeps
-    the same and which the policy keeps too; in eager ones it is `_EagerFlex`."""
-    create_block_mask, _ = attention._flex()
-
-    # The kernels attend() calls for a device type are ditcore.models.attention's to choose; the record swaps the
-    # CPU's while it runs (fake tensors are CPU tensors), and puts them back.
-    def flex(q, k, v, block_mask, enable_gqa):
-        if compiled:
-            return F.scaled_dot_product_attention(q, k, v, enable_gqa=enable_gqa)
-        return _EagerFlex.apply(q, k, v)
-
-    before = attention._KERNELS.get("cpu")
-    attention._KERNELS["cpu"] = attention._Kernels(create_block_mask, flex)
-    try:
-        yield
-    finally:
-        attention._KERNELS.pop("cpu")
-        if before is not None:
-            attention._KERNELS["cpu"] = before
-
-
 class _Meter(TorchDispatchMode):
     """The storages the ops of a forward make, each once (views share theirs), with the region of the forward that
     made it: `region`, which module hooks move along. Storages that existed before (parameters, the batch) and
@@ -561,8 +484,8 @@ def _record(cfg: DiTConfig, key: _RecordKey) -> _Record:
     hooks.append(model.blocks[0].register_forward_pre_hook(first_input, prepend=True))
     hooks.append(model.final.register_forward_pre_hook(last_output))
     autocast = torch.autocast("cpu", torch.bfloat16) if key.precision == "bf16" else contextlib.nullcontext()
-    with model.fake_mode, _flex_keeps(key.compile) if key.flex else contextlib.nullcontext(), \
-            _CudaNorms() if key.cuda else contextlib.nullcontext():
+    with model.fake_mode, flex_keeps(key.compile) if key.flex else contextlib.nullcontext(), \
+            CudaNorms() if key.cuda else contextlib.nullcontext():
         batch = planned_batch(cfg, key.micro_batch, N, key.text_len if cfg.text_dim else 0, key.samples_per_row,
                                key.packed)
         with meter:
