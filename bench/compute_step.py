@@ -98,7 +98,7 @@ def measure(cfg, compiled: bool, checkpointing: str, data: dict, device: str, st
 
 def compare(paths: list[Path], efficiency: float | None) -> None:
     """Measured forward + backward beside the step-time model's compute term for the same work on one GPU."""
-    from ditcore.memory import Layout
+    from ditcore.job import Layout
     from ditcore.speed import Cluster, predict
 
     cluster = Cluster() if efficiency is None else Cluster(efficiency=efficiency)

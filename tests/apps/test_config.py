@@ -2,6 +2,7 @@
 
 import math
 from pathlib import Path
+from typing import get_args
 
 import pytest
 
@@ -94,7 +95,7 @@ def test_rules_across_fields_and_presets_name_their_key():
     e = error("train.micro_batch=3")
     assert (e.key, e.value, e.allowed) == ("train.global_batch", 8, "a multiple of train.micro_batch=3")
     e = error("parallel.pp=2", "parallel.fsdp=true")
-    assert (e.key, e.value) == ("parallel.fsdp", True) and e.allowed.startswith("false with parallel.pp > 1")
+    assert (e.key, e.value) == ("parallel.fsdp", True) and e.allowed.startswith("false with pp > 1")
     assert error("model.preset=DiT-XXL").allowed.startswith("one of DiT-S/2, ")
     e = error("parallel.fsdp_shard=2")  # HSDP's groups say how FSDP shards: nothing without it
     assert (e.key, e.value) == ("parallel.fsdp_shard", 2) and e.allowed.startswith("null without parallel.fsdp=true")
@@ -165,3 +166,38 @@ def test_model_depth_overrides_the_preset_s_number_of_blocks():
     e = error("model.depth=0")
     assert (e.key, e.value, e.allowed) == ("model.depth", 0, "an integer >= 1, or null (overrides the preset's "
                                                              "number of blocks)")
+
+
+def test_a_layout_written_as_overrides_reads_back_as_the_same_layout():
+    """dit_train.config.LAYOUT_KEYS, read both ways: a searched layout's changes as overrides, and the config they make
+    as a Layout; a field that ditcore's Layout refuses is named by its key."""
+    from dataclasses import fields
+
+    from dit_train.config import LAYOUT_KEYS, memory_layout, overrides
+    from ditcore.job import Layout
+    from ditcore.speed import SEARCHED, changes
+
+    assert set(LAYOUT_KEYS) <= {f.name for f in fields(Layout)} and set(SEARCHED) <= set(LAYOUT_KEYS)
+    base = memory_layout(load_config(DEMO), 8, 0)
+    lay = base.replace(tp=2, sequence_parallel=True, fsdp=True, fsdp_shard=2, fsdp_sync="step",
+                       activation_checkpointing="block", micro_batch=2)
+    written = overrides(changes(lay, base))
+    assert "parallel.fsdp_shard=2" in written and "parallel.sequence_parallel=true" in written
+    back = memory_layout(load_config(DEMO, written), 8, 0)
+    assert {f: getattr(back, f) for f in SEARCHED} == {f: getattr(lay, f) for f in SEARCHED}
+    with pytest.raises(ConfigError) as e:
+        memory_layout(load_config(DEMO, ["parallel.fsdp=true", "parallel.fsdp_shard=3"]), 4, 0)
+    assert (e.value.key, e.value.value) == ("parallel.fsdp_shard", 3)
+
+
+def test_the_config_offers_the_layout_s_choices():
+    """Each layout key of the config takes what ditcore.job.Layout takes (the one owner of those rules), and `auto`
+    where dit-train decides."""
+    from dit_train.config import LAYOUT_KEYS, TrainConfig
+    from ditcore.job import CHOICES
+
+    for field, allowed in CHOICES.items():
+        if field in LAYOUT_KEYS:
+            section, name = LAYOUT_KEYS[field].split(".")
+            offered = set(get_args(TrainConfig.model_fields[section].annotation.model_fields[name].annotation))
+            assert offered - {"auto"} == set(allowed), field

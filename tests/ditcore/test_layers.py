@@ -20,6 +20,7 @@ LAYERS = [
     {"ditcore.models", "ditcore.codecs", "ditcore.data", "ditcore.diffusion"},
     {"ditcore.parallel", "ditcore.flops", "ditcore.testing", "ditcore.export", "ditcore.sampling", "ditcore.training",
      "ditcore.interop"},  # interop: the field's DiT checkpoints in, diffusers out
+    {"ditcore.job", "ditcore.cuda_keeps"},  # a training job's layout; CUDA's saved tensors, for the memory record
     {"ditcore.runs", "ditcore.memory", "ditcore.eval"},  # eval: held-out loss, FID/FD
     {"ditcore.traffic"},  # communication per step: counted (ditcore.parallel.counting) and modelled
     {"ditcore.speed"},  # step time, tokens/s and MFU predicted from FLOPs, memory and traffic; layout search

@@ -41,12 +41,12 @@ from torch.utils._pytree import tree_leaves
 from ditcore import models
 from ditcore.diffusion import EMA, EDMLoss, EDMPrecond
 from ditcore.errors import ConfigError
+from ditcore.job import Layout
 from ditcore.layout import grid_positions
 from ditcore.memory import (
     HEADROOM,
     GiB,
     Headroom,
-    Layout,
     advise,
     choose_fsdp_sync,
     measured_state_bytes,
@@ -177,7 +177,7 @@ def test_hsdp_shards_each_parameter_over_its_group():
     parts = ("weights", "grads", "optimizer", "ema", "comm_buffers")
     assert [getattr(hsdp, k) for k in parts] == [getattr(fsdp2, k) for k in parts]
     assert "HSDP: FSDP2 over 2 ranks, replicated x 2, reduce in fp32, every micro-batch" in hsdp.layout.describe()
-    with pytest.raises(ConfigError, match=r"parallel.fsdp_shard=3 is invalid: expected a divisor of dp x cp = 4 x 1: "
+    with pytest.raises(ConfigError, match=r"fsdp_shard=3 is invalid: expected a divisor of dp x cp = 4 x 1: "
                                           r"one of 1, 2, 4, or null"):
         Layout(world_size=4, fsdp=True, fsdp_shard=3)
 
@@ -210,7 +210,7 @@ def test_auto_fsdp_sync_is_step_where_it_fits():
     assert choose_fsdp_sync(cfg, layout.replace(fsdp_sync="step"), step - 1, none).fsdp_sync == "micro_batch"
     assert choose_fsdp_sync(cfg, layout.replace(fsdp=False), None) == layout.replace(fsdp=False)
     changes, plan = advise(cfg, layout.replace(fsdp_sync="step"), step - 1, none)
-    assert changes == ["parallel.fsdp_sync=micro_batch"] and plan.total == micro
+    assert changes == [{"fsdp_sync": "micro_batch"}] and plan.total == micro
 
 
 def test_autocast_copies_of_parameters_are_counted_exactly():
@@ -657,14 +657,14 @@ def test_activations_of_each_pipeline_stage(mode):
 
 
 @pytest.mark.parametrize(("layout", "message"), [
-    (dict(world_size=6, tp=4), r"parallel='tp\*cp\*pp = 4\*1\*1 = 4' is invalid: expected a divisor of the world "
-                               r"size 6"),
-    (dict(world_size=8, tp=8), r"parallel.tp=8 is invalid: expected a divisor of the model's num_heads=4"),
-    (dict(world_size=2, cp=2, seq_length=15), r"data.seq_length=15 is invalid: expected a multiple of cp = 2"),
-    (dict(device="cpu"), r"model.attention='flex' is invalid: expected sdpa on a CPU"),
-    (dict(activation_checkpointing="all"), r"model.activation_checkpointing='all' is invalid: expected one of"),
-    (dict(world_size=4, pp=2, fsdp=True), r"parallel.fsdp=True is invalid: expected false with parallel.pp > 1"),
-    (dict(world_size=4, pp=4), r"parallel.pp=4 is invalid: expected at most the model's depth=2"),
+    (dict(world_size=6, tp=4), r"model_parallel='tp\*cp\*pp = 4\*1\*1 = 4' is invalid: expected a divisor of the "
+                               r"world size 6"),
+    (dict(world_size=8, tp=8), r"tp=8 is invalid: expected a divisor of the model's num_heads=4"),
+    (dict(world_size=2, cp=2, seq_length=15), r"seq_length=15 is invalid: expected a multiple of cp = 2"),
+    (dict(device="cpu"), r"attention='flex' is invalid: expected sdpa on a CPU"),
+    (dict(activation_checkpointing="all"), r"activation_checkpointing='all' is invalid: expected one of"),
+    (dict(world_size=4, pp=2, fsdp=True), r"fsdp=True is invalid: expected false with pp > 1"),
+    (dict(world_size=4, pp=4), r"pp=4 is invalid: expected at most the model's depth=2"),
 ])
 def test_layouts_that_cannot_run_are_refused(layout, message):
     with pytest.raises(ConfigError, match=message):
@@ -674,7 +674,7 @@ def test_layouts_that_cannot_run_are_refused(layout, message):
 def test_a_tp_that_splits_the_query_heads_but_not_the_key_value_groups_is_refused():
     # MovieGen-Tiny: 4 query heads in 2 groups; tp=4 (which --plan's advice tries) gave each rank 0 groups and a
     # ZeroDivisionError in the record
-    with pytest.raises(ConfigError, match=r"parallel.tp=4 is invalid: .* num_kv_heads=2"):
+    with pytest.raises(ConfigError, match=r"tp=4 is invalid: .* num_kv_heads=2"):
         plan_from(preset("MovieGen-Tiny"), Layout(world_size=4, tp=4))
 
 
@@ -709,10 +709,10 @@ def test_advice_for_a_7b_model_on_8_gpus():
                     activation_checkpointing="selective")
     assert not plan_from(cfg, layout).fits(80 * GiB)
     changes, plan = advise(cfg, layout, 80 * GiB)
-    assert changes == ["parallel.fsdp=true"] and plan.fits(80 * GiB)
+    assert changes == [{"fsdp": True}] and plan.fits(80 * GiB)
     # without checkpointing, 64k-token rows need more than sharding
     changes, plan = advise(cfg, layout.replace(seq_length=65536, activation_checkpointing="none"), 80 * GiB)
-    assert changes[0] == "parallel.fsdp=true" and len(changes) > 1 and plan.fits(80 * GiB)
+    assert changes[0] == {"fsdp": True} and len(changes) > 1 and plan.fits(80 * GiB)
 
 
 def test_advice_for_pipeline_stages_leaves_fsdp_out():
@@ -722,7 +722,7 @@ def test_advice_for_pipeline_stages_leaves_fsdp_out():
     plan = plan_from(cfg, layout)
     assert plan.stage == 0 and not plan.fits(80 * GiB)  # two micro-batches of 16k tokens in flight on the first
     changes, plan = advise(cfg, layout, 80 * GiB)  # fsdp is refused with pp > 1: recompute instead
-    assert changes == ["model.activation_checkpointing=selective"] and plan.fits(80 * GiB)
+    assert changes == [{"activation_checkpointing": "selective"}] and plan.fits(80 * GiB)
 
 
 if __name__ == "__main__":

@@ -5,7 +5,7 @@ from unittest.mock import patch
 
 import pytest
 
-from ditcore.memory import Layout
+from ditcore.job import Layout
 from ditcore.models import ARCHS, build, register
 from ditcore.testing import dit_forward_work, dit_grad_work, fp32_tolerance
 from ditcore.traffic import traffic

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from ditcore.diffusion import EDMPrecond
-from ditcore.memory import Layout, plan_from
+from ditcore.job import Layout
+from ditcore.memory import plan_from
 from ditcore.models import DiT
 from ditcore.parallel import load_consolidated
 from ditcore.runs import tensors

@@ -10,14 +10,14 @@ from ditcore.parallel import ParallelDims
     ("args", "message"),
     [
         pytest.param(["3", "1", "6", "16"],
-                     r"parallel='tp\*cp\*pp = 3\*1\*1 = 3' is invalid: expected a divisor of the world size 2",
+                     r"model_parallel='tp\*cp\*pp = 3\*1\*1 = 3' is invalid: expected a divisor of the world size 2",
                      marks=pytest.mark.slow),  # every rank failing alike: sp-seq, kept in the default run
-        pytest.param(["2", "1", "3", "16"], r"parallel.tp=2 is invalid: expected a divisor of the model's num_heads=3",
+        pytest.param(["2", "1", "3", "16"], r"tp=2 is invalid: expected a divisor of the model's num_heads=3",
                      marks=pytest.mark.slow),  # also refused in one process: test_bad_inputs' layout case
-        pytest.param(["1", "2", "4", "15"], r"data.seq_length=15 is invalid: expected a multiple of cp = 2",
+        pytest.param(["1", "2", "4", "15"], r"seq_length=15 is invalid: expected a multiple of cp = 2",
                      marks=pytest.mark.slow),  # the same check as sp-seq, kept in the default run
         (["2", "1", "4", "15", "sp"],
-         r"data.seq_length=15 is invalid: expected a multiple of cp\*tp \(sequence parallel\) = 2"),
+         r"seq_length=15 is invalid: expected a multiple of cp\*tp \(sequence parallel\) = 2"),
     ],
     ids=["world", "heads", "cp-seq", "sp-seq"],
 )
@@ -41,12 +41,12 @@ def test_valid_layout_starts(run_torchrun):
 def test_dims_resolve_and_validate():
     assert ParallelDims(tp=2).resolve(8).dp == 4
     assert ParallelDims(tp=2, cp=2, dp=2).resolve(8).dp == 2
-    with pytest.raises(ConfigError, match=r"parallel.dp=3 is invalid: expected 4: tp\*cp\*pp\*dp must equal"):
+    with pytest.raises(ConfigError, match=r"dp=3 is invalid: expected 4: tp\*cp\*pp\*dp must equal"):
         ParallelDims(tp=2, dp=3).resolve(8)
     assert ParallelDims(tp=2, pp=2).resolve(8).dp == 2
-    with pytest.raises(ConfigError, match=r"parallel.pp=3 is invalid: expected at most the model's depth=2"):
+    with pytest.raises(ConfigError, match=r"pp=3 is invalid: expected at most the model's depth=2"):
         ParallelDims(pp=3).check_model(num_heads=4, depth=2)
-    with pytest.raises(ConfigError, match=r"parallel.tp=0 is invalid: expected an integer >= 1"):
+    with pytest.raises(ConfigError, match=r"tp=0 is invalid: expected an integer >= 1"):
         ParallelDims(tp=0)
 
 
@@ -54,11 +54,11 @@ def test_fsdp_with_a_pipeline_is_refused_by_one_rule():
     """dit-train's config, the memory planner and apply_fsdp all ask ParallelDims.check_fsdp: one message."""
     from pathlib import Path
 
-    from ditcore.memory import Layout
+    from ditcore.job import Layout
 
     ParallelDims(pp=2).check_fsdp(False)
     ParallelDims(tp=2).check_fsdp(True)
-    with pytest.raises(ConfigError, match=r"parallel.fsdp=True is invalid: expected false with parallel.pp > 1") as e:
+    with pytest.raises(ConfigError, match=r"fsdp=True is invalid: expected false with pp > 1") as e:
         ParallelDims(pp=2).check_fsdp(True)
     with pytest.raises(ConfigError) as planner:
         Layout(world_size=4, pp=2, fsdp=True)

@@ -16,8 +16,9 @@ from torch.utils.flop_counter import FlopCounterMode
 from ditcore.diffusion import EDMLoss, EDMPrecond
 from ditcore.errors import ConfigError
 from ditcore.flops import training_flops_per_token
+from ditcore.job import Layout
 from ditcore.layout import grid_positions
-from ditcore.memory import GiB, Layout, advise, plan_from
+from ditcore.memory import GiB, advise, plan_from
 from ditcore.models import ARCHS, PRESETS, arch_of, build, plan_for, preset, register
 from ditcore.models.dit import DIT_PLAN
 

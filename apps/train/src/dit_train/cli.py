@@ -71,7 +71,7 @@ def main(
     SIGTERM, SIGUSR1, SIGHUP or Ctrl-C saves a checkpoint and exits 0 (a second Ctrl-C exits at once). --plan
     checks a layout before any GPU is spent on it.
     """
-    from dit_train.config import load_config
+    from dit_train.config import in_config_keys, load_config
     from ditcore.data.schema import DatasetError
     from ditcore.errors import ConfigError
 
@@ -95,7 +95,7 @@ def main(
             fits = print_plan(cfg, world_size or cfg.parallel.devices, gpu_memory, text_len, text_dim, cluster, search,
                               top)
         except (ConfigError, DatasetError) as e:
-            hint = ""
+            hint, e = "", in_config_keys(e) if isinstance(e, ConfigError) else e  # ditcore's errors name its fields
             if isinstance(e, ConfigError) and e.key == "parallel" and world_size is None:
                 hint = f" (the world size is parallel.devices={cfg.parallel.devices}: pass --world-size, the GPUs)"
             fail(f"{e}{hint}")
@@ -110,7 +110,7 @@ def main(
         result = train(cfg, resume=resume, overwrite=overwrite)
     except (ConfigError, DatasetError, runs.CheckpointError, Diverged, NotCompiled, FileNotFoundError, ValueError,
             RunDirInUse, WandBUnavailable) as e:
-        fail(str(e))
+        fail(str(in_config_keys(e) if isinstance(e, ConfigError) else e))
     except Interrupted as e:  # a second Ctrl-C
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(130) from None
@@ -139,7 +139,7 @@ def print_plan(cfg, world_size: int, gpu_memory: float, text_len: int | None, te
     Reads only the dataset's ditcore.json (channels, text width, classes); without a dataset, assumes the preset's
     latent channels and text states of width text_dim. text_len: text tokens per row (None: one longest caption).
     """
-    from dit_train.config import memory_layout
+    from dit_train.config import memory_layout, overrides
     from dit_train.train import model_config
     from ditcore.codecs.text import MAX_TOKENS
     from ditcore.data.schema import DatasetInfo, read_info
@@ -186,7 +186,8 @@ def print_plan(cfg, world_size: int, gpu_memory: float, text_len: int | None, te
             return found
     if result.fits(gpu):
         return True
-    changes, better = advise(model_cfg, layout, gpu)
+    steps, better = advise(model_cfg, layout, gpu)
+    changes = [override for step in steps for override in overrides(step)]
     need = (f"needs {result.total / GiB:.1f} GiB per GPU, more than the {HEADROOM.usable(gpu) / GiB:.1f} GiB usable of "
             f"{gpu_memory:g} GiB")
     if better.fits(gpu):
@@ -204,6 +205,7 @@ def print_speed(model_cfg, layout, cluster, global_batch: int | None, top: int) 
 
     from tqdm import tqdm
 
+    from dit_train.config import overrides
     from ditcore.memory import GiB
     from ditcore.speed import predict
     from ditcore.speed import search as search_layouts
@@ -223,7 +225,7 @@ def print_speed(model_cfg, layout, cluster, global_batch: int | None, top: int) 
     for c in found:
         p = c.prediction
         typer.echo(f"  {p.tokens_per_second_per_gpu:12,.0f}{p.mfu:7.1%}{p.step:10.3g}{p.exposed / p.step:9.0%}"
-                   f"{c.plan.total / GiB:7.1f}  {p.bound:<10}{' '.join(c.overrides) or '(none)'}")
+                   f"{c.plan.total / GiB:7.1f}  {p.bound:<10}{' '.join(overrides(c.changes)) or '(none)'}")
     return True
 
 

@@ -187,7 +187,10 @@ class Parallel(Section):
         if self.fsdp:  # importing ditcore.parallel costs seconds (torch.distributed.tensor): only FSDP configs pay
             from ditcore.parallel.dims import ParallelDims
 
-            ParallelDims(pp=self.pp).check_fsdp(self.fsdp)
+            try:
+                ParallelDims(pp=self.pp).check_fsdp(self.fsdp)
+            except ConfigError as e:
+                raise in_config_keys(e) from None
         return self
 
 
@@ -473,20 +476,52 @@ def _without_none(annotation) -> tuple:
     return annotation, False
 
 
-def memory_layout(cfg: TrainConfig, world_size: int, text_len: int, fsdp_sync: str | None = None):
-    """The ditcore.memory.Layout of a training config on world_size GPUs (bf16 unless train.precision=fp32).
-    fsdp_sync: what parallel.fsdp_sync=auto was resolved to (ditcore.memory.choose_fsdp_sync); unresolved, auto is
-    planned as micro_batch."""
-    from ditcore.memory import Layout
+# --------------------------------------------------------------------------------------------------
+# The job's layout (ditcore.job.Layout): which key sets each of its fields. Read both ways: a config's Layout
+# (`memory_layout`), a Layout's changes as overrides (`overrides`), and the key of a field ditcore's errors name
+# (`in_config_keys`).
 
-    p, m = cfg.parallel, cfg.model
-    sync = fsdp_sync or (p.fsdp_sync if p.fsdp_sync != "auto" else "micro_batch")
+LAYOUT_KEYS = {"tp": "parallel.tp", "cp": "parallel.cp", "pp": "parallel.pp",
+               "sequence_parallel": "parallel.sequence_parallel", "fsdp": "parallel.fsdp",
+               "reduce_dtype": "parallel.reduce_dtype", "fsdp_shard": "parallel.fsdp_shard",
+               "fsdp_sync": "parallel.fsdp_sync", "micro_batch": "train.micro_batch", "seq_length": "data.seq_length",
+               "precision": "train.precision", "activation_checkpointing": "model.activation_checkpointing",
+               "attention": "model.attention", "compile": "model.compile"}
+# What a config sets but not one key: tp*cp*pp, the parallel section as a whole (ditcore.parallel.dims).
+ERROR_KEYS = LAYOUT_KEYS | {"model_parallel": "parallel"}
+
+
+def in_config_keys(error: ConfigError) -> ConfigError:
+    """A ConfigError of ditcore's, which names a Layout field, as one that names the config key setting it."""
+    return ConfigError(ERROR_KEYS.get(error.key, error.key), error.value, error.allowed)
+
+
+def overrides(changes: dict) -> list[str]:
+    """Layout fields' values as the overrides that set them: {"fsdp": True} → ["parallel.fsdp=true"]."""
+    text = lambda v: "null" if v is None else str(v).lower() if isinstance(v, bool) else str(v)
+    return [f"{LAYOUT_KEYS[field]}={text(value)}" for field, value in changes.items()]
+
+
+def _key(cfg: TrainConfig, key: str):
+    section, name = key.split(".")
+    return getattr(getattr(cfg, section), name)
+
+
+def memory_layout(cfg: TrainConfig, world_size: int, text_len: int, fsdp_sync: str | None = None):
+    """The ditcore.job.Layout of a training config on world_size GPUs (bf16 unless train.precision=fp32), its errors
+    naming the config's keys. fsdp_sync: what parallel.fsdp_sync=auto was resolved to (ditcore.memory.choose_fsdp_sync);
+    unresolved, auto is planned as micro_batch."""
+    from ditcore.job import Layout
+
+    given = {field: _key(cfg, key) for field, key in LAYOUT_KEYS.items()}
+    # what dit-train decides when a key says auto: the GPU's kernels and precision, the sync the plan chooses
+    given["fsdp_sync"] = fsdp_sync or (given["fsdp_sync"] if given["fsdp_sync"] != "auto" else "micro_batch")
+    given["precision"] = "fp32" if given["precision"] == "fp32" else "bf16"
+    given["attention"] = "sdpa" if given["attention"] == "sdpa" else "flex"
+    p = cfg.parallel
     dp = max(1, world_size // (p.tp * p.cp * p.pp))  # a world size that does not fit is refused by Layout
-    return Layout(world_size=world_size, tp=p.tp, cp=p.cp, pp=p.pp, sequence_parallel=p.sequence_parallel,
-                  fsdp=p.fsdp, reduce_dtype=p.reduce_dtype, fsdp_shard=p.fsdp_shard, fsdp_sync=sync,
-                  micro_batch=cfg.train.micro_batch,
-                  micro_batches=max(1, cfg.train.global_batch // (cfg.train.micro_batch * dp)),
-                  seq_length=cfg.data.seq_length, text_len=text_len,
-                  precision="fp32" if cfg.train.precision == "fp32" else "bf16",
-                  activation_checkpointing=m.activation_checkpointing,
-                  attention="sdpa" if m.attention == "sdpa" else "flex", compile=m.compile)
+    try:
+        return Layout(world_size=world_size, text_len=text_len,
+                      micro_batches=max(1, cfg.train.global_batch // (cfg.train.micro_batch * dp)), **given)
+    except ConfigError as e:
+        raise in_config_keys(e) from None

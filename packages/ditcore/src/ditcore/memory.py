@@ -31,7 +31,7 @@ One rank of a layout holds, in bytes:
   itself (`_record`): its training forward runs on fake tensors (shapes only: nothing is allocated, whatever the
   width) at a rank's shapes, with the layout's checkpointing, and what is alive at its end is counted by where it was
   made. CUDA's kernels keep some things otherwise than the CPU's that the record runs: flex attention, fused RMSNorm
-  and LayerNorm's statistics (`_flex_keeps`, `_CudaNorms`, `CUDA_KEEPS`). With pp > 1 the non-interleaved 1F1B
+  and LayerNorm's statistics (`flex_keeps`, `CudaNorms`, `CUDA_KEEPS`). With pp > 1 the non-interleaved 1F1B
   schedule keeps, at its peak, min(pp - s, micro_batches) micro-batches in flight on stage s, each holding what its
   forward kept there: its blocks', the conditioning's (every stage), the patch embedder's (the first stage; the
   others keep the hidden states they received instead), the final layer's and the loss's (the last).
@@ -48,123 +48,32 @@ torch.compile usually keeps less, as its partitioner recomputes cheap elementwis
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import fnmatch
 import functools
 import math
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
-from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from ditcore.cuda_keeps import CUDA_KEEPS, CudaNorms, flex_keeps
 from ditcore.diffusion import EDMLoss, EDMPrecond
 from ditcore.errors import ConfigError
 from ditcore.flops import block_period, fake_model
+from ditcore.job import Layout
 from ditcore.layout import grid_rows
-from ditcore.models import apply_activation_checkpointing, attention, build, plan_for
-from ditcore.models.dit import DiTConfig, RowSplit
-from ditcore.models.plan import ColumnParallel, RowParallel
-from ditcore.models.techniques import ACTIVATION_CHECKPOINTING
-from ditcore.parallel.dims import ParallelDims
+from ditcore.models import apply_activation_checkpointing, build, plan_for
+from ditcore.models.dit import DiTConfig
 from ditcore.parallel.pipeline import stage_blocks
-from ditcore.parallel.tensor_parallel import in_compute_dtype
+from ditcore.parallel.standins import rank_share
 
 GiB = 2**30
 DTYPE_BYTES = {"fp32": 4, "bf16": 2}
 FP32 = 4
 ADAM_STATES = 2  # exp_avg, exp_avg_sq
 ADAM_STEP_BYTES = 4  # AdamW's step counter: a float32 tensor per parameter tensor
-
-
-@dataclass(frozen=True)
-class Layout:
-    """Everything besides the architecture that decides a rank's memory: parallel layout, batch shape, techniques.
-
-    Errors name the dit-train config keys these come from.
-    """
-
-    world_size: int = 1
-    tp: int = 1
-    cp: int = 1
-    pp: int = 1  # pipeline stages: the blocks split into pp consecutive runs, one per rank
-    sequence_parallel: bool = False
-    fsdp: bool = False
-    reduce_dtype: Literal["fp32", "bf16"] = "fp32"  # with fsdp: the dtype gradients are reduce-scattered in
-    fsdp_shard: int | None = None  # with fsdp: ranks each parameter is sharded over (HSDP); None: all dp x cp ranks
-    fsdp_sync: Literal["micro_batch", "step"] = "micro_batch"  # with fsdp: gather/reduce every micro-batch or once
-    micro_batch: int = 1  # packed rows per forward on one rank
-    micro_batches: int = 1  # per optimizer step on one rank (gradient accumulation): global_batch / (micro_batch*dp)
-    seq_length: int = 256  # tokens per row
-    text_len: int = 0  # text tokens per row, padding included (ignored by a model without text)
-    samples_per_row: int = 1  # per-sample conditioning is (B, S, ...): small, but counted
-    packed: bool = True  # rows pack several samples: per-token modulation, masked attention
-    precision: Literal["bf16", "fp32"] = "bf16"  # bf16: autocast with fp32 master weights, as dit-train on a GPU
-    activation_checkpointing: Literal["none", "block", "selective"] = "none"
-    device: Literal["cuda", "cpu"] = "cuda"  # CUDA fuses RMSNorm; the CPU decomposes it, in fp32
-    attention: Literal["flex", "sdpa"] = "flex"  # dit-train's `auto` trains with flex on a GPU
-    compile: bool = False  # compiled blocks: selective checkpointing then sees (and keeps) flex's output too
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.world_size, int) or self.world_size < 1:
-            raise ConfigError("world_size", self.world_size, "an integer >= 1 (processes, one per GPU)")
-        dims = ParallelDims(self.tp, self.cp, self.pp, sequence_parallel=self.sequence_parallel)
-        dims.resolve(self.world_size).check_fsdp(self.fsdp)
-        if self.fsdp:
-            dims.resolve(self.world_size).check_fsdp_shard(self.fsdp_shard)
-        for key, value in (("train.micro_batch", self.micro_batch), ("data.seq_length", self.seq_length),
-                           ("samples_per_row", self.samples_per_row), ("micro_batches", self.micro_batches)):
-            if not isinstance(value, int) or value < 1:
-                raise ConfigError(key, value, "an integer >= 1")
-        if not isinstance(self.text_len, int) or self.text_len < 0:
-            raise ConfigError("text_len", self.text_len, "an integer >= 0 (text tokens per row)")
-        choices = {"parallel.reduce_dtype": ("reduce_dtype", ("fp32", "bf16")),
-                   "parallel.fsdp_sync": ("fsdp_sync", ("micro_batch", "step")),
-                   "train.precision": ("precision", ("bf16", "fp32")),
-                   "model.activation_checkpointing": ("activation_checkpointing", ACTIVATION_CHECKPOINTING),
-                   "device": ("device", ("cuda", "cpu")), "model.attention": ("attention", ("flex", "sdpa"))}
-        for key, (field, allowed) in choices.items():
-            if getattr(self, field) not in allowed:
-                raise ConfigError(key, getattr(self, field), "one of " + ", ".join(map(repr, allowed)))
-        if self.device == "cpu" and self.attention == "flex":
-            raise ConfigError("model.attention", "flex", "sdpa on a CPU: FlexAttention has no CPU backward")
-
-    @property
-    def dp(self) -> int:
-        return self.world_size // (self.tp * self.cp * self.pp)
-
-    @property
-    def shards(self) -> int:
-        """Ranks that FSDP2 shards each parameter over: data parallel x context parallel, or HSDP's fsdp_shard of them
-        (1 without fsdp)."""
-        return (self.fsdp_shard or self.dp * self.cp) if self.fsdp else 1
-
-    def in_flight(self, stage: int) -> int:
-        """Micro-batches whose activations pipeline stage `stage` keeps at once at its peak (1F1B; 1 without pp)."""
-        return min(self.pp - stage, self.micro_batches)
-
-    def replace(self, **changes) -> Layout:
-        return dataclasses.replace(self, **changes)
-
-    def describe(self) -> str:
-        sp = " + sequence parallel" if self.sequence_parallel and self.tp > 1 else ""
-        if self.fsdp:
-            replicas = self.dp * self.cp // self.shards
-            wrap = (f"HSDP: FSDP2 over {self.shards} ranks, replicated x {replicas}" if replicas > 1 else
-                    f"FSDP2 over dp x cp = {self.shards}")
-            wrap += f", reduce in {self.reduce_dtype}, " + ("gathered and reduced once per step"
-                                                           if self.fsdp_sync == "step" else "every micro-batch")
-        elif self.pp > 1:
-            n = self.micro_batches
-            wrap = f"1F1B pipeline, {n} micro-batch{'es' if n > 1 else ''} a step; no DDP, no FSDP"
-        else:
-            wrap = "DDP, no FSDP"
-        return f"world {self.world_size} = tp {self.tp}{sp} x cp {self.cp} x pp {self.pp} x dp {self.dp}; {wrap}"
 
 
 # The parts of a Plan that add up to its total, and how a table names them.
@@ -283,7 +192,7 @@ def parameters(cfg: DiTConfig, tp: int = 1) -> list[Param]:
         dim = plan.partition_dim(name)
         if dim is not None:
             if shape[dim] % tp:
-                raise ConfigError("parallel.tp", tp, f"a divisor of {shape[dim]}, the size of {name} it splits")
+                raise ConfigError("tp", tp, f"a divisor of {shape[dim]}, the size of {name} it splits")
             shape[dim] //= tp
         owner = model.get_submodule(name.rpartition(".")[0])
         params.append(Param(name, tuple(shape), p.numel(), cast=not isinstance(owner, nn.Embedding)))
@@ -313,8 +222,7 @@ def plan_from(cfg: DiTConfig, layout: Layout, stage: int | None = None) -> Plan:
     """Bytes per GPU of training `cfg` in `layout` (the module docstring says what each part counts): on a rank of
     pipeline stage `stage`, or by default of the most loaded stage (with pp = 1, the only one)."""
     lay = layout
-    ParallelDims(lay.tp, lay.cp, lay.pp, sequence_parallel=lay.sequence_parallel).check_model(
-        cfg.num_heads, lay.seq_length, cfg.depth, cfg.kv_heads)
+    lay.dims.check_model(cfg.num_heads, lay.seq_length, cfg.depth, cfg.kv_heads)
     if stage is not None and not (isinstance(stage, int) and 0 <= stage < lay.pp):
         raise ValueError(f"stage={stage!r} is invalid: expected a pipeline stage in [0, {lay.pp})")
     params = parameters(cfg, lay.tp)
@@ -361,8 +269,9 @@ def _fsdp_buffers(lay: Layout, mine: list[Param]) -> int:
 
 
 def choose_fsdp_sync(cfg: DiTConfig, layout: Layout, gpu_bytes: float | None, headroom: Headroom = HEADROOM) -> Layout:
-    """parallel.fsdp_sync=auto: gather and reduce once per step where the plan with it fits a GPU of gpu_bytes (None:
-    on a CPU, whose memory the plan does not bound), else every micro-batch. Without fsdp, the layout as it is."""
+    """An fsdp_sync left to the plan (dit-train's `auto`): gather and reduce once per step where the plan with it fits
+    a GPU of gpu_bytes (None: on a CPU, whose memory the plan does not bound), else every micro-batch. Without fsdp,
+    the layout as it is."""
     if not layout.fsdp:
         return layout
     step = layout.replace(fsdp_sync="step")
@@ -412,8 +321,9 @@ def _activations(cfg: DiTConfig, lay: Layout) -> Activations:
 
 
 @dataclass(frozen=True)
-class _RecordKey:
-    """What a record depends on: a rank's shapes and the kernels it runs."""
+class RankShapes:
+    """What a run of the model at one rank's shapes depends on (`rank_model`): the key of the memory record's and the
+    traffic probe's caches."""
 
     tp: int
     sp: bool
@@ -424,16 +334,26 @@ class _RecordKey:
     samples_per_row: int
     packed: bool
     precision: str
-    checkpointing: str
-    cuda: bool
-    flex: bool
-    compile: bool
+
+    @classmethod
+    def of(cls, lay: Layout) -> RankShapes:
+        return RankShapes(lay.tp, lay.sequence_parallel and lay.tp > 1, lay.cp, lay.micro_batch, lay.seq_length,
+                          lay.text_len, lay.samples_per_row, lay.packed, lay.precision)
+
+
+@dataclass(frozen=True)
+class _RecordKey(RankShapes):
+    """A record's: the shapes, and the kernels it runs."""
+
+    checkpointing: str = "none"
+    cuda: bool = True
+    flex: bool = True
+    compile: bool = False
 
     @classmethod
     def of(cls, lay: Layout, checkpointing: str) -> _RecordKey:
-        return cls(lay.tp, lay.sequence_parallel and lay.tp > 1, lay.cp, lay.micro_batch, lay.seq_length,
-                   lay.text_len, lay.samples_per_row, lay.packed, lay.precision, checkpointing, lay.device == "cuda",
-                   lay.attention == "flex", lay.compile)
+        return cls(**vars(RankShapes.of(lay)), checkpointing=checkpointing, cuda=lay.device == "cuda",
+                   flex=lay.attention == "flex", compile=lay.compile)
 
 
 @dataclass(frozen=True)
@@ -444,82 +364,6 @@ class _Record:
     embed: int
     head: int
     hidden: int
-
-
-# What CUDA's kernels keep that the CPU's, which the record runs, keep otherwise (a layout for CUDA records with them):
-# - LayerNorm: its mean and rstd in fp32; the CPU's in the input's dtype (CUDA_KEEPS: op → its outputs' dtypes);
-# - RMSNorm: the fused kernel keeps its input and rstd (fp32); the CPU decomposes it in fp32 and keeps fp32 copies and
-#   the normalised values (_FusedRMSNorm);
-# - FlexAttention: block masks, no dense (B, 1, Nq, Nk) mask; q, k, v, its output and logsumexp (fp32) (_flex_keeps).
-# SDPA's kernels keep the same on both: the output and logsumexp (flash, memory-efficient; the CPU's flash).
-CUDA_KEEPS = {torch.ops.aten.native_layer_norm.default: ((1, torch.float32), (2, torch.float32))}
-
-
-class _FusedRMSNorm(torch.autograd.Function):
-    """RMSNorm as CUDA's fused kernel (aten._fused_rms_norm) keeps it: its input and rstd (fp32)."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, shape, weight: torch.Tensor | None, eps: float | None) -> torch.Tensor:
-        with torch.no_grad():
-            out = F.rms_norm(x, shape, weight, eps)
-        ctx.save_for_backward(x, x.new_empty((*x.shape[:-len(shape)], *[1] * len(shape)), dtype=torch.float32),
-                              weight)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):  # never run: the record is a forward
-        raise NotImplementedError
-
-
-class _CudaNorms(TorchFunctionMode):
-    """F.rms_norm as on CUDA (`_FusedRMSNorm`)."""
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        if func is F.rms_norm:
-            x, shape, weight, eps = [*args, None, None][:4]
-            kwargs = kwargs or {}
-            return _FusedRMSNorm.apply(x, tuple(shape), kwargs.get("weight", weight), kwargs.get("eps", eps))
-        return func(*args, **(kwargs or {}))
-
-
-class _EagerFlex(torch.autograd.Function):
-    """What FlexAttention's autograd keeps: q, k, v, its output and logsumexp (fp32); made by ops that selective
-    checkpointing does not keep (an eager block calls a separately compiled kernel, which its policy cannot see)."""
-
-    @staticmethod
-    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        out, lse = torch.empty_like(q), q.new_empty(q.shape[:-1], dtype=torch.float32)
-        ctx.save_for_backward(q, k, v, out, lse)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):  # never run: the record is a forward
-        raise NotImplementedError
-
-
-@contextlib.contextmanager
-def _flex_keeps(compiled: bool):
-    """FlexAttention as CUDA runs it, for a record on fake CPU tensors (the CPU has no flex backward): its block
-    masks made by create_block_mask itself (no dense mask), its kernel one that keeps what flex's keeps. In compiled
-    blocks selective checkpointing sees flex and keeps its output: the CPU's flash kernel without a mask, which keeps
-    the same and which the policy keeps too; in eager ones it is `_EagerFlex`."""
-    create_block_mask, _ = attention._flex()
-
-    # The kernels attend() calls for a device type are ditcore.models.attention's to choose; the record swaps the
-    # CPU's while it runs (fake tensors are CPU tensors), and puts them back.
-    def flex(q, k, v, block_mask, enable_gqa):
-        if compiled:
-            return F.scaled_dot_product_attention(q, k, v, enable_gqa=enable_gqa)
-        return _EagerFlex.apply(q, k, v)
-
-    before = attention._KERNELS.get("cpu")
-    attention._KERNELS["cpu"] = attention._Kernels(create_block_mask, flex)
-    try:
-        yield
-    finally:
-        attention._KERNELS.pop("cpu")
-        if before is not None:
-            attention._KERNELS["cpu"] = before
 
 
 class _Meter(TorchDispatchMode):
@@ -586,6 +430,26 @@ class _Meter(TorchDispatchMode):
 REAL_BELOW = 2**22
 
 
+def rank_model(cfg: DiTConfig, key: RankShapes, flex: bool = False) -> tuple[nn.Module, int, int]:
+    """(model, N, cp): one period of cfg's blocks (`block_period`) as a rank of `key` holds them (`rank_share`), on fake
+    tensors, with flex attention or sdpa; its rows hold N tokens, the keys and values gathered over cp ranks. An
+    architecture that moves whole frames to ranks (`context_parallel = "all_to_all"`) runs rows of seq_length / cp
+    tokens, as a rank holds them, and gathers over none."""
+    whole = meta_model(cfg)
+    period = block_period(whole)
+    gather_cp = key.cp > 1 and whole.context_parallel == "all_gather"
+    N = key.seq_length if key.cp == 1 or gather_cp else key.seq_length // key.cp
+    cp = key.cp if gather_cp else 1
+    sp = key.tp if key.sp else 1
+    # A small rank runs for real: much faster, the same storages (REAL_BELOW). Not with flex, which attend() would
+    # give dense copies of q, k and v on a real CPU tensor (for the CPU's flex kernel).
+    held = sum(p.numel() for p in whole.blocks[:period].parameters())
+    real = not flex and held // key.tp + key.micro_batch * N * max(cfg.hidden_size, N // cp) // cp < REAL_BELOW
+    model = fake_model(cfg.replace(depth=period), "flex" if flex else "sdpa",
+                       change=lambda m: rank_share(m, key.tp, sp, cp), real=real)
+    return model, N, cp
+
+
 @functools.lru_cache(maxsize=256)
 def _record(cfg: DiTConfig, key: _RecordKey) -> _Record:
     """Run the model's training forward (EDM preconditioning and loss, as dit-train) on fake tensors at a rank's
@@ -599,18 +463,8 @@ def _record(cfg: DiTConfig, key: _RecordKey) -> _Record:
     layers; with context parallelism its rows split (an architecture that moves whole frames to ranks,
     `context_parallel = "all_to_all"`, is planned as rows of seq_length / cp tokens, as a rank holds them).
     """
-    whole = meta_model(cfg)
-    period = block_period(whole)
-    gather_cp = key.cp > 1 and whole.context_parallel == "all_gather"
-    N = key.seq_length if key.cp == 1 or gather_cp else key.seq_length // key.cp
-    cp = key.cp if gather_cp else 1
-    sp = key.tp if key.sp else 1
-    # A small rank runs for real: much faster, the same storages (REAL_BELOW). Not with flex, which attend() would
-    # give dense copies of q, k and v on a real CPU tensor (for the CPU's flex kernel).
-    B, D, held = key.micro_batch, cfg.hidden_size, sum(p.numel() for p in whole.blocks[:period].parameters())
-    real = not key.flex and held // key.tp + B * N * max(D, N // cp) // cp < REAL_BELOW
-    model = fake_model(cfg.replace(depth=period), "flex" if key.flex else "sdpa",
-                       change=lambda m: rank_share(m, key.tp, sp, cp), real=real)
+    model, N, cp = rank_model(cfg, key, key.flex)
+    period, sp, B = len(model.blocks), key.tp if key.sp else 1, key.micro_batch
     apply_activation_checkpointing(model, key.checkpointing)
     meter = _Meter({StorageWeakRef(p.untyped_storage()) for p in model.parameters()}, key.cuda)
     hooks = [block.register_forward_pre_hook(lambda _, args, i=i: setattr(meter, "region", i))
@@ -630,8 +484,8 @@ def _record(cfg: DiTConfig, key: _RecordKey) -> _Record:
     hooks.append(model.blocks[0].register_forward_pre_hook(first_input, prepend=True))
     hooks.append(model.final.register_forward_pre_hook(last_output))
     autocast = torch.autocast("cpu", torch.bfloat16) if key.precision == "bf16" else contextlib.nullcontext()
-    with model.fake_mode, _flex_keeps(key.compile) if key.flex else contextlib.nullcontext(), \
-            _CudaNorms() if key.cuda else contextlib.nullcontext():
+    with model.fake_mode, flex_keeps(key.compile) if key.flex else contextlib.nullcontext(), \
+            CudaNorms() if key.cuda else contextlib.nullcontext():
         batch = planned_batch(cfg, key.micro_batch, N, key.text_len if cfg.text_dim else 0, key.samples_per_row,
                                key.packed)
         with meter:
@@ -678,131 +532,31 @@ def fit_grid(n: int, max_grid: tuple[int, int, int]) -> tuple[int, int, int]:
     raise ValueError(f"no token grid of {n} tokens fits max_grid={max_grid}")
 
 
-class _Gathered(torch.autograd.Function):
-    """A sequence-parallel column-parallel matmul's memory (ditcore.parallel.tensor_parallel._GatheredLinear): the
-    rank's tokens gathered tp times, and only its own kept for backward."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, tp: int) -> torch.Tensor:
-        ctx.save_for_backward(x, weight)
-        return F.linear(x.repeat(tp, *[1] * (x.ndim - 1)), weight)
-
-    @staticmethod
-    def backward(ctx, grad):  # never run: the record is a forward
-        raise NotImplementedError
-
-
-class _RankLinear(nn.Module):
-    """A tensor-parallel rank's linear as ditcore.parallel.tensor_parallel makes it, on one process: its share of the
-    weight, the matmul's output a tensor of its own (the bias added after it), a row-parallel output summed (a new
-    tensor), or under sequence parallelism reduce-scattered to the rank's tokens; a column-parallel output whose
-    features are gathered (`gather`: adaLN's) all-gathered into a new tensor of every rank's features."""
-
-    def __init__(self, linear: nn.Linear, column: bool, tp: int, sp: int, gather: bool = False):
-        super().__init__()
-        out_f, in_f = linear.weight.shape
-        self.column, self.sp, self.gather = column, sp, tp if gather else 1
-        self.weight = nn.Parameter(torch.empty(out_f // tp if column else out_f, in_f if column else in_f // tp,
-                                               device=linear.weight.device))
-        self.bias = None if linear.bias is None else nn.Parameter(
-            torch.empty(out_f // tp if column else out_f, device=linear.weight.device))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.column:
-            y = _Gathered.apply(in_compute_dtype(x), self.weight, self.sp) if self.sp > 1 else F.linear(x, self.weight)
-        else:
-            y = F.linear(x, self.weight)
-            y = y[: y.shape[0] // self.sp].clone()  # summed over the ranks: a tensor of its own (its tokens)
-        y = y if self.bias is None else y + self.bias.to(y.dtype)
-        return y.repeat(*[1] * (y.ndim - 1), self.gather) if self.gather > 1 else y
-
-
-def rank_share(model: nn.Module, tp: int, sp: int, cp: int) -> None:
-    """Make a meta model one rank's: the layers its TP plan splits cut to their share and its attention modules'
-    heads divided (as ditcore.parallel.tensor_parallel does), and its rows split over sequence- and context-parallel
-    ranks (`_RankRows`)."""
-    if tp > 1:
-        plan = plan_for(model)
-        for name, module in list(model.named_modules()):
-            if any(fnmatch.fnmatchcase(name, pattern) for pattern in plan.heads):
-                module.num_heads //= tp
-                if hasattr(module, "num_kv_heads"):
-                    module.num_kv_heads //= tp
-            style = plan.module_style(name)
-            if isinstance(style, ColumnParallel | RowParallel):
-                column = isinstance(style, ColumnParallel)
-                gathers = sp if not column or (style.sequence_parallel and not style.gather_output) else 1
-                layer = _RankLinear(module, column, tp, gathers, gather=column and style.gather_output)
-                parent, _, child = name.rpartition(".")
-                model.get_submodule(parent).register_module(child, layer)
-    if sp * cp > 1:
-        model.rows = _RankRows(model.rows, sp, cp)
-
-
-class _RankRows(RowSplit):
-    """A rank's slice of every row, on one process (ditcore.parallel.context_parallel.SplitRows): its queries are
-    the row's 1/cp, the tokens it holds a 1/sp of those, the keys and values gathered whole (new tensors), the output
-    too. A model that regroups tokens between blocks (ST-DiT) gets its own `orders`, gathering its 1/sp first."""
-
-    def __init__(self, base: RowSplit, sp: int, cp: int):
-        self.base, self.sp, self.cp = base, sp, cp
-
-    def spans(self, n: int) -> tuple[slice, slice]:
-        return slice(0, n // self.cp), slice(0, n // (self.cp * self.sp))
-
-    def keys_values(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return (k, v) if self.cp == 1 else (k.repeat(1, 1, self.cp, 1), v.repeat(1, 1, self.cp, 1))
-
-    def gather(self, out: torch.Tensor) -> torch.Tensor:
-        return out.repeat(self.cp * self.sp, 1, 1)
-
-    def orders(self, *args):
-        return _RankOrders(self.base.orders(*args), self.sp)
-
-
-class _RankOrders:
-    """ST-DiT's moves between frames and lines order under sequence parallelism (context_parallel.SwapRows): the
-    ranks' pieces gathered, moved, and this rank's piece kept."""
-
-    def __init__(self, whole, sp: int):
-        self.whole, self.sp, self.local = whole, sp, whole.local
-
-    def keys_values(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.whole.keys_values(k, v)
-
-    def to_lines(self, x: torch.Tensor) -> torch.Tensor:
-        return self.whole.to_lines(x.repeat(self.sp, 1, 1))[: x.shape[0]].clone()
-
-    def to_frames(self, x: torch.Tensor) -> torch.Tensor:
-        return self.whole.to_frames(x.repeat(self.sp, 1, 1))[: x.shape[0]].clone()
-
-
 # --------------------------------------------------------------------------------------------------
 # Advice: what to change when a plan does not fit
 
 
-def advise(cfg: DiTConfig, layout: Layout, gpu_bytes: float, headroom: Headroom = HEADROOM) -> tuple[list[str], Plan]:
-    """Config overrides that make the plan fit, and the plan they give (which may still not fit).
+def advise(cfg: DiTConfig, layout: Layout, gpu_bytes: float,
+           headroom: Headroom = HEADROOM) -> tuple[list[dict], Plan]:
+    """The changes of the layout's fields (one dict for each step of advice) that make the plan fit, and the plan they
+    give (which may still not fit).
 
     Changes are tried in order of what they cost in speed: FSDP's gathers and reductions every micro-batch rather than
     once per step, sharding the state (fsdp: communication only), recomputing (selective, then block), a larger
-    tensor-parallel degree, one row per micro-batch. One is kept when it lowers the total; trying stops as soon as the
-    plan fits.
+    tensor-parallel degree (with sequence parallelism), one row per micro-batch. One is kept when it lowers the total;
+    trying stops as soon as the plan fits.
     """
-    candidates = [("fsdp_sync", "parallel.fsdp_sync=micro_batch", {"fsdp_sync": "micro_batch"})]
-    candidates += [("fsdp", "parallel.fsdp=true", {"fsdp": True})]
-    candidates += [("checkpointing", f"model.activation_checkpointing={mode}", {"activation_checkpointing": mode})
-                   for mode in ("selective", "block")]
+    candidates = [("fsdp_sync", {"fsdp_sync": "micro_batch"}), ("fsdp", {"fsdp": True})]
+    candidates += [("checkpointing", {"activation_checkpointing": mode}) for mode in ("selective", "block")]
     tp = layout.tp * 2
     while tp <= layout.world_size // (layout.cp * layout.pp):
-        sp = "" if layout.sequence_parallel else " parallel.sequence_parallel=true"
-        candidates.append(("tp", f"parallel.tp={tp}{sp}", {"tp": tp, "sequence_parallel": True}))
+        candidates.append(("tp", {"tp": tp, "sequence_parallel": True}))
         tp *= 2
     if layout.micro_batch > 1:
-        candidates.append(("micro_batch", "train.micro_batch=1", {"micro_batch": 1}))
+        candidates.append(("micro_batch", {"micro_batch": 1}))
 
-    plan, changes, overrides = plan_from(cfg, layout), {}, {}
-    for group, text, change in candidates:
+    plan, changes, kept = plan_from(cfg, layout), {}, {}
+    for group, change in candidates:
         if plan.fits(gpu_bytes, headroom):
             break
         try:
@@ -810,9 +564,9 @@ def advise(cfg: DiTConfig, layout: Layout, gpu_bytes: float, headroom: Headroom 
         except ConfigError:  # e.g. a tp that does not divide the heads
             continue
         if trial.total < plan.total:
-            plan, overrides[group] = trial, text
+            plan, kept[group] = trial, {k: v for k, v in change.items() if getattr(layout, k) != v}
             changes |= change
-    return list(overrides.values()), plan
+    return list(kept.values()), plan
 
 
 # --------------------------------------------------------------------------------------------------

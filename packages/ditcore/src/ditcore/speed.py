@@ -39,10 +39,10 @@ from dataclasses import dataclass
 
 from ditcore.errors import ConfigError
 from ditcore.flops import training_flops_per_token
-from ditcore.memory import HEADROOM, GiB, Layout, Param, Plan, fit_grid, parameters, plan_from
+from ditcore.job import Layout
+from ditcore.memory import HEADROOM, GiB, Param, Plan, fit_grid, parameters, plan_from
 from ditcore.models.dit import DiTConfig
 from ditcore.parallel.counting import Collective, Traffic
-from ditcore.parallel.dims import ParallelDims
 
 GB = 1e9
 # Selective checkpointing's recomputation (elementwise work and norms, no matmul) as a fraction of the compute:
@@ -283,7 +283,7 @@ def time_step(lay: Layout, cluster: Cluster, traffic: Traffic, flops_per_token: 
 class Candidate:
     prediction: Prediction
     plan: Plan
-    overrides: tuple[str, ...]  # the dit-train config overrides that select it
+    changes: dict  # the Layout fields, with their values, that turn the searched base into it (`changes`)
 
 
 def search(cfg: DiTConfig, cluster: Cluster, base: Layout, global_batch: int, top: int = 10,
@@ -315,7 +315,7 @@ def search(cfg: DiTConfig, cluster: Cluster, base: Layout, global_batch: int, to
         if not plan.fits(cluster.memory):
             failed.append(lay)
             continue
-        found.append(Candidate(pred, plan, overrides(lay, base)))
+        found.append(Candidate(pred, plan, changes(lay, base)))
         fitted.add(family)
         if len(found) == top:
             break
@@ -386,8 +386,8 @@ def layouts(cfg: DiTConfig, base: Layout, cluster: Cluster, global_batch: int) -
                 shape = base.replace(tp=tp, cp=cp, pp=pp, sequence_parallel=tp > 1, fsdp=False, fsdp_shard=None,
                                      fsdp_sync="micro_batch")
                 try:
-                    ParallelDims(tp, cp, pp, sequence_parallel=tp > 1).check_model(
-                        cfg.num_heads, base.seq_length, cfg.depth, getattr(cfg, "num_kv_heads", None))
+                    shape.dims.check_model(cfg.num_heads, base.seq_length, cfg.depth,
+                                           getattr(cfg, "num_kv_heads", None))
                     _parameters(cfg, tp)  # every layer the TP plan splits divides by tp
                 except ConfigError:
                     continue
@@ -424,18 +424,20 @@ def _parameters(cfg: DiTConfig, tp: int) -> list[Param]:
     return parameters(cfg, tp)  # cached: a search asks for every layout's
 
 
-def overrides(lay: Layout, base: Layout) -> tuple[str, ...]:
-    """The dit-train config overrides that turn base's layout into lay's."""
-    keys = {"tp": "parallel.tp", "cp": "parallel.cp", "pp": "parallel.pp",
-            "sequence_parallel": "parallel.sequence_parallel", "fsdp": "parallel.fsdp",
-            "fsdp_shard": "parallel.fsdp_shard", "fsdp_sync": "parallel.fsdp_sync",
-            "activation_checkpointing": "model.activation_checkpointing", "micro_batch": "train.micro_batch"}
-    out = []
-    for field, key in keys.items():
+# The fields a searched layout may change, in the order an app lists them.
+SEARCHED = ("tp", "cp", "pp", "sequence_parallel", "fsdp", "fsdp_shard", "fsdp_sync", "activation_checkpointing",
+            "micro_batch")
+
+
+def changes(lay: Layout, base: Layout) -> dict:
+    """The fields that turn base's layout into lay's, with lay's values: those that differ and mean something in lay
+    (FSDP's shard and sync only with fsdp, and its sync always then: base may leave it to be chosen; sequence
+    parallelism only with tp > 1)."""
+    out = {}
+    for field in SEARCHED:
         value = getattr(lay, field)
         if (field in ("fsdp_shard", "fsdp_sync") and not lay.fsdp) or (field == "sequence_parallel" and lay.tp == 1):
             continue
         if value != getattr(base, field) or (field == "fsdp_sync" and lay.fsdp):
-            text = "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
-            out.append(f"{key}={text}")
-    return tuple(out)
+            out[field] = value
+    return out

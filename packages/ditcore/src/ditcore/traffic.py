@@ -43,8 +43,9 @@ import torch
 from torch import nn
 
 from ditcore.diffusion import EDMLoss, EDMPrecond
-from ditcore.flops import block_period, fake_model
-from ditcore.memory import Layout, fit_grid, meta_model, on_stage, planned_batch, rank_share
+from ditcore.flops import block_period
+from ditcore.job import Layout
+from ditcore.memory import RankShapes, fit_grid, meta_model, on_stage, planned_batch, rank_model
 from ditcore.models import plan_for
 from ditcore.models.dit import DiTConfig
 from ditcore.models.plan import ColumnParallel, RowParallel
@@ -71,24 +72,6 @@ class _Move:
     inside: bool = True  # within the block's forward, which activation checkpointing reruns in backward
 
 
-@dataclass(frozen=True)
-class _ProbeKey:
-    tp: int
-    sp: bool
-    cp: int
-    micro_batch: int
-    seq_length: int
-    text_len: int
-    samples_per_row: int
-    packed: bool
-    precision: str
-
-    @classmethod
-    def of(cls, lay: Layout) -> _ProbeKey:
-        return cls(lay.tp, lay.sequence_parallel and lay.tp > 1, lay.cp, lay.micro_batch, lay.seq_length,
-                   lay.text_len, lay.samples_per_row, lay.packed, lay.precision)
-
-
 def traffic(cfg: DiTConfig, layout: Layout, grids: tuple | None = None) -> Traffic:
     """What a rank of `layout` sends per micro-batch and per optimizer step: on the stage that sends the most.
 
@@ -109,7 +92,7 @@ def per_step(t: Traffic, micro_batches: int) -> dict[Group, int]:
 def traffic_by_stage(cfg: DiTConfig, layout: Layout, grids: tuple | None = None) -> tuple[Traffic, ...]:
     """traffic() of a rank of every pipeline stage, first to last."""
     lay = layout
-    moves = _probe(cfg, _ProbeKey.of(lay), grids)
+    moves = _probe(cfg, RankShapes.of(lay), grids)
     period = block_period(meta_model(cfg))
     return tuple(_stage(cfg, lay, moves, period, s) for s in range(lay.pp))
 
@@ -236,19 +219,13 @@ def _fsdp(lay: Layout, params: list[_Param], add, compute: int) -> None:
 
 
 @functools.lru_cache(maxsize=64)
-def _probe(cfg: DiTConfig, key: _ProbeKey, grids: tuple | None) -> tuple[_Move, ...]:
+def _probe(cfg: DiTConfig, key: RankShapes, grids: tuple | None) -> tuple[_Move, ...]:
     """The collectives of one micro-batch's forward and backward on a TP/SP/CP rank, from one training forward (EDM
     preconditioning and loss, as dit-train) of one period of blocks, at the rank's shapes (ditcore.memory's
     `rank_share`): every linear the plan splits and every row gather, with its region."""
-    whole = meta_model(cfg)
-    period = block_period(whole)
-    swaps = whole.context_parallel == "all_to_all"
-    gather_cp = key.cp > 1 and not swaps
-    N = key.seq_length if key.cp == 1 or gather_cp else key.seq_length // key.cp
-    cp, sp, B = (key.cp if gather_cp else 1), (key.tp if key.sp else 1), key.micro_batch
-    held = sum(p.numel() for p in whole.blocks[:period].parameters())
-    real = held // key.tp + B * N * max(cfg.hidden_size, N // cp) // cp < 2**22  # small: real tensors run faster
-    model = fake_model(cfg.replace(depth=period), "sdpa", change=lambda m: rank_share(m, key.tp, sp, cp), real=real)
+    model, N, _ = rank_model(cfg, key)
+    swaps = model.context_parallel == "all_to_all"
+    sp, B = (key.tp if key.sp else 1), key.micro_batch
     plan = plan_for(model)
     bf16 = key.precision == "bf16"
     moves: list[_Move] = []
@@ -306,7 +283,7 @@ def _probe(cfg: DiTConfig, key: _ProbeKey, grids: tuple | None) -> tuple[_Move, 
     return tuple(moves)
 
 
-def _watch_rows(model: nn.Module, key: _ProbeKey, move, swaps: bool) -> None:
+def _watch_rows(model: nn.Module, key: RankShapes, move, swaps: bool) -> None:
     """Record the row split's collectives (ditcore.parallel.context_parallel.SplitRows): the keys and values each
     attention gathers over CP, the output gathered over SP then CP, ST-DiT's SP gathers around its moves."""
     rows = model.rows
@@ -345,7 +322,7 @@ def _watch_rows(model: nn.Module, key: _ProbeKey, move, swaps: bool) -> None:
         rows.orders = watched
 
 
-def _swaps(cfg: DiTConfig, key: _ProbeKey, model: nn.Module, grids: tuple | None) -> list[_Move]:
+def _swaps(cfg: DiTConfig, key: RankShapes, model: nn.Module, grids: tuple | None) -> list[_Move]:
     """ST-DiT's all-to-alls under CP: per temporal block a move to lines order and one back, each sending the tokens
     of the rank's slice that belong to another rank's slice in the other order (`HostRows.moves` of the planned
     rows, the most loaded rank's), in the hidden states' dtype; the backward sends their gradients the same way. The

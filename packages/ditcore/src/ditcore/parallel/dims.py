@@ -27,32 +27,32 @@ class ParallelDims:
         for name in ("tp", "cp", "pp"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
-                raise ConfigError(f"parallel.{name}", value, "an integer >= 1")
+                raise ConfigError(name, value, "an integer >= 1")
         if self.dp is not None and (not isinstance(self.dp, int) or self.dp < 1):
-            raise ConfigError("parallel.dp", self.dp, "an integer >= 1, or unset to fill the world size")
+            raise ConfigError("dp", self.dp, "an integer >= 1, or unset to fill the world size")
 
     def resolve(self, world_size: int) -> ParallelDims:
         """These dims with dp filled in; raises if the layout does not fit world_size processes."""
         model_parallel = self.tp * self.cp * self.pp
         if world_size % model_parallel:
             raise ConfigError(
-                "parallel", f"tp*cp*pp = {self.tp}*{self.cp}*{self.pp} = {model_parallel}",
+                "model_parallel", f"tp*cp*pp = {self.tp}*{self.cp}*{self.pp} = {model_parallel}",
                 f"a divisor of the world size {world_size} (number of processes)")
         dp = world_size // model_parallel
         if self.dp is not None and self.dp != dp:
             raise ConfigError(
-                "parallel.dp", self.dp,
+                "dp", self.dp,
                 f"{dp}: tp*cp*pp*dp must equal the world size {world_size}, and tp*cp*pp = {model_parallel}")
         return ParallelDims(self.tp, self.cp, self.pp, dp, self.sequence_parallel)
 
     def check_fsdp(self, fsdp: bool) -> None:
-        """The one home of the rule "no FSDP with PP", which dit-train's config, the memory planner and `apply_fsdp`
-        ask. 1F1B runs several forwards before their backwards and a stage's gradients are averaged after the schedule
+        """The one home of the rule "no FSDP with PP", which dit-train's config, the Layout and `apply_fsdp` ask.
+        1F1B runs several forwards before their backwards and a stage's gradients are averaged after the schedule
         (ditcore.parallel.pipeline.reduce_grads); FSDP2's per-block gathers and reduce-scatters are not wired into
         that schedule."""
         if fsdp and self.pp > 1:
-            raise ConfigError("parallel.fsdp", True, "false with parallel.pp > 1: FSDP over pipeline stages is not "
-                                                     "available yet (use tp/dp with pp, or fsdp without it)")
+            raise ConfigError("fsdp", True, "false with pp > 1: FSDP over pipeline stages is not available yet (use "
+                                            "tp/dp with pp, or fsdp without it)")
 
     def check_fsdp_shard(self, shard: int | None) -> None:
         """The one home of HSDP's rule (dit-train, the memory planner and `apply_fsdp` ask it, on resolved dims):
@@ -63,24 +63,24 @@ class ParallelDims:
         size = self.dp * self.cp
         if isinstance(shard, bool) or not isinstance(shard, int) or shard < 1 or size % shard:
             divisors = ", ".join(str(d) for d in range(1, size + 1) if size % d == 0)
-            raise ConfigError("parallel.fsdp_shard", shard, f"a divisor of dp x cp = {self.dp} x {self.cp}: one of "
-                                                            f"{divisors}, or null to shard over all {size}")
+            raise ConfigError("fsdp_shard", shard, f"a divisor of dp x cp = {self.dp} x {self.cp}: one of "
+                                                   f"{divisors}, or null to shard over all {size}")
 
     def check_model(self, num_heads: int, seq_len: int | None = None, depth: int | None = None,
                     num_kv_heads: int | None = None) -> None:
         """Errors for a model/sequence that this layout cannot split. Call on every rank before any collective."""
         if depth is not None and depth < self.pp:
-            raise ConfigError("parallel.pp", self.pp, f"at most the model's depth={depth}: every pipeline stage "
-                                                       "holds at least one block")
+            raise ConfigError("pp", self.pp, f"at most the model's depth={depth}: every pipeline stage holds at least "
+                                              "one block")
         if num_heads % self.tp:
-            raise ConfigError("parallel.tp", self.tp, f"a divisor of the model's num_heads={num_heads}")
+            raise ConfigError("tp", self.tp, f"a divisor of the model's num_heads={num_heads}")
         if num_kv_heads and num_kv_heads % self.tp:
-            raise ConfigError("parallel.tp", self.tp, f"a divisor of the model's num_kv_heads={num_kv_heads} (grouped-"
-                                                      "query attention: each rank holds whole groups)")
+            raise ConfigError("tp", self.tp, f"a divisor of the model's num_kv_heads={num_kv_heads} (grouped-"
+                                              "query attention: each rank holds whole groups)")
         parts = self.cp * (self.tp if self.sequence_parallel else 1)
         if seq_len is not None and seq_len % parts:
             what = "cp*tp (sequence parallel)" if self.sequence_parallel and self.tp > 1 else "cp"
-            raise ConfigError("data.seq_length", seq_len, f"a multiple of {what} = {parts}")
+            raise ConfigError("seq_length", seq_len, f"a multiple of {what} = {parts}")
 
     def initialize(self) -> ParallelGroups:
         """Create the Megatron-Core process groups (torch.distributed must be initialised) and return them."""

@@ -120,7 +120,7 @@ def apply_fsdp(model: nn.Module, groups: ParallelGroups, device_type: str, param
 
     groups.dims.check_fsdp(True)
     if sync not in SYNCS:
-        raise ConfigError("parallel.fsdp_sync", sync, "one of " + ", ".join(map(repr, SYNCS)))
+        raise ConfigError("fsdp_sync", sync, "one of " + ", ".join(map(repr, SYNCS)))
     tags = {name: dict(vars(p)) for name, p in model.named_parameters()}
     mesh = fsdp_mesh(groups, device_type, shard)
     # Inputs are left in their dtype (cast_forward_inputs=False): autocast decides the compute dtype per op, as

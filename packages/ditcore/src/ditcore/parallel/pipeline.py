@@ -54,8 +54,8 @@ def split_stages(model: nn.Module, groups: ParallelGroups) -> nn.Module:
     pp, stage = groups.dims.pp, groups.pp_rank
     split = plan_for(model).pipeline
     if split is None:
-        raise ConfigError("parallel.pp", pp, f"1: {type(model).__name__}'s plan (its registration) does not "
-                                             "say how it splits into pipeline stages")
+        raise ConfigError("pp", pp, f"1: {type(model).__name__}'s plan (its registration) does not say how it "
+                                    "splits into pipeline stages")
     layers: nn.ModuleList = model.get_submodule(split.layers)
     held = stage_blocks(len(layers), pp, stage)
     for i in range(len(layers)):
