@@ -11,6 +11,9 @@ from pathlib import Path
 import typer
 
 from ditcore.cli import entry_point, fail, stop_on_signal, version_option
+from ditcore.diffusion.sampler import SOLVERS
+from ditcore.eval.features import FEATURES
+from ditcore.sampling import SCHEDULES
 
 app = typer.Typer(
     name="dit-sample",
@@ -21,14 +24,10 @@ app = typer.Typer(
 )
 
 
-class Solver(enum.StrEnum):  # Typer lists and validates these; the sampler's own check is generate.SOLVERS
-    heun = "heun"
-    euler = "euler"
-
-
-class Schedule(enum.StrEnum):  # ditcore.sampling.SCHEDULES
-    karras = "karras"
-    ddim = "ddim"
+# Typer lists and validates these choices; each is read from the library's one list of them
+Solver = enum.StrEnum("Solver", {name: name for name in SOLVERS})
+Schedule = enum.StrEnum("Schedule", {name: name for name in SCHEDULES})
+Features = enum.StrEnum("Features", {name: name for name in FEATURES})
 
 
 class Format(enum.StrEnum):
@@ -134,11 +133,6 @@ def generate(
         typer.echo(f"{n} sample(s) of {frames}x{height}x{width}: {result.nfe} denoiser evaluations "
                    f"({'2x' if guidance != 1 else '1x'} batch for guidance), seed {seed}: generated in "
                    f"{seconds:.2f} s, {sampler.loaded()}")
-
-
-class Features(enum.StrEnum):  # ditcore.eval.FEATURES
-    inception = "inception"
-    dinov2 = "dinov2"
 
 
 @app.command("eval")

@@ -22,13 +22,13 @@ from ditcore.codecs import DiffusersVAECodec, LatentStats
 from ditcore.codecs.text import MAX_TOKENS, TextEncoder, load_text_encoder
 from ditcore.data.fit import latent_shapes
 from ditcore.data.schema import DatasetInfo
+from ditcore.diffusion.sampler import SOLVERS
 from ditcore.export import DEFAULT_GUIDANCE, Exported, load_export
 from ditcore.models import build
 from ditcore.sampling import SCHEDULES, SampleResult, sample, token_grid
 
 # Inclusive ranges; seed: what torch.Generator.manual_seed accepts.
 LIMITS = {"steps": (1, 500), "guidance": (0.0, 30.0), "frames": (1, 128), "size": (8, 1024), "seed": (0, 2**64 - 1)}
-SOLVERS = ("heun", "euler")
 # The text encoder reads only the first MAX_TOKENS tokens (a few hundred characters); a prompt far longer than
 # that is a paste accident or abuse, and is refused rather than silently cut.
 MAX_PROMPT_CHARS = 2000

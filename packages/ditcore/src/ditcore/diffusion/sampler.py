@@ -15,6 +15,9 @@ import torch
 from ditcore.diffusion.vp import DiscreteVP
 
 Denoiser = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+# The solvers edm_sampler steps with, the list dit-sample and dit-train's validation.solver offer: heun (Algorithm
+# 2's second-order step) or euler (its first-order part alone)
+SOLVERS = ("heun", "euler")
 
 
 def karras_sigmas(steps: int, sigma_min: float = 0.002, sigma_max: float = 80.0, rho: float = 7.0,
@@ -58,8 +61,8 @@ def edm_sampler(
     denoiser is evaluated at, as EDM's sampler does for such networks.
     callback(i, steps) is called after each step (for progress bars).
     """
-    if solver not in ("heun", "euler"):
-        raise ValueError(f"solver={solver!r} is invalid: expected 'heun' or 'euler'")
+    if solver not in SOLVERS:
+        raise ValueError(f"solver={solver!r} is invalid: expected one of {', '.join(SOLVERS)}")
     if sigmas is None:
         t = karras_sigmas(steps, sigma_min, sigma_max, rho, device=noise.device)
     else:
