@@ -5,8 +5,9 @@ from typing import get_args
 
 from dit_sample import cli, generate
 from dit_train.config import Validation
-from ditcore.diffusion.sampler import SOLVERS
-from ditcore.eval.features import FEATURES
+from ditcore.choices import FEATURES, SOLVERS
+from ditcore.diffusion import sampler
+from ditcore.eval import features
 from ditcore.sampling import SCHEDULES
 
 
@@ -15,4 +16,5 @@ def test_the_apps_choices_are_the_library_s_lists():
     assert [s.value for s in cli.Schedule] == list(SCHEDULES)
     assert [f.value for f in cli.Features] == list(FEATURES)
     assert generate.SOLVERS is SOLVERS  # Sampler.check and the Gradio radio
+    assert sampler.SOLVERS is SOLVERS and features.FEATURES is FEATURES  # what the library checks against
     assert get_args(Validation.model_fields["solver"].annotation) == SOLVERS

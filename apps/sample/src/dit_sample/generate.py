@@ -18,11 +18,11 @@ import torch
 import yaml
 
 from ditcore import interop, runs
+from ditcore.choices import SOLVERS
 from ditcore.codecs import DiffusersVAECodec, LatentStats
 from ditcore.codecs.text import MAX_TOKENS, TextEncoder, load_text_encoder
 from ditcore.data.fit import latent_shapes
 from ditcore.data.schema import DatasetInfo
-from ditcore.diffusion.sampler import SOLVERS
 from ditcore.export import DEFAULT_GUIDANCE, Exported, load_export
 from ditcore.models import build
 from ditcore.sampling import SCHEDULES, SampleResult, sample, token_grid

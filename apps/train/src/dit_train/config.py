@@ -18,7 +18,7 @@ import yaml
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic.fields import FieldInfo
 
-from ditcore.diffusion.sampler import SOLVERS
+from ditcore.choices import SOLVERS
 from ditcore.errors import ConfigError
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"  # apps/train/configs, beside the package source

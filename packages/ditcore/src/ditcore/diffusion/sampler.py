@@ -12,12 +12,10 @@ from collections.abc import Callable
 
 import torch
 
+from ditcore.choices import SOLVERS
 from ditcore.diffusion.vp import DiscreteVP
 
 Denoiser = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-# The solvers edm_sampler steps with, the list dit-sample and dit-train's validation.solver offer: heun (Algorithm
-# 2's second-order step) or euler (its first-order part alone)
-SOLVERS = ("heun", "euler")
 
 
 def karras_sigmas(steps: int, sigma_min: float = 0.002, sigma_max: float = 80.0, rho: float = 7.0,
