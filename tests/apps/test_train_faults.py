@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from dit_train import preemption
 from dit_train import train as training
 from ditcore import runs
 from ditcore.diffusion import EDMLoss
@@ -191,14 +192,14 @@ def test_a_second_ctrl_c_during_a_checkpoint_exits_at_once_and_publishes_nothing
         saves.append(1)
         if len(saves) == 2:
             os.kill(os.getpid(), signal.SIGINT)
-            time.sleep(training.Preempted.REPEAT_S + 0.2)
+            time.sleep(preemption.Preempted.REPEAT_S + 0.2)
             os.kill(os.getpid(), signal.SIGINT)
         return save(*args, **kwargs)
 
     monkeypatch.setattr(runs, "save_tensors", pressed_twice_during_second_save)
     run = tmp_path / "run"
     before = signal.getsignal(signal.SIGINT)
-    with pytest.raises(training.Interrupted, match="second Ctrl-C: nothing half-written was published"):
+    with pytest.raises(preemption.Interrupted, match="second Ctrl-C: nothing half-written was published"):
         in_process(config(text_data, run, "train.steps=6", "checkpoint.every=2"))
     assert signal.getsignal(signal.SIGINT) is before  # the handlers are given back
     assert [p.name for p in runs.complete_checkpoints(run)] == ["step-0000002"]
@@ -209,7 +210,7 @@ def test_a_second_ctrl_c_during_a_checkpoint_exits_at_once_and_publishes_nothing
 def test_ctrl_c_sighup_and_sigusr1_ask_for_a_stop_and_only_a_later_ctrl_c_exits_at_once(capfd):
     """Under torchrun one Ctrl-C arrives twice within milliseconds (the terminal's, and the agent's copy): that is
     one press; a press after REPEAT_S is a second one."""
-    preempted = training.Preempted(world_size=1, on_gpu=False)
+    preempted = preemption.Preempted(world_size=1, on_gpu=False)
     try:
         os.kill(os.getpid(), signal.SIGHUP)
         assert preempted.signalled()
@@ -222,7 +223,7 @@ def test_ctrl_c_sighup_and_sigusr1_ask_for_a_stop_and_only_a_later_ctrl_c_exits_
         assert preempted.signalled()
         assert "Ctrl-C: stopping after this step with a checkpoint" in capfd.readouterr().err
         time.sleep(preempted.REPEAT_S + 0.1)
-        with pytest.raises(training.Interrupted):
+        with pytest.raises(preemption.Interrupted):
             os.kill(os.getpid(), signal.SIGINT)
             time.sleep(0.1)  # the handler runs between bytecodes
     finally:

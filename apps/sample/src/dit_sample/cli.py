@@ -10,6 +10,7 @@ from pathlib import Path
 
 import typer
 
+from ditcore.choices import FEATURES, SOLVERS
 from ditcore.cli import entry_point, fail, stop_on_signal, version_option
 
 app = typer.Typer(
@@ -21,12 +22,12 @@ app = typer.Typer(
 )
 
 
-class Solver(enum.StrEnum):  # Typer lists and validates these; the sampler's own check is generate.SOLVERS
-    heun = "heun"
-    euler = "euler"
+# Typer lists and validates these choices, read from the library's lists of them (ditcore.choices: no torch import)
+Solver = enum.StrEnum("Solver", {name: name for name in SOLVERS})
+Features = enum.StrEnum("Features", {name: name for name in FEATURES})
 
 
-class Schedule(enum.StrEnum):  # ditcore.sampling.SCHEDULES
+class Schedule(enum.StrEnum):  # ditcore.sampling.SCHEDULES (a module that imports torch; tests/apps/test_choices.py)
     karras = "karras"
     ddim = "ddim"
 
@@ -134,11 +135,6 @@ def generate(
         typer.echo(f"{n} sample(s) of {frames}x{height}x{width}: {result.nfe} denoiser evaluations "
                    f"({'2x' if guidance != 1 else '1x'} batch for guidance), seed {seed}: generated in "
                    f"{seconds:.2f} s, {sampler.loaded()}")
-
-
-class Features(enum.StrEnum):  # ditcore.eval.FEATURES
-    inception = "inception"
-    dinov2 = "dinov2"
 
 
 @app.command("eval")

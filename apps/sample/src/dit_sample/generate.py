@@ -18,6 +18,7 @@ import torch
 import yaml
 
 from ditcore import interop, runs
+from ditcore.choices import SOLVERS
 from ditcore.codecs import DiffusersVAECodec, LatentStats
 from ditcore.codecs.text import MAX_TOKENS, TextEncoder, load_text_encoder
 from ditcore.data.fit import latent_shapes
@@ -28,7 +29,6 @@ from ditcore.sampling import SCHEDULES, SampleResult, sample, token_grid
 
 # Inclusive ranges; seed: what torch.Generator.manual_seed accepts.
 LIMITS = {"steps": (1, 500), "guidance": (0.0, 30.0), "frames": (1, 128), "size": (8, 1024), "seed": (0, 2**64 - 1)}
-SOLVERS = ("heun", "euler")
 # The text encoder reads only the first MAX_TOKENS tokens (a few hundred characters); a prompt far longer than
 # that is a paste accident or abuse, and is refused rather than silently cut.
 MAX_PROMPT_CHARS = 2000
@@ -113,47 +113,47 @@ class Sampler:
         Cheap (nothing is allocated), so a request is refused before it costs memory; values may come straight from
         an API caller's JSON, so the types are checked too.
         """
-        for name, value, kind in (("steps", steps, int), ("guidance", guidance, float), ("frames", frames, int),
-                                  ("height", height, int), ("width", width, int), ("seed", seed, int)):
-            lo, hi = LIMITS["size" if name in ("height", "width") else name]
-            if not _is_number(value, kind):
-                what = "an integer" if kind is int else "a number"
-                raise RequestError(f"{name}={value!r} is not {what}: expected {lo}..{hi}")
-            if not lo <= value <= hi:  # also refuses nan
-                raise RequestError(f"{name}={value} is out of range: expected {lo}..{hi}")
+        _check_numbers(steps=steps, guidance=guidance, frames=frames, height=height, width=width, seed=seed)
         if solver not in SOLVERS:
             raise RequestError(f"solver={solver!r} is unknown: expected one of {', '.join(SOLVERS)}")
-        vp = self.exported.vp
-        if schedule not in SCHEDULES:
-            raise RequestError(f"schedule={schedule!r} is unknown: expected one of {', '.join(SCHEDULES)}")
-        if schedule == "ddim" and vp is None:
-            raise RequestError("schedule ddim steps through a DDPM network's timesteps, and this model is "
-                               "EDM-preconditioned (it has none) — use schedule karras")
-        if schedule == "ddim" and steps > vp.timesteps:
-            raise RequestError(f"steps={steps} is more than the network's {vp.timesteps} timesteps that schedule "
-                               f"ddim steps through: expected 1..{vp.timesteps}")
-        if schedule == "ddim":
-            try:  # a steps_offset may push the timesteps past the network's last
-                why = vp.ddim_refusal(steps, solver)
-            except ValueError as e:
-                raise RequestError(str(e)) from None
-            if why:
-                raise RequestError(why)
+        self._check_schedule(schedule, steps, solver)
         if self.class_conditional:
             n = self.exported.model.cfg.num_classes
             if not class_labels or any(not _is_number(c, int) or not 0 <= c < n for c in class_labels):
                 raise RequestError(f"class labels {class_labels} are invalid: expected integers in 0..{n - 1}")
         else:
-            for p in prompts or [""]:
-                _check_text("prompt", p)
-                if not p.strip():
-                    raise RequestError(f"the prompt is empty: describe what to draw{self.example()}")
-            if negative_prompt is not None:
-                _check_text("negative prompt", negative_prompt)
+            self._check_prompts(prompts, negative_prompt)
         try:
             token_grid(self.exported.model, self.exported.codec, frames, height, width)
         except ValueError as e:
             raise RequestError(str(e)) from None
+
+    def _check_schedule(self, schedule, steps: int, solver: str) -> None:
+        vp = self.exported.vp
+        if schedule not in SCHEDULES:
+            raise RequestError(f"schedule={schedule!r} is unknown: expected one of {', '.join(SCHEDULES)}")
+        if schedule != "ddim":
+            return
+        if vp is None:
+            raise RequestError("schedule ddim steps through a DDPM network's timesteps, and this model is "
+                               "EDM-preconditioned (it has none) — use schedule karras")
+        if steps > vp.timesteps:
+            raise RequestError(f"steps={steps} is more than the network's {vp.timesteps} timesteps that schedule "
+                               f"ddim steps through: expected 1..{vp.timesteps}")
+        try:  # a steps_offset may push the timesteps past the network's last
+            why = vp.ddim_refusal(steps, solver)
+        except ValueError as e:
+            raise RequestError(str(e)) from None
+        if why:
+            raise RequestError(why)
+
+    def _check_prompts(self, prompts, negative_prompt) -> None:
+        for p in prompts or [""]:
+            _check_text("prompt", p)
+            if not p.strip():
+                raise RequestError(f"the prompt is empty: describe what to draw{self.example()}")
+        if negative_prompt is not None:
+            _check_text("negative prompt", negative_prompt)
 
     def sides(self) -> tuple[list[int], list[int]]:
         """Heights and widths (pixels) this model samples: multiples of codec factor × patch, within max_grid."""
@@ -250,6 +250,18 @@ def _check_vae_class(source: str | Path) -> None:
     if name not in (None, "AutoencoderKL"):
         raise ValueError(f"the VAE folder '{source}' holds a {name}: DiT's latents are an AutoencoderKL's (as "
                          f"{DIT_VAE}) — pass one with --vae")
+
+
+def _check_numbers(**values) -> None:
+    """Each of steps, guidance, frames, height, width and seed of the right type and within LIMITS."""
+    for name, value in values.items():
+        kind = float if name == "guidance" else int
+        lo, hi = LIMITS["size" if name in ("height", "width") else name]
+        if not _is_number(value, kind):
+            what = "an integer" if kind is int else "a number"
+            raise RequestError(f"{name}={value!r} is not {what}: expected {lo}..{hi}")
+        if not lo <= value <= hi:  # also refuses nan
+            raise RequestError(f"{name}={value} is out of range: expected {lo}..{hi}")
 
 
 def _is_number(value, kind: type) -> bool:

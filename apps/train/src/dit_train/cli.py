@@ -71,39 +71,61 @@ def main(
     SIGTERM, SIGUSR1, SIGHUP or Ctrl-C saves a checkpoint and exits 0 (a second Ctrl-C exits at once). --plan
     checks a layout before any GPU is spent on it.
     """
-    from dit_train.config import in_config_keys, load_config
-    from ditcore.data.schema import DatasetError
-    from ditcore.errors import ConfigError
-
-    try:
-        cfg = load_config(find_config(config) if config else None, overrides or [])
-    except ConfigError as e:
-        if os.environ.get("LOCAL_RANK", "0") != "0":  # under torchrun each process reads the same file: the node's
-            raise typer.Exit(2) from None  # first says why, the others end with the same exit code, silently
-        fail(str(e))
+    cfg = _load(config, overrides or [])
     if print_config:
         typer.echo(cfg.to_yaml(), nl=False)
         raise typer.Exit()
     if plan:
-        try:
-            from ditcore.speed import Cluster
-
-            given = {"gpus_per_node": gpus_per_node, "nvlink": nvlink_gbps and nvlink_gbps * 1e9,
-                     "infiniband": ib_gbps and ib_gbps * 1e9, "peak_flops": peak_tflops and peak_tflops * 1e12,
-                     "efficiency": efficiency}
-            cluster = Cluster(memory=gpu_memory * 2**30, **{k: v for k, v in given.items() if v is not None})
-            fits = print_plan(cfg, world_size or cfg.parallel.devices, gpu_memory, text_len, text_dim, cluster, search,
-                              top)
-        except (ConfigError, DatasetError) as e:
-            hint, e = "", in_config_keys(e) if isinstance(e, ConfigError) else e  # ditcore's errors name its fields
-            if isinstance(e, ConfigError) and e.key == "parallel" and world_size is None:
-                hint = f" (the world size is parallel.devices={cfg.parallel.devices}: pass --world-size, the GPUs)"
-            fail(f"{e}{hint}")
+        given = {"gpus_per_node": gpus_per_node, "nvlink": nvlink_gbps and nvlink_gbps * 1e9,
+                 "infiniband": ib_gbps and ib_gbps * 1e9, "peak_flops": peak_tflops and peak_tflops * 1e12,
+                 "efficiency": efficiency}
+        fits = _plan(cfg, world_size, gpu_memory, text_len, text_dim, given, search, top)
         raise typer.Exit(0 if fits else 2)
+    _train(cfg, resume, overwrite)
+
+
+def _load(config: str | None, overrides: list[str]):
+    from dit_train.config import load_config
+    from ditcore.errors import ConfigError
+
+    try:
+        return load_config(find_config(config) if config else None, overrides)
+    except ConfigError as e:
+        if os.environ.get("LOCAL_RANK", "0") != "0":  # under torchrun each process reads the same file: the node's
+            raise typer.Exit(2) from None  # first says why, the others end with the same exit code, silently
+        fail(str(e))
+
+
+def _plan(cfg, world_size: int | None, gpu_memory: float, text_len: int | None, text_dim: int, given: dict,
+          search: bool, top: int) -> bool:
+    """--plan: whether the config fits (print_plan); a config or dataset it cannot plan is one line."""
+    from dit_train.config import in_config_keys
+    from ditcore.data.schema import DatasetError
+    from ditcore.errors import ConfigError
+
+    try:
+        from ditcore.speed import Cluster
+
+        cluster = Cluster(memory=gpu_memory * 2**30, **{k: v for k, v in given.items() if v is not None})
+        return print_plan(cfg, world_size or cfg.parallel.devices, gpu_memory, text_len, text_dim, cluster, search,
+                          top)
+    except (ConfigError, DatasetError) as e:
+        hint, e = "", in_config_keys(e) if isinstance(e, ConfigError) else e  # ditcore's errors name its fields
+        if isinstance(e, ConfigError) and e.key == "parallel" and world_size is None:
+            hint = f" (the world size is parallel.devices={cfg.parallel.devices}: pass --world-size, the GPUs)"
+        fail(f"{e}{hint}")
+
+
+def _train(cfg, resume: str, overwrite: bool) -> None:
+    """The run, each way it can end as one line and its exit code, then (rank 0) where its outputs are."""
+    from dit_train.config import in_config_keys
+    from dit_train.preemption import Interrupted
     from dit_train.rundir import RunDirInUse
-    from dit_train.train import Diverged, Interrupted, train
+    from dit_train.train import Diverged, train
     from dit_train.wandb_logger import WandBUnavailable
     from ditcore import disk, runs
+    from ditcore.data.schema import DatasetError
+    from ditcore.errors import ConfigError
     from ditcore.models import NotCompiled
 
     try:

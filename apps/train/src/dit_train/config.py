@@ -18,6 +18,7 @@ import yaml
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic.fields import FieldInfo
 
+from ditcore.choices import SOLVERS
 from ditcore.errors import ConfigError
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"  # apps/train/configs, beside the package source
@@ -301,7 +302,7 @@ class Validation(Section):
         Field(["a red butterfly", "a blue butterfly"], min_length=1))
     steps: int = Field(18, ge=1)
     guidance: Number = 4.0
-    solver: Literal["heun", "euler"] = "heun"
+    solver: Literal[SOLVERS] = "heun"
     frames: int = Field(1, ge=1, description="pixel frames of each sample; 1: an image")
     clip_frames: int = Field(0, ge=0, description="> 0: also sample every prompt as a clip of this many frames "
                                                   "(mp4); 0: no clips")

@@ -83,43 +83,60 @@ def resolve(cfg: TrainConfig, info) -> Recipe:
     # a dataset records the statistics it normalised by; tests' hand-written ones may not (validation then skips)
     data_stats = LatentStats.from_dict(info.latent_stats) if info.latent_stats else None
     model_cfg = model_config(cfg, info, source)
-    src_vp = source.vp if source is not None else None
     e = cfg.edm
-    precond = e.precond if e.precond != "auto" else ("vp" if src_vp is not None else "edm")
-    if precond == "edm" and src_vp is not None:
-        raise ConfigError("edm.precond", "edm", f"vp or auto for {_named(source)}, a DDPM-trained network: EDM's "
-                                                "preconditioning would feed it inputs and read outputs it was not "
-                                                "trained for (edm.loss=edm trains it with EDM's objective under vp)")
-    vp = None
-    if precond == "vp":
-        vp = src_vp or e.vp.schedule()
-        if src_vp is not None and _set(e, "vp") and e.vp.schedule() != src_vp.trained():
-            raise ConfigError("edm.vp", e.vp.model_dump(), f"the schedule {_named(source)} was trained with, "
-                                                           f"{src_vp.to_dict()} — leave edm.vp unset")
-        if e.prediction == "x":
-            raise ConfigError("edm.prediction", "x", "edm with edm.precond=vp (here: auto, for a DDPM-trained "
-                                                     f"{m.init_from}): a DDPM network predicts the noise")
+    precond = _precond(e, source)
+    vp = _vp(cfg, source) if precond == "vp" else None
     loss = e.loss if e.loss != "auto" else ("ddpm" if precond == "vp" else "edm")
     if loss == "ddpm" and precond != "vp":
         raise ConfigError("edm.loss", "ddpm", "auto or edm under edm.precond=edm (auto: model.init_from is no "
                                               "DDPM-trained network): DiT's objective trains a DDPM network on its "
                                               "timesteps (edm.precond=vp)")
-    latent_stats = data_stats
-    if src_vp is not None and source.latent_stats is not None:
-        latent_stats = source.latent_stats
-        if data_stats is None:
-            raise ConfigError("data.path", cfg.data.path, f"a dataset that records its latent statistics (its "
-                                                          f"{INFO_FILE} has none), to feed {_named(source)} its "
-                                                          "latents in the units it was trained on — prepare it again")
-        if len(data_stats.mean) != len(latent_stats.mean):
-            raise ConfigError("data.path", cfg.data.path, f"latents of {len(latent_stats.mean)} channels, as "
-                                                          f"{_named(source)} was trained on (this dataset's have "
-                                                          f"{len(data_stats.mean)}) — prepare the data with its VAE")
+    latent_stats = _latent_stats(cfg, source, data_stats)
     edm = e.model_copy(update={"precond": precond, "loss": loss,
                                # the schedule trained on (the export records DDIM's steps through it too: vp)
                                "vp": VPSchedule(**{k: getattr(vp, k) for k in VPSchedule.model_fields})
                                if vp is not None else e.vp})
     return Recipe(cfg.model_copy(update={"edm": edm}), model_cfg, vp, data_stats, latent_stats, source)
+
+
+def _precond(e, source: init_from.Source | None) -> str:
+    """edm.precond, auto resolved: vp for a DDPM-trained source, which EDM's preconditioning cannot drive."""
+    src_vp = source.vp if source is not None else None
+    precond = e.precond if e.precond != "auto" else ("vp" if src_vp is not None else "edm")
+    if precond == "edm" and src_vp is not None:
+        raise ConfigError("edm.precond", "edm", f"vp or auto for {_named(source)}, a DDPM-trained network: EDM's "
+                                                "preconditioning would feed it inputs and read outputs it was not "
+                                                "trained for (edm.loss=edm trains it with EDM's objective under vp)")
+    return precond
+
+
+def _vp(cfg: TrainConfig, source: init_from.Source | None) -> DiscreteVP:
+    """The DDPM schedule under VP preconditioning: a DDPM-trained source's own, else edm.vp's."""
+    e, src_vp = cfg.edm, source.vp if source is not None else None
+    vp = src_vp or e.vp.schedule()
+    if src_vp is not None and _set(e, "vp") and e.vp.schedule() != src_vp.trained():
+        raise ConfigError("edm.vp", e.vp.model_dump(), f"the schedule {_named(source)} was trained with, "
+                                                       f"{src_vp.to_dict()} — leave edm.vp unset")
+    if e.prediction == "x":
+        raise ConfigError("edm.prediction", "x", "edm with edm.precond=vp (here: auto, for a DDPM-trained "
+                                                 f"{cfg.model.init_from}): a DDPM network predicts the noise")
+    return vp
+
+
+def _latent_stats(cfg: TrainConfig, source: init_from.Source | None,
+                  data_stats: LatentStats | None) -> LatentStats | None:
+    """The units the network works in: a DDPM-trained source's (DiT's 0.18215 z), else the dataset's."""
+    if source is None or source.vp is None or source.latent_stats is None:
+        return data_stats
+    if data_stats is None:
+        raise ConfigError("data.path", cfg.data.path, f"a dataset that records its latent statistics (its "
+                                                      f"{INFO_FILE} has none), to feed {_named(source)} its "
+                                                      "latents in the units it was trained on — prepare it again")
+    if len(data_stats.mean) != len(source.latent_stats.mean):
+        raise ConfigError("data.path", cfg.data.path, f"latents of {len(source.latent_stats.mean)} channels, as "
+                                                      f"{_named(source)} was trained on (this dataset's have "
+                                                      f"{len(data_stats.mean)}) — prepare the data with its VAE")
+    return source.latent_stats
 
 
 def model_config(cfg: TrainConfig, info, source: init_from.Source | None = None) -> DiTConfig:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import math
 import os
-import signal
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -24,9 +23,10 @@ from dit_train.heldout import HeldOutLoss
 from dit_train.media_log import TensorBoard, log_samples
 from dit_train.metrics import Metrics, bar_postfix
 from dit_train.plots import plot_heldout, plot_losses
+from dit_train.preemption import Preempted
 from dit_train.recipe import Recipe, model_config, resolve  # noqa: F401 (model_config: where it was before)
 from dit_train.validation import Validator
-from ditcore import durable, init_from, runs, stopping
+from ditcore import durable, init_from, runs
 from ditcore.data.fit import fit_report
 from ditcore.data.loader import build_loader, check_samples_fit, next_batch
 from ditcore.data.packing import PackedBatch
@@ -51,59 +51,6 @@ from ditcore.parallel.consolidate import without_extra_state
 from ditcore.parallel.fabric import MegatronStrategy
 from ditcore.parallel.pipeline import one_f_one_b, reduce_grads
 from ditcore.training import LatentMap, Loss, StepDraw, draw, stage_forward, step_generator
-
-
-class Interrupted(KeyboardInterrupt):
-    """A second Ctrl-C: exit at once. A KeyboardInterrupt, so that no `except Exception` on the way catches it."""
-
-
-class Preempted:
-    """SIGTERM / SIGUSR1 (Slurm preemption or time limit), SIGINT (Ctrl-C) and SIGHUP (the terminal closed) →
-    finish the step, checkpoint, exit 0: the handler only records the signal (ditcore.stopping), the loop looks at it
-    after every step. A second Ctrl-C exits at once (Interrupted): a checkpoint being written stays an unpublished
-    .tmp-step-* folder, which never passes as complete and which the next save removes.
-
-    Every rank must stop at the same step, so the ranks agree on such flags over a CPU (gloo) group: an
-    all-reduce of a host tensor, which never waits for the GPU's queue of work.
-    """
-
-    SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT, signal.SIGHUP)
-    # Under torchrun one Ctrl-C arrives twice, from the terminal and forwarded by torchrun's agent a moment later:
-    # only a Ctrl-C this long after the first is a second one.
-    REPEAT_S = 1.0
-
-    def __init__(self, world_size: int, on_gpu: bool, rank: int = 0):
-        self.world_size, self.rank = world_size, rank
-        self.interrupted_at: float | None = None  # the first Ctrl-C
-        self.group = dist.new_group(backend="gloo") if world_size > 1 and on_gpu else None  # CPU: the default is
-        self.flag = False
-        self.signals = stopping.Signals(self.SIGNALS, then=self._handle).__enter__()
-
-    def close(self) -> None:
-        """Give the signals back to the handlers they had before."""
-        self.signals.__exit__(None, None, None)
-
-    def _handle(self, signum: int) -> None:
-        if signum == signal.SIGINT:
-            now = time.monotonic()
-            if self.interrupted_at is not None and now - self.interrupted_at > self.REPEAT_S:
-                raise Interrupted("interrupted by a second Ctrl-C: nothing half-written was published; the newest "
-                                  "complete checkpoint is kept for --resume auto")
-            if self.interrupted_at is None and self.rank == 0:
-                # os.write, not print: the handler may run in the middle of a print (tqdm's) to the same stream
-                os.write(2, b"\nCtrl-C: stopping after this step with a checkpoint (press it again to exit at once)\n")
-            self.interrupted_at = self.interrupted_at or now
-        self.flag = True
-
-    def signalled(self) -> bool:
-        return self.any_rank(self.flag)
-
-    def any_rank(self, flag: bool) -> bool:
-        if self.world_size == 1:
-            return flag
-        t = torch.tensor([float(flag)])
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
-        return bool(t[0])
 
 
 class Diverged(RuntimeError):
@@ -396,32 +343,22 @@ def fit(run: Setup, t: Trainee, validator: Validator, config_yaml: str, preempte
             for reason in check_compiled(t.model.module):
                 fabric.print(f"warning: a compiled block has a graph break (slower, still right): {reason}")
 
-        signalled = preempted.signalled()
-        stop = signalled or step == cfg.train.stop_at
-        log = step % cfg.logging.every == 0 or step == cfg.train.steps
-        save = step % cfg.checkpoint.every == 0 or step == cfg.train.steps or stop
-        validate = bool(cfg.validation.every) and step % cfg.validation.every == 0 and step != cfg.train.steps
-        score = heldout is not None and heldout.due(step)
-        if not (log or save or validate or score):
+        now = Due.at(cfg, step, preempted.signalled(), heldout)
+        if not (now.log or now.save or now.validate or now.score):
             continue
         read = metrics.read_back()  # waits for the device
         check_finite(read, preempted, bar, cfg.optim.lr, data=cfg.data.path)  # may raise Diverged
         t.state["history"] += [[s, values["loss"]] for s, values in read]
-        figures = {}  # the step's figures, logged together: one row of the CSV
-        if log:
-            figures = metrics.close_window(peak, run.groups.dims) | {"lr": t.scheduler.get_last_lr()[0]}
+        figures = step_figures(run, t, now, step, metrics, peak, heldout, scorer)
+        if now.log:
             bar.set_postfix(**bar_postfix(figures))
-        if score:  # before the save: a run resumed from this step has this point of the curve too
-            figures |= heldout.run_on(scored(t), step, t.state)
-        if validate:
-            figures |= scorer.run(t.ema.module, step)
         if figures:
             fabric.log_dict(figures, step=step)
-        if save:
+        if now.save:
             checkpoint.save(fabric, run.run_dir, step, t.state, t.loader, config_yaml, cfg.checkpoint.keep)
-        if validate:
+        if now.validate:
             log_samples(run.loggers, validator.run(t.ema.module, step))
-        if stop:
+        if now.stop:
             bar.close()
             report_skipped(run, t)
             why = "by signal" if step != cfg.train.stop_at else "at train.stop_at"
@@ -430,6 +367,39 @@ def fit(run: Setup, t: Trainee, validator: Validator, config_yaml: str, preempte
     bar.close()
     skipped = report_skipped(run, t)
     return {"step": step, "stopped": False, "history": t.state["history"], "skipped": skipped}
+
+
+@dataclass(frozen=True)
+class Due:
+    """What a step does besides training, by the config's schedules."""
+
+    stop: bool  # a signal, or train.stop_at
+    log: bool
+    save: bool
+    validate: bool  # sample the prompts and score FID (the last step's are the export's)
+    score: bool  # the held-out loss
+
+    @classmethod
+    def at(cls, cfg: TrainConfig, step: int, signalled: bool, heldout: HeldOutLoss | None) -> Due:
+        stop = signalled or step == cfg.train.stop_at
+        last = step == cfg.train.steps
+        return cls(stop=stop, log=step % cfg.logging.every == 0 or last,
+                   save=step % cfg.checkpoint.every == 0 or last or stop,
+                   validate=bool(cfg.validation.every) and step % cfg.validation.every == 0 and not last,
+                   score=heldout is not None and heldout.due(step))
+
+
+def step_figures(run: Setup, t: Trainee, now: Due, step: int, metrics: Metrics, peak: float,
+                 heldout: HeldOutLoss | None, scorer: FIDScorer) -> dict:
+    """The step's figures, logged together: one row of the CSV."""
+    figures = {}
+    if now.log:
+        figures = metrics.close_window(peak, run.groups.dims) | {"lr": t.scheduler.get_last_lr()[0]}
+    if now.score:  # before the save: a run resumed from this step has this point of the curve too
+        figures |= heldout.run_on(scored(t), step, t.state)
+    if now.validate:
+        figures |= scorer.run(t.ema.module, step)
+    return figures
 
 
 def report_skipped(run: Setup, t: Trainee) -> dict:

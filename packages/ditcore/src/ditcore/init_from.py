@@ -163,10 +163,7 @@ class Match:
         """One line: 'init_from PATH: 41 of 56 tensors (x_embedder, t_embedder, blocks 0-1 of 3, final); fresh:
         blocks 2 (not in the source)' — whole modules and numbered layers (as ranges) where a whole one was taken or
         stays fresh, single tensors where only part of one did."""
-        counts: dict[tuple[str, int | None], list[int]] = {}  # (module, layer) → [taken, fresh]
-        for i, names in enumerate((self.taken, self.fresh)):
-            for name in names:
-                counts.setdefault(_group(name, self.layers), [0, 0])[i] += 1
+        counts = self._counts()
         layers = {}  # how many layers each numbered list has: 'blocks 0-1 of 3'
         for module, layer in counts:
             layers[module] = layers.get(module, 0) + (layer is not None)
@@ -175,17 +172,29 @@ class Match:
         line = (f"init_from {source}: {len(self.taken)} of {len(self.taken) + len(self.fresh)} tensors "
                 f"({_names(whole, layers)}" + (f"; in part: {_names(part, layers)}" if part else "") + ")")
         if self.fresh:
-            untouched = {g for g, (taken, _) in counts.items() if not taken}
-            missing = [g for g in untouched if all(why == NOT_IN_SOURCE for k, why in self.fresh.items()
-                                                   if _group(k, self.layers) == g)]
-            singles = [f"{k} ({why})" for k, why in self.fresh.items() if _group(k, self.layers) not in missing]
-            parts = ([f"{_names(missing, layers)} ({NOT_IN_SOURCE})"] if missing else []) + singles[:3]
-            parts += [f"and {len(singles) - 3} more tensors"] if len(singles) > 3 else []
-            line += "; fresh: " + ", ".join(parts)
+            line += "; fresh: " + self._fresh(counts, layers)
         if self.unused:
             line += (f"; not used: {len(self.unused)} of the source's tensors "
                      f"({_names(list(dict.fromkeys(_group(k, self.layers) for k in self.unused)), {})})")
         return line
+
+    def _counts(self) -> dict[tuple[str, int | None], list[int]]:
+        """(module, layer) → [tensors taken, tensors fresh]."""
+        counts: dict[tuple[str, int | None], list[int]] = {}
+        for i, names in enumerate((self.taken, self.fresh)):
+            for name in names:
+                counts.setdefault(_group(name, self.layers), [0, 0])[i] += 1
+        return counts
+
+    def _fresh(self, counts: dict[tuple[str, int | None], list[int]], layers: dict[str, int]) -> str:
+        """The fresh tensors: whole groups the source lacks entirely, then up to three single tensors."""
+        untouched = {g for g, (taken, _) in counts.items() if not taken}
+        missing = [g for g in untouched if all(why == NOT_IN_SOURCE for k, why in self.fresh.items()
+                                               if _group(k, self.layers) == g)]
+        singles = [f"{k} ({why})" for k, why in self.fresh.items() if _group(k, self.layers) not in missing]
+        parts = ([f"{_names(missing, layers)} ({NOT_IN_SOURCE})"] if missing else []) + singles[:3]
+        parts += [f"and {len(singles) - 3} more tensors"] if len(singles) > 3 else []
+        return ", ".join(parts)
 
 
 def match(source: dict[str, torch.Tensor], wanted: dict[str, torch.Size], layers: str = "blocks") -> Match:

@@ -67,6 +67,12 @@ def _encode(v, names: dict[type, str]):
         if all(type(k) is str for k in v) and TYPE not in v:
             return {k: _encode(x, names) for k, x in v.items()}
         return {TYPE: "dict", "items": [[_encode(k, names), _encode(x, names)] for k, x in v.items()]}
+    numbers = _encode_numbers(v)
+    return numbers if numbers is not None else _encode_admitted(v, names)
+
+
+def _encode_numbers(v) -> dict | None:
+    """A tensor, or a numpy array or scalar of numbers; None for anything else."""
     if isinstance(v, torch.Tensor):
         t = v.detach().cpu().contiguous()
         return {TYPE: "tensor", "dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape),
@@ -76,6 +82,10 @@ def _encode(v, names: dict[type, str]):
                 "base64": base64.b64encode(np.ascontiguousarray(v).tobytes()).decode()}
     if isinstance(v, np.generic) and v.dtype.kind in "biuf":
         return {TYPE: "scalar", "dtype": v.dtype.str, "value": v.item()}
+    return None
+
+
+def _encode_admitted(v, names: dict[type, str]) -> dict:
     name = names.get(type(v))
     if name is not None and isinstance(v, dict):
         return {TYPE: name, "items": _encode(dict(v), names)}
@@ -100,19 +110,31 @@ def _decode(v, classes: Mapping[str, type], what: str):
     if kind == "dict":
         return {_hashable(_decode(k, classes, what)): _decode(x, classes, what) for k, x in v["items"]}
     if kind == "tensor":
-        dtype = getattr(torch, v["dtype"], None)
-        if not isinstance(dtype, torch.dtype):
-            raise UnsafeFileError(f"{what} holds a tensor of unknown dtype {v['dtype']!r}")
-        raw = bytearray(base64.b64decode(v["base64"], validate=True))
-        flat = torch.frombuffer(raw, dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
-        return flat.view(dtype).reshape(v["shape"]).clone()
+        return _decode_tensor(v, what)
     if kind in ("ndarray", "scalar"):
-        dtype = np.dtype(str(v["dtype"]))
-        if dtype.kind not in "biuf":
-            raise UnsafeFileError(f"{what} holds an array of dtype {v['dtype']!r}; only numbers are admitted")
-        if kind == "scalar":
-            return dtype.type(v["value"])
-        return np.frombuffer(base64.b64decode(v["base64"], validate=True), dtype=dtype).reshape(v["shape"]).copy()
+        return _decode_numpy(v, kind, what)
+    return _decode_admitted(v, kind, classes, what)
+
+
+def _decode_tensor(v: dict, what: str) -> torch.Tensor:
+    dtype = getattr(torch, v["dtype"], None)
+    if not isinstance(dtype, torch.dtype):
+        raise UnsafeFileError(f"{what} holds a tensor of unknown dtype {v['dtype']!r}")
+    raw = bytearray(base64.b64decode(v["base64"], validate=True))
+    flat = torch.frombuffer(raw, dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
+    return flat.view(dtype).reshape(v["shape"]).clone()
+
+
+def _decode_numpy(v: dict, kind: str, what: str):
+    dtype = np.dtype(str(v["dtype"]))
+    if dtype.kind not in "biuf":
+        raise UnsafeFileError(f"{what} holds an array of dtype {v['dtype']!r}; only numbers are admitted")
+    if kind == "scalar":
+        return dtype.type(v["value"])
+    return np.frombuffer(base64.b64decode(v["base64"], validate=True), dtype=dtype).reshape(v["shape"]).copy()
+
+
+def _decode_admitted(v: dict, kind: str, classes: Mapping[str, type], what: str):
     cls = classes.get(kind)
     if cls is None:
         raise UnsafeFileError(f"{what} holds a value of kind {kind!r}, which ditcore does not load (admitted: "

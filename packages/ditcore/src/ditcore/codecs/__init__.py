@@ -9,7 +9,8 @@ from ditcore.codecs.pixel import PixelCodec
 from ditcore.codecs.stats import LatentStats
 from ditcore.codecs.vae import VAE_CLASSES, DiffusersVAECodec
 
-CODECS = {"patch_pca": PatchPCACodec, "pixel": PixelCodec, "diffusers": DiffusersVAECodec}
+# kind (what a codec's saved config and a dataset's ditcore.json record) → class; each class spells its own kind
+CODECS = {codec.kind: codec for codec in (PatchPCACodec, PixelCodec, DiffusersVAECodec)}
 
 
 def load_codec(config: dict, directory: Path) -> Codec:

@@ -144,6 +144,37 @@ def grid_step(image: np.ndarray, period: int) -> float:
     return float((np.median(np.concatenate(on)) - np.median(np.concatenate(off))) * 255)
 
 
+def _colour_share(hue: np.ndarray, wing: np.ndarray, colour: str) -> float:
+    """The share of wing pixels whose hue is nearest the prompted colour's."""
+    if not wing.any():
+        return 0.0
+    names = list(HUES)
+    distance = np.abs(hue[wing][:, None] - np.array([HUES[n] for n in names])[None])
+    nearest = np.minimum(distance, 1 - distance).argmin(1)  # hue is circular
+    return float((nearest == names.index(colour)).mean())
+
+
+def _shape(wing: np.ndarray, val: np.ndarray, height: int) -> tuple[dict[str, float], np.ndarray]:
+    """The butterfly's shape scores (main_blob, symmetry, body) and the background mask: the pixels away from it."""
+    if not wing.any():
+        return dict(main_blob=0.0, symmetry=0.0, body=0.0), np.ones_like(wing)
+    blob = _largest_component(_dilate(wing, 2)) & wing
+    scores = {"main_blob": float(blob.sum() / wing.sum())}
+    scores["symmetry"], axis = _mirror_iou(blob)
+    rows = np.nonzero(blob.any(1))[0]
+    top, bottom = rows[0], rows[-1]
+    # The body runs down the middle: the central rows of the wings' extent, at the axis (±1 px).
+    lo, hi = top + (bottom - top) // 4, bottom - (bottom - top) // 4 + 1
+    c0, c1 = int(np.floor(axis - 1)), int(np.ceil(axis + 1)) + 1
+    band = val[lo:hi, max(c0, 0):c1]
+    # dark: a row of the band holds a pixel much darker than the wings (on any background)
+    dark = band.min(1) < BODY_DARKNESS * np.median(val[blob]) if band.size else np.zeros(0, bool)
+    scores["body"] = float(dark.mean()) if dark.size else 0.0
+    away = ~_dilate(blob, max(3, height // 16))
+    away[max(top - 4, 0):bottom + 5, max(c0 - 3, 0):c1 + 3] = False  # body, head and antennae are not background
+    return scores, away
+
+
 def judge(image: np.ndarray, colour: str | None = None, thresholds: Thresholds = Thresholds()) -> Verdict:
     """Judge one image (H, W, 3) uint8 against the prompted wing colour (None: colour not judged)."""
     if image.ndim != 3 or image.shape[-1] != 3 or image.dtype != np.uint8:
@@ -159,34 +190,15 @@ def judge(image: np.ndarray, colour: str | None = None, thresholds: Thresholds =
 
     colour_ok = True
     if colour is not None:
-        names = list(HUES)
-        distance = np.abs(hue[wing][:, None] - np.array([HUES[n] for n in names])[None])
-        nearest = np.minimum(distance, 1 - distance).argmin(1)  # hue is circular
-        share = float((nearest == names.index(colour)).mean()) if wing.any() else 0.0
+        share = _colour_share(hue, wing, colour)
         scores["colour_share"] = share
         colour_ok = share >= t.colour_share and area >= t.min_wing_area
 
     failed = []
     if not t.min_wing_area <= area <= t.max_wing_area:
         failed.append("wing_area")
-    if wing.any():
-        blob = _largest_component(_dilate(wing, 2)) & wing
-        scores["main_blob"] = float(blob.sum() / wing.sum())
-        scores["symmetry"], axis = _mirror_iou(blob)
-        rows = np.nonzero(blob.any(1))[0]
-        top, bottom = rows[0], rows[-1]
-        # The body runs down the middle: the central rows of the wings' extent, at the axis (±1 px).
-        lo, hi = top + (bottom - top) // 4, bottom - (bottom - top) // 4 + 1
-        c0, c1 = int(np.floor(axis - 1)), int(np.ceil(axis + 1)) + 1
-        band = val[lo:hi, max(c0, 0):c1]
-        # dark: a row of the band holds a pixel much darker than the wings (on any background)
-        dark = band.min(1) < BODY_DARKNESS * np.median(val[blob]) if band.size else np.zeros(0, bool)
-        scores["body"] = float(dark.mean()) if dark.size else 0.0
-        away = ~_dilate(blob, max(3, image.shape[0] // 16))
-        away[max(top - 4, 0):bottom + 5, max(c0 - 3, 0):c1 + 3] = False  # body, head and antennae are not background
-    else:
-        scores.update(main_blob=0.0, symmetry=0.0, body=0.0)
-        away = np.ones_like(wing)
+    shape, away = _shape(wing, val, image.shape[0])
+    scores.update(shape)
     grey = rgb.mean(-1)
     laplacian = np.abs(4 * grey[1:-1, 1:-1] - grey[:-2, 1:-1] - grey[2:, 1:-1] - grey[1:-1, :-2] - grey[1:-1, 2:])
     inner = away[1:-1, 1:-1]

@@ -12,6 +12,7 @@ from collections.abc import Callable
 
 import torch
 
+from ditcore.choices import SOLVERS
 from ditcore.diffusion.vp import DiscreteVP
 
 Denoiser = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -58,8 +59,8 @@ def edm_sampler(
     denoiser is evaluated at, as EDM's sampler does for such networks.
     callback(i, steps) is called after each step (for progress bars).
     """
-    if solver not in ("heun", "euler"):
-        raise ValueError(f"solver={solver!r} is invalid: expected 'heun' or 'euler'")
+    if solver not in SOLVERS:
+        raise ValueError(f"solver={solver!r} is invalid: expected one of {', '.join(SOLVERS)}")
     if sigmas is None:
         t = karras_sigmas(steps, sigma_min, sigma_max, rho, device=noise.device)
     else:

@@ -16,7 +16,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-FEATURES = ("inception", "dinov2")
+from ditcore.choices import FEATURES
+
 FIGURE = {"inception": "FID", "dinov2": "FD_DINOv2"}  # what the distance is called with each network's features
 DINOV2_DEFAULT = "facebook/dinov2-large"  # FD_DINOv2's ViT-L/14
 DINOV2_SIZE = 224
