@@ -1,12 +1,13 @@
-"""Every choice an app offers is the library's one list of it: a solver, schedule or feature network added there is
-offered by dit-sample and accepted by dit-train without another edit (issue 42)."""
+"""Every choice an app offers is the library's one list of it: a solver, schedule, feature network or objective
+added there is offered by dit-sample and accepted by dit-train without another edit (issue 42)."""
 
 from typing import get_args
 
 from dit_sample import cli, generate
-from dit_train.config import Validation
-from ditcore.choices import FEATURES, SOLVERS
-from ditcore.diffusion import sampler
+from dit_train.config import EDM, FID, Validation, VPSchedule
+from ditcore import export
+from ditcore.choices import BETA_SCHEDULES, FEATURES, LOSSES, PRECONDS, PREDICTIONS, SOLVERS
+from ditcore.diffusion import edm, sampler, vp
 from ditcore.eval import features
 from ditcore.sampling import SCHEDULES
 
@@ -18,3 +19,11 @@ def test_the_apps_choices_are_the_library_s_lists():
     assert generate.SOLVERS is SOLVERS  # Sampler.check and the Gradio radio
     assert sampler.SOLVERS is SOLVERS and features.FEATURES is FEATURES  # what the library checks against
     assert get_args(Validation.model_fields["solver"].annotation) == SOLVERS
+
+
+def test_dit_train_offers_the_library_s_objectives():
+    choices = {name: get_args(EDM.model_fields[name].annotation) for name in ("precond", "loss", "prediction")}
+    assert choices == {"precond": ("auto", *PRECONDS), "loss": ("auto", *LOSSES), "prediction": PREDICTIONS}
+    assert get_args(VPSchedule.model_fields["beta_schedule"].annotation) == BETA_SCHEDULES == get_args(vp.BetaSchedule)
+    assert get_args(FID.model_fields["features"].annotation) == FEATURES
+    assert edm.PREDICTIONS is PREDICTIONS and export.PRECONDS is PRECONDS  # what an export is checked against

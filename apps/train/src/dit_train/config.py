@@ -18,7 +18,7 @@ import yaml
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic.fields import FieldInfo
 
-from ditcore.choices import SOLVERS
+from ditcore.choices import BETA_SCHEDULES, FEATURES, LOSSES, PRECONDS, PREDICTIONS, SOLVERS
 from ditcore.errors import ConfigError
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"  # apps/train/configs, beside the package source
@@ -213,7 +213,7 @@ class VPSchedule(Section):
     timesteps: int = Field(1000, ge=2)
     beta_start: Number = Field(1e-4, gt=0, lt=1)
     beta_end: Number = Field(0.02, gt=0, lt=1)
-    beta_schedule: Literal["linear", "scaled_linear", "squaredcos_cap_v2"] = "linear"
+    beta_schedule: Literal[BETA_SCHEDULES] = "linear"
 
     def schedule(self):
         from ditcore.diffusion.vp import DiscreteVP  # deferred: it imports torch
@@ -222,18 +222,18 @@ class VPSchedule(Section):
 
 
 class EDM(Section):
-    precond: Literal["auto", "edm", "vp"] = Field(
+    precond: Literal[("auto", *PRECONDS)] = Field(
         "auto", description="the network's preconditioning: edm (Karras et al.), or vp (a DDPM ε-network on its "
                             "discrete timesteps, edm.vp); auto: vp when model.init_from is a DDPM-trained network "
                             "(the field's DiTs, or a run fine-tuned from one), else edm")
-    loss: Literal["auto", "edm", "ddpm"] = Field(
+    loss: Literal[("auto", *LOSSES)] = Field(
         "auto", description="edm (log-normal σ, weight λ(σ); under vp, σ rounded to the network's levels) or ddpm "
                             "(DiT's: uniform timesteps, ε-MSE, plus the variational bound for learned Σ); auto: "
                             "ddpm under precond vp, else edm")
     vp: VPSchedule = VPSchedule()
     p_mean: Number = Field(-1.2, description="training noise levels: ln σ ~ N(p_mean, p_std²)")
     p_std: Number = Field(1.2, gt=0)
-    prediction: Literal["edm", "x"] = Field("edm", description="what the network outputs: edm (EDM's mix of "
+    prediction: Literal[PREDICTIONS] = Field("edm", description="what the network outputs: edm (EDM's mix of "
                                                                 "noise and data; under precond vp the noise) or x "
                                                                 "(the clean latents; not with vp)")
     max_weight: Number | None = Field(None, gt=0, description="cap on the loss weight λ(σ) = (σ² + σ_d²)/(σ σ_d)²; "
@@ -288,7 +288,7 @@ class FID(Section):
     validation (ditcore.eval)."""
 
     num: int = Field(0, ge=0, description="samples scored at every validation, over all ranks; 0: no FID")
-    features: Literal["inception", "dinov2"] = Field("inception", description="inception: FID as the DiT papers "
+    features: Literal[FEATURES] = Field("inception", description="inception: FID as the DiT papers "
                                                                               "report it; dinov2: FD_DINOv2")
     weights: str | None = Field(None, description="inception: a local copy of torch-fidelity's pt_inception weights "
                                                   "(default: downloaded once); dinov2: a hub id or save_pretrained "

@@ -1,6 +1,13 @@
 """The names of the library's choices that the apps offer, in a module that imports nothing: each list's one home,
 read by the code that implements the choices and by the CLIs, whose --help lists them without importing torch.
-A new solver or feature network is named here and implemented where its list is checked."""
+A new solver, feature network or objective is named here and implemented where its list is checked."""
 
 SOLVERS = ("heun", "euler")  # ditcore.diffusion.sampler.edm_sampler: Algorithm 2's second-order step, or its Euler part
 FEATURES = ("inception", "dinov2")  # ditcore.eval.features.feature_net: the network FID's statistics are taken with
+
+# The objective: preconditioning (ditcore.diffusion: EDMPrecond, or vp.VPPrecond around a DDPM ε-network), the loss
+# (EDMLoss, or ddpm.DDPMLoss), what the network outputs (EDMPrecond's prediction) and DDPM's beta schedules.
+PRECONDS = ("edm", "vp")
+LOSSES = ("edm", "ddpm")
+PREDICTIONS = ("edm", "x")
+BETA_SCHEDULES = ("linear", "scaled_linear", "squaredcos_cap_v2")

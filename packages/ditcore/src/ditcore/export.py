@@ -20,9 +20,9 @@ from pathlib import Path
 import torch
 
 from ditcore import disk, durable, tensorfile
+from ditcore.choices import PRECONDS, PREDICTIONS
 from ditcore.codecs import Codec, LatentStats, load_codec
 from ditcore.data.schema import INFO_FILE, DatasetInfo, parse_info
-from ditcore.diffusion.edm import PREDICTIONS
 from ditcore.diffusion.vp import DiscreteVP
 from ditcore.models import ARCHS, DiT, DiTConfig, arch_of, build
 
@@ -177,9 +177,9 @@ def load_network(path: str | Path) -> tuple[DiTConfig, dict[str, torch.Tensor], 
         upgrade = build(cfg).upgrade_state_dict
     state = upgrade(tensorfile.load(path / WEIGHTS, REDO))
     check_finite(path, state)
-    if meta.get("precond", "edm") not in ("edm", "vp"):
-        raise ValueError(f"'{path / CONFIG}' says precond={meta['precond']!r}: this ditcore knows edm and vp — sample "
-                         "it with the ditcore version that trained it")
+    if meta.get("precond", "edm") not in PRECONDS:
+        raise ValueError(f"'{path / CONFIG}' says precond={meta['precond']!r}: this ditcore knows "
+                         f"{', '.join(PRECONDS)} — sample it with the ditcore version that trained it")
     if meta.get("prediction", "edm") not in PREDICTIONS:
         raise ValueError(f"'{path / CONFIG}' says prediction={meta['prediction']!r}: this ditcore knows "
                          f"{', '.join(PREDICTIONS)} — sample it with the ditcore version that trained it")

@@ -20,10 +20,10 @@ import math
 import torch
 from torch import nn
 
+from ditcore.choices import PREDICTIONS
 from ditcore.diffusion.vp import DiscreteVP, vp_coefficients
 from ditcore.layout import SIGMA_DATA, per_token
 
-PREDICTIONS = ("edm", "x")
 # c_noise = ln(σ)/4 lies in about [-2, 1.2]; the network is given 1000 c_noise, spread over its sinusoid's periods as
 # DiT's timesteps t ∈ [0, 1000) are (a DDPM network under VP preconditioning is given t itself)
 C_NOISE_SCALE = 1000.0

@@ -27,8 +27,9 @@ from typing import Literal
 import numpy as np
 import torch
 
-BetaSchedule = Literal["linear", "scaled_linear", "squaredcos_cap_v2"]
-BETA_SCHEDULES = ("linear", "scaled_linear", "squaredcos_cap_v2")
+from ditcore.choices import BETA_SCHEDULES
+
+BetaSchedule = Literal[BETA_SCHEDULES]
 TIMESTEP_SPACINGS = ("leading", "trailing", "linspace")
 
 
