@@ -1,12 +1,14 @@
-"""Every choice an app offers is the library's one list of it: a solver, schedule, feature network or objective
-added there is offered by dit-sample and accepted by dit-train without another edit (issue 42)."""
+"""Every choice an app offers is the library's one list of it: a solver, schedule, feature network, objective
+or codec added there is offered by dit-sample and dit-prepare and accepted by dit-train without another edit
+(issue 42)."""
 
 from typing import get_args
 
+from dit_prepare import cli as prepare_cli
 from dit_sample import cli, generate
 from dit_train.config import EDM, FID, Validation, VPSchedule
-from ditcore import export
-from ditcore.choices import BETA_SCHEDULES, FEATURES, LOSSES, PRECONDS, PREDICTIONS, SOLVERS
+from ditcore import codecs, export
+from ditcore.choices import BETA_SCHEDULES, CODEC_NAMES, FEATURES, LOSSES, PRECONDS, PREDICTIONS, SOLVERS, VAE_CLASSES
 from ditcore.diffusion import edm, sampler, vp
 from ditcore.eval import features
 from ditcore.sampling import SCHEDULES
@@ -27,3 +29,9 @@ def test_dit_train_offers_the_library_s_objectives():
     assert get_args(VPSchedule.model_fields["beta_schedule"].annotation) == BETA_SCHEDULES == get_args(vp.BetaSchedule)
     assert get_args(FID.model_fields["features"].annotation) == FEATURES
     assert edm.PREDICTIONS is PREDICTIONS and export.PRECONDS is PRECONDS  # what an export is checked against
+
+
+def test_dit_prepare_offers_the_library_s_codecs():
+    assert codecs.VAE_CLASSES is VAE_CLASSES  # what ditcore.codecs.vae checks a class against
+    assert [c.value for c in prepare_cli.CodecName] == list(CODEC_NAMES)
+    assert [c.value for c in prepare_cli.VaeClass] == list(VAE_CLASSES)

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import typer
 
+from ditcore.choices import CODEC_NAMES, VAE_CLASSES
 from ditcore.cli import entry_point, fail, stop_on_signal, version_option
 
 app = typer.Typer(
@@ -32,10 +33,7 @@ def main(version_: bool = version_option("dit-prepare")) -> None:
 
 
 # The choices of the options below; Typer checks them and --help lists them.
-class CodecName(enum.StrEnum):
-    pca = "pca"
-    pixel = "pixel"
-    vae = "vae"
+CodecName = enum.StrEnum("CodecName", [(kind, kind) for kind in CODEC_NAMES])
 
 
 class LatentNorm(enum.StrEnum):
@@ -54,12 +52,7 @@ class Labels(enum.StrEnum):
     subfolders = "subfolders"
 
 
-class VaeClass(enum.StrEnum):
-    """The diffusers classes of ditcore.codecs.vae.VAE_CLASSES, spelled out so that --help need not import torch."""
-
-    AutoencoderKL = "AutoencoderKL"
-    AutoencoderTiny = "AutoencoderTiny"
-    AutoencoderKLWan = "AutoencoderKLWan"
+VaeClass = enum.StrEnum("VaeClass", [(name, name) for name in VAE_CLASSES])
 
 
 def _text_encoder_name(name: str) -> str:

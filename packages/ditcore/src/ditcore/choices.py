@@ -1,6 +1,6 @@
 """The names of the library's choices that the apps offer, in a module that imports nothing: each list's one home,
 read by the code that implements the choices and by the CLIs, whose --help lists them without importing torch.
-A new solver, feature network or objective is named here and implemented where its list is checked."""
+A new solver, feature network, objective or codec is named here and implemented where its list is checked."""
 
 SOLVERS = ("heun", "euler")  # ditcore.diffusion.sampler.edm_sampler: Algorithm 2's second-order step, or its Euler part
 FEATURES = ("inception", "dinov2")  # ditcore.eval.features.feature_net: the network FID's statistics are taken with
@@ -11,3 +11,8 @@ PRECONDS = ("edm", "vp")
 LOSSES = ("edm", "ddpm")
 PREDICTIONS = ("edm", "x")
 BETA_SCHEDULES = ("linear", "scaled_linear", "squaredcos_cap_v2")
+
+# dit-prepare's latent codecs (PatchPCACodec, PixelCodec, DiffusersVAECodec of ditcore.codecs, each of which records
+# its own kind in a dataset's ditcore.json), and the diffusers VAE classes that ditcore.codecs.vae loads.
+CODEC_NAMES = ("pca", "pixel", "vae")
+VAE_CLASSES = ("AutoencoderKL", "AutoencoderTiny", "AutoencoderKLWan")

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import torch
 
+from ditcore.choices import VAE_CLASSES
 from ditcore.codecs.base import Codec, per_frame
 from ditcore.codecs.hub import from_pretrained
 
-VAE_CLASSES = ("AutoencoderKL", "AutoencoderTiny", "AutoencoderKLWan")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
