@@ -73,6 +73,36 @@ def _text_rows(states: list[torch.Tensor], dim: int, device) -> tuple[torch.Tens
     return text, seg
 
 
+def _conditioning(model: DiT, B: int, grid, use_cfg: bool, text_states, negative_states, class_labels, fps: float,
+                  device) -> dict:
+    """The forward's conditioning of B rows, then (with CFG) of B unconditional ones: each row one sample."""
+    cfg, rows = model.cfg, (2 if use_cfg else 1) * B
+    cond: dict = {"grids": [[grid]] * rows}  # every row one sample, known on the host
+    if cfg.text_dim:
+        states = [s.to(device) for s in (text_states or [torch.zeros(0, cfg.text_dim)] * B)]
+        if use_cfg:
+            states += [s.to(device) for s in negative_states] if negative_states else \
+                [torch.zeros(0, cfg.text_dim, device=device)] * B
+        cond["text"], cond["text_seg"] = _text_rows(states, cfg.text_dim, device)
+    if cfg.num_classes:
+        labels = list(class_labels) if class_labels is not None else [model.null_class] * B
+        labels += [model.null_class] * B if use_cfg else []
+        cond["class_labels"] = torch.tensor(labels, device=device)[:, None]
+    if cfg.fps_cond:
+        cond["fps"] = torch.full((rows, 1), float(fps), device=device)
+    return cond
+
+
+def _check_schedule(schedule: str, vp: DiscreteVP | None, steps: int, solver: str) -> None:
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule={schedule!r} is unknown: expected one of {', '.join(SCHEDULES)}")
+    if schedule == "ddim" and vp is None:
+        raise ValueError("schedule ddim steps through a DDPM network's timesteps: this model is EDM-preconditioned "
+                         "(no timesteps) — use schedule karras")
+    if schedule == "ddim" and (why := vp.ddim_refusal(steps, solver)):
+        raise ValueError(why)
+
+
 @torch.no_grad()
 def sample(
     model: DiT,
@@ -111,27 +141,8 @@ def sample(
     pos = grid_positions(grid, device=device)
     use_cfg = guidance != 1.0
 
-    cond: dict = {"grids": [[grid]] * ((2 if use_cfg else 1) * B)}  # every row one sample, known on the host
-    if cfg.text_dim:
-        states = [s.to(device) for s in (text_states or [torch.zeros(0, cfg.text_dim)] * B)]
-        if use_cfg:
-            states += [s.to(device) for s in negative_states] if negative_states else \
-                [torch.zeros(0, cfg.text_dim, device=device)] * B
-        cond["text"], cond["text_seg"] = _text_rows(states, cfg.text_dim, device)
-    if cfg.num_classes:
-        labels = list(class_labels) if class_labels is not None else [model.null_class] * B
-        labels += [model.null_class] * B if use_cfg else []
-        cond["class_labels"] = torch.tensor(labels, device=device)[:, None]
-    if cfg.fps_cond:
-        cond["fps"] = torch.full(((2 if use_cfg else 1) * B, 1), float(fps), device=device)
-
-    if schedule not in SCHEDULES:
-        raise ValueError(f"schedule={schedule!r} is unknown: expected one of {', '.join(SCHEDULES)}")
-    if schedule == "ddim" and vp is None:
-        raise ValueError("schedule ddim steps through a DDPM network's timesteps: this model is EDM-preconditioned "
-                         "(no timesteps) — use schedule karras")
-    if schedule == "ddim" and (why := vp.ddim_refusal(steps, solver)):
-        raise ValueError(why)
+    cond = _conditioning(model, B, grid, use_cfg, text_states, negative_states, class_labels, fps, device)
+    _check_schedule(schedule, vp, steps, solver)
     precond = EDMPrecond(model, prediction=prediction, vp=vp).eval()
     sigma_min, sigma_max = precond.sigma_range(SIGMA_MIN, SIGMA_MAX)
     nfe = 0

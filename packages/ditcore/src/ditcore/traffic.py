@@ -107,6 +107,16 @@ def _stage(cfg: DiTConfig, lay: Layout, moves: tuple[_Move, ...], period: int, s
             c[0] += times * pieces
             c[1] += times * sent_bytes(op, full, n)
 
+    compute = 2 if lay.precision == "bf16" else FP32
+    _micro_batch_traffic(cfg, lay, moves, period, stage, add, compute)
+    _step_traffic(cfg, lay, stage, add, compute)
+    return Traffic(tuple(Collective(g, op, when, count, size) for (g, op, when), (count, size) in sorted(out.items())))
+
+
+def _micro_batch_traffic(cfg: DiTConfig, lay: Layout, moves: tuple[_Move, ...], period: int, stage: int, add,
+                         compute: int) -> None:
+    """Each micro-batch's: the probed moves of this stage's blocks (twice inside a recomputed block's forward), of
+    the embedders and the final layer, and the pipeline's hidden states."""
     blocks = stage_blocks(cfg.depth, lay.pp, stage)
     kinds = defaultdict(int)  # block of the period → how many of that kind this stage holds
     for i in blocks:
@@ -118,13 +128,14 @@ def _stage(cfg: DiTConfig, lay: Layout, moves: tuple[_Move, ...], period: int, s
         else:  # the embedders and conditioning run on every stage; the final layer on the last
             times = int(m.region == "pre" or stage == lay.pp - 1)
         add(m.group, m.op, "micro_batch", m.full, m.n, times)
-
-    compute = 2 if lay.precision == "bf16" else FP32
     if lay.pp > 1:  # the hidden states of the tokens a rank holds, on to the next stage and their gradient back
         sp = lay.tp if lay.sequence_parallel else 1
         hidden = lay.micro_batch * lay.seq_length // (lay.cp * sp) * cfg.hidden_size * compute
         add("pp", "send", "micro_batch", hidden, 2, (stage < lay.pp - 1) + (stage > 0))
 
+
+def _step_traffic(cfg: DiTConfig, lay: Layout, stage: int, add, compute: int) -> None:
+    """Each step's: FSDP's gathers and reduce-scatters, the gradient reductions and the gradient norm's."""
     params = _stage_params(cfg, lay, stage)
     if lay.fsdp:
         _fsdp(lay, params, add, compute)
@@ -144,7 +155,6 @@ def _stage(cfg: DiTConfig, lay: Layout, moves: tuple[_Move, ...], period: int, s
     if lay.fsdp:
         add("fsdp", "all_reduce", "step", FP64, lay.fsdp_shard or dp_cp)
     add("pp", "all_reduce", "step", FP64, lay.pp)
-    return Traffic(tuple(Collective(g, op, when, count, size) for (g, op, when), (count, size) in sorted(out.items())))
 
 
 @dataclass(frozen=True)
