@@ -35,7 +35,7 @@ import torch
 from ditcore.diffusion import EDMLoss, EDMPrecond
 from ditcore.flops import gpu_peak_flops, measure_cpu_peak_flops, training_flops_per_token
 from ditcore.layout import grid_rows
-from ditcore.models import apply_activation_checkpointing, apply_compile, build, preset
+from ditcore.models import apply_activation_checkpointing, apply_compile, build, inputs_of, preset
 
 CASES = {"eager-none": (False, "none"), "compiled-none": (True, "none"), "compiled-selective": (True, "selective"),
          "compiled-block": (True, "block")}
@@ -46,12 +46,13 @@ def batch(cfg, grid: tuple[int, int, int], text_len: int, device: str) -> dict:
     N = grid[0] * grid[1] * grid[2]
     seg, pos = grid_rows([[grid]], N)
     g = torch.Generator().manual_seed(0)
-    out = {"x": torch.randn(1, N, cfg.patch_dim, generator=g), "noise": torch.randn(1, N, cfg.patch_dim, generator=g),
-           "sigma": torch.ones(1, 1), "pos": pos, "seg": seg, "mask": seg >= 0, "grids": [[grid]]}
+    text = text_seg = None
+    x, noise = torch.randn(1, N, cfg.patch_dim, generator=g), torch.randn(1, N, cfg.patch_dim, generator=g)
     if cfg.text_dim:
-        out["text"] = torch.randn(1, text_len, cfg.text_dim, generator=g)
-        out["text_seg"] = torch.zeros(1, text_len, dtype=torch.long)
-    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in out.items()}
+        text, text_seg = torch.randn(1, text_len, cfg.text_dim, generator=g), torch.zeros(1, text_len, dtype=torch.long)
+    inputs = inputs_of(cfg)(pos=pos, seg=seg, text=text, text_seg=text_seg, grids=[[grid]])
+    return {"x": x.to(device), "noise": noise.to(device), "sigma": torch.ones(1, 1, device=device),
+            "mask": (seg >= 0).to(device), "inputs": inputs.to(device)}
 
 
 def measure(cfg, compiled: bool, checkpointing: str, data: dict, device: str, steps: int, warmup: int) -> dict:

@@ -49,11 +49,11 @@ def main() -> None:
     model = EDMPrecond(DiT(cfg))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     b = first
-    cond = b.model_inputs()
+    inputs = b.inputs()
     times = []
     for _ in range(args.steps + 1):
         t = time.perf_counter()
-        loss = EDMLoss()(model, b.x, mask=b.mask, **cond)
+        loss = EDMLoss()(model, b.x, inputs, mask=b.mask)
         opt.zero_grad()
         loss.backward()
         opt.step()

@@ -66,7 +66,8 @@ def test_the_heldout_samples_are_the_first_by_key_whatever_shard_holds_them(tmp_
     samples = read_heldout(tmp_path, 4, patch_size=2, patch_size_t=1, seq_length=8)
     assert [s.key for s in samples] == ["00000000", "00000001", "00000002", "00000003"]
     for s in samples:
-        assert torch.equal(s.tokens, patchify(latents[s.key][None].float(), 2, 1)[0]) and s.label == int(s.key) % 3
+        assert torch.equal(s.tokens, patchify(latents[s.key][None].float(), 2, 1)[0])
+        assert s.meta["label"] == int(s.key) % 3
     with pytest.raises(DatasetError, match=r"held-out sample 00000001 of .* \(latent 2x4x4\) does not fit patch "
                                            r"1x2x2 and data.seq_length=4"):
         read_heldout(tmp_path, 4, patch_size=2, patch_size_t=1, seq_length=4)

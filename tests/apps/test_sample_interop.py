@@ -16,6 +16,7 @@ from ditcore.data.schema import DatasetInfo
 from ditcore.diffusion import EDMPrecond
 from ditcore.diffusion.vp import DiscreteVP
 from ditcore.export import export_model
+from ditcore.inputs import Inputs
 from ditcore.layout import SIGMA_DATA, grid_positions, patchify, unpatchify
 from ditcore.media import read_video
 from ditcore.models import DiT
@@ -311,8 +312,8 @@ def test_export_to_diffusers_loads_there_and_its_printed_recipe_gives_ditcores_d
     with torch.no_grad():
         output = theirs(c_in * x, timestep=1000 * sigma.log() / 4, class_labels=y).sample
         recipe = c_skip * x + c_out * output
-        tokens = EDMPrecond(model)(patchify(x[:, :, None], 2), sigma, class_labels=y[:, None],
-                                    pos=grid_positions((1, 4, 4)), grids=[[(1, 4, 4)]] * 3)
+        inputs = Inputs(grid_positions((1, 4, 4)), class_labels=y[:, None], grids=[[(1, 4, 4)]] * 3)
+        tokens = EDMPrecond(model)(patchify(x[:, :, None], 2), sigma, inputs)
         ours = unpatchify(tokens, (1, 4, 4), 2)[:, :, 0]
     assert_close_fp32(recipe, ours, work=dit_forward_work(model.cfg, 16))
 

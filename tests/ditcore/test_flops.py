@@ -57,7 +57,7 @@ def test_batch_flops_counts_every_sample_at_its_own_length():
 
     def tok(grid, text_len):
         n = grid[0] * grid[1] * grid[2]
-        return TokenSample("k", torch.zeros(n, 4), grid_positions(grid), grid, torch.zeros(text_len, 8), -1, 0.0, "")
+        return TokenSample("k", torch.zeros(n, 4), grid_positions(grid), grid, torch.zeros(text_len, 8), {}, "")
 
     cfg = preset("DiT-Tiny", text_dim=8)
     b = collate([PackedRow([tok((1, 2, 2), 3), tok((2, 2, 3), 0)]), PackedRow([tok((1, 4, 4), 5)])], seq_length=20)
@@ -74,6 +74,7 @@ def test_weight_counts_match_the_matmuls_of_a_forward(name, text_dim, block_embe
     the counter leaves out on the CPU, and are the separate 2·L·d·N² term)."""
     from torch.utils.flop_counter import FlopCounterMode
 
+    from ditcore.inputs import Inputs
     from ditcore.layout import grid_positions
     from ditcore.models import build
 
@@ -83,7 +84,7 @@ def test_weight_counts_match_the_matmuls_of_a_forward(name, text_dim, block_embe
     cond = {"text": torch.randn(1, L, text_dim)} if text_dim else {}
     cond |= {"fps": torch.ones(1, 1)} if cfg.fps_cond else {}
     with FlopCounterMode(display=False) as counter, torch.no_grad():
-        model(torch.randn(1, N, cfg.patch_dim), torch.zeros(1, 1), grid_positions((2, 4, 4)), **cond)
+        model(torch.randn(1, N, cfg.patch_dim), torch.zeros(1, 1), Inputs(grid_positions((2, 4, 4)), **cond))
     ops = counter.get_flop_counts()["Global"]
     macs = sum(int(v) for op, v in ops.items() if str(op) in ("aten.mm", "aten.addmm", "aten.bmm")) // 2
     c = count_params(cfg)
@@ -123,7 +124,7 @@ def test_batch_flops_counts_each_clip_at_its_own_frames():
 
     def tok(grid):
         n = grid[0] * grid[1] * grid[2]
-        return TokenSample("k", torch.zeros(n, 4), grid_positions(grid), grid, torch.zeros(0, 8), -1, 0.0, "")
+        return TokenSample("k", torch.zeros(n, 4), grid_positions(grid), grid, torch.zeros(0, 8), {}, "")
 
     cfg = preset("ST-DiT-Tiny")
     b = collate([PackedRow([tok((1, 2, 2)), tok((3, 2, 2))]), PackedRow([tok((4, 2, 3))])], seq_length=24)

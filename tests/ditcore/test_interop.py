@@ -16,6 +16,7 @@ from ditcore import interop
 from ditcore.codecs import LatentStats
 from ditcore.diffusion import EDMPrecond, ddim_sampler, edm_sampler, guided
 from ditcore.diffusion.vp import DiscreteVP
+from ditcore.inputs import Inputs
 from ditcore.interop import ConversionError, diffusers_dit, original
 from ditcore.layout import grid_positions, patchify, unpatchify
 from ditcore.models import DiT
@@ -168,7 +169,7 @@ def test_euler_under_vp_on_ddim_timesteps_is_diffusers_ddim(tmp_path):
         theirs64 = ddim(copy.deepcopy(theirs).double(), torch.float64, got.vp.alphas_cumprod())
         precond = EDMPrecond(ours, vp=got.vp)
         pos = grid_positions((1, 4, 4))
-        denoise = lambda z, s: precond(z, s.expand(len(z)), pos=pos, class_labels=y[:, None])
+        denoise = lambda z, s: precond(z, s.expand(len(z)), Inputs(pos, class_labels=y[:, None]))
         ours_x = edm_sampler(lambda z, s: _latents_denoise(denoise, z, s, ours), x_T.double(),
                              sigmas=got.vp.ddim_sigmas(steps), solver="euler", round_sigma=precond.round_sigma,
                              prior_std=precond.prior_std)
@@ -464,7 +465,7 @@ def ours_ddim(model: DiT, vp: DiscreteVP, x_T, labels: list[int], guidance: floa
     p, size = model.cfg.patch_size, x_T.shape[-1]
     pos = grid_positions((1, size // p, size // p))
     y = torch.tensor(labels + ([model.null_class] * len(labels) if guidance != 1 else []))[:, None]
-    denoise = lambda z, s: _latents_denoise(lambda t, s: precond(t, s.expand(len(t)), pos=pos, class_labels=y),
+    denoise = lambda z, s: _latents_denoise(lambda t, s: precond(t, s.expand(len(t)), Inputs(pos, class_labels=y)),
                                             z, s, model)
     with torch.no_grad():
         return ddim_sampler(guided(denoise, guidance) if guidance != 1 else denoise, x_T.double(), vp, steps)

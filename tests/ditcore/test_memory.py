@@ -41,6 +41,7 @@ from torch.utils._pytree import tree_leaves
 from ditcore import models
 from ditcore.diffusion import EMA, EDMLoss, EDMPrecond
 from ditcore.errors import ConfigError
+from ditcore.inputs import Inputs
 from ditcore.job import Layout
 from ditcore.layout import grid_positions
 from ditcore.memory import (
@@ -238,29 +239,27 @@ def packed_batch(cfg, rows, N, L, g) -> tuple[dict, int]:
             pos[b, n:n + k], seg[b, n:n + k], text_seg[b, t:t + tl] = grid_positions(grid), s, s
             n, t = n + k, t + tl
     batch = dict(x=torch.randn(B, N, cfg.patch_dim, generator=g), noise=torch.randn(B, N, cfg.patch_dim, generator=g),
-                 sigma=torch.rand(B, S, generator=g) + 0.3, seg=seg, mask=seg >= 0, pos=pos,
-                 class_labels=torch.randint(0, max(cfg.num_classes, 1), (B, S), generator=g),
-                 fps=torch.full((B, S), 8.0), text=torch.randn(B, L, max(cfg.text_dim, 1), generator=g),
-                 text_seg=text_seg)
+                 sigma=torch.rand(B, S, generator=g) + 0.3, mask=seg >= 0)
+    labels = torch.randint(0, max(cfg.num_classes, 1), (B, S), generator=g)
+    text = torch.randn(B, L, max(cfg.text_dim, 1), generator=g)
+    batch["inputs"] = Inputs(pos=pos, seg=seg, class_labels=labels, fps=torch.full((B, S), 8.0), text_seg=text_seg,
+                             text=text if cfg.text_dim else None)
     return batch, S
 
 
 def whole_rows_batch(cfg, B, grid, L, g) -> dict:
     """B rows of one sample each, without padding: dit-train passes no seg then (and no text_seg with whole text)."""
     N = grid[0] * grid[1] * grid[2]
-    return dict(x=torch.randn(B, N, cfg.patch_dim, generator=g), noise=torch.randn(B, N, cfg.patch_dim, generator=g),
-                sigma=torch.rand(B, 1, generator=g) + 0.3, seg=None, mask=torch.ones(B, N, dtype=torch.bool),
-                pos=grid_positions(grid).expand(B, -1, -1), text=torch.randn(B, L, max(cfg.text_dim, 1), generator=g),
-                text_seg=None, class_labels=None, fps=None)
+    batch = dict(x=torch.randn(B, N, cfg.patch_dim, generator=g), noise=torch.randn(B, N, cfg.patch_dim, generator=g),
+                 sigma=torch.rand(B, 1, generator=g) + 0.3, mask=torch.ones(B, N, dtype=torch.bool))
+    text = torch.randn(B, L, max(cfg.text_dim, 1), generator=g)
+    batch["inputs"] = Inputs(pos=grid_positions(grid).expand(B, -1, -1), text=text if cfg.text_dim else None)
+    return batch
 
 
 def training_loss(model, b) -> torch.Tensor:
     """dit-train's loss for a batch: EDM preconditioning around the model, EDMLoss with the batch's σ and noise."""
-    cond = {"pos": b["pos"], "text_seg": b["text_seg"], "class_labels": b["class_labels"], "fps": b["fps"]}
-    if model.cfg.text_dim:
-        cond["text"] = b["text"]
-    return EDMLoss()(EDMPrecond(model), b["x"], seg=b["seg"], mask=b["mask"], sigma=b["sigma"], noise=b["noise"],
-                     **cond)
+    return EDMLoss()(EDMPrecond(model), b["x"], b["inputs"], mask=b["mask"], sigma=b["sigma"], noise=b["noise"])
 
 
 class ActivationMeter(TorchDispatchMode):
@@ -335,7 +334,8 @@ def test_what_autograd_saves_without_checkpointing(shape):
     cfg, rows, N, L = SHAPES[shape]
     batch, S = packed_batch(cfg, rows, N, L, torch.Generator().manual_seed(1))
     model = DiT(cfg, attention="sdpa")
-    skip = {StorageWeakRef(t.untyped_storage()) for t in [*model.parameters(), *batch.values()]}
+    held = [*model.parameters(), *(t for t in tree_leaves(batch) if torch.is_tensor(t))]
+    skip = {StorageWeakRef(t.untyped_storage()) for t in held}
     saved: dict[StorageWeakRef, int] = {}
 
     def pack(t):
@@ -449,8 +449,8 @@ def test_a_new_architecture_is_counted_from_its_own_linears(wide):
 
     model, N, T = build(wide), 32, 5
     with FlopCounterMode(display=False) as counter, torch.no_grad():
-        model(torch.randn(1, N, wide.patch_dim), torch.zeros(1, 1), grid_positions((2, 4, 4)),
-              text=torch.randn(1, T, wide.text_dim), class_labels=torch.zeros(1, 1, dtype=torch.long))
+        model(torch.randn(1, N, wide.patch_dim), torch.zeros(1, 1), Inputs(
+            grid_positions((2, 4, 4)), text=torch.randn(1, T, wide.text_dim), class_labels=torch.zeros(1, 1).long()))
     macs = sum(int(v) for op, v in counter.get_flop_counts()["Global"].items()
                if str(op) in ("aten.mm", "aten.addmm", "aten.bmm")) // 2
     c = count_params(wide)
@@ -622,14 +622,12 @@ def measure_stage(cfg, mode: str, batch: dict, pp: int, stage: int) -> tuple[int
     the receive buffer is), and its backward from the gradient the next stage sends back (ones)."""
     model = apply_activation_checkpointing(stage_model(cfg, pp, stage, device="cpu"), mode)
     meter = ActivationMeter(model)
-    cond = {"pos": batch["pos"], "text_seg": batch["text_seg"], "class_labels": batch["class_labels"],
-            "fps": batch["fps"]} | ({"text": batch["text"]} if cfg.text_dim else {})
     B, N, _ = batch["x"].shape
     last = stage == pp - 1
     with meter:
         hidden = None if stage == 0 else torch.randn(N, B, cfg.hidden_size).requires_grad_()
-        out = stage_forward(EDMLoss(), EDMPrecond(model), batch["x"], last=last, hidden=hidden, sigma=batch["sigma"],
-                            noise=batch["noise"], seg=batch["seg"], mask=batch["mask"], **cond)
+        out = stage_forward(EDMLoss(), EDMPrecond(model), batch["x"], batch["inputs"], last=last, hidden=hidden,
+                            sigma=batch["sigma"], noise=batch["noise"], mask=batch["mask"])
         kept = meter.bytes(meter.alive)
         meter.in_backward = True
         with torch.no_grad():

@@ -1,6 +1,7 @@
 import pytest
 import torch
 
+from ditcore.inputs import Inputs
 from ditcore.layout import grid_positions
 from ditcore.models import DiT, preset
 from ditcore.testing import EPS32, HostReads, NoLowPrecisionScatter, assert_close_fp32, dit_forward_work, fp32_tolerance
@@ -31,9 +32,9 @@ def test_dit_forward_is_within_its_bound_of_float64():
     cond = dict(class_labels=torch.tensor([[1], [4]]), fps=torch.tensor([[8.0], [24.0]]),
                 text=torch.randn(2, 7, 24, generator=g))
     with torch.no_grad():
-        out32 = model(*inputs, **cond)
-        exact = model.double()(inputs[0].double(), *inputs[1:], **{k: v.double() if v.is_floating_point() else v
-                                                                    for k, v in cond.items()})
+        out32 = model(*inputs[:2], Inputs(inputs[2], **cond))
+        exact = model.double()(inputs[0].double(), inputs[1], Inputs(inputs[2], **{
+            k: v.double() if v.is_floating_point() else v for k, v in cond.items()}))
     assert_close_fp32(out32.double(), exact, work=dit_forward_work(cfg, seq_len=16, text_len=7))
 
 

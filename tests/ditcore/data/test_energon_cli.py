@@ -115,4 +115,6 @@ def batches(root: Path, n: int = 8) -> list:
 def plain(v):
     if torch.is_tensor(v):
         return str(v.dtype), tuple(v.shape), v.contiguous().view(-1).view(torch.uint8).tolist() if v.numel() else []
+    if isinstance(v, dict):  # the per-sample conditions
+        return {k: plain(t) for k, t in v.items()}
     return v

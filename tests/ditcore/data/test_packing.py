@@ -4,7 +4,9 @@ import pytest
 import torch
 
 from ditcore.data.packing import PackedRow, TokenSample, collate, first_fit_decreasing
+from ditcore.inputs import Inputs
 from ditcore.layout import grid_positions, grid_rows
+from ditcore.models import preset
 
 
 @pytest.mark.parametrize("seed", range(20))
@@ -26,10 +28,14 @@ def test_first_fit_decreasing_example_and_too_long():
         first_fit_decreasing([3, 12], 10)
 
 
+META = {"label": 1, "fps": 8.0}  # a sample's metadata: its per-sample conditions
+
+
 def _tok(key, grid, text_len, label=-1):
     n = grid[0] * grid[1] * grid[2]
     return TokenSample(key=key, tokens=torch.randn(n, 8), pos=grid_positions(grid), grid=grid,
-                       text=torch.randn(text_len, 4), label=label, fps=8.0, caption=key)
+                       text=torch.randn(text_len, 4), meta={"fps": 8.0} | ({"label": label} if label >= 0 else {}),
+                       caption=key)
 
 
 def test_collate_lays_out_samples_and_padding():
@@ -48,37 +54,36 @@ def test_collate_lays_out_samples_and_padding():
     assert torch.equal(seg, b.seg) and torch.equal(pos, b.pos)
 
 
-def test_model_inputs_carry_the_batch_with_overrides():
+def test_inputs_carry_the_batch():
     grid = (1, 2, 2)
-    smp = TokenSample("k", torch.randn(4, 6), grid_positions(grid), grid, torch.randn(3, 8), 1, 8.0, "")
+    smp = TokenSample("k", torch.randn(4, 6), grid_positions(grid), grid, torch.randn(3, 8), META, "")
     b = collate([PackedRow([smp, smp])], seq_length=8)
-    inputs = b.model_inputs()
-    assert set(inputs) == {"pos", "seg", "text", "text_seg", "class_labels", "fps", "grids"}
-    assert inputs["seg"] is b.seg and inputs["class_labels"] is b.class_labels
-    assert inputs["grids"] == [[grid, grid]]  # the rows' layout on the host, for ST-DiT
-    labels = torch.full_like(b.class_labels, 9)
-    assert b.model_inputs(class_labels=labels)["class_labels"] is labels
+    inputs = b.inputs()
+    assert type(inputs) is Inputs and inputs.seg is b.seg and inputs.class_labels is b.class_labels
+    assert inputs.class_labels.tolist() == [[1, 1]] and inputs.fps.tolist() == [[8.0, 8.0]]
+    assert inputs.grids == [[grid, grid]]  # the rows' layout on the host, for ST-DiT
 
 
 def test_rows_of_one_whole_sample_need_no_masks():
     grid = (1, 2, 2)
-    smp = TokenSample("k", torch.randn(4, 6), grid_positions(grid), grid, torch.randn(3, 8), 1, 8.0, "")
+    smp = TokenSample("k", torch.randn(4, 6), grid_positions(grid), grid, torch.randn(3, 8), META, "")
     whole = collate([PackedRow([smp]), PackedRow([smp])], seq_length=4)
-    inputs = whole.model_inputs()
-    assert whole.whole_rows and inputs["seg"] is None and inputs["text_seg"] is None
-    dropped = torch.tensor([[0, 0, 0], [-1, -1, -1]])  # CFG dropout emptied row 1's text: the text mask stays
-    assert whole.model_inputs(text_seg=dropped)["text_seg"] is dropped
+    inputs = whole.inputs()
+    assert whole.whole_rows and inputs.seg is None and inputs.text_seg is None
+    # CFG dropout emptied row 1's text: the text mask is made for it
+    dropped = inputs.dropped(torch.tensor([[False], [True]]), preset("DiT-Tiny"))
+    assert dropped.text_seg.tolist() == [[0, 0, 0], [-1, -1, -1]]
     moved = whole.to("cpu")
-    assert moved.whole_rows and moved.model_inputs()["seg"] is None and torch.equal(moved.x, whole.x)
+    assert moved.whole_rows and moved.inputs().seg is None and torch.equal(moved.x, whole.x)
     padded = collate([PackedRow([smp])], seq_length=8)  # padding: masked as before
-    assert not padded.whole_rows and padded.model_inputs()["seg"] is padded.seg
+    assert not padded.whole_rows and padded.inputs().seg is padded.seg
     two = collate([PackedRow([smp, smp])], seq_length=8)
-    assert not two.whole_rows and two.model_inputs()["seg"] is two.seg
+    assert not two.whole_rows and two.inputs().seg is two.seg
 
 
 def test_text_length_is_padded_to_the_multiple_asked():
     grid = (1, 2, 2)
-    smp = TokenSample("k", torch.randn(4, 6), grid_positions(grid), grid, torch.randn(3, 8), 1, 8.0, "")
+    smp = TokenSample("k", torch.randn(4, 6), grid_positions(grid), grid, torch.randn(3, 8), META, "")
     b = collate([PackedRow([smp, smp])], seq_length=8, text_multiple=4)
     assert b.text.shape == (1, 8, 8) and b.text_seg.tolist() == [[0, 0, 0, 1, 1, 1, -1, -1]]
     assert not b.whole_text and collate([PackedRow([smp])], seq_length=4, text_multiple=4).text.shape[1] == 4

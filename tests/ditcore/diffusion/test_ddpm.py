@@ -11,6 +11,7 @@ from torch.distributions import Normal, kl_divergence
 from ditcore.diffusion import EDMLoss, EDMPrecond
 from ditcore.diffusion.ddpm import DDPMLoss, discretized_gaussian_log_likelihood, normal_kl
 from ditcore.diffusion.vp import DiscreteVP
+from ditcore.inputs import Inputs
 from ditcore.layout import grid_positions
 from ditcore.models import DiT, preset
 
@@ -35,23 +36,23 @@ def case(t: list[int], seed: int = 1):
     B = len(t)
     x0, noise = torch.randn(B, 16, 16, generator=g) * 0.5, torch.randn(B, 16, 16, generator=g)
     sigma = VP.sigmas()[torch.tensor(t)].float()[:, None]  # (B, 1)
-    cond = dict(pos=grid_positions((1, 4, 4)), class_labels=torch.tensor(t)[:, None] % 4)
-    return x0, noise, sigma, cond
+    inputs = Inputs(grid_positions((1, 4, 4)), class_labels=torch.tensor(t)[:, None] % 4)
+    return x0, noise, sigma, inputs
 
 
 def test_eps_mse_is_dit_s_and_the_edm_loss_weighted_by_one_over_sigma_squared():
     model = random_dit(learn_sigma=False)
     den = EDMPrecond(model, vp=VP)
-    x0, noise, sigma, cond = case(STEPS)
+    x0, noise, sigma, inputs = case(STEPS)
     with torch.no_grad():
-        ours = DDPMLoss(VP, learn_sigma=False)(den, x0, sigma=sigma, noise=noise, **cond)
+        ours = DDPMLoss(VP, learn_sigma=False)(den, x0, inputs, sigma=sigma, noise=noise)
         # DiT's: ‖ε − ε̂(x_t, t)‖² with x_t = √ᾱ x₀ + √(1 − ᾱ) ε fed to the backbone as it is
         a = VP.alphas_cumprod()[torch.tensor(STEPS)].float().view(-1, 1, 1)
         x_t = a.sqrt() * x0 + (1 - a).sqrt() * noise
-        eps = model(x_t, torch.tensor(STEPS, dtype=torch.float32)[:, None], **cond)
+        eps = model(x_t, torch.tensor(STEPS, dtype=torch.float32)[:, None], inputs)
         dit = ((noise - eps) ** 2).mean()
         # EDM's loss, λ(σ) = 1/σ² in place of EDM's weight, at the same σ and noise
-        D = den(x0 + sigma[..., None] * noise, sigma, **cond)
+        D = den(x0 + sigma[..., None] * noise, sigma, inputs)
         edm = ((D - x0) ** 2 / sigma[..., None] ** 2).mean()
     # x_t = x/√(σ² + 1) against √ᾱ x₀ + √(1 − ᾱ) ε: a few float32 roundings of unit values, through the network
     # (ε̂ ~ 1); D − x₀ = σ(ε − ε̂) carries the rounding of x₀ + σ ε (|x₀| ~ 1), divided by σ_1 = 0.016: 4e-6
@@ -105,7 +106,7 @@ def test_discretized_gaussian_likelihood_is_a_distribution_over_the_256_levels()
     assert -sharp.item() < 1e-9
 
 
-def independent_vb(model: DiT, x0, noise, t: list[int], cond) -> torch.Tensor:
+def independent_vb(model: DiT, x0, noise, t: list[int], inputs: Inputs) -> torch.Tensor:
     """DiT's L_vb per sample (bits/dim, mean over its features) from diffusers' DDPMScheduler and torch's KL: the
     true posterior is step()'s mean at ε itself (x̂₀ = x₀), the model's at ε̂ with its learned-range variance.
     step() splits [ε̂; v] on dim 1: the tokens are given to it as (1, F, N), features where it expects channels."""
@@ -114,8 +115,8 @@ def independent_vb(model: DiT, x0, noise, t: list[int], cond) -> torch.Tensor:
     for i, step in enumerate(t):
         a = scheduler.alphas_cumprod[step]
         x_t = a.sqrt() * x0[i:i + 1] + (1 - a).sqrt() * noise[i:i + 1]  # (1, N, F)
-        c = {"pos": cond["pos"], "class_labels": cond["class_labels"][i:i + 1]}
-        eps_hat, v = model(x_t, torch.tensor([[float(step)]]), **c).transpose(1, 2).chunk(2, 1)  # (1, F, N) each
+        c = inputs.replace(class_labels=inputs.class_labels[i:i + 1])
+        eps_hat, v = model(x_t, torch.tensor([[float(step)]]), c).transpose(1, 2).chunk(2, 1)  # (1, F, N) each
 
         def mean(eps, v=v, step=step, x_t=x_t):  # eps (1, F, N)
             z = torch.randn(eps.shape, generator=torch.Generator().manual_seed(0))
@@ -134,11 +135,11 @@ def independent_vb(model: DiT, x0, noise, t: list[int], cond) -> torch.Tensor:
 def test_the_learned_sigma_loss_is_eps_mse_plus_dit_s_variational_bound():
     model = random_dit(learn_sigma=True, seed=4)
     den = EDMPrecond(model, vp=VP)
-    x0, noise, sigma, cond = case(STEPS, seed=5)
+    x0, noise, sigma, inputs = case(STEPS, seed=5)
     with torch.no_grad():
-        full = DDPMLoss(VP, learn_sigma=True)(den, x0, sigma=sigma, noise=noise, **cond)
-        mse = DDPMLoss(VP, learn_sigma=False)(den, x0, sigma=sigma, noise=noise, **cond)
-        vb = independent_vb(model, x0, noise, STEPS, cond)
+        full = DDPMLoss(VP, learn_sigma=True)(den, x0, inputs, sigma=sigma, noise=noise)
+        mse = DDPMLoss(VP, learn_sigma=False)(den, x0, inputs, sigma=sigma, noise=noise)
+        vb = independent_vb(model, x0, noise, STEPS, inputs)
     assert vb.min() > 0  # a KL of random predictions: positive, not a vanishing term
     assert full.item() == pytest.approx(mse.item() + vb.mean().item(), rel=2e-4)
 
@@ -146,7 +147,7 @@ def test_the_learned_sigma_loss_is_eps_mse_plus_dit_s_variational_bound():
 def test_the_variational_bound_trains_the_variance_only():
     """DiT detaches the mean in L_vb: the ε features get the ε-MSE's gradient alone, the variance values L_vb's."""
     out = torch.nn.Parameter(torch.randn(2, 5, 8))
-    backbone = lambda x, c_noise, **cond: out  # (B, N, 2F): ε̂, then the variance values
+    backbone = lambda x, c_noise, inputs: out  # (B, N, 2F): ε̂, then the variance values
     den = EDMPrecond(backbone, vp=VP)
     x0, noise = torch.randn(2, 5, 4), torch.randn(2, 5, 4)
     sigma = VP.sigmas()[torch.tensor([[3], [700]])].float()
@@ -180,18 +181,18 @@ def test_the_loss_is_the_same_packed_and_unpacked():
     """Two samples of one row at their own timesteps, then padding, against each alone."""
     torch.manual_seed(6)
     out_layer = torch.nn.Linear(4, 8)
-    backbone = lambda x, c_noise, **cond: out_layer(x)  # token by token: packing cannot change it
+    backbone = lambda x, c_noise, inputs: out_layer(x)  # token by token: packing cannot change it
     den, loss = EDMPrecond(backbone, vp=VP), DDPMLoss(VP, learn_sigma=True)
     x, n = torch.randn(1, 7, 4), torch.randn(1, 7, 4)
     seg = torch.tensor([[0, 0, 0, 1, 1, -1, -1]])
     sigma = VP.sigmas()[torch.tensor([[0, 400]])].float()  # t = 0 (decoder NLL) and t = 400 (KL)
     with torch.no_grad():
-        packed = loss(den, x, seg=seg, mask=seg >= 0, sigma=sigma, noise=n)
+        packed = loss(den, x, Inputs(None, seg=seg), mask=seg >= 0, sigma=sigma, noise=n)
         a = loss(den, x[:, :3], sigma=sigma[:, :1], noise=n[:, :3])
         b = loss(den, x[:, 3:5], sigma=sigma[:, 1:], noise=n[:, 3:5])
         x2 = x.clone()
         x2[:, 5:] = 1e6  # padding content must not matter
-        padded = loss(den, x2, seg=seg, mask=seg >= 0, sigma=sigma, noise=n)
+        padded = loss(den, x2, Inputs(None, seg=seg), mask=seg >= 0, sigma=sigma, noise=n)
     # the same per-element terms (≥ 0), summed 14 at a time against 6 and 4, + the weighted mean's 3 roundings
     assert packed.item() == pytest.approx(((3 * a + 2 * b) / 5).item(), rel=20 * 1.2e-7)
     assert torch.equal(padded, packed)

@@ -5,6 +5,7 @@ import torch
 
 from ditcore.diffusion import EDMLoss, EDMPrecond, edm_coefficients, edm_weight
 from ditcore.diffusion.edm import C_NOISE_SCALE
+from ditcore.inputs import Inputs
 from ditcore.layout import SIGMA_DATA, grid_positions
 from ditcore.models import DiT, preset
 from ditcore.testing import EPS32, EPS64, assert_close_fp32
@@ -43,8 +44,8 @@ class Constant(torch.nn.Module):
         super().__init__()
         self.value = value
 
-    def forward(self, x, c_noise, **cond):
-        self.seen = (x.clone(), c_noise.clone(), cond)
+    def forward(self, x, c_noise, inputs=None):
+        self.seen = (x.clone(), c_noise.clone(), inputs)
         return torch.full_like(x, self.value)
 
 
@@ -52,13 +53,14 @@ def test_precond_applies_the_formula():
     x = torch.randn(2, 3, 4)
     sigma = torch.tensor([0.3, 5.0])
     F = Constant(0.7)
-    D = EDMPrecond(F)(x, sigma, class_labels="y")
+    inputs = Inputs(torch.zeros(3, 3, dtype=torch.long), class_labels=torch.tensor([[1], [2]]))
+    D = EDMPrecond(F)(x, sigma, inputs)
     c_skip, c_out, c_in, c_noise = (c.view(2, 1, 1) for c in edm_coefficients(sigma))
     assert_close_fp32(D, c_skip * x + c_out * 0.7, work=3)  # two products and a sum
     assert_close_fp32(F.seen[0], c_in * x, work=1)
     # the network is given 1000·ln(σ)/4, its sinusoid's range as DiT's timesteps
     assert_close_fp32(F.seen[1], C_NOISE_SCALE * c_noise.view(2, 1), work=2)
-    assert F.seen[2] == {"class_labels": "y"}
+    assert F.seen[2] is inputs  # handed on as it is
 
 
 def test_x_prediction_outputs_sigma_data_times_the_network():
@@ -101,14 +103,15 @@ def test_loss_on_packed_row_uses_each_samples_sigma_and_ignores_padding():
     seg = torch.tensor([[0, 0, 0, 1, 1, -1, -1]])
     sigma = torch.tensor([[0.2, 3.0]])
     mask = seg >= 0
-    packed = loss_fn(den, y, seg=seg, mask=mask, sigma=sigma, noise=n)
+    packed = loss_fn(den, y, Inputs(None, seg=seg), mask=mask, sigma=sigma, noise=n)
     a = loss_fn(den, y[:, :3], sigma=sigma[:, :1], noise=n[:, :3])
     b = loss_fn(den, y[:, 3:5], sigma=sigma[:, 1:], noise=n[:, 3:5])
     # the same per-element terms (all ≥ 0), summed 14 at a time then divided, against 6 and 4 at a time, + 3
     assert_close_fp32(packed, (3 * a + 2 * b) / 5, work=14 + 1 + 3)
     y2 = y.clone()
     y2[:, 5:] = 1e6  # padding content must not matter
-    assert torch.equal(loss_fn(den, y2, seg=seg, mask=mask, sigma=sigma, noise=n), packed)  # multiplied by exact 0
+    repacked = loss_fn(den, y2, Inputs(None, seg=seg), mask=mask, sigma=sigma, noise=n)
+    assert torch.equal(repacked, packed)  # multiplied by exact 0
 
 
 def test_sigma_is_log_normal_per_sample():
@@ -132,7 +135,7 @@ def test_loss_trains_a_tiny_dit():
     sigma, noise = EDMLoss().sample_sigma((8, 1), generator=g), torch.randn(y.shape, generator=g)
     losses = []
     for _ in range(30):
-        loss = EDMLoss()(den, y, sigma=sigma, noise=noise, pos=pos, class_labels=labels)
+        loss = EDMLoss()(den, y, Inputs(pos, class_labels=labels), sigma=sigma, noise=noise)
         opt.zero_grad()
         loss.backward()
         opt.step()

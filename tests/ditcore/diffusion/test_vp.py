@@ -54,7 +54,7 @@ class Eps(torch.nn.Module):
         super().__init__()
         self.eps = eps
 
-    def forward(self, x, c_noise, **cond):
+    def forward(self, x, c_noise, inputs=None):
         self.seen = (x.clone(), c_noise.clone())
         return self.eps
 

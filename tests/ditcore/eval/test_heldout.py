@@ -16,6 +16,7 @@ from ditcore.eval.heldout import (
     sigma_buckets,
     split_noise,
 )
+from ditcore.inputs import Inputs
 from ditcore.layout import grid_positions
 from ditcore.models import DiT, preset
 from ditcore.testing import assert_close_fp32, dit_forward_work
@@ -44,17 +45,17 @@ def test_each_level_is_edms_loss_at_that_sigma_and_splits_reduce_to_the_whole():
     g = torch.Generator().manual_seed(2)
     B, N = 6, 16
     x, noise = torch.randn(B, N, cfg.patch_dim, generator=g) * 0.5, torch.randn(B, N, cfg.patch_dim, generator=g)
-    cond = dict(pos=grid_positions((1, 4, 4)), class_labels=torch.randint(0, 3, (B, 1), generator=g))
+    inputs = Inputs(grid_positions((1, 4, 4)), class_labels=torch.randint(0, 3, (B, 1), generator=g))
     den, loss, buckets = EDMPrecond(model), EDMLoss(), sigma_buckets(4)
-    sums, counts = heldout_losses(den, x, noise, buckets, loss=loss, **cond)
+    sums, counts = heldout_losses(den, x, noise, buckets, loss=loss, inputs=inputs)
     work = dit_forward_work(cfg, N)
     with torch.no_grad():
         for k, s in enumerate(buckets.tolist()):
-            expected = loss(den, x, sigma=torch.full((B, 1), s), noise=noise, **cond)
+            expected = loss(den, x, inputs, sigma=torch.full((B, 1), s), noise=noise)
             assert_close_fp32((sums[k] / counts[k]).float(), expected, work=work)
     # two "ranks" holding halves of the held-out set: their summed pairs give the whole set's mean
-    halves = [heldout_losses(den, x[i:i + 3], noise[i:i + 3], buckets, loss=loss, pos=cond["pos"],
-                             class_labels=cond["class_labels"][i:i + 3]) for i in (0, 3)]
+    halves = [heldout_losses(den, x[i:i + 3], noise[i:i + 3], buckets, loss=loss,
+                             inputs=inputs.replace(class_labels=inputs.class_labels[i:i + 3])) for i in (0, 3)]
     split = (halves[0][0] + halves[1][0]) / (halves[0][1] + halves[1][1])
     assert_close_fp32(split.float(), (sums / counts).float(), work=work)
 
@@ -63,7 +64,7 @@ def _heldout_set(n: int, patch_dim: int) -> list[TokenSample]:
     g = torch.Generator().manual_seed(5)
     grids = [(1, 4, 4), (1, 2, 4), (1, 2, 2), (1, 3, 3), (1, 4, 2), (1, 1, 4), (1, 4, 4)]
     return [TokenSample(key=f"{i:08d}", tokens=torch.randn(t * h * w, patch_dim, generator=g), pos=grid_positions(
-                        (t, h, w)), grid=(t, h, w), text=torch.zeros(0, 0), label=-1, fps=0.0, caption="")
+                        (t, h, w)), grid=(t, h, w), text=torch.zeros(0, 0), meta={}, caption="")
             for i, (t, h, w) in enumerate(grids[:n])]
 
 
@@ -97,14 +98,15 @@ class PerToken(torch.nn.Module):
     """A denoiser whose output at each token depends on that token and its noise level alone: its held-out loss is
     the same however the samples are packed, so a split must reproduce the whole set's up to float64 rounding."""
 
-    def forward(self, x, sigma, seg=None, **cond):
+    def forward(self, x, sigma, inputs=None):
         return torch.tanh(x) * 0.7
 
 
 def test_the_pairs_of_any_split_of_the_set_add_up_to_the_whole_sets_loss():
     samples, buckets, loss = _heldout_set(7, 12), sigma_buckets(5), EDMLoss()
     pairs = lambda mine, rows: heldout_totals(PerToken(), heldout_batches(
-        [samples[i] for i in mine], mine, seed=1, seq_length=32, rows=rows), buckets, loss, device="cpu")
+        [samples[i] for i in mine], mine, seed=1, seq_length=32, rows=rows), buckets, loss, device="cpu",
+        cfg=preset("DiT-Tiny"))
     sums, counts = pairs(list(range(7)), 3)
     assert counts.tolist() == [sum(len(s.tokens) for s in samples) * 12] * 5
     for dp in (2, 3, 7):

@@ -10,6 +10,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from ditcore.errors import ConfigError
+from ditcore.inputs import Inputs
 from ditcore.layout import grid_positions
 from ditcore.models import DiT, apply_activation_checkpointing, apply_compile, preset
 from ditcore.testing import assert_close_fp32, dit_forward_work, dit_grad_work
@@ -48,8 +49,8 @@ def model(mode: str) -> DiT:
 
 
 def loss_of(m: nn.Module, b: dict) -> torch.Tensor:
-    out = m(b["x"], b["c_noise"], b["pos"], seg=b["seg"], class_labels=b["class_labels"], text=b["text"],
-            text_seg=b["text_seg"])
+    out = m(b["x"], b["c_noise"], Inputs(b["pos"], seg=b["seg"], class_labels=b["class_labels"], text=b["text"],
+            text_seg=b["text_seg"]))
     mask = (b["seg"] >= 0)[..., None]
     return ((out - b["target"]).square() * mask).sum() / mask.sum()
 

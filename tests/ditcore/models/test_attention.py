@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from ditcore.errors import ConfigError
+from ditcore.inputs import Inputs
 from ditcore.layout import grid_positions
 from ditcore.models import ARCHS, DiT, build, preset
 from ditcore.models.attention import Mask, attend, resolve, segments
@@ -105,13 +106,13 @@ def check_packed_equals_alone_with_gradients(attention: str, device: str, name: 
     packed, alone = packed_and_alone(cfg, device)
     weights = torch.randn(packed["x"].shape, device=device)  # a loss that weighs every output differently
 
-    out = model(packed["x"], packed["c_noise"], packed["pos"], seg=packed["seg"], text=packed["text"],
-                text_seg=packed["text_seg"])
+    out = model(packed["x"], packed["c_noise"], Inputs(packed["pos"], seg=packed["seg"], text=packed["text"],
+                text_seg=packed["text_seg"]))
     (out * weights * (packed["seg"] >= 0)[..., None]).sum().backward()
     packed_grads = {name: p.grad.clone() for name, p in model.named_parameters()}
     model.zero_grad()
     for r, a, b, smp in alone:
-        one = model(smp["x"], smp["c_noise"], smp["pos"], text=smp["text"])
+        one = model(smp["x"], smp["c_noise"], Inputs(smp["pos"], text=smp["text"]))
         assert_close_fp32(out[r, a:b].detach(), one[0].detach(), work=dit_forward_work(cfg, seq_len=40, text_len=10))
         (one[0] * weights[r, a:b]).sum().backward()
     work = dit_grad_work(cfg, seq_len=40, text_len=10, tokens=80)
@@ -161,8 +162,8 @@ def test_compiled_blocks_share_one_graph_across_packings():
         for i, k in enumerate([8, 5, 11]):
             seg = torch.tensor([[0] * k + [1] * (16 - k), [0] * (16 - k) + [-1] * k])
             with torch._dynamo.config.patch(error_on_recompile=i > 0):
-                out = compiled(x, torch.ones(2, 2), pos, seg=seg, text=text, text_seg=text_seg)
-            ref = eager(x, torch.ones(2, 2), pos, seg=seg, text=text, text_seg=text_seg)
+                out = compiled(x, torch.ones(2, 2), Inputs(pos, seg=seg, text=text, text_seg=text_seg))
+            ref = eager(x, torch.ones(2, 2), Inputs(pos, seg=seg, text=text, text_seg=text_seg))
             real = (seg >= 0)[..., None]
             assert_close_fp32(out * real, ref * real, work=dit_forward_work(cfg, seq_len=16, text_len=5))
 
@@ -214,7 +215,7 @@ def test_flex_compiles_a_few_graphs_for_fifty_text_lengths_and_twenty_packings(m
     # fail_on_recompile_limit_hit: reaching the limit raises instead of quietly running uncompiled from then on
     with torch.no_grad(), torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
         for batch in varied_batches(cfg, 50, g):
-            model(batch.pop("x"), batch.pop("c_noise"), **batch)
+            model(batch.pop("x"), batch.pop("c_noise"), Inputs(**batch))
     assert not counters["graph_break"]
     # Per compiled function (the two kernels; or the mask kernel and the block): its first shapes, a one-token text
     # (dynamo specialises sizes 0 and 1) and symbolic lengths. Measured: 6 with eager blocks, 5 with compiled ones.

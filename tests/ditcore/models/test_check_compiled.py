@@ -6,6 +6,7 @@ import torch
 import torch._dynamo
 from torch._dynamo.utils import clear_compilation_metrics, counters
 
+from ditcore.inputs import Inputs
 from ditcore.layout import grid_positions
 from ditcore.models import DiT, NotCompiled, apply_compile, check_compiled, preset
 
@@ -14,7 +15,7 @@ CFG = preset("DiT-Tiny")
 
 def step(model: DiT) -> None:
     x = torch.randn(2, 16, CFG.patch_dim)
-    model(x, torch.randn(2, 1), grid_positions((1, 4, 4))).square().mean().backward()
+    model(x, torch.randn(2, 1), Inputs(grid_positions((1, 4, 4)))).square().mean().backward()
 
 
 @pytest.fixture(autouse=True)

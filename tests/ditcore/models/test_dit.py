@@ -5,6 +5,7 @@ import torch
 from torch import nn
 
 from ditcore.errors import ConfigError
+from ditcore.inputs import Inputs
 from ditcore.layout import grid_positions
 from ditcore.models import ARCHS, PRESETS, DiT, DiTConfig, build, preset
 from ditcore.models.dit import DiTBlock, apply_rope, rope_angles
@@ -103,10 +104,10 @@ def test_packed_rows_equal_samples_run_alone(arch, pos_embed, attention):
             n, t = n + k, t + L
 
     with torch.no_grad():
-        packed = model(x, c_noise, pos, seg=seg, class_labels=labels, fps=fps, text=text, text_seg=text_seg)
+        packed = model(x, c_noise, Inputs(pos, seg=seg, class_labels=labels, fps=fps, text=text, text_seg=text_seg))
         for r, a, b, smp in spans:
-            alone = model(smp["x"], smp["c_noise"], smp["pos"], class_labels=smp["label"], fps=smp["fps"],
-                          text=smp["text"])
+            alone = model(smp["x"], smp["c_noise"], Inputs(smp["pos"], class_labels=smp["label"], fps=smp["fps"],
+                          text=smp["text"]))
             # the packed row reduces over all N keys (masked ones add exact zeros), the sample alone over its own
             assert_close_fp32(packed[r, a:b], alone[0], work=dit_forward_work(cfg, seq_len=N, text_len=Lmax))
     # The comparison is not vacuous: samples differ from each other and the model is far from identity.
@@ -132,12 +133,12 @@ def test_blocks_with_their_own_embedders_condition_on_them(arch):
                 text=torch.randn(2, 3, 24, generator=g))
     pos = grid_positions((1, 4, 4))
     with torch.no_grad():
-        assert torch.equal(own(x, c_noise, pos, **cond), shared(x, c_noise, pos, **cond))
+        assert torch.equal(own(x, c_noise, Inputs(pos, **cond)), shared(x, c_noise, Inputs(pos, **cond)))
         own.blocks[cfg.depth - 1].y_embedder.weight[1].add_(1.0)  # the last block's row for class 1 only
-        moved = own(x, c_noise, pos, **cond) - shared(x, c_noise, pos, **cond)
+        moved = own(x, c_noise, Inputs(pos, **cond)) - shared(x, c_noise, Inputs(pos, **cond))
     assert moved[0].abs().max() > 1e-3 and torch.equal(moved[1], torch.zeros_like(moved[1]))  # class 5 unmoved
     own.train()
-    own(x, c_noise, pos, **cond).square().sum().backward()
+    own(x, c_noise, Inputs(pos, **cond)).square().sum().backward()
     for i in range(1, cfg.depth):
         for name in ("t_embedder.mlp.0.weight", "y_embedder.weight", "fps_embedder.mlp.2.weight"):
             assert own.blocks[i].get_parameter(name).grad.abs().sum() > 0, (i, name)
@@ -153,9 +154,9 @@ def test_text_padding_is_not_attended(attention):
     garbage = text.clone()
     garbage[:, 3:] = 1e3
     with torch.no_grad():
-        a = model(x, torch.zeros(1, 1), pos, text=text, text_seg=torch.where(mask, 0, -1))
-        b = model(x, torch.zeros(1, 1), pos, text=garbage, text_seg=torch.where(mask, 0, -1))
-        c = model(x, torch.zeros(1, 1), pos, text=text[:, :3])
+        a = model(x, torch.zeros(1, 1), Inputs(pos, text=text, text_seg=torch.where(mask, 0, -1)))
+        b = model(x, torch.zeros(1, 1), Inputs(pos, text=garbage, text_seg=torch.where(mask, 0, -1)))
+        c = model(x, torch.zeros(1, 1), Inputs(pos, text=text[:, :3]))
     torch.testing.assert_close(a, b, rtol=0, atol=0)
     assert_close_fp32(a, c, work=dit_forward_work(cfg, seq_len=16, text_len=6))
 
@@ -168,13 +169,14 @@ def test_a_batch_without_text_gives_every_weight_a_gradient(arch):
     cfg = tiny(arch, text_dim=24)
     model = randomize(DiT(cfg) if arch == "dit" else build(cfg))
     x, pos = torch.randn(1, 16, cfg.patch_dim), grid_positions((1, 4, 4))
-    out = model(x, torch.zeros(1, 1), pos, text=torch.zeros(1, 0, 24), text_seg=torch.zeros(1, 0, dtype=torch.long))
+    no_text = Inputs(pos, text=torch.zeros(1, 0, 24), text_seg=torch.zeros(1, 0, dtype=torch.long))
+    out = model(x, torch.zeros(1, 1), no_text)
     out.square().sum().backward()
     no_grad = [name for name, p in model.named_parameters() if p.grad is None]
     assert not no_grad, no_grad
     assert all(not p.grad.any() for name, p in model.named_parameters() if name.startswith("text_embedder"))
     with torch.no_grad():
-        hidden = model(x, torch.zeros(1, 1), pos, text=torch.randn(1, 3, 24), text_seg=torch.full((1, 3), -1))
+        hidden = model(x, torch.zeros(1, 1), Inputs(pos, text=torch.randn(1, 3, 24), text_seg=torch.full((1, 3), -1)))
     torch.testing.assert_close(out.detach(), hidden, rtol=0, atol=0)
 
 
@@ -349,8 +351,8 @@ def test_compiled_blocks_match_eager():
     assert compiled.state_dict().keys() == eager.state_dict().keys()
     x, pos, c_noise = torch.randn(2, 16, cfg.patch_dim), grid_positions((1, 4, 4)), torch.randn(2, 1)
     kw = dict(class_labels=torch.tensor([[0], [3]]), text=torch.randn(2, 5, 16))
-    out_e = eager(x, c_noise, pos, **kw)
-    out_c = compiled(x, c_noise, pos, **kw)
+    out_e = eager(x, c_noise, Inputs(pos, **kw))
+    out_c = compiled(x, c_noise, Inputs(pos, **kw))
     assert_close_fp32(out_c, out_e, work=dit_forward_work(cfg, seq_len=16, text_len=5))
     out_c.sum().backward()
     out_e.sum().backward()

@@ -6,6 +6,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ditcore.errors import ConfigError
+from ditcore.inputs import Inputs
 from ditcore.models import MovieGen, preset
 from ditcore.models.moviegen import GroupedSelfAttention, MovieGenConfig, SwiGLU
 from ditcore.testing import assert_close_fp32
@@ -79,8 +80,8 @@ def test_grouped_heads_equal_full_heads_with_shared_keys():
 
     x, pos, text = torch.randn(2, 16, cfg.patch_dim), grid_positions((1, 4, 4)), torch.randn(2, 3, 8)
     with torch.no_grad():
-        torch.testing.assert_close(grouped(x, torch.zeros(2, 1), pos, text=text),
-                                   full(x, torch.zeros(2, 1), pos, text=text), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(grouped(x, torch.zeros(2, 1), Inputs(pos, text=text)),
+                                   full(x, torch.zeros(2, 1), Inputs(pos, text=text)), rtol=1e-5, atol=1e-5)
 
 
 def test_swiglu_is_llamas_and_splits_over_tensor_parallel_ranks_by_whole_units():

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from ditcore.diffusion import EDMLoss, EDMPrecond
+from ditcore.inputs import Inputs
 from ditcore.layout import grid_positions, per_token
 from ditcore.models import ARCHS, build, dit, preset
 from ditcore.testing import NoLowPrecisionScatter
@@ -38,8 +39,8 @@ def packed_batch(cfg, rows: list[list[tuple[int, int, int]]], N: int, g: torch.G
 def bf16_training_step(model, b: dict) -> None:
     """dit-train's loss under bf16 autocast (EDM preconditioning around the model), and its backward."""
     with torch.autocast("cpu", torch.bfloat16):
-        loss = EDMLoss()(EDMPrecond(model), b["x"], seg=b["seg"], mask=b["mask"], sigma=b["sigma"], noise=b["noise"],
-                         pos=b["pos"], text=b["text"], text_seg=b["text_seg"], class_labels=b["class_labels"])
+        inputs = Inputs(b["pos"], seg=b["seg"], text=b["text"], text_seg=b["text_seg"], class_labels=b["class_labels"])
+        loss = EDMLoss()(EDMPrecond(model), b["x"], inputs, mask=b["mask"], sigma=b["sigma"], noise=b["noise"])
     loss.backward()
 
 
@@ -85,10 +86,10 @@ def adaln_gradients(model, x, c_noise, pos, seg, weights, precision: str) -> lis
     hooks = [layer.register_forward_hook(lambda _m, _i, out: (out.retain_grad(), outputs.append(out))[1])
              for layer in (model.blocks[0].adaLN, model.final.adaLN)]
     if precision == "fp64":
-        out = model.double()(x.double(), c_noise.double(), pos, seg=seg)
+        out = model.double()(x.double(), c_noise.double(), Inputs(pos, seg=seg))
     else:
         with torch.autocast("cpu", torch.bfloat16):
-            out = model(x, c_noise, pos, seg=seg)
+            out = model(x, c_noise, Inputs(pos, seg=seg))
     (out.double() * weights.double()).sum().backward()
     for hook in hooks:
         hook.remove()

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from ditcore.errors import ConfigError
+from ditcore.inputs import Inputs
 from ditcore.layout import grid_positions, grid_rows
 from ditcore.models import build, preset
 from ditcore.models.dit import DiTBlock
@@ -148,11 +149,11 @@ def test_grids_that_are_not_the_rows_are_refused_where_that_is_free():
     model = build(cfg)
     pos, seg = packed_row()
     x = torch.randn(1, pos.shape[1], cfg.patch_dim)
-    model(x, torch.zeros(1, 3), pos, seg=seg, grids=[GRIDS])
+    model(x, torch.zeros(1, 3), Inputs(pos, seg=seg, grids=[GRIDS]))
     with pytest.raises(ValueError, match="not the layout of the rows' samples and positions"):
-        model(x, torch.zeros(1, 3), pos, seg=seg, grids=[[(3, 2, 2), (1, 2, 3), (1, 1, 1)]])
+        model(x, torch.zeros(1, 3), Inputs(pos, seg=seg, grids=[[(3, 2, 2), (1, 2, 3), (1, 1, 1)]]))
     with pytest.raises(ValueError, match=r"not the layout of 1 rows of 23 tokens, each one sample without padding"):
-        model(x, torch.zeros(1, 1), pos, grids=[GRIDS])
+        model(x, torch.zeros(1, 1), Inputs(pos, grids=[GRIDS]))
 
 
 def test_context_parallel_decisions_and_counts_come_from_the_host():
@@ -230,8 +231,8 @@ def test_a_training_step_reads_no_value_back_given_the_grids(monkeypatch, packed
     monkeypatch.setattr(dit, "check_positions", watch.unwatched(dit.check_positions))
     monkeypatch.setattr(stdit, "check_grids", watch.unwatched(stdit.check_grids))
     with watch:
-        loss = EDMLoss()(EDMPrecond(model), x, seg=seg, sigma=sigma, noise=noise, grids=grids, **cond)
+        loss = EDMLoss()(EDMPrecond(model), x, Inputs(seg=seg, grids=grids, **cond), sigma=sigma, noise=noise)
         loss.backward()
     assert loss.isfinite() and all(p.grad is not None for p in model.parameters())
     with pytest.raises(RuntimeError, match="makes the host wait"), watch:
-        EDMLoss()(EDMPrecond(model), x, seg=seg, sigma=sigma, noise=noise, **cond)
+        EDMLoss()(EDMPrecond(model), x, Inputs(seg=seg, **cond), sigma=sigma, noise=noise)

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch._dynamo.utils import counters
 
 from ditcore.diffusion import EDMLoss, EDMPrecond
+from ditcore.inputs import Inputs
 from ditcore.layout import grid_rows
 from ditcore.models import apply_compile, dit, preset, stdit
 from ditcore.parallel import ParallelDims, build_parallel_model, context_parallel
@@ -69,8 +70,8 @@ def batch(grids: list[list[tuple[int, int, int]]], L: int, g: torch.Generator) -
 
 
 def loss_of(model, b: dict) -> torch.Tensor:
-    return EDMLoss()(EDMPrecond(model), b["x"], seg=b["seg"], mask=b["mask"], sigma=b["sigma"], noise=b["noise"],
-                     **b["cond"])
+    return EDMLoss()(EDMPrecond(model), b["x"], Inputs(seg=b["seg"], **b["cond"]), mask=b["mask"], sigma=b["sigma"],
+                     noise=b["noise"])
 
 
 def first_host_read(model) -> str | None:

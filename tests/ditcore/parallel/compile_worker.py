@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch._dynamo.utils import counters
 
 from ditcore.diffusion import EDMLoss, EDMPrecond
+from ditcore.inputs import Inputs
 from ditcore.layout import grid_positions
 from ditcore.models import preset
 from ditcore.parallel import ParallelDims, build_parallel_model, finalize_grads, gather_full
@@ -86,15 +87,16 @@ def packed_batch(g: torch.Generator, cfg) -> dict:
 def train_step(model, batch, groups) -> torch.Tensor:
     """Loss and gradients of one EDM step on this rank (its pipeline stage's part, under PP); the loss on every rank."""
     denoiser, loss_fn = EDMPrecond(model), EDMLoss()
-    kw = dict(seg=batch["seg"], mask=batch["mask"], sigma=batch["sigma"], noise=batch["noise"], **batch["cond"])
+    inputs = Inputs(seg=batch["seg"], **batch["cond"])
+    kw = dict(mask=batch["mask"], sigma=batch["sigma"], noise=batch["noise"])
     if groups.dims.pp == 1:
-        loss = loss_fn(denoiser, batch["x"], **kw)
+        loss = loss_fn(denoiser, batch["x"], inputs, **kw)
         loss.backward()
     else:
         losses, n = [], len(range(N)[model.rows.spans(N)[1]])
 
         def forward(i, hidden):
-            out = stage_forward(loss_fn, denoiser, batch["x"], last=groups.last_stage, hidden=hidden, **kw)
+            out = stage_forward(loss_fn, denoiser, batch["x"], inputs, last=groups.last_stage, hidden=hidden, **kw)
             if groups.last_stage:
                 losses.append(out.detach())
             return out

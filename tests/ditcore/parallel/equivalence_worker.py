@@ -22,6 +22,7 @@ from ditcore import runs
 from ditcore.data.packing import TokenSample
 from ditcore.diffusion import EDMLoss, EDMPrecond
 from ditcore.eval.heldout import heldout_batches, heldout_totals, sigma_buckets
+from ditcore.inputs import Inputs
 from ditcore.layout import grid_positions
 from ditcore.models import apply_activation_checkpointing, build, preset, register
 from ditcore.parallel import (
@@ -108,14 +109,15 @@ def heldout_losses_of(model, groups=None) -> torch.Tensor:
     g = torch.Generator().manual_seed(11)
     samples = [TokenSample(key=f"{i:08d}", tokens=torch.randn(t * h * w, CFG.patch_dim, generator=g) * 0.5,
                            pos=grid_positions((t, h, w)), grid=(t, h, w), text=torch.randn(2 + i, 16, generator=g),
-                           label=i % 6 - 1, fps=8.0, caption="") for i, (t, h, w) in enumerate(HELDOUT_GRIDS)]
+                           meta={"fps": 8.0} | ({"label": i % 6 - 1} if i % 6 else {}), caption="")
+               for i, (t, h, w) in enumerate(HELDOUT_GRIDS)]
     dp, rank = (groups.dims.dp, groups.dp_rank) if groups else (1, 0)
     mine = list(range(len(samples)))[rank::dp]
     batches = heldout_batches([samples[i] for i in mine], mine, seed=3, seq_length=32, rows=2)
     if groups is not None and groups.dims.pp > 1:
         model = PipelinedModel(model, groups)
     sums, counts = heldout_totals(EDMPrecond(model), batches, sigma_buckets(3), EDMLoss(), device="cpu",
-                                  null_class=CFG.num_classes, group=groups.dp_group if groups else None)
+                                  cfg=CFG, group=groups.dp_group if groups else None)
     return sums / counts
 
 
@@ -148,8 +150,8 @@ def step(model, batch, module=None, micro: int = 1, no_sync=None, between: dict 
     denoiser, losses = Recording(module or model), []
     for i, part in enumerate(micro_batches(batch, micro)):
         with no_sync(i < micro - 1) if no_sync else contextlib.nullcontext():
-            loss = EDMLoss()(denoiser, part["x"], seg=part["seg"], mask=part["mask"], sigma=part["sigma"],
-                             noise=part["noise"], **part["cond"])
+            loss = EDMLoss()(denoiser, part["x"], inputs_of_part(part), mask=part["mask"], sigma=part["sigma"],
+                             noise=part["noise"])
             (loss / micro).backward()
         losses.append(loss.detach())
         if between is not None and i == 0 and micro > 1:
@@ -175,6 +177,11 @@ def fsdp_groups(model) -> dict:
     return {"fsdp": mesh.get_group("shard"), "replicate": mesh.get_group("replicate")}
 
 
+def inputs_of_part(part: dict) -> Inputs:
+    """The model's inputs of a batch (or its rows): its seg and conditioning."""
+    return Inputs(seg=part["seg"], **part["cond"])
+
+
 def micro_batches(batch, micro: int) -> list[dict]:
     n = batch["x"].shape[0] // micro
     return [rows(batch, slice(i * n, (i + 1) * n)) for i in range(micro)]
@@ -189,8 +196,8 @@ def pipeline_step(model, batch, groups, micro: int, counter):
 
     def forward(i, hidden):
         p = parts[i]
-        out = stage_forward(EDMLoss(), denoiser, p["x"], last=g.last_stage, hidden=hidden, seg=p["seg"],
-                            mask=p["mask"], sigma=p["sigma"], noise=p["noise"], **p["cond"])
+        out = stage_forward(EDMLoss(), denoiser, p["x"], inputs_of_part(p), last=g.last_stage, hidden=hidden,
+                            mask=p["mask"], sigma=p["sigma"], noise=p["noise"])
         if g.last_stage:
             losses.append(out.detach())
             return out / micro

@@ -20,6 +20,7 @@ from lightning_fabric import Fabric
 
 from ditcore import runs
 from ditcore.diffusion import EMA, EDMLoss, EDMPrecond
+from ditcore.inputs import Inputs
 from ditcore.layout import grid_positions
 from ditcore.memory import measured_state_bytes
 from ditcore.models import DiT, preset
@@ -57,8 +58,8 @@ def train_step(fabric, model, opt, ema, groups, step: int) -> float:
     """One AdamW step on this rank's rows of the step's batch; returns the loss of the whole batch."""
     per = ROWS // groups.dims.dp
     b = {k: v[groups.dp_rank * per:(groups.dp_rank + 1) * per] for k, v in batch(step).items()}
-    loss = EDMLoss()(EDMPrecond(model), b["x"], sigma=b["sigma"], noise=b["noise"], pos=POS,
-                     class_labels=b["class_labels"], text=b["text"])
+    loss = EDMLoss()(EDMPrecond(model), b["x"], Inputs(POS, class_labels=b["class_labels"], text=b["text"]),
+                     sigma=b["sigma"], noise=b["noise"])
     opt.zero_grad()
     fabric.backward(loss)
     finalize_grads(model.module, groups)
@@ -105,7 +106,8 @@ def main() -> None:
     final_ema = gather_full(model.module, without_extra_state(ema.module.state_dict()), groups)
     b = batch(99)
     with torch.no_grad():
-        probe = EDMPrecond(model.module)(b["x"], b["sigma"], pos=POS, class_labels=b["class_labels"], text=b["text"])
+        inputs = Inputs(POS, class_labels=b["class_labels"], text=b["text"])
+        probe = EDMPrecond(model.module)(b["x"], b["sigma"], inputs)
     if fabric.global_rank == 0:
         name = f"{mode}-{layout}"
         torch.save({"weights": final, "ema": final_ema, "probe_output": probe}, out / f"{name}.pt")

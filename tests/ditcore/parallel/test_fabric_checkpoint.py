@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from ditcore.diffusion import EDMPrecond
+from ditcore.inputs import Inputs
 from ditcore.job import Layout
 from ditcore.memory import plan_from
 from ditcore.models import DiT
@@ -95,7 +96,7 @@ def test_consolidated_tp2_weights_give_the_same_outputs_on_one_device(runs):
     load_consolidated(model, final["weights"], None)
     b = batch(99)
     with torch.no_grad():
-        out = EDMPrecond(model)(b["x"], b["sigma"], pos=POS, class_labels=b["class_labels"], text=b["text"])
+        out = EDMPrecond(model)(b["x"], b["sigma"], Inputs(POS, class_labels=b["class_labels"], text=b["text"]))
     # not bitwise: TP=2 splits the projections' reductions over the ranks and adds the halves (+2 terms);
     # EDMPrecond adds c_skip·x + c_out·F (+2)
     work = dit_forward_work(CFG, seq_len=len(POS), text_len=b["text"].shape[1]) + 2 + 2

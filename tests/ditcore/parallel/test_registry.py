@@ -16,6 +16,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from ditcore.diffusion import EDMLoss, EDMPrecond
 from ditcore.errors import ConfigError
 from ditcore.flops import training_flops_per_token
+from ditcore.inputs import Inputs
 from ditcore.job import Layout
 from ditcore.layout import grid_positions
 from ditcore.memory import GiB, advise, plan_from
@@ -92,7 +93,7 @@ def saved_bytes(model, b) -> int:
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        EDMLoss()(EDMPrecond(model), b["x"], seg=None, mask=b["mask"], sigma=b["sigma"], noise=b["noise"], pos=b["pos"])
+        EDMLoss()(EDMPrecond(model), b["x"], Inputs(b["pos"]), mask=b["mask"], sigma=b["sigma"], noise=b["noise"])
     return sum(saved.values())
 
 
@@ -112,7 +113,7 @@ def test_memory_and_flops_are_those_of_its_model(fourth):
 
     def weight_macs(n: int) -> int:  # multiply-adds of the matmuls with weights in a forward of one n-token sample
         with FlopCounterMode(display=False) as counter, torch.no_grad():
-            model(torch.randn(1, n, cfg.patch_dim), torch.zeros(1, 1), grid_positions((1, 1, n)))
+            model(torch.randn(1, n, cfg.patch_dim), torch.zeros(1, 1), Inputs(grid_positions((1, 1, n))))
         ops = counter.get_flop_counts()["Global"]
         return sum(int(v) for op, v in ops.items() if str(op) in ("aten.mm", "aten.addmm", "aten.bmm")) // 2
 

@@ -14,6 +14,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ditcore.diffusion import EDMLoss, EDMPrecond
+from ditcore.inputs import Inputs
 from ditcore.layout import grid_positions
 from ditcore.models import build, preset
 from ditcore.parallel import ParallelDims, parallelize
@@ -57,12 +58,13 @@ def bf16_step(model: torch.nn.Module) -> Collectives:
     seg = torch.arange(N).expand(B, -1) // (N // S)
     pos = torch.cat([grid_positions((1, 4, 4))] * S)
     x = torch.randn(B, N, model.cfg.patch_dim)
-    cond = dict(pos=pos, seg=seg, mask=seg >= 0, class_labels=torch.zeros(B, S, dtype=torch.long),
-                fps=torch.ones(B, S), text=torch.randn(B, L, 16), text_seg=torch.arange(L).expand(B, -1) % S)
+    inputs = Inputs(pos=pos, seg=seg, class_labels=torch.zeros(B, S, dtype=torch.long), fps=torch.ones(B, S),
+                    text=torch.randn(B, L, 16), text_seg=torch.arange(L).expand(B, -1) % S)
     recorded = Collectives()
     with recorded:
         with torch.autocast("cpu", torch.bfloat16):
-            loss = EDMLoss()(EDMPrecond(model), x, sigma=torch.ones(B, S), noise=torch.randn_like(x), **cond)
+            loss = EDMLoss()(EDMPrecond(model), x, inputs, mask=seg >= 0, sigma=torch.ones(B, S),
+                             noise=torch.randn_like(x))
         loss.backward()
     return recorded
 

@@ -31,6 +31,7 @@ from ditcore.data.schema import (
 from ditcore.diffusion import EDMLoss
 from ditcore.errors import ConfigError
 from ditcore.eval.heldout import bucket_weights, heldout_batches, heldout_totals, sigma_buckets
+from ditcore.models import inputs_of
 from ditcore.parallel.pipeline import PipelinedModel
 
 
@@ -104,7 +105,7 @@ class HeldOutLoss:
         samples = read_heldout(root, h.samples, m.patch_size, m.patch_size_t, cfg.data.seq_length)
         mine = list(range(len(samples)))[groups.dp_rank::groups.dims.dp]  # TP/CP/PP peers hold the same
         batches = heldout_batches([samples[i] for i in mine], mine, h.seed, cfg.data.seq_length,
-                                  cfg.train.micro_batch, text_multiple=128 if run.on_gpu else 1)
+                                  cfg.train.micro_batch, text_multiple=128 if run.on_gpu else 1, inputs=inputs_of(m))
         fabric.print(f"held-out loss: {len(samples)} samples of {root} at {h.buckets} noise levels "
                      f"({h.sigma_min:g} to {h.sigma_max:g}), EMA and raw weights")
         e = cfg.edm  # the run's EDM loss; under edm.loss=ddpm too (its levels rounded to the network's under VP)
@@ -125,7 +126,7 @@ class HeldOutLoss:
             if run.groups.dims.pp > 1:  # the hidden states go through the stages; every stage gets the output
                 model = PipelinedModel(model, run.groups)
             sums, counts = heldout_totals(run.recipe.denoiser(model), self.batches, self.buckets, self.loss,
-                                          device=run.fabric.device, null_class=run.model_cfg.num_classes,
+                                          device=run.fabric.device, cfg=run.model_cfg,
                                           latent_map=self.latent_map, group=run.groups.dp_group,
                                           autocast=run.fabric.autocast)
             losses = (sums / counts).cpu()  # waits for the device: a validation step

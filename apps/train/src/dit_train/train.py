@@ -35,7 +35,7 @@ from ditcore.diffusion import EMA, EDMPrecond
 from ditcore.errors import ConfigError
 from ditcore.export import export_model
 from ditcore.flops import batch_flops, gpu_peak_flops, measure_cpu_peak_flops
-from ditcore.models import DiTConfig, check_compiled
+from ditcore.models import DiTConfig, check_compiled, inputs_of
 from ditcore.models.dit import check_positions
 from ditcore.parallel import (
     ParallelDims,
@@ -282,7 +282,7 @@ def build(run: Setup) -> Trainee:
                           dp_group=groups.dp_group, shuffle_buffer_size=cfg.data.shuffle_buffer,
                           packing_buffer_size=cfg.data.packing_buffer, seed=cfg.train.seed,
                           text_multiple=128 if run.on_gpu else 1,  # 128: FlexAttention's key block
-                          max_skipped_in_a_row=cfg.data.max_skipped_in_a_row)
+                          max_skipped_in_a_row=cfg.data.max_skipped_in_a_row, inputs=inputs_of(model_cfg))
     state = {runs.MODEL: model, "optimizer": optimizer, runs.EMA: ema.module, "scheduler": scheduler, "step": 0,
              "history": [],  # [step, loss] of every step
              # samples this rank's loader passed over, by reason; the shards left out at the start, counted once
@@ -447,8 +447,8 @@ def train_step(run: Setup, t: Trainee, it, step: int, metrics: Metrics) -> Micro
             # around the backward too: FSDP2 reads it there (fsdp_sync=step: ditcore.parallel.fsdp.accumulating)
             with fabric.no_backward_sync(t.model, enabled=i < run.accum - 1):
                 with fabric.autocast():
-                    loss = t.loss_fn(t.denoiser, m.batch.x, mask=m.batch.mask, sigma=m.draw.sigma,
-                                     noise=m.draw.noise, **m.inputs)
+                    loss = t.loss_fn(t.denoiser, m.batch.x, m.draw.inputs, mask=m.batch.mask, sigma=m.draw.sigma,
+                                     noise=m.draw.noise)
                 fabric.backward(loss / run.accum)
             loss_sum += loss.detach()
             del m, loss  # this micro-batch's tensors go before the next one is loaded
@@ -476,8 +476,8 @@ def pipeline_step(run: Setup, t: Trainee, micro: MicroBatches) -> torch.Tensor:
         nonlocal loss_sum
         m = micro.take(i)  # afterwards autograd keeps what backward needs of it, and nothing else stays
         with fabric.autocast():
-            out = stage_forward(t.loss_fn, t.denoiser, m.batch.x, last=groups.last_stage, hidden=hidden,
-                                mask=m.batch.mask, sigma=m.draw.sigma, noise=m.draw.noise, **m.inputs)
+            out = stage_forward(t.loss_fn, t.denoiser, m.batch.x, m.draw.inputs, last=groups.last_stage, hidden=hidden,
+                                mask=m.batch.mask, sigma=m.draw.sigma, noise=m.draw.noise)
         if not groups.last_stage:
             return out
         loss_sum = loss_sum + out.detach()
@@ -526,8 +526,7 @@ class MicroBatches:
         if self.t.latent_map is not None:  # into the units the network was trained on, on the device
             batch.x = self.t.latent_map(batch.x, batch.mask)
         g = step_generator(run.cfg.train.seed, self.step, i, run.groups.dp_rank, device)  # TP/CP/PP peers alike
-        d = draw(batch, g, self.t.loss_fn, run.cfg.edm.cfg_dropout, model_cfg.num_classes)
-        return MicroBatch(batch, d, batch.model_inputs(text_seg=d.text_seg, class_labels=d.class_labels))
+        return MicroBatch(batch, draw(batch, g, self.t.loss_fn, run.cfg.edm.cfg_dropout, model_cfg))
 
     def _next_on_host(self) -> PackedBatch:
         """The loader's next batch, still on the host, counted and checked. Every read of a value in a step is here,
@@ -543,8 +542,7 @@ class MicroBatches:
 @dataclass
 class MicroBatch:
     batch: PackedBatch
-    draw: StepDraw
-    inputs: dict  # the model's keyword inputs: positions, segments, conditioning after CFG dropout
+    draw: StepDraw  # its noise levels, noise and the model's inputs after CFG dropout
 
 
 def scored(t: Trainee) -> dict[str, torch.nn.Module]:

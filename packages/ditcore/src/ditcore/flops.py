@@ -23,8 +23,7 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from ditcore.layout import grid_positions
-from ditcore.models import build
+from ditcore.models import build, inputs_of
 from ditcore.models.dit import DiTConfig
 
 
@@ -102,11 +101,8 @@ def _probe(cfg: DiTConfig, real: bool) -> tuple[int, int, int]:
 
     hooks = [m.register_forward_hook(count) for m in model.modules() if isinstance(m, nn.Linear)]
     with torch.no_grad(), model.fake_mode:
-        cond = {"text": torch.empty(1, _PROBE_TEXT, cfg.text_dim)} if cfg.text_dim else {}
-        cond |= {"class_labels": torch.zeros(1, 1, dtype=torch.long)} if cfg.num_classes else {}
-        cond |= {"fps": torch.ones(1, 1)} if cfg.fps_cond else {}
-        model(torch.empty(1, n, cfg.patch_dim), torch.zeros(1, 1), grid_positions(_PROBE_GRID), grids=[[_PROBE_GRID]],
-              **cond)
+        inputs = inputs_of(cfg).planned(cfg, [[_PROBE_GRID]], n, _PROBE_TEXT, packed=False)  # every input it reads
+        model(torch.empty(1, n, cfg.patch_dim), torch.zeros(1, 1), inputs)
     for hook in hooks:
         hook.remove()
     return rows[n], rows[_PROBE_TEXT], rows[1]
@@ -136,7 +132,7 @@ def batch_flops(cfg: DiTConfig, batch) -> float:
     batch's total needs only Σn, Σn·attended(n, f), Σn·t and Σt over its samples: a few tensor reductions on the
     host, no loop.
     """
-    B, S = batch.class_labels.shape
+    B, S = batch.per_sample_shape
 
     def per_sample(seg: torch.Tensor) -> torch.Tensor:  # (B, S) counts of each sample's tokens in seg (B, ·)
         real = seg >= 0

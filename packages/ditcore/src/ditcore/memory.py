@@ -64,7 +64,7 @@ from ditcore.errors import ConfigError
 from ditcore.flops import block_period, fake_model
 from ditcore.job import Layout
 from ditcore.layout import grid_rows
-from ditcore.models import apply_activation_checkpointing, build, plan_for
+from ditcore.models import apply_activation_checkpointing, build, inputs_of, plan_for
 from ditcore.models.dit import DiTConfig
 from ditcore.parallel.pipeline import stage_blocks
 from ditcore.parallel.standins import rank_share
@@ -507,19 +507,12 @@ def _record(cfg: DiTConfig, key: _RecordKey) -> _Record:
 def planned_batch(cfg: DiTConfig, B: int, N: int, L: int, S: int, packed: bool) -> dict:
     """A training batch of the planned shapes (fake tensors: make it under the model's fake mode): B rows of N tokens,
     each packing S samples of equal grids (then padding) with L text tokens shared among them; or, not packed, one
-    sample filling each row, without masks."""
-    n = N // S if packed else N
-    grid = fit_grid(n, cfg.max_grid)
-    seg, pos = grid_rows([[grid] * (S if packed else 1)] * B, N)
-    text_seg = torch.arange(L) // max(1, -(-L // S)) if packed else None
-    cond = {"pos": pos, "seg": seg if packed else None, "mask": seg >= 0, "grids": [[grid] * (S if packed else 1)] * B,
-            "text_seg": None if text_seg is None else text_seg.expand(B, -1),
-            "class_labels": torch.zeros(B, S, dtype=torch.long) if cfg.num_classes else None,
-            "fps": torch.ones(B, S) if cfg.fps_cond else None}
-    if cfg.text_dim:
-        cond["text"] = torch.empty(B, L, cfg.text_dim)
-    return {"x": torch.empty(B, N, cfg.patch_dim), "sigma": torch.ones(B, S), "noise": torch.empty(B, N, cfg.patch_dim),
-            **cond}
+    sample filling each row, without masks. The keyword arguments of the loss after x (the model's `inputs`, of its
+    architecture's type)."""
+    grid = fit_grid(N // S if packed else N, cfg.max_grid)
+    inputs = inputs_of(cfg).planned(cfg, [[grid] * (S if packed else 1)] * B, N, L, packed)
+    return {"x": torch.empty(B, N, cfg.patch_dim), "inputs": inputs, "sigma": torch.ones(B, S),
+            "noise": torch.empty(B, N, cfg.patch_dim), "mask": grid_rows(inputs.grids, N)[0] >= 0}
 
 
 def fit_grid(n: int, max_grid: tuple[int, int, int]) -> tuple[int, int, int]:

@@ -17,6 +17,7 @@ from tqdm import tqdm
 from ditcore.codecs import Codec, LatentStats
 from ditcore.diffusion import EDMPrecond, ddim_sampler, edm_sampler, guided
 from ditcore.diffusion.vp import DiscreteVP
+from ditcore.inputs import Inputs
 from ditcore.layout import grid_positions, unpatchify
 from ditcore.models.dit import DiT, DiTConfig
 
@@ -73,24 +74,19 @@ def _text_rows(states: list[torch.Tensor], dim: int, device) -> tuple[torch.Tens
     return text, seg
 
 
-def _conditioning(model: DiT, B: int, grid, use_cfg: bool, text_states, negative_states, class_labels, fps: float,
-                  device) -> dict:
-    """The forward's conditioning of B rows, then (with CFG) of B unconditional ones: each row one sample."""
-    cfg, rows = model.cfg, (2 if use_cfg else 1) * B
-    cond: dict = {"grids": [[grid]] * rows}  # every row one sample, known on the host
+def _inputs(model: DiT, B: int, pos: torch.Tensor, grid, use_cfg: bool, text_states, negative_states,
+            values: dict) -> Inputs:
+    """The inputs of B rows of one sample each, then (with CFG) of B unconditional ones: their text the negative
+    prompts' or none, their conditions with a null value (the class) that value (Inputs.for_sampling)."""
+    cfg, device = model.cfg, pos.device
+    text = text_seg = None
     if cfg.text_dim:
         states = [s.to(device) for s in (text_states or [torch.zeros(0, cfg.text_dim)] * B)]
         if use_cfg:
             states += [s.to(device) for s in negative_states] if negative_states else \
                 [torch.zeros(0, cfg.text_dim, device=device)] * B
-        cond["text"], cond["text_seg"] = _text_rows(states, cfg.text_dim, device)
-    if cfg.num_classes:
-        labels = list(class_labels) if class_labels is not None else [model.null_class] * B
-        labels += [model.null_class] * B if use_cfg else []
-        cond["class_labels"] = torch.tensor(labels, device=device)[:, None]
-    if cfg.fps_cond:
-        cond["fps"] = torch.full((rows, 1), float(fps), device=device)
-    return cond
+        text, text_seg = _text_rows(states, cfg.text_dim, device)
+    return model.inputs_class.for_sampling(cfg, B, pos, grid, text, text_seg, values, unconditional=B if use_cfg else 0)
 
 
 def _check_schedule(schedule: str, vp: DiscreteVP | None, steps: int, solver: str) -> None:
@@ -125,13 +121,16 @@ def sample(
     vp: DiscreteVP | None = None,
     schedule: str = "karras",
     callback: Callable[[int, int], None] | None = None,
+    conditions: dict | None = None,
 ) -> SampleResult:
     """Sample B = len(text_states) (or len(class_labels), or num) items with the EDM sampler.
 
     prediction: what the network was trained to output (ditcore.diffusion.edm; an export records it).
     vp: a DDPM network's schedule (VP preconditioning, ditcore.diffusion.vp), None for EDM's.
     schedule: karras (EDM's noise levels, Eq. 5) or ddim (a DDPM network's: DDIM's timesteps, as vp says; with solver
-    euler DDIM itself, ditcore.diffusion.sampler.ddim_sampler)."""
+    euler DDIM itself, ditcore.diffusion.sampler.ddim_sampler).
+    conditions: values of the architecture's other per-sample conditions (ditcore.inputs), by field name: one for
+    every sample or a list of one each; one not given has its default."""
     cfg = model.cfg
     B = len(text_states) if text_states is not None else len(class_labels) if class_labels is not None else num
     if not B:
@@ -141,7 +140,8 @@ def sample(
     pos = grid_positions(grid, device=device)
     use_cfg = guidance != 1.0
 
-    cond = _conditioning(model, B, grid, use_cfg, text_states, negative_states, class_labels, fps, device)
+    values = {"class_labels": class_labels, "fps": float(fps)} | (conditions or {})
+    inputs = _inputs(model, B, pos, grid, use_cfg, text_states, negative_states, values)
     _check_schedule(schedule, vp, steps, solver)
     precond = EDMPrecond(model, prediction=prediction, vp=vp).eval()
     sigma_min, sigma_max = precond.sigma_range(SIGMA_MIN, SIGMA_MAX)
@@ -150,7 +150,7 @@ def sample(
     def denoise(x: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
         nonlocal nfe
         nfe += 1
-        return precond(x, sigma.expand(x.shape[0], 1), pos=pos, **cond)
+        return precond(x, sigma.expand(x.shape[0], 1), inputs)
 
     g = torch.Generator(device="cpu").manual_seed(seed)
     noise = torch.randn(B, pos.shape[0], cfg.patch_dim, generator=g).to(device)

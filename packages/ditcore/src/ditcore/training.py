@@ -16,6 +16,7 @@ from ditcore.codecs import LatentStats
 from ditcore.data.packing import PackedBatch
 from ditcore.diffusion import EDMLoss, EDMPrecond
 from ditcore.diffusion.ddpm import DDPMLoss
+from ditcore.inputs import Inputs
 from ditcore.layout import SIGMA_DATA
 
 Loss = EDMLoss | DDPMLoss
@@ -26,46 +27,39 @@ def step_generator(seed: int, step: int, micro: int, dp_rank: int, device="cpu")
     return torch.Generator(device=device).manual_seed(hash((seed, step, micro, dp_rank)) % 2**62)
 
 
-def drop_conditions(batch: PackedBatch, p: float, null_class: int, g: torch.Generator):
-    """CFG dropout per sample: its text becomes empty (all text tokens masked) and its class the null class.
-
-    Returns (text_seg, class_labels) to use in place of the batch's; unlabelled samples get the null class too.
-    """
-    B, S = batch.class_labels.shape
-    drop = torch.rand(B, S, generator=g, device=g.device) < p
-    text_seg = batch.text_seg
-    if text_seg.numel():
-        dropped = drop.gather(1, text_seg.clamp(min=0)) & (text_seg >= 0)
-        text_seg = torch.where(dropped, -1, text_seg)
-    labels = torch.where(drop | (batch.class_labels < 0), null_class, batch.class_labels)
-    return text_seg, labels
+def drop_conditions(batch: PackedBatch, p: float, cfg, g: torch.Generator) -> Inputs:
+    """The batch's inputs after CFG dropout per sample (Inputs.dropped): a dropped sample's text becomes empty (all
+    its text tokens masked) and each condition with a null value takes it (its class the null class); unlabelled
+    samples get the null class too. cfg: the model's config, whose null values they are."""
+    drop = torch.rand(batch.per_sample_shape, generator=g, device=g.device) < p
+    return batch.inputs().dropped(drop, cfg)
 
 
 @dataclass
 class StepDraw:
-    text_seg: torch.Tensor  # (B, L) after CFG dropout
-    class_labels: torch.Tensor  # (B, S) after CFG dropout, null class for unlabelled samples
+    inputs: Inputs  # the batch's, after CFG dropout
     sigma: torch.Tensor  # (B, S) noise level of each sample
     noise: torch.Tensor  # like batch.x
 
 
-def draw(batch: PackedBatch, g: torch.Generator, loss: Loss, cfg_dropout: float, null_class: int) -> StepDraw:
-    """One micro-batch's random choices, in a fixed order from one generator on the batch's device."""
-    text_seg, labels = drop_conditions(batch, cfg_dropout, null_class, g)
-    sigma = loss.sample_sigma(tuple(batch.class_labels.shape), device=g.device, generator=g)
+def draw(batch: PackedBatch, g: torch.Generator, loss: Loss, cfg_dropout: float, cfg) -> StepDraw:
+    """One micro-batch's random choices, in a fixed order from one generator on the batch's device. cfg: the
+    model's config (the null values of CFG dropout)."""
+    inputs = drop_conditions(batch, cfg_dropout, cfg, g)
+    sigma = loss.sample_sigma(batch.per_sample_shape, device=g.device, generator=g)
     noise = torch.randn(batch.x.shape, generator=g, device=g.device)
-    return StepDraw(text_seg, labels, sigma, noise)
+    return StepDraw(inputs, sigma, noise)
 
 
-def stage_forward(loss: Loss, denoiser: EDMPrecond, x: torch.Tensor, *, last: bool, hidden: torch.Tensor | None,
-                  sigma: torch.Tensor, noise: torch.Tensor, seg=None, mask=None, **cond) -> torch.Tensor:
+def stage_forward(loss: Loss, denoiser: EDMPrecond, x: torch.Tensor, inputs: Inputs, *, last: bool,
+                  hidden: torch.Tensor | None, sigma: torch.Tensor, noise: torch.Tensor, mask=None) -> torch.Tensor:
     """One pipeline stage's part of the EDM loss (ditcore.parallel.pipeline): the last stage computes the loss from
     the hidden states it is given; the others run the backbone on the same noisy, preconditioned inputs and return
     their hidden states. With one stage (last, hidden None) it is the loss itself."""
     if last:
-        return loss(denoiser, x, seg=seg, mask=mask, sigma=sigma, noise=noise, hidden=hidden, **cond)
-    inputs = denoiser.model_inputs(loss.noisy(x, sigma, noise, seg), sigma, seg)
-    return denoiser.model(*inputs, seg=seg, hidden=hidden, **cond)
+        return loss(denoiser, x, inputs, mask=mask, sigma=sigma, noise=noise, hidden=hidden)
+    model_inputs = denoiser.model_inputs(loss.noisy(x, sigma, noise, inputs.seg), sigma, inputs.seg)
+    return denoiser.model(*model_inputs, inputs, hidden=hidden)
 
 
 @dataclass(frozen=True)

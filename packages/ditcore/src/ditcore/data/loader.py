@@ -15,6 +15,7 @@ import gc
 import hashlib
 import json
 import logging
+import math
 import multiprocessing
 import os
 import signal
@@ -43,6 +44,7 @@ from ditcore import quiet
 from ditcore.data.fit import latent_shapes, tokens_of
 from ditcore.data.packing import PackedBatch, PackedRow, TokenSample, collate, first_fit_decreasing
 from ditcore.data.schema import INFO_FILE, DatasetError, crude_config, read_info, read_sample
+from ditcore.inputs import Inputs
 
 log = logging.getLogger(__name__)
 
@@ -190,8 +192,9 @@ class PackingTaskEncoder(TaskEncoder):
 
     def __init__(self, *, patch_size: int, patch_size_t: int, seq_length: int, text_dim: int, text_multiple: int = 1,
                  max_skipped_in_a_row: int = MAX_SKIPPED_IN_A_ROW, dataset_stamp: dict | None = None,
-                 root: Path | None = None):
+                 root: Path | None = None, inputs: type[Inputs] = Inputs):
         super().__init__()
+        self.inputs = inputs  # the architecture's inputs type: which per-sample conditions each sample's metadata gives
         self.p, self.pt, self.seq_length, self.text_dim = patch_size, patch_size_t, seq_length, text_dim
         self.text_multiple = text_multiple
         self.max_skipped_in_a_row = max_skipped_in_a_row
@@ -242,9 +245,17 @@ class PackingTaskEncoder(TaskEncoder):
         n = grid[0] * grid[1] * grid[2]
         if n > self.seq_length:
             self._skip(sample, "longer_than_seq_length", f"{n} tokens, data.seq_length={self.seq_length}")
+        self._check_conditions(sample)
         self._in_a_row.clear()
         item = TokenSample.of(sample.__key__, z, text, sample.meta, self.p, self.pt)
         return EncodedSample.derive_from(sample, item=item)
+
+    def _check_conditions(self, sample: LatentSample) -> None:
+        """Skip a sample whose metadata gives a per-sample condition (a label, an fps, ...) that is not a number."""
+        for spec in self.inputs.per_sample_fields().values():
+            value = sample.meta.get(spec.key, spec.missing)
+            if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+                self._skip(sample, "bad_metadata", f"{spec.key}={value!r}, expected a finite number")
 
     def select_samples_to_pack(self, samples: list[EncodedSample]) -> list[list[EncodedSample]]:
         groups = first_fit_decreasing([s.item.tokens.shape[0] for s in samples], self.seq_length)
@@ -255,7 +266,7 @@ class PackingTaskEncoder(TaskEncoder):
         return PackedSample.derive_from(samples[0], row=PackedRow([s.item for s in samples]))
 
     def batch(self, packs: list[PackedSample]) -> PackedBatch:
-        batch = collate([p.row for p in packs], self.seq_length, self.text_multiple)
+        batch = collate([p.row for p in packs], self.seq_length, self.text_multiple, self.inputs)
         batch.skipped, batch.skipped_samples = dict(self._skipped), self._skipped_samples
         self._skipped.clear()
         self._skipped_samples = []
@@ -417,6 +428,7 @@ def build_loader(
     seed: int = 0,
     text_multiple: int = 1,
     max_skipped_in_a_row: int = MAX_SKIPPED_IN_A_ROW,
+    inputs: type[Inputs] = Inputs,
 ):
     """An endless, resumable loader of PackedBatch for one data-parallel rank.
 
@@ -424,7 +436,9 @@ def build_loader(
     bad latents are skipped and counted in each batch's `skipped`. text_multiple: each batch's text length is
     padded up to a multiple of it (compiled GPU kernels then see a few text lengths, not one per batch).
     max_skipped_in_a_row: skipped samples in a row, with no usable one, after which the loader raises
-    TooManySkipped. Iterate with `next_batch`, which turns the loader's failures into one DatasetError.
+    TooManySkipped. inputs: the model's inputs type (its architecture's, DiT.inputs_class), whose per-sample
+    conditions each sample's metadata gives. Iterate with `next_batch`, which turns the loader's failures into one
+    DatasetError.
     """
     root = Path(root)
     quiet.energon_buffer_bar()
@@ -442,7 +456,8 @@ def build_loader(
         split_config = _split_config_without(root, bad)
     encoder = PackingTaskEncoder(patch_size=patch_size, patch_size_t=patch_size_t, seq_length=seq_length,
                                  text_dim=info.text_encoder["dim"], text_multiple=text_multiple,
-                                 max_skipped_in_a_row=max_skipped_in_a_row, dataset_stamp=stamp, root=root)
+                                 max_skipped_in_a_row=max_skipped_in_a_row, dataset_stamp=stamp, root=root,
+                                 inputs=inputs)
     worker_config = WorkerConfig(rank=dp_rank, world_size=dp_size, num_workers=num_workers,
                                  data_parallel_group=dp_group, seed_offset=seed,
                                  global_error_handler=encoder.count_error)

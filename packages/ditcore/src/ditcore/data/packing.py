@@ -1,7 +1,9 @@
 """Sequence packing: several samples' tokens in one row of `seq_length`, each keeping its own identity.
 
-A packed batch is what ditcore.models.DiT.forward takes: token rows with `seg` naming each token's sample
-(−1 for padding), per-sample (B, S) conditioning, and text tokens tagged the same way.
+A packed batch holds what ditcore.models.DiT.forward takes (`PackedBatch.inputs`, a ditcore.inputs.Inputs): token
+rows with `seg` naming each token's sample (−1 for padding), per-sample (B, S) conditions, and text tokens tagged the
+same way. Which per-sample conditions a batch holds, and which key of a sample's JSON metadata each is read from, the
+architecture's Inputs type declares (`Inputs.per_sample_fields`): packing names none of them.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ditcore.inputs import Inputs
 from ditcore.layout import grid_positions, patchify
 
 
@@ -44,8 +47,7 @@ class TokenSample:
     pos: torch.Tensor  # (n, 3) long: (t, h, w) grid positions
     grid: tuple[int, int, int]  # (T', H', W') token grid, to unpatchify
     text: torch.Tensor  # (L, D) unpadded
-    label: int  # class label, -1 if none
-    fps: float
+    meta: dict  # the sample's JSON metadata (ditcore.data.schema): its per-sample conditions are read from it
     caption: str
 
     @classmethod
@@ -55,8 +57,8 @@ class TokenSample:
         _, T, H, W = latent.shape
         grid = (T // patch_size_t, H // patch_size, W // patch_size)
         return cls(key=key, tokens=patchify(latent[None].float(), patch_size, patch_size_t)[0],
-                   pos=grid_positions(grid), grid=grid, text=text.float(), label=int(meta.get("label", -1)),
-                   fps=float(meta.get("fps", 0.0)), caption=str(meta.get("caption", "")))
+                   pos=grid_positions(grid), grid=grid, text=text.float(), meta=dict(meta),
+                   caption=str(meta.get("caption", "")))
 
 
 @dataclass
@@ -77,8 +79,9 @@ class PackedBatch:
     seg: torch.Tensor  # (B, N) long: sample index within the row, −1 on padding
     text: torch.Tensor  # (B, L, D) float32
     text_seg: torch.Tensor  # (B, L) long
-    class_labels: torch.Tensor  # (B, S) long, −1 where a slot is unused or the sample has no label
-    fps: torch.Tensor  # (B, S) float
+    # (B, S) per-sample conditions by Inputs field name (class_labels, fps, ...): each sample's value, the field's
+    # `missing` value where a slot is unused or the sample has none (an unlabelled sample's class: −1)
+    conditions: dict[str, torch.Tensor]
     num_samples: torch.Tensor  # (B,) samples in each row
     keys: list[list[str]]
     captions: list[list[str]]
@@ -87,51 +90,59 @@ class PackedBatch:
     skipped_samples: list = field(default_factory=list)  # ... and which: (key, reason, detail), logged once each
     whole_rows: bool = False  # every row is one sample without padding (known on the host, so no device sync)
     whole_text: bool = False  # ... and every text token belongs to its row's sample
+    inputs_class: type[Inputs] = Inputs  # the architecture's (ditcore.inputs): what `inputs` builds
 
-    TENSORS = ("x", "pos", "seg", "text", "text_seg", "class_labels", "fps", "num_samples")
+    TENSORS = ("x", "pos", "seg", "text", "text_seg", "num_samples")
 
     @property
     def mask(self) -> torch.Tensor:  # (B, N) real tokens
         return self.seg >= 0
 
-    def model_inputs(self, *, text_seg: torch.Tensor | None = None,
-                     class_labels: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
-        """The DiT's keyword inputs for these rows besides the tokens and noise level (move them with the batch).
+    @property
+    def class_labels(self) -> torch.Tensor:  # (B, S) long, −1 where a slot is unused or the sample has no label
+        return self.conditions["class_labels"]
 
-        text_seg / class_labels replace the batch's (after CFG dropout, see ditcore.training). A model ignores
-        the conditioning it was not built for (text without text_dim, labels without classes, fps without
-        fps_cond). `grids` stays on the host: ST-DiT reads the rows' frames and time-lines from it, not from the
-        device (ditcore.models.stdit).
-        """
+    @property
+    def per_sample_shape(self) -> tuple[int, int]:
+        """(B, S): rows, and the most samples a row holds, known on the host."""
+        return len(self.grids), max(len(row) for row in self.grids)
+
+    def inputs(self) -> Inputs:
+        """What the model reads of these rows besides the tokens and noise level (on the batch's device). CFG dropout
+        (ditcore.training.draw) and the null class of unlabelled samples are Inputs.dropped's. `grids` stays on the
+        host: ST-DiT reads the rows' frames and time-lines from it, not from the device (ditcore.models.stdit)."""
         seg = None if self.whole_rows else self.seg  # nothing to mask: unmasked attention (flash on a GPU)
-        if text_seg is None:
-            text_seg = None if self.whole_rows and self.whole_text else self.text_seg
-        return {"pos": self.pos, "seg": seg, "text": self.text, "text_seg": text_seg,
-                "class_labels": self.class_labels if class_labels is None else class_labels, "fps": self.fps,
-                "grids": self.grids}
+        text_seg = None if self.whole_rows and self.whole_text else self.text_seg
+        return self.inputs_class(pos=self.pos, seg=seg, text=self.text, text_seg=text_seg, grids=self.grids,
+                                 **self.conditions)
 
     def to(self, device, non_blocking: bool = False) -> PackedBatch:
-        return dataclasses.replace(self, **{k: getattr(self, k).to(device, non_blocking=non_blocking)
-                                            for k in self.TENSORS})
+        return dataclasses.replace(self, conditions={k: t.to(device, non_blocking=non_blocking)
+                                                     for k, t in self.conditions.items()},
+                                   **{k: getattr(self, k).to(device, non_blocking=non_blocking) for k in self.TENSORS})
 
     def pin_memory(self) -> PackedBatch:
         """Page-locked copies (torch's DataLoader calls this when it pins batches), so copies to a GPU are async."""
-        return dataclasses.replace(self, **{k: getattr(self, k).pin_memory() for k in self.TENSORS})
+        return dataclasses.replace(self, conditions={k: t.pin_memory() for k, t in self.conditions.items()},
+                                   **{k: getattr(self, k).pin_memory() for k in self.TENSORS})
 
 
-def collate(rows: list[PackedRow], seq_length: int, text_multiple: int = 1) -> PackedBatch:
-    """Rows → one batch; the text length L is the longest row's text, padded up to a multiple of text_multiple."""
+def collate(rows: list[PackedRow], seq_length: int, text_multiple: int = 1,
+            inputs: type[Inputs] = Inputs) -> PackedBatch:
+    """Rows → one batch; the text length L is the longest row's text, padded up to a multiple of text_multiple.
+    Every per-sample condition of `inputs` is read from each sample's metadata (PerSample.key)."""
     B = len(rows)
     first = rows[0].samples[0]
     patch_dim, text_dim = first.tokens.shape[1], first.text.shape[1]
     S = max(len(r.samples) for r in rows)
     L = max(sum(s.text.shape[0] for s in r.samples) for r in rows)
     L = -(-L // text_multiple) * text_multiple
+    fields = inputs.per_sample_fields()
     out = PackedBatch(
         x=torch.zeros(B, seq_length, patch_dim), pos=torch.zeros(B, seq_length, 3, dtype=torch.long),
         seg=torch.full((B, seq_length), -1), text=torch.zeros(B, L, text_dim), text_seg=torch.full((B, L), -1),
-        class_labels=torch.full((B, S), -1), fps=torch.zeros(B, S), num_samples=torch.zeros(B, dtype=torch.long),
-        keys=[], captions=[], grids=[],
+        conditions={name: torch.full((B, S), spec.missing, dtype=spec.dtype) for name, spec in fields.items()},
+        num_samples=torch.zeros(B, dtype=torch.long), keys=[], captions=[], grids=[], inputs_class=inputs,
     )
     for b, row in enumerate(rows):
         n = t = 0
@@ -139,7 +150,8 @@ def collate(rows: list[PackedRow], seq_length: int, text_multiple: int = 1) -> P
             k, ln = smp.tokens.shape[0], smp.text.shape[0]
             out.x[b, n:n + k], out.pos[b, n:n + k], out.seg[b, n:n + k] = smp.tokens, smp.pos, s
             out.text[b, t:t + ln], out.text_seg[b, t:t + ln] = smp.text, s
-            out.class_labels[b, s], out.fps[b, s] = smp.label, smp.fps
+            for name, spec in fields.items():
+                out.conditions[name][b, s] = smp.meta.get(spec.key, spec.missing)
             n, t = n + k, t + ln
         out.num_samples[b] = len(row.samples)
         out.keys.append([s.key for s in row.samples])

@@ -25,6 +25,7 @@ import torch
 
 from ditcore.diffusion.edm import EDMLoss
 from ditcore.diffusion.vp import DiscreteVP
+from ditcore.inputs import Inputs
 from ditcore.layout import per_token
 
 
@@ -45,8 +46,11 @@ class DDPMLoss:
         """The timestep (long) whose σ_t is nearest to each σ: exactly the t that `sample_sigma` drew."""
         return self.vp.timestep(sigma)
 
-    def __call__(self, denoiser, x, *, seg=None, mask=None, sigma=None, noise=None, generator=None, **cond):
+    def __call__(self, denoiser, x, inputs: Inputs | None = None, *, mask=None, sigma=None, noise=None,
+                 generator=None, **model_kw):
+        """As EDMLoss's: clean tokens x with `inputs`, sigma and noise drawn when not given, mask the real tokens."""
         B = x.shape[0]
+        seg = None if inputs is None else inputs.seg
         if sigma is None:
             num_samples = 1 if seg is None else int(seg.max()) + 1
             sigma = self.sample_sigma((B, num_samples), x.device, generator)  # (B, S)
@@ -54,7 +58,7 @@ class DDPMLoss:
             noise = torch.randn(x.shape, device=x.device, generator=generator, dtype=x.dtype)
         sigma = sigma.reshape(B, -1)
         x_noisy = EDMLoss.noisy(x, sigma, noise, seg)
-        D, var_values = denoiser.forward_all(x_noisy, sigma, seg, **cond)
+        D, var_values = denoiser.forward_all(x_noisy, sigma, inputs, **model_kw)
         sigma_tok = per_token(sigma.float(), seg)[..., None]  # (B, N or 1, 1)
         per_elem = ((D.float() - x.float()) / sigma_tok) ** 2  # ‖ε − ε̂‖²: D − x₀ = σ (ε − ε̂)
         if self.learn_sigma:

@@ -22,6 +22,7 @@ from torch import nn
 
 from ditcore.choices import PREDICTIONS
 from ditcore.diffusion.vp import DiscreteVP, vp_coefficients
+from ditcore.inputs import Inputs
 from ditcore.layout import SIGMA_DATA, per_token
 
 # c_noise = ln(σ)/4 lies in about [-2, 1.2]; the network is given 1000 c_noise, spread over its sinusoid's periods as
@@ -48,9 +49,10 @@ def edm_weight(sigma: torch.Tensor, sigma_data: float = SIGMA_DATA) -> torch.Ten
 
 
 class EDMPrecond(nn.Module):
-    """D(x; σ) = c_skip(σ) x + c_out(σ) F(c_in(σ) x; c_noise(σ)) around any backbone F(x, c_noise, **cond).
+    """D(x; σ) = c_skip(σ) x + c_out(σ) F(c_in(σ) x; c_noise(σ)) around any backbone F(x, c_noise, inputs).
 
-    x: (B, N, F) tokens; sigma: (B, S) per sample (or (B,) when seg is None); seg: (B, N) or None.
+    x: (B, N, F) tokens; sigma: (B, S) per sample (or (B,) when the rows are one sample each); inputs: the rest of
+    what F reads (ditcore.inputs.Inputs), whose seg (B, N) or None says each token's sample.
     With `vp` (a DDPM network's schedule, ditcore.diffusion.vp) the coefficients are VP's: F is its ε-prediction.
     A backbone whose output is wider than x (learned Σ: its variance values follow the prediction) gives D from the
     first x.shape[-1] features; `forward_all` returns the rest as well.
@@ -73,15 +75,17 @@ class EDMPrecond(nn.Module):
         c_skip, c_out, c_in, c_noise = edm_coefficients(sigma, self.sigma_data, self.prediction)
         return c_skip, c_out, c_in, c_noise * C_NOISE_SCALE
 
-    def forward(self, x: torch.Tensor, sigma: torch.Tensor, seg: torch.Tensor | None = None, **cond):
-        return self.forward_all(x, sigma, seg, **cond)[0]
+    def forward(self, x: torch.Tensor, sigma: torch.Tensor, inputs: Inputs | None = None, **model_kw):
+        return self.forward_all(x, sigma, inputs, **model_kw)[0]
 
-    def forward_all(self, x: torch.Tensor, sigma: torch.Tensor, seg: torch.Tensor | None = None, **cond):
-        """(D(x; σ), the backbone's features after the prediction: learned Σ's variance values, else empty)."""
+    def forward_all(self, x: torch.Tensor, sigma: torch.Tensor, inputs: Inputs | None = None, **model_kw):
+        """(D(x; σ), the backbone's features after the prediction: learned Σ's variance values, else empty).
+        model_kw: passed on to the backbone (a pipeline stage's `hidden`)."""
+        seg = None if inputs is None else inputs.seg
         sigma = sigma.to(torch.float32).reshape(x.shape[0], -1)  # (B, S)
         c_skip, c_out, _, _ = self.coefficients(sigma)
         tok = lambda c: per_token(c, seg)[..., None]  # (B, N or 1, 1): each token uses its sample's σ
-        out = self.model(*self.model_inputs(x, sigma, seg), **cond, **({} if seg is None else {"seg": seg}))
+        out = self.model(*self.model_inputs(x, sigma, seg), inputs, **model_kw)
         F_x, rest = out[..., :x.shape[-1]], out[..., x.shape[-1]:]
         return (tok(c_skip) * x + tok(c_out) * F_x.to(torch.float32)).to(x.dtype), rest
 
@@ -141,15 +145,19 @@ class EDMLoss:
         """x + σ n, each token with its sample's σ."""
         return x + noise * per_token(sigma.reshape(x.shape[0], -1), seg)[..., None]
 
-    def __call__(self, denoiser, x, *, seg=None, mask=None, sigma=None, noise=None, generator=None, **cond):
+    def __call__(self, denoiser, x, inputs: Inputs | None = None, *, mask=None, sigma=None, noise=None,
+                 generator=None, **model_kw):
+        """The loss of denoiser on clean tokens x (B, N, F) with `inputs` (their seg says each token's sample); sigma
+        (B, S) and noise drawn when not given; mask (B, N) the real tokens. model_kw: passed on to the backbone."""
         B, _N, _ = x.shape
+        seg = None if inputs is None else inputs.seg
         if sigma is None:
             num_samples = 1 if seg is None else int(seg.max()) + 1
             sigma = self.sample_sigma((B, num_samples), x.device, generator)  # (B, S)
         if noise is None:
             noise = torch.randn(x.shape, device=x.device, generator=generator, dtype=x.dtype)
         sigma_tok = per_token(sigma.reshape(B, -1), seg)[..., None]  # (B, N or 1, 1)
-        D = denoiser(self.noisy(x, sigma, noise, seg), sigma, seg=seg, **cond)
+        D = denoiser(self.noisy(x, sigma, noise, seg), sigma, inputs, **model_kw)
         weight = self.weight(sigma_tok)
         per_elem = weight * (D.float() - x.float()) ** 2  # (B, N, F)
         if mask is None:

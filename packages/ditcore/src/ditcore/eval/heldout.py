@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from ditcore.data.packing import PackedBatch, PackedRow, TokenSample, collate, first_fit_decreasing
 from ditcore.diffusion.edm import EDMLoss
+from ditcore.inputs import Inputs
 
 
 def sigma_buckets(n: int = 8, sigma_min: float = 0.002, sigma_max: float = 80.0) -> torch.Tensor:
@@ -44,14 +45,14 @@ def bucket_weights(buckets: torch.Tensor, P_mean: float = -1.2, P_std: float = 1
 
 
 def heldout_losses(denoiser, x: torch.Tensor, noise: torch.Tensor, buckets: torch.Tensor, *, loss: EDMLoss,
-                   seg: torch.Tensor | None = None, mask: torch.Tensor | None = None, S: int | None = None, **cond
+                   inputs: Inputs | None = None, mask: torch.Tensor | None = None, S: int | None = None
                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per level k: (Σ λ(σ_k)‖D(x + σ_k n; σ_k) − x‖² over real tokens' features, how many there are), float64.
 
-    x, noise: (B, N, F), the noise fixed per held-out sample; seg/mask as EDMLoss takes them; S: samples per row
+    x, noise: (B, N, F), the noise fixed per held-out sample; inputs/mask as EDMLoss takes them; S: samples per row
     (default: read from seg, which waits for the device). Every sample of the batch is noised to the same σ_k (rounded
     to a DDPM network's own level under VP, as its training is)."""
-    B = x.shape[0]
+    B, seg = x.shape[0], None if inputs is None else inputs.seg
     if S is None:
         S = 1 if seg is None else int(seg.max()) + 1
     sums, counts = [], []
@@ -61,7 +62,7 @@ def heldout_losses(denoiser, x: torch.Tensor, noise: torch.Tensor, buckets: torc
             sigma = torch.full((B, S), s, device=x.device)
             if loss.vp is not None:
                 sigma = loss.vp.round_sigma(sigma)
-            D = denoiser(loss.noisy(x, sigma, noise, seg), sigma, seg=seg, **cond)
+            D = denoiser(loss.noisy(x, sigma, noise, seg), sigma, inputs)
             weight = loss.weight(sigma[:, :1].double())[..., None]  # one σ for every sample
             err = ((D.double() - x.double()) ** 2).sum(-1)  # (B, N)
             sums.append((weight[..., 0] * err * keep).sum())
@@ -75,14 +76,14 @@ def heldout_noise(seed: int, index: int, shape) -> torch.Tensor:
 
 
 def heldout_batches(samples: list[TokenSample], indices: list[int], seed: int, seq_length: int, rows: int,
-                    text_multiple: int = 1) -> list[PackedBatch]:
+                    text_multiple: int = 1, inputs: type[Inputs] = Inputs) -> list[PackedBatch]:
     """Samples of the held-out set (their `indices` in it) packed into batches of `rows` rows of seq_length tokens,
-    each token carrying its sample's noise after its features (`split_noise`)."""
+    each token carrying its sample's noise after its features (`split_noise`); inputs: the model's inputs type."""
     noisy = [dataclasses.replace(s, tokens=torch.cat([s.tokens, heldout_noise(seed, i, s.tokens.shape)], -1))
              for s, i in zip(samples, indices, strict=True)]
     packed = [PackedRow([noisy[i] for i in b]) for b in first_fit_decreasing([len(s.tokens) for s in noisy],
                                                                                seq_length)]
-    return [collate(packed[k:k + rows], seq_length, text_multiple) for k in range(0, len(packed), rows)]
+    return [collate(packed[k:k + rows], seq_length, text_multiple, inputs) for k in range(0, len(packed), rows)]
 
 
 def split_noise(batch: PackedBatch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -90,8 +91,8 @@ def split_noise(batch: PackedBatch) -> tuple[torch.Tensor, torch.Tensor]:
     return batch.x.chunk(2, dim=-1)
 
 
-def heldout_totals(denoiser, batches: list[PackedBatch], buckets: torch.Tensor, loss: EDMLoss, *, device,
-                   null_class: int = 0, latent_map=None, group=None, autocast=contextlib.nullcontext
+def heldout_totals(denoiser, batches: list[PackedBatch], buckets: torch.Tensor, loss: EDMLoss, *, device, cfg,
+                   latent_map=None, group=None, autocast=contextlib.nullcontext
                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """Collective over `group` (the data-parallel ranks, each with its own batches): the (sum, count) pairs of every
     level over the whole held-out set, float64 on `device`. latent_map: dataset units → the network's, if they
@@ -103,12 +104,10 @@ def heldout_totals(denoiser, batches: list[PackedBatch], buckets: torch.Tensor, 
         x, noise = split_noise(batch)
         if latent_map is not None:
             x = latent_map(x, batch.mask)
-        labels = torch.where(batch.class_labels < 0, null_class, batch.class_labels)  # unlabelled: the null class
-        inputs = batch.model_inputs(class_labels=labels)
-        seg = inputs.pop("seg")
+        inputs = batch.inputs().dropped(None, cfg)  # unlabelled: the null class
         with autocast():
-            s, c = heldout_losses(denoiser, x, noise, buckets, loss=loss, seg=seg, mask=batch.mask,
-                                  S=batch.class_labels.shape[1], **inputs)
+            s, c = heldout_losses(denoiser, x, noise, buckets, loss=loss, inputs=inputs, mask=batch.mask,
+                                  S=batch.per_sample_shape[1])
         sums += s
         counts += c
     if group is not None and dist.get_world_size(group) > 1:

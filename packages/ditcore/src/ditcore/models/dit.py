@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ditcore.errors import ConfigError
+from ditcore.inputs import Inputs
 from ditcore.layout import grid_positions, on_host, patchify, per_token, unpatchify
 from ditcore.models.attention import Mask, attend, check_backend, resolve, segments
 from ditcore.models.plan import ColumnParallel, PipelineSplit, Plan, Replicated, RowParallel
@@ -225,18 +226,19 @@ def add_embedders(owner: nn.Module, cfg: DiTConfig) -> None:
         owner.fps_embedder = ScalarEmbedder(D)
 
 
-def embed_conditioning(owner: nn.Module, c_noise, class_labels=None, fps=None) -> torch.Tensor:
-    """Per-sample conditioning vector (B, S, D) of (B, S) noise levels, labels and fps, by `owner`'s embedders."""
+def embed_conditioning(owner: nn.Module, c_noise: torch.Tensor, inputs: Inputs) -> torch.Tensor:
+    """Per-sample conditioning vector (B, S, D) of (B, S) noise levels and the inputs' labels and fps, by `owner`'s
+    embedders."""
     c = owner.t_embedder(c_noise)
     if getattr(owner, "y_embedder", None) is not None:
-        if class_labels is None:
+        if inputs.class_labels is None:
             raise ValueError("this model is class-conditional: pass class_labels "
                              f"(use {owner.y_embedder.num_embeddings - 1} for the null class)")
-        c = c + owner.y_embedder(class_labels)
+        c = c + owner.y_embedder(inputs.class_labels)
     if getattr(owner, "fps_embedder", None) is not None:
-        if fps is None:
+        if inputs.fps is None:
             raise ValueError("this model is fps-conditioned: pass fps")
-        c = c + owner.fps_embedder(fps)
+        c = c + owner.fps_embedder(inputs.fps)
     return c
 
 
@@ -276,9 +278,10 @@ class AttentionInputs:
     rows: RowSplit  # whole-row keys/values for this rank's queries (its `keys_values`; ST-DiT: its Orders)
     text: torch.Tensor | None = None  # (B, L, D) projected text tokens
     text_mask: Mask | None = None  # cross-attention: queries over text tokens
-    # (c_noise, class_labels, fps), each (B, S): what a block with its own embedders (cfg.block_embedders) embeds,
-    # inside its own forward (FSDP gathers a block's parameters for its forward only)
-    conditioning: tuple | None = None
+    # (c_noise (B, S), the inputs' per-sample conditions alone: Inputs.conditions): what a block with its own
+    # embedders (cfg.block_embedders) embeds, inside its own forward (FSDP gathers a block's parameters for its forward
+    # only); without the rows' grids, which a compiled block would otherwise guard on
+    conditioning: tuple[torch.Tensor, Inputs] | None = None
 
     def text_masks(self) -> list[Mask]:
         """Every cross-attention mask the blocks take (an architecture whose blocks differ has several)."""
@@ -426,8 +429,9 @@ def symbolic_sizes(c: torch.Tensor, a: AttentionInputs) -> None:
     them dynamic, and again when the recompile limit is near (tests/ditcore/parallel/test_compile.py counts). A size
     of 1 (one sample per row) still gets a graph of its own: dynamo specialises 0 and 1."""
     torch._dynamo.maybe_mark_dynamic(c, 1)
-    for t in a.conditioning or ():  # what blocks with their own embedders embed (cfg.block_embedders)
-        if t is not None:
+    if a.conditioning is not None:  # what blocks with their own embedders embed (cfg.block_embedders)
+        c_noise, conditions = a.conditioning
+        for t in (c_noise, *(t for _, t in conditions.tensors())):
             torch._dynamo.maybe_mark_dynamic(t, 1)
     if a.text is not None and a.text.shape[1] > 1:
         torch._dynamo.maybe_mark_dynamic(a.text, 1)
@@ -440,6 +444,7 @@ class DiT(nn.Module):
     block_class: type[nn.Module] = DiTBlock  # an architecture that differs only in its blocks subclasses DiT
     norm_class: type[nn.Module] = LayerNorm  # the final layer's norm
     context_parallel = "all_gather"  # how ditcore.parallel splits rows: attention gathers the whole row's keys
+    inputs_class: type[Inputs] = Inputs  # what forward takes (ditcore.inputs); an architecture may add conditions
 
     def __init__(self, cfg: DiTConfig, attention: str = "auto"):
         super().__init__()
@@ -515,9 +520,10 @@ class DiT(nn.Module):
         raise ValueError(f"DiT.initial_value has no rule for parameter {name} {tuple(shape)} "
                          f"({type(owner).__name__}): add one")
 
-    def condition(self, c_noise, class_labels=None, fps=None) -> torch.Tensor:
-        """Per-sample conditioning vector (B, S, D) from (B, S) noise levels, labels and fps."""
-        return embed_conditioning(self, c_noise, class_labels, fps)
+    def condition(self, c_noise: torch.Tensor, inputs: Inputs) -> torch.Tensor:
+        """Per-sample conditioning vector (B, S, D) from (B, S) noise levels and the inputs' per-sample conditions
+        (an architecture that adds a condition embeds it here, on top)."""
+        return embed_conditioning(self, c_noise, inputs)
 
     def attention_inputs(self, backend: str, B: int, pos, seg, text, text_seg, span: slice, dtype,
                          grids=None) -> AttentionInputs:
@@ -560,39 +566,27 @@ class DiT(nn.Module):
             text_seg = torch.zeros(text.shape[:2], dtype=torch.long, device=text.device)
         return segments(backend, q_seg, text_seg)
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        c_noise: torch.Tensor,
-        pos: torch.Tensor,
-        *,
-        seg: torch.Tensor | None = None,
-        class_labels: torch.Tensor | None = None,
-        fps: torch.Tensor | None = None,
-        text: torch.Tensor | None = None,
-        text_seg: torch.Tensor | None = None,
-        grids: list[list[tuple[int, int, int]]] | None = None,
-        hidden: torch.Tensor | None = None,
-    ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, c_noise: torch.Tensor, inputs: Inputs, *,
+                hidden: torch.Tensor | None = None) -> torch.Tensor:
         """Tokens (B, N, patch_dim) → predicted tokens (B, N, out_dim: patch_dim, twice that with learned Σ).
 
-        c_noise, class_labels, fps: (B, S) per sample; pos: (B, N, 3) or (N, 3); seg: (B, N) or None;
-        text: (B, L, text_dim) with text_seg (B, L) naming each text token's sample (-1: padding).
-        grids: the layout of the rows that seg and pos give, on the host (ditcore.layout; PackedBatch.grids): per
-        row, the (T, H, W) token grids of its samples in order. The DiT and MovieGen ignore it; ST-DiT regroups
-        tokens by frames and time-lines from it without reading the device, and off the CPU requires it.
+        c_noise: (B, S) per sample, the noise level in the network's units; inputs: everything else of the rows
+        (ditcore.inputs.Inputs, of this architecture's `inputs_class`): positions, samples, text, per-sample
+        conditions, and the rows' grids on the host, which ST-DiT regroups tokens by without reading the device (off
+        the CPU it requires them); the DiT and MovieGen ignore them.
 
         A pipeline stage (ditcore.parallel.pipeline) without the patch embedder starts from `hidden`, the previous
         stage's hidden states (n, B, D), and one without the final layer returns its own, (n, B, D).
         """
         cfg = self.cfg
         B, N, _ = x.shape
+        pos, seg = inputs.pos, inputs.seg
         if on_host(pos):  # free on the host; on a GPU it would stall every forward (callers check)
             check_positions(pos, cfg.max_grid)
         attn_span, local = self.rows.spans(N)  # tokens this rank's attention sees; tokens it holds
         seg_local = None if seg is None else seg[:, local]
-        conditioning = (c_noise.reshape(B, -1), class_labels, fps)
-        c = self.condition(*conditioning)  # (B, S, D)
+        c_noise = c_noise.reshape(B, -1)
+        c = self.condition(c_noise, inputs)  # (B, S, D)
 
         if self.x_embedder is not None:
             h = self.x_embedder(x[:, local].transpose(0, 1))  # (n, B, D): sequence first from here on
@@ -605,9 +599,10 @@ class DiT(nn.Module):
         else:
             h = hidden
         backend = resolve(self.attention, x.device, training=torch.is_grad_enabled())
-        a = self.attention_inputs(backend, B, pos, seg, text, text_seg, attn_span, h.dtype, grids)
+        a = self.attention_inputs(backend, B, pos, seg, inputs.text, inputs.text_seg, attn_span, h.dtype,
+                                  inputs.grids)
         if cfg.block_embedders:
-            a.conditioning = conditioning
+            a.conditioning = (c_noise, inputs.conditions())
         symbolic_sizes(c, a)
 
         for block in self.blocks:
@@ -628,21 +623,22 @@ class DiT(nn.Module):
         """Convenience for unpacked batches: latents (B, C, T, H, W) and (B,) c_noise → same-shape output (with
         learned Σ: 2C channels, the variance values after the C of the prediction, as DiT's).
 
-        cond: class_labels / fps as (B,), text (B, L, text_dim) with optional text_mask (B, L) bool.
+        cond: the per-sample conditions (class_labels, fps, ...) as (B,), text (B, L, text_dim) with optional text_mask
+        (B, L) bool.
         """
         cfg = self.cfg
         B, _, T, H, W = x.shape
         grid = (T // cfg.patch_size_t, H // cfg.patch_size, W // cfg.patch_size)
         check_positions(torch.tensor(grid) - 1, cfg.max_grid)  # the largest position, on the host
         tokens = patchify(x, cfg.patch_size, cfg.patch_size_t)
-        pos = grid_positions(grid, device=x.device)
         text_mask = cond.pop("text_mask", None)
         if text_mask is not None:
             cond["text_seg"] = torch.where(text_mask, 0, -1)
-        for key in ("class_labels", "fps"):
+        for key in self.inputs_class.per_sample_fields():
             if cond.get(key) is not None:
                 cond[key] = cond[key].reshape(B, 1)
-        out = self.forward(tokens, c_noise.reshape(B, 1), pos, grids=[[grid]] * B, **cond)
+        inputs = self.inputs_class(pos=grid_positions(grid, device=x.device), grids=[[grid]] * B, **cond)
+        out = self.forward(tokens, c_noise.reshape(B, 1), inputs)
         halves = out.chunk(2, dim=-1) if cfg.learn_sigma else (out,)
         return torch.cat([unpatchify(o, grid, cfg.patch_size, cfg.patch_size_t) for o in halves], dim=1)
 

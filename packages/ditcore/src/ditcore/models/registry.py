@@ -4,7 +4,8 @@ A registration is everything outside the model file that needs to know an archit
 `model.arch`, an export's `arch`), its config and model classes, its size presets (one of them the tiny preset that
 the tests build) and its tensor-parallel plan. dit-train's choices, the plan of a model (`plan_for`), the presets
 and the tests' lists of architectures are all read from here, so a new architecture is its model file plus one
-`register(Architecture(...))`.
+`register(Architecture(...))`. Its inputs (ditcore.inputs) are its model class's `inputs_class`: a new conditioning
+input is a field of its own Inputs subclass in its model file (`inputs_of` gives the loader and the probes that type).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from ditcore.models.plan import Plan
 if TYPE_CHECKING:
     from torch import nn
 
+    from ditcore.inputs import Inputs
     from ditcore.models.dit import DiT, DiTConfig
 
 
@@ -88,6 +90,12 @@ def preset(name: str, **changes) -> DiTConfig:
 def build(cfg: DiTConfig, attention: str = "auto") -> DiT:
     """The model of a config, of its architecture."""
     return ARCHS[arch_of(cfg)].model(cfg, attention=attention)
+
+
+def inputs_of(cfg: DiTConfig) -> type[Inputs]:
+    """The inputs type (ditcore.inputs) the model of a config takes: its model class's `inputs_class`, which is
+    what its loader's batches, the planner's probes and the samplers build."""
+    return ARCHS[arch_of(cfg)].model.inputs_class
 
 
 def plan_for(model: nn.Module) -> Plan:
