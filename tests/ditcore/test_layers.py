@@ -16,7 +16,7 @@ LAYERS = [
     # files written whole with the umask's mode; third parties quietened; a signal recorded, acted on at a safe point
     {"ditcore.durable", "ditcore.quiet", "ditcore.stopping"},
     {"ditcore.disk", "ditcore.safe_state", "ditcore.tensorfile"},  # files read safely, written whole
-    {"ditcore", "ditcore.errors", "ditcore.layout", "ditcore.media", "ditcore.cli", "ditcore.choices"},
+    {"ditcore", "ditcore.errors", "ditcore.layout", "ditcore.media", "ditcore.cli", "ditcore.choices", "ditcore.inputs"},
     {"ditcore.models", "ditcore.codecs", "ditcore.data", "ditcore.diffusion"},
     {"ditcore.parallel", "ditcore.flops", "ditcore.testing", "ditcore.export", "ditcore.sampling", "ditcore.training",
      "ditcore.interop"},  # interop: the field's DiT checkpoints in, diffusers out
