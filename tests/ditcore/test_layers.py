@@ -11,12 +11,13 @@ from pathlib import Path
 SRC = Path(__file__).resolve().parents[2] / "packages" / "ditcore" / "src"
 
 # Lowest first. Within a layer, subpackages never import each other (models, codecs, data and diffusion are
-# siblings that share only the layout below them).
+# siblings that share only the layout and the inputs below them).
 LAYERS = [
     # files written whole with the umask's mode; third parties quietened; a signal recorded, acted on at a safe point
     {"ditcore.durable", "ditcore.quiet", "ditcore.stopping"},
     {"ditcore.disk", "ditcore.safe_state", "ditcore.tensorfile"},  # files read safely, written whole
-    {"ditcore", "ditcore.errors", "ditcore.layout", "ditcore.media", "ditcore.cli", "ditcore.choices", "ditcore.inputs"},
+    {"ditcore", "ditcore.errors", "ditcore.layout", "ditcore.media", "ditcore.cli", "ditcore.choices"},
+    {"ditcore.inputs"},  # a model's inputs: what the loader, the objectives, the probes and the samplers build
     {"ditcore.models", "ditcore.codecs", "ditcore.data", "ditcore.diffusion"},
     {"ditcore.parallel", "ditcore.flops", "ditcore.testing", "ditcore.export", "ditcore.sampling", "ditcore.training",
      "ditcore.interop"},  # interop: the field's DiT checkpoints in, diffusers out
