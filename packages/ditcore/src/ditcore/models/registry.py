@@ -5,11 +5,16 @@ A registration is everything outside the model file that needs to know an archit
 the tests build) and its tensor-parallel plan. dit-train's choices, the plan of a model (`plan_for`), the presets
 and the tests' lists of architectures are all read from here, so a new architecture is its model file plus one
 `register(Architecture(...))`.
+
+An architecture that regroups tokens between blocks (ST-DiT) moves them with its rows' `permutation`
+(ditcore.models.dit.RowSplit), which ditcore.parallel implements over ranks and, at a rank's shapes, in its one-process
+stand-in for every architecture alike, and puts what that stand-in cannot show beside its registration: `token_moves`,
+the tokens each regrouping sends between context-parallel ranks; so no other module imports its model file.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -31,6 +36,10 @@ class Architecture:
     tiny: str  # the preset that tests build for every architecture
     plan: Plan  # how ditcore.parallel lays its parameters out over tensor-parallel ranks
     summary: str  # one line for people, e.g. in dit-train's error for an unknown model.arch
+    # (model, grids, N, parts) → [(block index, counts)]: every regrouping of tokens around the model's blocks, with
+    # counts[r][q] the tokens of rows of N tokens laid out as `grids` (ditcore.layout) that it takes from slice r of
+    # `parts` to slice q, for ditcore.traffic's all-to-alls; None: the architecture regroups no tokens
+    token_moves: Callable[[nn.Module, list, int, int], list[tuple[int, list[list[int]]]]] | None = None
 
 
 ARCHS: dict[str, Architecture] = {}  # name → architecture, in the order they registered
