@@ -6,10 +6,10 @@ the tests build) and its tensor-parallel plan. dit-train's choices, the plan of 
 and the tests' lists of architectures are all read from here, so a new architecture is its model file plus one
 `register(Architecture(...))`.
 
-An architecture that regroups tokens between blocks (ST-DiT) moves them with its rows' `permutation`
-(ditcore.models.dit.RowSplit), which ditcore.parallel implements over ranks and, at a rank's shapes, in its one-process
-stand-in for every architecture alike, and puts what that stand-in cannot show beside its registration: `token_moves`,
-the tokens each regrouping sends between context-parallel ranks; so no other module imports its model file.
+An architecture that regroups tokens between blocks (ST-DiT) needs no stand-in of its own: it moves them with its
+rows' `permutation` (ditcore.models.dit.RowSplit), which ditcore.parallel's row splits and their one-process stand-in
+implement for every architecture, and registers here what that stand-in cannot show, the tokens each regrouping sends
+between context-parallel ranks (`token_moves`), so no other module imports its model file.
 """
 
 from __future__ import annotations
