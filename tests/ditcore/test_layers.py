@@ -91,6 +91,24 @@ def test_the_files_the_sources_cite_are_in_the_repository():
     assert not missing, "cited files that are not in the repository:\n" + "\n".join(missing)
 
 
+def test_only_st_dit_and_its_registration_know_st_dit():
+    """ST-DiT regroups tokens through its rows' `permutation` and tells the traffic model what its all-to-alls send
+    through its registration (ditcore.models.registry): no other module of the library or the apps imports its model
+    file, and none recognises a class by its name (`type(x).__name__ == "TemporalBlock"`) instead of asking the
+    registration or the object."""
+    repo = SRC.parents[2]
+    graph = import_graph() | {m: d for app in repo.glob("apps/*/src") for m, d in import_graph(app).items()}
+    importers = sorted(m for m, deps in graph.items() if "ditcore.models.stdit" in deps)
+    assert importers == ["ditcore.models"], f"modules that import ST-DiT's model file: {importers}"
+    by_name = []
+    for f in [*SRC.rglob("*.py"), *repo.glob("apps/*/src/**/*.py")]:
+        for node in ast.walk(ast.parse(f.read_text())):
+            if isinstance(node, ast.Compare) and any(isinstance(side, ast.Attribute) and side.attr == "__name__"
+                                                     for side in [node.left, *node.comparators]):
+                by_name.append(f"{f.relative_to(repo)}:{node.lineno}")
+    assert not by_name, "classes recognised by their name:\n" + "\n".join(by_name)
+
+
 def reached_from(roots: set[str], graph: dict[str, set[str]]) -> set[str]:
     """Every ditcore module that importing `roots` may import. `from ditcore.data import loader_state` records only
     ditcore.data: a reached subpackage counts with all its modules."""

@@ -11,11 +11,11 @@ import torch
 
 from ditcore.errors import ConfigError
 from ditcore.inputs import Inputs
-from ditcore.layout import grid_positions, grid_rows
+from ditcore.layout import grid_positions, grid_rows, reorder
 from ditcore.models import build, preset
 from ditcore.models.dit import DiTBlock
-from ditcore.models.stdit import HostRows, TemporalBlock, factorise, grids_of, reorder
-from ditcore.parallel.context_parallel import SwapRows
+from ditcore.models.stdit import HostRows, Orders, TemporalBlock, factorise, grids_of
+from ditcore.parallel.context_parallel import SplitRows
 from ditcore.testing import NoLowPrecisionScatter
 
 from .test_dit import randomize
@@ -107,12 +107,12 @@ def test_context_parallelism_keeps_whole_frames_and_lines_local_or_gathers():
     """A rank's slice holding whole frames (and, in lines order, whole time-lines) attends locally after the
     all-to-all; one that would cut a frame gathers the row's keys instead (tests/ditcore/parallel: both equal one
     process)."""
-    rows = SwapRows.__new__(SwapRows)  # the split of rank 0 of CP=2, no process group needed to plan it
-    rows.cp_size, rows.cp_rank, rows.sp_size = 2, 0, 1
+    rows = SplitRows.__new__(SplitRows)  # the split of rank 0 of CP=2, no process group needed to plan it
+    rows.cp_size, rows.cp_rank, rows.sp_size, rows.sp_rank = 2, 0, 1, 0
 
     def orders(grids, padding):
         pos, seg = packed_row(grids, padding)
-        return rows.orders(factorise(seg, pos, MAX_GRID), HostRows.of(seg, pos, None, 1))
+        return Orders(rows, factorise(seg, pos, MAX_GRID), HostRows.of(seg, pos, None, 1))
 
     assert orders([(2, 2, 4), (1, 2, 4)], padding=8).local  # the clip's 2 frames, one per rank: whole
     assert not orders([(1, 2, 4), (2, 2, 4)], padding=0).local  # 24 tokens: rank 0 holds 0..11, half of frame 0
@@ -161,7 +161,7 @@ def test_context_parallel_decisions_and_counts_come_from_the_host():
     how many tokens the all-to-all sends to and receives from each rank are read from the grids. Two rows of one
     (2, 2, 4) clip: rank 0 holds frame 0 of each; in lines order (lines of 2 tokens) the lines of h = 0. Half of its
     frame goes to rank 1, half of its lines come from rank 1."""
-    rows = SwapRows.__new__(SwapRows)
+    rows = SplitRows.__new__(SplitRows)
     rows.cp_size, rows.cp_rank, rows.sp_size, rows.sp_rank = 2, 0, 1, 0
     with torch.device("meta"):
         model = build(preset("ST-DiT-Tiny"))
@@ -170,9 +170,8 @@ def test_context_parallel_decisions_and_counts_come_from_the_host():
     a = model.attention_inputs("sdpa", 2, pos, None, None, None, rows.spans(16)[0], torch.float32,
                                grids=[[(2, 2, 4)]] * 2)
     assert a.orders.local
-    f = a.orders.f
-    for dest, src in ((f.to_frames, f.to_lines), (f.to_lines, f.to_frames)):  # to lines, back to frames
-        send_order, arrive, send, recv = a.orders._plan(dest, src, 2)  # orders: (permutation, inverse) each
+    for move in (a.orders.to_lines, a.orders.to_frames):  # to lines, back to frames
+        send_order, arrive, send, recv = move._plan(2)  # orders: (permutation, inverse) each
         assert (send, recv) == ([8, 8], [8, 8]) and all(t.is_meta for t in (*send_order, *arrive))
 
 

@@ -31,7 +31,7 @@ def test_compiled_st_dit_under_context_parallelism_has_no_graph_break(tmp_path, 
         # reached. Before the moves left the blocks: 21 graphs, 9 graph breaks (aten.bincount), the limit reached.
         assert rank["unique_graphs"] <= 8
         # Batches whose slices keep frames and lines whole moved by all-to-all (two per temporal block), the others
-        # were gathered: Swap decided as the grids say (both ways ran).
+        # were gathered: ST-DiT's Orders decided as the grids say (both ways ran).
         assert 0 < rank["local_batches"] < 20
         assert rank["all_to_alls"] == 2 * temporal_blocks * rank["local_batches"]
         assert all(math.isfinite(v) for v in rank["losses"])

@@ -137,9 +137,9 @@ def test_materialised_on_the_meta_device_is_the_one_device_init(request, case):
 
 
 def test_st_dit_context_parallelism_swaps_tokens_by_all_to_all(results):
-    """Not vacuous: the CP=2 cases moved tokens between the ranks, as many as SwapRows' docstring says (whole clips:
-    2·(cp−1)/cp²·N·B tokens per temporal block and rank); the DiT's CP sent none that way, nor ST-DiT's on rows whose
-    slices cut a frame (they are gathered)."""
+    """Not vacuous: the CP=2 cases moved tokens between the ranks, as many as ST-DiT's Orders' docstring says (whole
+    clips: 2·(cp−1)/cp²·N·B tokens per temporal block and rank); the DiT's CP sent none that way, nor ST-DiT's on rows
+    whose slices cut a frame (they are gathered)."""
     stdit = CONFIGS["stdit"]
     temporal_blocks, cp = stdit.depth // 2, 2
     assert results["stdit:cp2"]["all_to_all_tokens"] == temporal_blocks * 2 * (cp - 1) * ROW * B // cp**2

@@ -11,7 +11,8 @@ Token order is (t, h, w) row-major; a token's features are ordered (c, pt, p, p)
     text_seg (B, L)     which sample each text token belongs to, -1 for padding
 and per-sample values shaped (B, S). With seg=None every row is one sample. The same rows' layout on the host, where
 reading it never waits for a device, is `grids`: per row, the (T, H, W) token grids of its samples in order
-(`grid_rows` makes seg and pos of it).
+(`grid_rows` makes seg and pos of it). A model that regroups a row's tokens between blocks permutes them with
+`reorder`, whose backward is a gather too.
 """
 
 from __future__ import annotations
@@ -111,3 +112,37 @@ def segment_mask(seg_q: torch.Tensor, seg_k: torch.Tensor) -> tuple[torch.Tensor
     mask = seg_q[:, :, None] == seg_k[:, None, :]
     has_keys = mask.any(-1, keepdim=True)
     return (mask | ~has_keys)[:, None], has_keys
+
+
+def _take(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """Rows of x taken along dim 0: index (n,) or (1, n) for all of x's columns alike, (B, n) for each column b of
+    a sequence-first x (N, B, D) its own."""
+    if index.ndim == 1 or index.shape[0] == 1:
+        return x.index_select(0, index.reshape(-1))
+    return x.gather(0, index.T[:, :, None].expand(-1, -1, x.shape[-1]))
+
+
+class _Permute(torch.autograd.Function):
+    """A permutation of tokens whose backward moves the gradient back by the inverse permutation: a gather too.
+
+    index_select's and gather's own backwards scatter-add into a zero tensor of the gradient's dtype (index_add,
+    scatter_add). For a permutation every sum has one term, so nothing is rounded, but on CUDA it is an atomic
+    scatter, and a scatter into bf16 is what must never sum a sample's tokens (`per_token`): the test that no
+    training step scatters in low precision (ditcore.testing.NoLowPrecisionScatter) finds none here.
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, index: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(inverse)
+        return _take(x, index)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (inverse,) = ctx.saved_tensors
+        return _take(grad, inverse), None, None
+
+
+def reorder(x: torch.Tensor, index: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
+    """Sequence-first x (N, B, D) → (N, B, D) whose token j of row b is x[index[b, j], b]; index (B or 1, N), or (N,)
+    for every row alike (x may then be (N, D)). `inverse` is the inverse permutation (index.argsort(-1))."""
+    return _Permute.apply(x, index, inverse)

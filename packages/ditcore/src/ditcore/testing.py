@@ -131,7 +131,7 @@ class NoLowPrecisionScatter(TorchDispatchMode):
                 f"{len(self.found)} op(s) summed into a low-precision tensor, which CUDA rounds after every add: "
                 + "; ".join(dict.fromkeys(self.found))
                 + ". Sum with fp32 accumulation instead (a matmul, fp32 values), or move a permutation's gradient "
-                "back by the inverse permutation (ditcore.models.stdit.reorder)")
+                "back by the inverse permutation (ditcore.layout.reorder)")
 
 
 # Host reads

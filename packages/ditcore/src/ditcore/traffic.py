@@ -12,9 +12,10 @@ tests/ditcore/parallel/test_equivalence.py). Learned from the model, not written
   rank applies the gathered features to its own tokens, their gradient reduce-scattered too). RowParallel: with SP
   a reduce-scatter of the output in forward and an all-gather of its gradient in backward; without SP an all-reduce
   in forward. Under bf16 every gather of activations runs in the autocast dtype;
-- context parallelism: each attention's key/value all-gather (a reduce-scatter in backward), and ST-DiT's
-  all-to-alls between frames and lines order (as many tokens as leave the rank, `HostRows.moves` of the planned
-  rows); the SP/CP gathers of the output;
+- context parallelism: each attention's key/value all-gather (a reduce-scatter in backward), and the all-to-alls of
+  an architecture that regroups tokens between blocks (ST-DiT: between frames and lines order), as many tokens as
+  leave the rank, which its registration counts for the planned rows (`Architecture.token_moves`), with the SP
+  gathers around them; the SP/CP gathers of the output;
 - activation checkpointing reruns the forward's collectives of every block in backward (block: all of the block;
   selective: its policy keeps matmul and attention outputs only, ditcore.models.techniques, so the collectives run
   again too);
@@ -46,10 +47,9 @@ from ditcore.diffusion import EDMLoss, EDMPrecond
 from ditcore.flops import block_period
 from ditcore.job import Layout
 from ditcore.memory import RankShapes, fit_grid, meta_model, on_stage, planned_batch, rank_model
-from ditcore.models import plan_for
+from ditcore.models import ARCHS, arch_of, plan_for
 from ditcore.models.dit import DiTConfig
 from ditcore.models.plan import ColumnParallel, RowParallel
-from ditcore.models.stdit import HostRows
 from ditcore.parallel.counting import Collective, Group, Op, Traffic, When, sent_bytes
 from ditcore.parallel.pipeline import is_shared, stage_blocks
 
@@ -233,8 +233,8 @@ def _probe(cfg: DiTConfig, key: RankShapes, grids: tuple | None) -> tuple[_Move,
     """The collectives of one micro-batch's forward and backward on a TP/SP/CP rank, from one training forward (EDM
     preconditioning and loss, as dit-train) of one period of blocks, at the rank's shapes (ditcore.memory's
     `rank_share`): every linear the plan splits and every row gather, with its region."""
-    model, N, _ = rank_model(cfg, key)
-    swaps = model.context_parallel == "all_to_all"
+    model, N, cp = rank_model(cfg, key)
+    token_moves = ARCHS[arch_of(cfg)].token_moves
     sp, B = (key.tp if key.sp else 1), key.micro_batch
     plan = plan_for(model)
     bf16 = key.precision == "bf16"
@@ -280,7 +280,7 @@ def _probe(cfg: DiTConfig, key: RankShapes, grids: tuple | None) -> tuple[_Move,
     for i, block in enumerate(model.blocks):
         hooks.append(block.register_forward_pre_hook(lambda *_, i=i: region.__setitem__(0, i)))
     hooks.append(model.final.register_forward_pre_hook(lambda *_: region.__setitem__(0, "post")))
-    _watch_rows(model, key, move, swaps)
+    _watch_rows(model, key, move, cp)
     autocast = torch.autocast("cpu", torch.bfloat16) if bf16 else contextlib.nullcontext()
     with model.fake_mode:
         batch = planned_batch(cfg, B, N, key.text_len if cfg.text_dim else 0, key.samples_per_row, key.packed)
@@ -288,16 +288,16 @@ def _probe(cfg: DiTConfig, key: RankShapes, grids: tuple | None) -> tuple[_Move,
             EDMLoss()(EDMPrecond(model), batch.pop("x"), **batch)
     for hook in hooks:
         hook.remove()
-    if swaps and key.cp > 1:
-        moves += _swaps(cfg, key, model, grids)
+    if token_moves and key.cp > 1:
+        moves += _swaps(cfg, key, model, grids, token_moves)
     return tuple(moves)
 
 
-def _watch_rows(model: nn.Module, key: RankShapes, move, swaps: bool) -> None:
+def _watch_rows(model: nn.Module, key: RankShapes, move, cp: int) -> None:
     """Record the row split's collectives (ditcore.parallel.context_parallel.SplitRows): the keys and values each
-    attention gathers over CP, the output gathered over SP then CP, ST-DiT's SP gathers around its moves."""
+    attention gathers over `cp` ranks, the output gathered over SP then CP, the SP gathers around each move of a
+    model that regroups tokens between blocks (`permutation`, outside the blocks)."""
     rows = model.rows
-    cp = 1 if swaps else key.cp
     sp = key.tp if key.sp else 1
     keys_values, gather = rows.keys_values, rows.gather
 
@@ -308,48 +308,43 @@ def _watch_rows(model: nn.Module, key: RankShapes, move, swaps: bool) -> None:
 
     def gathered(out: torch.Tensor):
         move("tp", "all_gather", "forward", out.numel() * sp * out.element_size(), sp)
-        # over CP the whole row: ST-DiT's probe holds 1/cp of it already (`_probe`)
+        # over CP the whole row: a model probed at a rank's rows (rank_model) holds 1/cp of it already (`_probe`)
         move("cp", "all_gather", "forward", out.numel() * sp * key.cp * out.element_size(), key.cp)
         return gather(out)
 
     rows.keys_values, rows.gather = kv, gathered
-    if swaps and sp > 1:
-        orders = rows.orders
+    if sp > 1:
+        permutation = rows.permutation
 
         def watched(*args):
-            o = orders(*args)
-            to_lines, to_frames = o.to_lines, o.to_frames
+            permute = permutation(*args)
 
-            def around(x: torch.Tensor, f):
+            def around(x: torch.Tensor):
                 full = x.numel() * sp * (2 if key.precision == "bf16" else x.element_size())
-                move("tp", "all_gather", "forward", full, key.tp, inside=False)  # run_block moves outside the block
+                move("tp", "all_gather", "forward", full, key.tp, inside=False)  # between blocks: not recomputed
                 move("tp", "reduce_scatter", "backward", full, key.tp, inside=False)
-                return f(x)
+                return permute(x)
 
-            o.to_lines, o.to_frames = (lambda x: around(x, to_lines)), (lambda x: around(x, to_frames))
-            return o
+            return around
 
-        rows.orders = watched
+        rows.permutation = watched
 
 
-def _swaps(cfg: DiTConfig, key: RankShapes, model: nn.Module, grids: tuple | None) -> list[_Move]:
-    """ST-DiT's all-to-alls under CP: per temporal block a move to lines order and one back, each sending the tokens
-    of the rank's slice that belong to another rank's slice in the other order (`HostRows.moves` of the planned
+def _swaps(cfg: DiTConfig, key: RankShapes, model: nn.Module, grids: tuple | None, token_moves) -> list[_Move]:
+    """The all-to-alls under CP of an architecture that regroups tokens between blocks: each regrouping its
+    registration names (`Architecture.token_moves`; ST-DiT: to lines order before a temporal block and back after)
+    sends the tokens of the rank's slice that belong to another rank's slice in the other order (of the planned
     rows, the most loaded rank's), in the hidden states' dtype; the backward sends their gradients the same way. The
     rows are the given grids' or planned clips (`_clip`): the moves depend on the samples' grids, which a layout does
     not say."""
     S = key.samples_per_row if key.packed else 1
     rows = [list(row) for row in grids] if grids else [[_clip(key.seq_length // S, cfg.max_grid)] * S] * key.micro_batch
-    moves = HostRows(rows, key.seq_length).moves(key.seq_length // key.cp)
-    out_of = max(sum(row) - row[r] for r, row in enumerate(moves))  # to lines order
-    back = max(sum(moves[q][r] for q in range(key.cp)) - moves[r][r] for r in range(key.cp))
-    temporal = [i for i, b in enumerate(model.blocks) if type(b).__name__ == "TemporalBlock"]
     width = cfg.hidden_size * FP32  # the residual stream stays fp32 under autocast
     out = []
-    for i in temporal:
-        for tokens in (out_of, back):
-            for phase in ("forward", "backward"):
-                out.append(_Move(i, "cp", "all_to_all", phase, tokens * width, key.cp, inside=False))
+    for i, counts in token_moves(model, rows, key.seq_length, key.cp):
+        tokens = max(sum(row) - row[r] for r, row in enumerate(counts))  # leaving the rank that sends the most
+        for phase in ("forward", "backward"):
+            out.append(_Move(i, "cp", "all_to_all", phase, tokens * width, key.cp, inside=False))
     return out
 
 

@@ -19,6 +19,7 @@ import dataclasses
 import math
 import re
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -28,7 +29,7 @@ from torch import nn
 
 from ditcore.errors import ConfigError
 from ditcore.inputs import Inputs
-from ditcore.layout import grid_positions, on_host, patchify, per_token, unpatchify
+from ditcore.layout import grid_positions, on_host, patchify, per_token, reorder, unpatchify
 from ditcore.models.attention import Mask, attend, check_backend, resolve, segments
 from ditcore.models.plan import ColumnParallel, PipelineSplit, Plan, Replicated, RowParallel
 from ditcore.models.registry import Architecture, register
@@ -251,7 +252,9 @@ class RowSplit:
     """Which of a row's tokens this process computes: all of them. The seam for context/sequence parallelism.
 
     ditcore.parallel.context_parallel replaces `DiT.rows` with a split over ranks: each rank then holds a slice of
-    every row, attention gathers the keys and values of the whole row, and the output is gathered at the end.
+    every row, attention gathers the keys and values of the whole row, and the output is gathered at the end. A
+    model that regroups tokens between blocks moves them with `permutation`, which every split implements (and the
+    single-process stand-in of a rank, ditcore.parallel.standins): the model holds no parallel code of its own.
     """
 
     def spans(self, n: int) -> tuple[slice, slice]:
@@ -265,6 +268,15 @@ class RowSplit:
     def gather(self, out: torch.Tensor) -> torch.Tensor:
         """Sequence-first output (n, B, F) of the tokens held here → (N, B, F) of the whole row."""
         return out
+
+    def permutation(self, index: torch.Tensor, inverse: torch.Tensor,
+                    counts: Callable | None) -> Callable[[torch.Tensor], torch.Tensor]:
+        """A move of the tokens held here into another order of their rows, for a model that regroups tokens between
+        blocks (ST-DiT): token j of row b is then token index[b, j] (index (B or 1, N), `inverse` its inverse).
+        counts(n)[r][q]: tokens of all rows in slice r of n tokens in this order and in slice q in the other,
+        computed on the host, by which a split over ranks sends each its tokens; None: gather the rows whole. Called
+        outside the blocks' forwards (ditcore.traffic counts its collectives once under activation checkpointing)."""
+        return lambda x: reorder(x, index, inverse)
 
 
 @dataclass
@@ -443,7 +455,7 @@ def symbolic_sizes(c: torch.Tensor, a: AttentionInputs) -> None:
 class DiT(nn.Module):
     block_class: type[nn.Module] = DiTBlock  # an architecture that differs only in its blocks subclasses DiT
     norm_class: type[nn.Module] = LayerNorm  # the final layer's norm
-    context_parallel = "all_gather"  # how ditcore.parallel splits rows: attention gathers the whole row's keys
+    context_parallel = "all_gather"  # attention gathers the whole row's keys (ditcore.memory plans a rank so)
     inputs_class: type[Inputs] = Inputs  # what forward takes (ditcore.inputs); an architecture may add conditions
 
     def __init__(self, cfg: DiTConfig, attention: str = "auto"):

@@ -6,11 +6,16 @@ the tests build) and its tensor-parallel plan. dit-train's choices, the plan of 
 and the tests' lists of architectures are all read from here, so a new architecture is its model file plus one
 `register(Architecture(...))`. Its inputs (ditcore.inputs) are its model class's `inputs_class`: a new conditioning
 input is a field of its own Inputs subclass in its model file (`inputs_of` gives the loader and the probes that type).
+
+An architecture that regroups tokens between blocks (ST-DiT) needs no stand-in of its own: it moves them with its
+rows' `permutation` (ditcore.models.dit.RowSplit), which ditcore.parallel's row splits and their one-process stand-in
+implement for every architecture, and registers here what that stand-in cannot show, the tokens each regrouping sends
+between context-parallel ranks (`token_moves`), so no other module imports its model file.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -33,6 +38,10 @@ class Architecture:
     tiny: str  # the preset that tests build for every architecture
     plan: Plan  # how ditcore.parallel lays its parameters out over tensor-parallel ranks
     summary: str  # one line for people, e.g. in dit-train's error for an unknown model.arch
+    # (model, grids, N, parts) → [(block index, counts)]: every regrouping of tokens around the model's blocks, with
+    # counts[r][q] the tokens of rows of N tokens laid out as `grids` (ditcore.layout) that it takes from slice r of
+    # `parts` to slice q, for ditcore.traffic's all-to-alls; None: the architecture regroups no tokens
+    token_moves: Callable[[nn.Module, list, int, int], list[tuple[int, list[list[int]]]]] | None = None
 
 
 ARCHS: dict[str, Architecture] = {}  # name → architecture, in the order they registered

@@ -12,7 +12,10 @@ then only separate runs: a token sees its own frame (or its own line) of its own
 images and clips work as for the DiT; an image is a one-frame clip, whose time-lines are single tokens.
 
 On one process the regrouping is a gather. Under context parallelism each rank holds whole frames and, after one
-all-to-all, whole time-lines (ditcore.parallel.context_parallel.SwapRows): no attention needs another rank's keys.
+all-to-all, whole time-lines: no attention needs another rank's keys. The model moves them by its rows'
+`permutation` (`Orders`; ditcore.models.dit.RowSplit), which ditcore.parallel implements over ranks, and on one process
+at a rank's shapes, for every architecture alike; what the one-process stand-in cannot show, the tokens each
+all-to-all sends, the registration gives the traffic model (`token_moves`). No other module needs this file.
 
 What is decided once per forward from the layout of the rows (are all rows alike, does a rank's slice cut a frame,
 how many tokens go to each rank) is read on the host, never from the device, whose queue would have to drain
@@ -90,40 +93,6 @@ def factorise(seg: torch.Tensor | None, pos: torch.Tensor, max_grid: tuple[int, 
     return Factorised(frames=frames, lines=line.gather(-1, to_lines), to_lines=to_lines,
                       to_frames=to_lines.argsort(-1), pos=pos.gather(-2, to_lines[..., None].expand(-1, -1, 3)),
                       seg=seg_lines)
-
-
-def _take(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """Rows of x taken along dim 0: index (n,) or (1, n) for all of x's columns alike, (B, n) for each column b of
-    a sequence-first x (N, B, D) its own."""
-    if index.ndim == 1 or index.shape[0] == 1:
-        return x.index_select(0, index.reshape(-1))
-    return x.gather(0, index.T[:, :, None].expand(-1, -1, x.shape[-1]))
-
-
-class _Permute(torch.autograd.Function):
-    """A permutation of tokens whose backward moves the gradient back by the inverse permutation: a gather too.
-
-    index_select's and gather's own backwards scatter-add into a zero tensor of the gradient's dtype (index_add,
-    scatter_add). For a permutation every sum has one term, so nothing is rounded, but on CUDA it is an atomic
-    scatter, and a scatter into bf16 is what must never sum a sample's tokens (ditcore.layout.per_token): the test
-    that no training step scatters in low precision (ditcore.testing.NoLowPrecisionScatter) finds none here.
-    """
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, index: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(inverse)
-        return _take(x, index)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        (inverse,) = ctx.saved_tensors
-        return _take(grad, inverse), None, None
-
-
-def reorder(x: torch.Tensor, index: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
-    """Sequence-first x (N, B, D) → (N, B, D) whose token j of row b is x[index[b, j], b]; index (B or 1, N), or (N,)
-    for every row alike (x may then be (N, D)). `inverse` is the inverse permutation (index.argsort(-1))."""
-    return _Permute.apply(x, index, inverse)
 
 
 def grids_of(seg: torch.Tensor | None, pos: torch.Tensor, B: int) -> list[list[tuple[int, int, int]]]:
@@ -222,33 +191,40 @@ class HostRows:
 
 
 class Orders:
-    """Moves one process's whole rows between frames and lines order (a gather each way).
+    """Moves the tokens a process holds between frames and lines order, around each temporal block, by its rows'
+    `permutation` (ditcore.models.dit.RowSplit): a gather on one process, an all-to-all under context parallelism
+    (ditcore.parallel.context_parallel), at a rank's shapes on one process its stand-in (ditcore.parallel.standins).
 
-    `local`: every frame and every time-line of this rank's queries is on this rank, so attention needs no other
-    rank's keys (`keys_values` passes its own through). Always so on one process; ditcore.parallel's version says
-    whether the rank's slice of the rows cut one, from `host`, the same rows on the host.
+    `local`: the rank's 1/cp slice of the rows cuts no frame (frames order) and no time-line (lines order), so its
+    attention needs no other rank's keys (`keys_values` passes its own through) and each move sends every rank the
+    tokens it holds in the other order, as many as `HostRows.moves` counts. Rows whose slices would cut one (a
+    2x2-token image over 2 ranks, a packed row whose sample straddles a slice boundary oddly) take the way of the
+    other architectures instead: each move gathers the whole rows and keeps this rank's slice, and attention gathers
+    the keys of the whole row. Slower, never wrong. Both are read from the rows on the host (`host`): no device value,
+    so nothing waits for the device's queue. Always local on one process.
+
+    Communication per block and rank, forward (the backward sends as much again), for B rows of N tokens of width D
+    over cp ranks: all-gather CP receives the keys and values of the rest of the row in every block,
+    2·(cp−1)/cp·N·B·D values; these moves nothing in a spatial block and 2·(cp−1)/cp²·N·B·D in a temporal one (two
+    all-to-alls of the (cp−1)/cp of its N/cp tokens that change rank), per (spatial, temporal) pair 2·cp times less.
+    For 32 frames × 32×32 tokens (N = 32768), ST-DiT-XL/2's D = 1152, bf16 and one row, per pair: cp=2, 151 MB
+    (all-gather) vs 37.7 MB (all-to-all); cp=8, 264 MB vs 16.5 MB.
     """
 
-    local = True
+    def __init__(self, rows: RowSplit, f: Factorised, host: HostRows):
+        self.rows, self.f, self.host = rows, f, host
+        span = rows.spans(host.N)[0]  # this rank's slice of every row: all of it on one process
+        self.local = not host.cut(span.stop - span.start)
+        to_lines = host.moves if self.local else None  # counts per pair of slices, from the grids, when planned
 
-    def __init__(self, f: Factorised, host: HostRows):
-        self.f, self.host = f, host
+        def to_frames(n: int) -> list[list[int]]:  # the same tokens back
+            return [list(column) for column in zip(*host.moves(n), strict=True)]
+
+        self.to_lines = rows.permutation(f.to_lines, f.to_frames, to_lines)
+        self.to_frames = rows.permutation(f.to_frames, f.to_lines, to_frames if self.local else None)
 
     def keys_values(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return k, v
-
-    def to_lines(self, x: torch.Tensor) -> torch.Tensor:
-        return reorder(x, self.f.to_lines, self.f.to_frames)
-
-    def to_frames(self, x: torch.Tensor) -> torch.Tensor:
-        return reorder(x, self.f.to_frames, self.f.to_lines)
-
-
-class LineRows(RowSplit):
-    """ST-DiT's rows on one process: all tokens here; ditcore.parallel replaces it with an all-to-all split."""
-
-    def orders(self, f: Factorised, host: HostRows) -> Orders:
-        return Orders(f, host)
+        return (k, v) if self.local else self.rows.keys_values(k, v)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -276,11 +252,7 @@ class TemporalBlock(DiTBlock):
 class STDiT(DiT):
     """The DiT with factorised attention (see the module's docstring); same inputs, outputs and initialisation."""
 
-    context_parallel = "all_to_all"  # ditcore.parallel gives it SwapRows: whole frames, then whole lines, per rank
-
-    def __init__(self, cfg: STDiTConfig, attention: str = "auto"):
-        super().__init__(cfg, attention)
-        self.rows = LineRows()
+    context_parallel = "all_to_all"  # a rank holds whole frames, then whole lines (Orders); ditcore.memory plans so
 
     def new_block(self, i: int) -> nn.Module:
         return (TemporalBlock if i % 2 else DiTBlock)(self.cfg, own_embedders=self.cfg.block_embedders and i > 0)
@@ -296,7 +268,7 @@ class STDiT(DiT):
                          grids=None) -> STInputs:
         host = HostRows.of(seg, pos, grids, B)
         f = factorise(seg, pos, self.cfg.max_grid)
-        orders = self.rows.orders(f, host)  # under context parallelism: are this rank's frames and lines whole here?
+        orders = Orders(self.rows, f, host)  # under context parallelism: are this rank's frames and lines whole here?
         N = pos.shape[-2]
         local = self.rows.spans(N)[1]
         seq = span.stop - span.start
@@ -321,6 +293,17 @@ class STDiT(DiT):
         return frames
 
 
+def token_moves(model: nn.Module, grids: list[list[tuple[int, int, int]]], N: int,
+                parts: int) -> list[tuple[int, list[list[int]]]]:
+    """The registration's answer for ditcore.traffic, which cannot see an all-to-all on one process: each move of
+    `model`'s blocks (to lines order before a temporal block and back after it) with the tokens it takes from each
+    of `parts` slices of rows of N tokens (`grids`: their layout) to each (`HostRows.moves`)."""
+    to_lines = HostRows(grids, N).moves(N // parts)
+    back = [list(column) for column in zip(*to_lines, strict=True)]
+    temporal = [i for i, block in enumerate(model.blocks) if isinstance(block, TemporalBlock)]
+    return [(i, counts) for i in temporal for counts in (to_lines, back)]
+
+
 # Open-Sora's STDiT-XL/2 width and depth: 1152 wide, 16 heads, 28 depth steps of a spatial and a temporal block (as
 # STDiT3-XL/2), patch 1 x 2 x 2. Its blocks share one adaLN projection of the timestep; here each block has its own,
 # as the DiT's do (0.45 B parameters more). A tiny one for tests.
@@ -329,9 +312,10 @@ PRESETS: dict[str, STDiTConfig] = {
     "ST-DiT-Tiny": STDiTConfig(hidden_size=64, depth=4, num_heads=4),
 }
 
-# DiT blocks throughout, so the DiT's tensor-parallel plan; its context parallelism differs (SwapRows)
+# DiT blocks throughout, so the DiT's tensor-parallel plan; its token_moves, for the traffic model
 register(Architecture("stdit", STDiTConfig, STDiT, PRESETS, tiny="ST-DiT-Tiny", plan=DIT_PLAN,
                       summary="the spatio-temporal DiT (blocks alternate attention within frames and within "
-                              "time-lines)"))
+                              "time-lines)", token_moves=token_moves))
 
-__all__ = ["PRESETS", "HostRows", "STDiT", "STDiTConfig", "TemporalBlock", "check_grids", "factorise"]
+__all__ = ["PRESETS", "HostRows", "Orders", "STDiT", "STDiTConfig", "TemporalBlock", "check_grids", "factorise",
+           "token_moves"]

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from ditcore.models import DiTConfig, apply_activation_checkpointing, apply_compile, build, plan_for
-from ditcore.parallel.context_parallel import SplitRows, SwapRows
+from ditcore.parallel.context_parallel import SplitRows
 from ditcore.parallel.dims import ParallelGroups
 from ditcore.parallel.fsdp import apply_fsdp
 from ditcore.parallel.materialize import materialize
@@ -32,7 +32,7 @@ def parallelize(model: nn.Module, groups: ParallelGroups) -> nn.Module:
     if dims.tp > 1:
         apply_tensor_parallel(model, plan, groups, sp)
     if dims.cp > 1 or sp:
-        model.rows = (SwapRows if model.context_parallel == "all_to_all" else SplitRows)(groups, sp)
+        model.rows = SplitRows(groups, sp)  # every architecture's: one that regroups tokens uses its permutation
     params = dict(model.named_parameters())
     for name in names:
         p = params[name]

@@ -1,17 +1,20 @@
 """A rank of a tensor-, sequence- or context-parallel layout on one process, for the estimators that run the model at
 one rank's shapes (ditcore.memory, ditcore.traffic): the layers and row splits of ditcore.parallel.tensor_parallel and
-context_parallel as their memory on that rank looks, without process groups (`rank_share`). A change to what those
-layers keep or make belongs here too.
+context_parallel as their memory on that rank looks, without process groups (`rank_share`), the row split's
+`permutation` (a model's regrouping of tokens between blocks) included, so an architecture needs no stand-in of its
+own. A change to what those layers keep or make belongs here too.
 """
 
 from __future__ import annotations
 
 import fnmatch
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ditcore.layout import reorder
 from ditcore.models import plan_for
 from ditcore.models.dit import RowSplit
 from ditcore.models.plan import ColumnParallel, RowParallel
@@ -76,16 +79,17 @@ def rank_share(model: nn.Module, tp: int, sp: int, cp: int) -> None:
                 parent, _, child = name.rpartition(".")
                 model.get_submodule(parent).register_module(child, layer)
     if sp * cp > 1:
-        model.rows = _RankRows(model.rows, sp, cp)
+        model.rows = _RankRows(sp, cp)
 
 
 class _RankRows(RowSplit):
     """A rank's slice of every row, on one process (ditcore.parallel.context_parallel.SplitRows): its queries are
     the row's 1/cp, the tokens it holds a 1/sp of those, the keys and values gathered whole (new tensors), the output
-    too. A model that regroups tokens between blocks (ST-DiT) gets its own `orders`, gathering its 1/sp first."""
+    too. A model that regroups tokens between blocks (ST-DiT, planned at the rows a rank holds: ditcore.memory) moves
+    them by `permutation`, as the split does: the ranks' pieces gathered, moved, and this rank's piece kept."""
 
-    def __init__(self, base: RowSplit, sp: int, cp: int):
-        self.base, self.sp, self.cp = base, sp, cp
+    def __init__(self, sp: int, cp: int):
+        self.sp, self.cp = sp, cp
 
     def spans(self, n: int) -> tuple[slice, slice]:
         return slice(0, n // self.cp), slice(0, n // (self.cp * self.sp))
@@ -96,22 +100,8 @@ class _RankRows(RowSplit):
     def gather(self, out: torch.Tensor) -> torch.Tensor:
         return out.repeat(self.cp * self.sp, 1, 1)
 
-    def orders(self, *args):
-        return _RankOrders(self.base.orders(*args), self.sp)
+    def permutation(self, index: torch.Tensor, inverse: torch.Tensor, counts) -> Callable[[torch.Tensor], torch.Tensor]:
+        def move(x: torch.Tensor) -> torch.Tensor:
+            return reorder(x.repeat(self.sp, 1, 1), index, inverse)[: x.shape[0]].clone()
 
-
-class _RankOrders:
-    """ST-DiT's moves between frames and lines order under sequence parallelism (context_parallel.SwapRows): the
-    ranks' pieces gathered, moved, and this rank's piece kept."""
-
-    def __init__(self, whole, sp: int):
-        self.whole, self.sp, self.local = whole, sp, whole.local
-
-    def keys_values(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.whole.keys_values(k, v)
-
-    def to_lines(self, x: torch.Tensor) -> torch.Tensor:
-        return self.whole.to_lines(x.repeat(self.sp, 1, 1))[: x.shape[0]].clone()
-
-    def to_frames(self, x: torch.Tensor) -> torch.Tensor:
-        return self.whole.to_frames(x.repeat(self.sp, 1, 1))[: x.shape[0]].clone()
+        return move
