@@ -20,7 +20,8 @@ from ditcore.inputs import Inputs
 from ditcore.layout import SIGMA_DATA, grid_positions, patchify, unpatchify
 from ditcore.media import read_video
 from ditcore.models import DiT
-from ditcore.models.dit import DiTConfig, sincos_2d
+from ditcore.models.dit import DiTConfig
+from ditcore.models.layers import sincos_2d
 from ditcore.sampling import sample
 from ditcore.testing import assert_close_fp32, dit_forward_work, dit_pipeline_loop
 

@@ -18,7 +18,8 @@ import torch
 
 from ditcore.inputs import Inputs, per_sample
 from ditcore.models import Architecture, DiT
-from ditcore.models.dit import DIT_PLAN, DiTConfig, ScalarEmbedder
+from ditcore.models.dit import DIT_PLAN, DiTConfig
+from ditcore.models.layers import ScalarEmbedder
 from ditcore.models.plan import Plan, Replicated
 
 NO_SCORE = -1.0  # a sample without a motion score, and the null score of CFG dropout

@@ -8,7 +8,8 @@ from ditcore.errors import ConfigError
 from ditcore.inputs import Inputs
 from ditcore.layout import grid_positions
 from ditcore.models import ARCHS, PRESETS, DiT, DiTConfig, build, preset
-from ditcore.models.dit import DiTBlock, apply_rope, rope_angles
+from ditcore.models.dit import DiTBlock
+from ditcore.models.layers import apply_rope, rope_angles
 from ditcore.testing import assert_close_fp32, dit_forward_work, dit_grad_work
 
 TINY = {name: arch.tiny for name, arch in ARCHS.items()}  # the tests below take `arch`: every registered one

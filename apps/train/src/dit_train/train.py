@@ -36,7 +36,7 @@ from ditcore.errors import ConfigError
 from ditcore.export import export_model
 from ditcore.flops import batch_flops, gpu_peak_flops, measure_cpu_peak_flops
 from ditcore.models import DiTConfig, check_compiled, inputs_of
-from ditcore.models.dit import check_positions
+from ditcore.models.layers import check_positions
 from ditcore.parallel import (
     ParallelDims,
     ParallelGroups,

@@ -26,7 +26,8 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from ditcore.models.dit import DiTConfig, ScalarEmbedder
+from ditcore.models.dit import DiTConfig
+from ditcore.models.layers import ScalarEmbedder
 
 EPS32 = torch.finfo(torch.float32).eps
 EPS64 = torch.finfo(torch.float64).eps  # for float64 comparisons: the same reasoning, 2⁻⁵² instead of 2⁻²³

@@ -16,7 +16,9 @@ import re
 
 import torch
 
-from ditcore.models.dit import DiTConfig, grid_positions, sincos_2d
+from ditcore.layout import grid_positions
+from ditcore.models.dit import DiTConfig
+from ditcore.models.layers import sincos_2d
 
 # DiT's Table 1: width → heads (S, B, L, XL); any other width needs the caller's num_heads
 PAPER_HEADS = {384: 6, 768: 12, 1024: 16, 1152: 16}

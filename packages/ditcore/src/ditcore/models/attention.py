@@ -19,13 +19,14 @@ outputs are never used), and a query whose sample has no text is zeroed with `ha
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from ditcore.errors import ConfigError
-from ditcore.layout import on_host, segment_mask
+from ditcore.layout import on_host, reorder, segment_mask
 
 BACKENDS = ("auto", "sdpa", "flex")
 
@@ -141,3 +142,42 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask, enable
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     return _kernels(q.device.type).flex_attention(q, k, v, block_mask=mask.attn,  # CUDA: strided views, no copies
                                                   enable_gqa=enable_gqa)
+
+
+class RowSplit:
+    """Which of a row's tokens this process computes: all of them. The seam for context/sequence parallelism.
+
+    ditcore.parallel.context_parallel replaces `DiT.rows` with a split over ranks: each rank then holds a slice of
+    every row, attention gathers the keys and values of the whole row, and the output is gathered at the end. A
+    model that regroups tokens between blocks moves them with `permutation`, which every split implements (and the
+    single-process stand-in of a rank, ditcore.parallel.standins): the model holds no parallel code of its own.
+    """
+
+    def spans(self, n: int) -> tuple[slice, slice]:
+        """(tokens attention sees as queries, tokens this process holds) of a row of n tokens."""
+        return slice(0, n), slice(0, n)
+
+    def keys_values(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values (B, H, n, hd) of this process's queries → those of the whole row."""
+        return k, v
+
+    def gather(self, out: torch.Tensor) -> torch.Tensor:
+        """Sequence-first output (n, B, F) of the tokens held here → (N, B, F) of the whole row."""
+        return out
+
+    def permutation(self, index: torch.Tensor, inverse: torch.Tensor,
+                    counts: Callable | None) -> Callable[[torch.Tensor], torch.Tensor]:
+        """A move of the tokens held here into another order of their rows, for a model that regroups tokens between
+        blocks (ST-DiT): token j of row b is then token index[b, j] (index (B or 1, N), `inverse` its inverse).
+        counts(n)[r][q]: tokens of all rows in slice r of n tokens in this order and in slice q in the other,
+        computed on the host, by which a split over ranks sends each its tokens; None: gather the rows whole. Called
+        outside the blocks' forwards (ditcore.traffic counts its collectives once under activation checkpointing)."""
+        return lambda x: reorder(x, index, inverse)
+
+
+def heads_first(x: torch.Tensor, seq: int, batch: int, heads: int, parts: int, head_dim: int):
+    """(seq, B, heads·parts·hd) projections → `parts` views of shape (B, heads, seq, hd), without copying.
+
+    Their last dimension is contiguous, which is all the norms, RoPE and the attention kernels need.
+    """
+    return x.view(seq, batch, heads, parts, head_dim).permute(3, 1, 2, 0, 4).unbind(0)

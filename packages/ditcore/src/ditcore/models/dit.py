@@ -9,28 +9,38 @@ and every sample attends only to its own tokens and its own text. Per-sample ten
 This file is the one-device model: no process groups, no collectives. ditcore.parallel shards it from the
 outside (tensor parallelism by its plan; context/sequence parallelism by replacing `DiT.rows`).
 
-Reads top to bottom: config → positions → embedders → attention → block → final layer → model → presets →
-tensor-parallel plan and registration.
+Reads top to bottom: config → conditioning embedders → attention → block → final layer → model → presets →
+tensor-parallel plan and registration. The layers it shares with the other architectures (positions, scalar
+embedders, norms) are ditcore.models.layers; the row split and the attention kernels, ditcore.models.attention. Its
+inputs are a ditcore.inputs.Inputs (`DiT.inputs_class`): an architecture that adds a conditioning input declares it
+in its own Inputs subclass and embeds it in its `condition`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 import re
 import zlib
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ditcore.errors import ConfigError
 from ditcore.inputs import Inputs
-from ditcore.layout import grid_positions, on_host, patchify, per_token, reorder, unpatchify
-from ditcore.models.attention import Mask, attend, check_backend, resolve, segments
+from ditcore.layout import grid_positions, on_host, patchify, per_token, unpatchify
+from ditcore.models.attention import Mask, RowSplit, attend, check_backend, heads_first, resolve, segments
+from ditcore.models.layers import (
+    LayerNorm,
+    RMSNorm,
+    ScalarEmbedder,
+    apply_rope,
+    check_positions,
+    rope_angles,
+    sincos_2d,
+    sincos_3d,
+)
 from ditcore.models.plan import ColumnParallel, PipelineSplit, Plan, Replicated, RowParallel
 from ditcore.models.registry import Architecture, register
 
@@ -123,97 +133,7 @@ class DiTConfig:
 
 
 # --------------------------------------------------------------------------------------------------
-# Positions
-
-
-def check_positions(pos: torch.Tensor, max_grid: tuple[int, int, int]) -> None:
-    """Refuse positions outside max_grid. Reading the answer waits for the device: call it on host tensors (the
-    model does so for CPU inputs; dit-train checks each batch before copying it to the GPU)."""
-    limit = torch.tensor(max_grid, device=pos.device)
-    bad = (pos < 0) | (pos >= limit)
-    if bad.any():
-        axis = int(bad.reshape(-1, 3).any(0).nonzero()[0])
-        name = "THW"[axis]
-        raise ValueError(
-            f"token position {name}={int(pos[..., axis].max())} is outside the model's range "
-            f"0..{max_grid[axis] - 1} (max_grid={tuple(max_grid)} tokens); sample a smaller "
-            f"{['number of frames', 'height', 'width'][axis]} or build the model with a larger max_grid"
-        )
-
-
-def rope_split(head_dim: int) -> tuple[int, int, int]:
-    """Rotation pairs given to the (t, h, w) axes: a quarter to time, the rest shared by height and width."""
-    pairs = head_dim // 2
-    t = pairs // 4
-    h = (pairs - t) // 2
-    return t, h, pairs - t - h
-
-
-def rope_angles(pos: torch.Tensor, head_dim: int, theta: float) -> torch.Tensor:
-    """3D RoPE rotation angles (..., head_dim/2), float32, for integer (t, h, w) positions (..., 3)."""
-    angles = []
-    for axis, n in enumerate(rope_split(head_dim)):
-        inv_freq = theta ** (-torch.arange(n, device=pos.device, dtype=torch.float32) / n)
-        angles.append(pos[..., axis, None].float() * inv_freq)
-    return torch.cat(angles, dim=-1)
-
-
-def apply_rope(x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    """Rotate consecutive pairs (x₁, x₂) of x (B, H, N, hd) by the angles whose (cos, sin) are given, each
-    (B or 1, 1, N, hd/2) in x's dtype: real arithmetic in the compute dtype, which a compiler fuses into one pass."""
-    cos, sin = rope
-    x1, x2 = x.unflatten(-1, (-1, 2)).unbind(-1)
-    return torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
-
-
-def sincos_2d(pos: torch.Tensor, dim: int) -> torch.Tensor:
-    """DiT's fixed 2-D sin-cos embedding (..., dim) of (t, h, w) positions, t ignored: the first half of the channels
-    encodes the column w, the second the row h (DiT builds its grid with w first), each as [sin, cos] of dim/4
-    frequencies 10000^(-k/(dim/4)). Computed in float64, as DiT's NumPy table is, then rounded to float32."""
-    omega = 10000.0 ** (-torch.arange(dim // 4, device=pos.device, dtype=torch.float64) / (dim // 4))
-    parts = []
-    for axis in (2, 1):
-        a = pos[..., axis, None].double() * omega
-        parts += [a.sin(), a.cos()]
-    return torch.cat(parts, dim=-1).float()
-
-
-def sincos_3d(pos: torch.Tensor, dim: int) -> torch.Tensor:
-    """Fixed sin-cos embedding (..., dim) of (t, h, w) positions, channels split across axes as for RoPE."""
-    parts = []
-    for axis, n in enumerate(rope_split(dim)):
-        omega = 10000.0 ** (-torch.arange(n, device=pos.device, dtype=torch.float32) / n)
-        a = pos[..., axis, None].float() * omega
-        parts += [a.sin(), a.cos()]
-    return torch.cat(parts, dim=-1)
-
-
-# --------------------------------------------------------------------------------------------------
 # Conditioning embedders (one vector per sample)
-
-
-def sinusoidal(t: torch.Tensor, dim: int, max_period: float = 10000.0, shift: int = 0) -> torch.Tensor:
-    """[cos, sin] of t times dim/2 frequencies max_period^(-k/(dim/2 - shift)) (shift 1: diffusers' DiT port)."""
-    half = dim // 2
-    exponent = -math.log(max_period) * torch.arange(half, device=t.device, dtype=torch.float32)
-    freqs = torch.exp(exponent / (half - shift))
-    args = t.float()[..., None] * freqs
-    return torch.cat([args.cos(), args.sin()], dim=-1)
-
-
-class ScalarEmbedder(nn.Module):
-    """Scalar (noise level, fps) → vector: sinusoidal features then a 2-layer MLP, as DiT's t_embedder.
-
-    The noise level comes in the network's own units, which the preconditioning sets (ditcore.diffusion): EDM's
-    1000·ln(σ)/4, or a DDPM network's timestep index in [0, 1000)."""
-
-    def __init__(self, hidden_size: int, freq_dim: int = 256, shift: int = 0):
-        super().__init__()
-        self.freq_dim, self.shift = freq_dim, shift
-        self.mlp = nn.Sequential(nn.Linear(freq_dim, hidden_size), nn.SiLU(), nn.Linear(hidden_size, hidden_size))
-
-    def forward(self, t: torch.Tensor) -> torch.Tensor:
-        return self.mlp(sinusoidal(t, self.freq_dim, shift=self.shift).to(self.mlp[0].weight.dtype))
 
 
 def add_embedders(owner: nn.Module, cfg: DiTConfig) -> None:
@@ -248,37 +168,6 @@ def embed_conditioning(owner: nn.Module, c_noise: torch.Tensor, inputs: Inputs) 
 # sequence-parallel layers split and gather along.
 
 
-class RowSplit:
-    """Which of a row's tokens this process computes: all of them. The seam for context/sequence parallelism.
-
-    ditcore.parallel.context_parallel replaces `DiT.rows` with a split over ranks: each rank then holds a slice of
-    every row, attention gathers the keys and values of the whole row, and the output is gathered at the end. A
-    model that regroups tokens between blocks moves them with `permutation`, which every split implements (and the
-    single-process stand-in of a rank, ditcore.parallel.standins): the model holds no parallel code of its own.
-    """
-
-    def spans(self, n: int) -> tuple[slice, slice]:
-        """(tokens attention sees as queries, tokens this process holds) of a row of n tokens."""
-        return slice(0, n), slice(0, n)
-
-    def keys_values(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values (B, H, n, hd) of this process's queries → those of the whole row."""
-        return k, v
-
-    def gather(self, out: torch.Tensor) -> torch.Tensor:
-        """Sequence-first output (n, B, F) of the tokens held here → (N, B, F) of the whole row."""
-        return out
-
-    def permutation(self, index: torch.Tensor, inverse: torch.Tensor,
-                    counts: Callable | None) -> Callable[[torch.Tensor], torch.Tensor]:
-        """A move of the tokens held here into another order of their rows, for a model that regroups tokens between
-        blocks (ST-DiT): token j of row b is then token index[b, j] (index (B or 1, N), `inverse` its inverse).
-        counts(n)[r][q]: tokens of all rows in slice r of n tokens in this order and in slice q in the other,
-        computed on the host, by which a split over ranks sends each its tokens; None: gather the rows whole. Called
-        outside the blocks' forwards (ditcore.traffic counts its collectives once under activation checkpointing)."""
-        return lambda x: reorder(x, index, inverse)
-
-
 @dataclass
 class AttentionInputs:
     """What every block's attention needs besides its input, computed once per forward."""
@@ -298,14 +187,6 @@ class AttentionInputs:
     def text_masks(self) -> list[Mask]:
         """Every cross-attention mask the blocks take (an architecture whose blocks differ has several)."""
         return [self.text_mask]
-
-
-def heads_first(x: torch.Tensor, seq: int, batch: int, heads: int, parts: int, head_dim: int):
-    """(seq, B, heads·parts·hd) projections → `parts` views of shape (B, heads, seq, hd), without copying.
-
-    Their last dimension is contiguous, which is all the norms, RoPE and the attention kernels need.
-    """
-    return x.view(seq, batch, heads, parts, head_dim).permute(3, 1, 2, 0, 4).unbind(0)
 
 
 class SelfAttention(nn.Module):
@@ -358,25 +239,6 @@ class CrossAttention(nn.Module):
             return self.proj(no_text(self.q_norm(q), self.k_norm(k), v, a.seq, a.batch))
         out = attend(self.q_norm(q), self.k_norm(k), v, a.text_mask)  # a sample without text gets zeros
         return self.proj(out.permute(2, 0, 1, 3).reshape(a.seq, a.batch, -1))  # (seq, B, D)
-
-
-# --------------------------------------------------------------------------------------------------
-# Norms that run in the activations' dtype. Under autocast, layer_norm is autocast to float32 and an rms_norm
-# of a bf16 input with a float32 weight leaves the fused kernel; both kernels accumulate in float32 anyway.
-
-
-class LayerNorm(nn.LayerNorm):
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w, b = (None if t is None else t.to(x.dtype) for t in (self.weight, self.bias))
-        with torch.autocast(x.device.type, enabled=False):
-            return F.layer_norm(x, self.normalized_shape, w, b, self.eps)
-
-
-class RMSNorm(nn.RMSNorm):
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w = None if self.weight is None else self.weight.to(x.dtype)
-        with torch.autocast(x.device.type, enabled=False):
-            return F.rms_norm(x, self.normalized_shape, w, self.eps)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -28,11 +28,10 @@ from ditcore.models.dit import (
     DiT,
     DiTBlock,
     DiTConfig,
-    RMSNorm,
     add_embedders,
-    apply_rope,
     no_text,
 )
+from ditcore.models.layers import RMSNorm, apply_rope
 from ditcore.models.plan import ColumnParallel, Plan, RowParallel
 from ditcore.models.registry import Architecture, register
 

@@ -13,7 +13,7 @@ images and clips work as for the DiT; an image is a one-frame clip, whose time-l
 
 On one process the regrouping is a gather. Under context parallelism each rank holds whole frames and, after one
 all-to-all, whole time-lines: no attention needs another rank's keys. The model moves them by its rows'
-`permutation` (`Orders`; ditcore.models.dit.RowSplit), which ditcore.parallel implements over ranks, and on one process
+`permutation` (`Orders`; ditcore.models.attention.RowSplit), which ditcore.parallel implements over ranks, and on one process
 at a rank's shapes, for every architecture alike; what the one-process stand-in cannot show, the tokens each
 all-to-all sends, the registration gives the traffic model (`token_moves`). No other module needs this file.
 
@@ -32,8 +32,8 @@ from torch import nn
 
 from ditcore.errors import ConfigError
 from ditcore.layout import grid_rows, on_host
-from ditcore.models.attention import Mask, segments
-from ditcore.models.dit import DIT_PLAN, AttentionInputs, DiT, DiTBlock, DiTConfig, RowSplit
+from ditcore.models.attention import Mask, RowSplit, segments
+from ditcore.models.dit import DIT_PLAN, AttentionInputs, DiT, DiTBlock, DiTConfig
 from ditcore.models.registry import Architecture, register
 
 
@@ -192,7 +192,7 @@ class HostRows:
 
 class Orders:
     """Moves the tokens a process holds between frames and lines order, around each temporal block, by its rows'
-    `permutation` (ditcore.models.dit.RowSplit): a gather on one process, an all-to-all under context parallelism
+    `permutation` (ditcore.models.attention.RowSplit): a gather on one process, an all-to-all under context parallelism
     (ditcore.parallel.context_parallel), at a rank's shapes on one process its stand-in (ditcore.parallel.standins).
 
     `local`: the rank's 1/cp slice of the rows cuts no frame (frames order) and no time-line (lines order), so its

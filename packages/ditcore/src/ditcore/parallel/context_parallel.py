@@ -16,13 +16,13 @@ from collections.abc import Callable
 import torch
 
 from ditcore.layout import reorder
-from ditcore.models.dit import RowSplit
+from ditcore.models.attention import RowSplit
 from ditcore.parallel.comm import all_to_all, gather_seq
 from ditcore.parallel.dims import ParallelGroups
 
 
 class SplitRows(RowSplit):
-    """A model's `rows` under CP and/or SP (see ditcore.models.dit.RowSplit for the one-process version)."""
+    """A model's `rows` under CP and/or SP (see ditcore.models.attention.RowSplit for the one-process version)."""
 
     def __init__(self, groups: ParallelGroups, sequence_parallel: bool):
         dims = groups.dims
@@ -66,7 +66,7 @@ class SplitRows(RowSplit):
 
 
 class Exchange:
-    """A move of the rank's tokens into another order of the rows (ditcore.models.dit.RowSplit.permutation): who
+    """A move of the rank's tokens into another order of the rows (ditcore.models.attention.RowSplit.permutation): who
     sends what to whom is computed at its first move (when the number of rows is known), from the device's orders
     and the host's counts, so nothing waits for the device's queue. Under SP the TP ranks' pieces are gathered first
     and each keeps its own piece of the result.

@@ -16,7 +16,7 @@ from torch import nn
 
 from ditcore.layout import reorder
 from ditcore.models import plan_for
-from ditcore.models.dit import RowSplit
+from ditcore.models.attention import RowSplit
 from ditcore.models.plan import ColumnParallel, RowParallel
 from ditcore.parallel.tensor_parallel import in_compute_dtype
 
