@@ -11,6 +11,10 @@ N_tok counts only weights applied to every token (patch embedding, attention and
 cross-attention queries/outputs, output projection). Weights applied once per sample (adaLN
 modulation, timestep/class/fps embedders) are excluded; text-side weights (the caption projection and
 the cross-attention key/value projections) run once per text token and are charged per sample.
+
+The weights are read from the model itself (`count_params`): its meter watches the probe that the memory plan and the
+traffic model watch too (ditcore.probe), run at a one-rank layout of its own whose rows tell tokens, text tokens and
+samples apart.
 """
 
 from __future__ import annotations

@@ -4,8 +4,8 @@ What one rank sends, per process group and collective, every micro-batch and onc
 the bytes' ring convention: ditcore.parallel.counting, whose counter checks this model in
 tests/ditcore/parallel/test_equivalence.py). Learned from the model, not written out per architecture:
 
-- tensor and sequence parallelism: a probe forward of one period of blocks at a rank's shapes (as the memory plan
-  runs it, ditcore.memory) reports every linear the TP plan splits (ditcore.models.plan), the rows it multiplies and
+- tensor and sequence parallelism: the probe's forward of one period of blocks at a rank's shapes (ditcore.probe's
+  run, without checkpointing, which the memory plan's meter reads too: one run for both) reports every linear the TP plan splits (ditcore.models.plan), the rows it multiplies and
   the dtypes it sees. ColumnParallel: with SP an all-gather of its input in forward, again in backward for the
   weight's gradient, and a reduce-scatter of the input's gradient; without SP an all-reduce of the input's gradient.
   `gather_output`: an all-gather of the output features, an all-reduce of the input's gradient (under SP, where each
