@@ -28,13 +28,14 @@ One rank of a layout holds, in bytes:
   parameters in the compute dtype instead of the root's and two blocks'; and with several micro-batches their
   unsharded gradients, summed in the reduce dtype (FSDP2's accumulation), besides the running micro-batch's.
 - activations: the peak, over forward and backward, of what the forward keeps for backward, recorded from the model
-  itself (`_Meter`): the probe's run (ditcore.probe, shared with the traffic model and the FLOP count) of its
-  training forward on fake tensors (shapes only: nothing is allocated, whatever the width) at a rank's shapes, with
-  the layout's checkpointing, and what is alive at its end is counted by where it was made. CUDA's kernels keep some things otherwise than the CPU's that the record runs: flex attention, fused RMSNorm
-  and LayerNorm's statistics (`flex_keeps`, `CudaNorms`, `CUDA_KEEPS`). With pp > 1 the non-interleaved 1F1B
-  schedule keeps, at its peak, min(pp - s, micro_batches) micro-batches in flight on stage s, each holding what its
-  forward kept there: its blocks', the conditioning's (every stage), the patch embedder's (the first stage; the
-  others keep the hidden states they received instead), the final layer's and the loss's (the last).
+  itself (`_Meter`): the probe's run (ditcore.probe, shared with the traffic model and the FLOP count) of its training
+  forward on fake tensors (shapes only: nothing is allocated, whatever the width) at a rank's shapes, with the
+  layout's checkpointing, and what is alive at its end is counted by where it was made. CUDA's kernels keep some
+  things otherwise than the CPU's that the record runs: flex attention, fused RMSNorm and LayerNorm's statistics
+  (`flex_keeps`, `CudaNorms`, `CUDA_KEEPS`). With pp > 1 the non-interleaved 1F1B schedule keeps, at its peak,
+  min(pp - s, micro_batches) micro-batches in flight on stage s, each holding what its forward kept there: its
+  blocks', the conditioning's (every stage), the patch embedder's (the first stage; the others keep the hidden states
+  they received instead), the final layer's and the loss's (the last).
 
 With pp > 1 the plan is computed for every stage and the most loaded one reported (`Plan.stage`): the first stage
 keeps the most micro-batches in flight, the last one holds the final layer and the loss.

@@ -5,13 +5,14 @@ the bytes' ring convention: ditcore.parallel.counting, whose counter checks this
 tests/ditcore/parallel/test_equivalence.py). Learned from the model, not written out per architecture:
 
 - tensor and sequence parallelism: the probe's forward of one period of blocks at a rank's shapes (ditcore.probe's
-  run, without checkpointing, which the memory plan's meter reads too: one run for both) reports every linear the TP plan splits (ditcore.models.plan), the rows it multiplies and
-  the dtypes it sees. ColumnParallel: with SP an all-gather of its input in forward, again in backward for the
-  weight's gradient, and a reduce-scatter of the input's gradient; without SP an all-reduce of the input's gradient.
-  `gather_output`: an all-gather of the output features, an all-reduce of the input's gradient (under SP, where each
-  rank applies the gathered features to its own tokens, their gradient reduce-scattered too). RowParallel: with SP
-  a reduce-scatter of the output in forward and an all-gather of its gradient in backward; without SP an all-reduce
-  in forward. Under bf16 every gather of activations runs in the autocast dtype;
+  run, without checkpointing, which the memory plan's meter reads too: one run for both) reports every linear the TP
+  plan splits (ditcore.models.plan), the rows it multiplies and the dtypes it sees. ColumnParallel: with SP an all-
+  gather of its input in forward, again in backward for the weight's gradient, and a reduce-scatter of the input's
+  gradient; without SP an all-reduce of the input's gradient. `gather_output`: an all-gather of the output features,
+  an all-reduce of the input's gradient (under SP, where each rank applies the gathered features to its own tokens,
+  their gradient reduce-scattered too). RowParallel: with SP a reduce-scatter of the output in forward and an all-
+  gather of its gradient in backward; without SP an all-reduce in forward. Under bf16 every gather of activations runs
+  in the autocast dtype;
 - context parallelism: each attention's key/value all-gather (a reduce-scatter in backward), and ST-DiT's
   all-to-alls between frames and lines order (as many tokens as leave the rank, `HostRows.moves` of the planned
   rows); the SP/CP gathers of the output;
