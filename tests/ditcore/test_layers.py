@@ -19,11 +19,13 @@ LAYERS = [
     {"ditcore", "ditcore.errors", "ditcore.layout", "ditcore.media", "ditcore.cli", "ditcore.choices"},
     {"ditcore.inputs"},  # a model's inputs: what the loader, the objectives, the probes and the samplers build
     {"ditcore.models", "ditcore.codecs", "ditcore.data", "ditcore.diffusion"},
-    {"ditcore.parallel", "ditcore.flops", "ditcore.testing", "ditcore.export", "ditcore.sampling", "ditcore.training",
+    {"ditcore.parallel", "ditcore.testing", "ditcore.export", "ditcore.sampling", "ditcore.training",
      "ditcore.interop"},  # interop: the field's DiT checkpoints in, diffusers out
     {"ditcore.job", "ditcore.cuda_keeps"},  # a training job's layout; CUDA's saved tensors, for the memory record
+    {"ditcore.probe"},  # one run of the model at a rank's shapes, which memory, traffic and the FLOP count watch
     {"ditcore.runs", "ditcore.memory", "ditcore.eval"},  # eval: held-out loss, FID/FD
-    {"ditcore.traffic"},  # communication per step: counted (ditcore.parallel.counting) and modelled
+    # communication per step: counted (ditcore.parallel.counting) and modelled; FLOPs, probed at the planner's batch
+    {"ditcore.traffic", "ditcore.flops"},
     {"ditcore.speed"},  # step time, tokens/s and MFU predicted from FLOPs, memory and traffic; layout search
     {"ditcore.init_from"},
 ]

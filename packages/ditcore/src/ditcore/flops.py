@@ -11,20 +11,24 @@ N_tok counts only weights applied to every token (patch embedding, attention and
 cross-attention queries/outputs, output projection). Weights applied once per sample (adaLN
 modulation, timestep/class/fps embedders) are excluded; text-side weights (the caption projection and
 the cross-attention key/value projections) run once per text token and are charged per sample.
+
+The weights are read from the model itself (`count_params`): its meter watches the probe that the memory plan and the
+traffic model watch too (ditcore.probe), run at a one-rank layout of its own whose rows tell tokens, text tokens and
+samples apart.
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensorMode
 
-from ditcore.models import build, inputs_of
+from ditcore.job import Layout
+from ditcore.memory import planned_batch
 from ditcore.models.dit import DiTConfig
+from ditcore.probe import Hooks, Rank, RankShapes, block_period, meta_model, run
 
 
 @dataclass(frozen=True)
@@ -34,78 +38,46 @@ class FlopCount:
     per_sample_params: int  # weights applied once per sample (adaLN, embedders)
 
 
-def fake_model(cfg: DiTConfig, attention: str = "sdpa", change=None, real: bool = False) -> nn.Module:
-    """The model of `cfg` on fake CPU tensors (torch's FakeTensorMode, as `model.fake_mode`): it runs at any width
-    and length, computing shapes, dtypes and strides only, so that a 30B-wide block allocates nothing. Run it, and
-    make its inputs, inside `with model.fake_mode:`. `change(model)`, when given, edits the meta model before its
-    parameters are made (ditcore.memory gives it a tensor-parallel rank's share).
-
-    real: the same model on real, uninitialised CPU tensors (`fake_mode` then does nothing), for a small one: a fake
-    op costs about 0.3 ms of Python, a real one on small tensors a few µs, and the shapes and storages are the same.
-    """
-    with torch.random.fork_rng(devices=[]), torch.device("meta"):  # the constructor draws a seed: leave it be
-        model = build(cfg, attention=attention)
-    if change is not None:
-        change(model)
-    # the meta parameters are not fake
-    model.fake_mode = contextlib.nullcontext() if real else FakeTensorMode(allow_non_fake_inputs=True)
-    with model.fake_mode:
-        model.to_empty(device="cpu")
-    return model
-
-
-# Parameters under which count_params probes a model on real (uninitialised) tensors: 128 MB in fp32.
-REAL_BELOW = 2**25
-
-# The rows of the probe forward of `count_params`: one sample of a (1, 2, 3) token grid and 5 text tokens, so that a
-# linear applied to every token sees 6 rows, to every text token 5, once per sample 1.
-_PROBE_GRID, _PROBE_TEXT = (1, 2, 3), 5
+# The probe's run of `count_params` (ditcore.probe): one rank's row of 6 latent tokens and 5 text tokens, one sample
+# unpacked, in fp32 on the CPU's kernels, so that a linear applied to every token sees 6 rows, to every text token
+# 5, once per sample 1.
+_PROBE = Layout(seq_length=6, text_len=5, packed=False, precision="fp32", device="cpu", attention="sdpa")
 
 
 @functools.lru_cache(maxsize=64)
 def count_params(cfg: DiTConfig) -> FlopCount:
-    """The model's linear weights by what they are applied to, read from the model itself: a forward of its fake
-    model (shapes only, nothing allocated) on a probe sample, in which every nn.Linear reports the rows it
-    multiplies: the sample's tokens, its text tokens or the sample once. The blocks repeat every `period` blocks, so
-    the model is probed with one period and with two: the second period's weights are every later one's."""
-    with torch.random.fork_rng(devices=[]), torch.device("meta"):  # the constructor draws a seed: leave it be
-        whole = build(cfg)
-    period = block_period(whole)
-    blocks = sum(p.numel() for p in whole.blocks.parameters())
-    probed = sum(p.numel() for p in whole.parameters()) - blocks + 2 * period * blocks // cfg.depth
-    real = probed < REAL_BELOW  # a small model's probe runs faster on real tensors (`fake_model`)
-    one, two = (_probe(cfg.replace(depth=k * period), real) for k in (1, 2))
+    """The model's linear weights by what they are applied to, read from the model itself: the probe's training
+    forward (ditcore.probe, shapes only, nothing allocated) of a one-rank layout (`_PROBE`), in which every nn.Linear
+    reports the rows it multiplies: the sample's tokens, its text tokens or the sample once. The blocks repeat every
+    `period` blocks, so the model is probed with one period and with two: the second period's weights are every later
+    one's."""
+    period = block_period(meta_model(cfg))
+    key = RankShapes.of(_PROBE, "none")
+    one, two = (run(cfg, key.replace(periods=k), _Meter, planned_batch) for k in (1, 2))
     repeats = cfg.depth // period - 1
     return FlopCount(*(a + repeats * (b - a) for a, b in zip(one, two, strict=True)))
 
 
-def block_period(model: nn.Module) -> int:
-    """The fewest blocks after which the model's blocks repeat (1: all alike; ST-DiT: 2, spatial and temporal)."""
-    kinds = [type(block) for block in model.blocks]
-    return next(k for k in range(1, len(kinds) + 1)
-                if len(kinds) % k == 0 and all(kind is kinds[i % k] for i, kind in enumerate(kinds)))
+class _Meter(Hooks):
+    """The FLOP count's meter of the probe's run: (per-token, per-text-token, per-sample) weights of the model's
+    linears, by the rows each multiplies."""
 
+    def __init__(self, cfg: DiTConfig, key: RankShapes, rank: Rank):
+        self.model, self.n, self.text = type(rank.model).__name__, key.seq_length, key.text_len
+        self.rows = {self.n: 0, self.text: 0, 1: 0}  # rows a linear multiplies → its weights' total
+        for m in rank.model.modules():
+            if isinstance(m, nn.Linear):
+                m.register_forward_hook(self.count)
 
-def _probe(cfg: DiTConfig, real: bool) -> tuple[int, int, int]:
-    """(per-token, per-text-token, per-sample) weights of the model of cfg, from one forward of its fake model."""
-    model = fake_model(cfg, real=real)
-    n = _PROBE_GRID[0] * _PROBE_GRID[1] * _PROBE_GRID[2]
-    rows = {n: 0, _PROBE_TEXT: 0, 1: 0}  # rows a linear multiplies → its weights' total
-
-    def count(linear: nn.Linear, args, out) -> None:
+    def count(self, linear: nn.Linear, args, out) -> None:
         applied = args[0].numel() // linear.in_features
-        if applied not in rows:
-            raise RuntimeError(f"{type(model).__name__}: a linear multiplied {applied} rows in the FLOP probe, "
-                               f"neither its {n} tokens, its {_PROBE_TEXT} text tokens nor its one sample")
-        rows[applied] += linear.weight.numel()
+        if applied not in self.rows:
+            raise RuntimeError(f"{self.model}: a linear multiplied {applied} rows in the FLOP probe, neither its "
+                               f"{self.n} tokens, its {self.text} text tokens nor its one sample")
+        self.rows[applied] += linear.weight.numel()
 
-    hooks = [m.register_forward_hook(count) for m in model.modules() if isinstance(m, nn.Linear)]
-    with torch.no_grad(), model.fake_mode:
-        inputs = inputs_of(cfg).planned(cfg, [[_PROBE_GRID]], n, _PROBE_TEXT, packed=False)  # every input it reads
-        model(torch.empty(1, n, cfg.patch_dim), torch.zeros(1, 1), inputs)
-    for hook in hooks:
-        hook.remove()
-    return rows[n], rows[_PROBE_TEXT], rows[1]
+    def read(self) -> tuple[int, int, int]:
+        return self.rows[self.n], self.rows[self.text], self.rows[1]
 
 
 def training_flops_per_token(cfg: DiTConfig, seq_len: int, text_len: int = 0, frames: int = 1) -> float:

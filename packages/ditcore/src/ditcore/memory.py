@@ -28,13 +28,14 @@ One rank of a layout holds, in bytes:
   parameters in the compute dtype instead of the root's and two blocks'; and with several micro-batches their
   unsharded gradients, summed in the reduce dtype (FSDP2's accumulation), besides the running micro-batch's.
 - activations: the peak, over forward and backward, of what the forward keeps for backward, recorded from the model
-  itself (`_record`): its training forward runs on fake tensors (shapes only: nothing is allocated, whatever the
-  width) at a rank's shapes, with the layout's checkpointing, and what is alive at its end is counted by where it was
-  made. CUDA's kernels keep some things otherwise than the CPU's that the record runs: flex attention, fused RMSNorm
-  and LayerNorm's statistics (`flex_keeps`, `CudaNorms`, `CUDA_KEEPS`). With pp > 1 the non-interleaved 1F1B
-  schedule keeps, at its peak, min(pp - s, micro_batches) micro-batches in flight on stage s, each holding what its
-  forward kept there: its blocks', the conditioning's (every stage), the patch embedder's (the first stage; the
-  others keep the hidden states they received instead), the final layer's and the loss's (the last).
+  itself (`_Meter`): the probe's run (ditcore.probe, shared with the traffic model and the FLOP count) of its training
+  forward on fake tensors (shapes only: nothing is allocated, whatever the width) at a rank's shapes, with the
+  layout's checkpointing, and what is alive at its end is counted by where it was made. CUDA's kernels keep some
+  things otherwise than the CPU's that the record runs: flex attention, fused RMSNorm and LayerNorm's statistics
+  (`flex_keeps`, `CudaNorms`, `CUDA_KEEPS`). With pp > 1 the non-interleaved 1F1B schedule keeps, at its peak,
+  min(pp - s, micro_batches) micro-batches in flight on stage s, each holding what its forward kept there: its
+  blocks', the conditioning's (every stage), the patch embedder's (the first stage; the others keep the hidden states
+  they received instead), the final layer's and the loss's (the last).
 
 With pp > 1 the plan is computed for every stage and the most loaded one reported (`Plan.stage`): the first stage
 keeps the most micro-batches in flight, the last one holds the final layer and the loss.
@@ -47,8 +48,6 @@ torch.compile usually keeps less, as its partitioner recomputes cheap elementwis
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import math
 from dataclasses import dataclass
 
@@ -58,16 +57,14 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from ditcore.cuda_keeps import CUDA_KEEPS, CudaNorms, flex_keeps
-from ditcore.diffusion import EDMLoss, EDMPrecond
+from ditcore.cuda_keeps import CUDA_KEEPS
 from ditcore.errors import ConfigError
-from ditcore.flops import block_period, fake_model
 from ditcore.job import Layout
 from ditcore.layout import grid_rows
-from ditcore.models import apply_activation_checkpointing, build, inputs_of, plan_for
+from ditcore.models import inputs_of, plan_for
 from ditcore.models.dit import DiTConfig
 from ditcore.parallel.pipeline import stage_blocks
-from ditcore.parallel.standins import rank_share
+from ditcore.probe import Rank, RankShapes, meta_model, run, watch_every_run
 
 GiB = 2**30
 DTYPE_BYTES = {"fp32": 4, "bf16": 2}
@@ -173,14 +170,6 @@ class Param:
     def shard(self, shards: int) -> int:
         """Elements a rank holds when FSDP2 splits dim 0 over `shards` ranks (padded up to a multiple of them)."""
         return math.ceil(self.shape[0] / shards) * math.prod(self.shape[1:])
-
-
-@functools.lru_cache(maxsize=32)
-def meta_model(cfg: DiTConfig) -> nn.Module:
-    """The model of cfg on the meta device: shapes only. (Cached: planning a layout and its alternatives reads it
-    several times; nothing may change it.)"""
-    with torch.random.fork_rng(devices=[]), torch.device("meta"):  # the constructor draws a seed: leave it be
-        return build(cfg)
 
 
 def parameters(cfg: DiTConfig, tp: int = 1) -> list[Param]:
@@ -310,50 +299,14 @@ def _stage_activations(act: Activations, lay: Layout, blocks: list[int], depth: 
 
 
 def _activations(cfg: DiTConfig, lay: Layout) -> Activations:
-    """What one micro-batch's forward keeps for backward on one rank, recorded from the model itself (`_record`):
+    """What one micro-batch's forward keeps for backward on one rank, recorded from the model itself (`_Meter`):
     the layout's checkpointing kept per block, and what a checkpointed block's backward brings back, which is what
     it keeps without checkpointing less what its checkpoint kept."""
-    kept = _record(cfg, _RecordKey.of(lay, lay.activation_checkpointing))
-    whole = kept if lay.activation_checkpointing == "none" else _record(cfg, _RecordKey.of(lay, "none"))
+    kept = run(cfg, RankShapes.of(lay, lay.activation_checkpointing), _Meter, planned_batch)
+    whole = run(cfg, RankShapes.of(lay, "none"), _Meter, planned_batch)
     recompute = max(w - k for w, k in zip(whole.blocks, kept.blocks, strict=True))
     return Activations(blocks=kept.blocks, final=kept.final, recompute=recompute,
                        shared=kept.shared, embed=kept.embed, head=kept.head, hidden=kept.hidden)
-
-
-@dataclass(frozen=True)
-class RankShapes:
-    """What a run of the model at one rank's shapes depends on (`rank_model`): the key of the memory record's and the
-    traffic probe's caches."""
-
-    tp: int
-    sp: bool
-    cp: int
-    micro_batch: int
-    seq_length: int
-    text_len: int
-    samples_per_row: int
-    packed: bool
-    precision: str
-
-    @classmethod
-    def of(cls, lay: Layout) -> RankShapes:
-        return RankShapes(lay.tp, lay.sequence_parallel and lay.tp > 1, lay.cp, lay.micro_batch, lay.seq_length,
-                          lay.text_len, lay.samples_per_row, lay.packed, lay.precision)
-
-
-@dataclass(frozen=True)
-class _RecordKey(RankShapes):
-    """A record's: the shapes, and the kernels it runs."""
-
-    checkpointing: str = "none"
-    cuda: bool = True
-    flex: bool = True
-    compile: bool = False
-
-    @classmethod
-    def of(cls, lay: Layout, checkpointing: str) -> _RecordKey:
-        return cls(**vars(RankShapes.of(lay)), checkpointing=checkpointing, cuda=lay.device == "cuda",
-                   flex=lay.attention == "flex", compile=lay.compile)
 
 
 @dataclass(frozen=True)
@@ -366,17 +319,52 @@ class _Record:
     hidden: int
 
 
+@watch_every_run
 class _Meter(TorchDispatchMode):
-    """The storages the ops of a forward make, each once (views share theirs), with the region of the forward that
-    made it: `region`, which module hooks move along. Storages that existed before (parameters, the batch) and
-    autocast's copies of parameters (`Plan.autocast_cache`) are not counted."""
+    """The memory plan's meter of the probe's run (ditcore.probe: one period of blocks at a rank's shapes, with the
+    layout's activation checkpointing and CUDA's kernels): what is alive at the end of the forward, sorted by where
+    it was made: in each block (from its start to the next one's: ST-DiT's regrouping between blocks included), the
+    patch embedder (and the first block's input: the first pipeline stage's), the final layer and the loss (the last
+    stage's), and everything else (the conditioning, positions, masks, text: every stage's).
 
-    def __init__(self, params: set, cuda: bool):
+    It counts the storages the ops of the forward make, each once (views share theirs), with the region of the
+    forward that made it: `region`, which module hooks move along. Storages that existed before (parameters, the
+    batch) and autocast's copies of parameters (`Plan.autocast_cache`) are not counted."""
+
+    def __init__(self, cfg: DiTConfig, key: RankShapes, rank: Rank):
         super().__init__()
-        self.params, self.cuda = params, cuda
-        self.existing: dict[StorageWeakRef, StorageWeakRef] = {ref: ref for ref in params}
+        model, self.cuda = rank.model, key.cuda
+        self.params = {StorageWeakRef(p.untyped_storage()) for p in model.parameters()}
+        self.existing: dict[StorageWeakRef, StorageWeakRef] = {ref: ref for ref in self.params}
         self.made: dict[StorageWeakRef, tuple[StorageWeakRef, object, int]] = {}  # storage → (ref, region, bytes)
         self.region: object = "shared"
+        self.ends = {}  # the hidden states going into the first block and out of the last one (into the final layer)
+        self.period = len(model.blocks)
+        T = rank.N // rank.cp // (key.tp if key.sp else 1)  # the tokens a rank holds
+        self.hidden = key.micro_batch * T * cfg.hidden_size * DTYPE_BYTES[key.precision]
+        for i, block in enumerate(model.blocks):
+            block.register_forward_pre_hook(lambda _, args, i=i: setattr(self, "region", i))
+        model.x_embedder.register_forward_pre_hook(lambda *_: setattr(self, "region", "embed"))
+        model.x_embedder.register_forward_hook(lambda *_: setattr(self, "region", "shared"))
+        model.blocks[0].register_forward_pre_hook(self._first_input, prepend=True)
+        model.final.register_forward_pre_hook(self._last_output)
+
+    def _first_input(self, _, args) -> None:  # the hidden states a stage receives: the first stage makes them
+        self.mark(args[0], "embed")
+        self.ends["in"] = StorageWeakRef(args[0].untyped_storage())
+
+    def _last_output(self, _, args) -> None:
+        self.region = "head"
+        storage = args[0].untyped_storage()
+        self.ends["out"], self.ends["bytes"] = StorageWeakRef(storage), storage.nbytes()
+
+    def read(self) -> _Record:
+        alive, ends = self.alive(), self.ends
+        # Another period's first block would keep the last one's output as the first block kept its input
+        handed_on = ends["bytes"] if not ends["in"].expired() and ends["out"].expired() else 0
+        final = tuple(alive.get(i, 0) for i in range(self.period))
+        return _Record(blocks=(*final[:-1], final[-1] + handed_on), final=final, shared=alive.get("shared", 0),
+                       embed=alive.get("embed", 0), head=alive.get("head", 0), hidden=self.hidden)
 
     @staticmethod
     def _live(table: dict, ref: StorageWeakRef) -> bool:
@@ -422,86 +410,6 @@ class _Meter(TorchDispatchMode):
             if not held.expired():
                 by_region[region] = by_region.get(region, 0) + size
         return by_region
-
-
-# Elements (a period of blocks' parameters on a rank and its largest activation, B x N x max(D, N)) under which a
-# record runs on real tensors rather than fake ones: ~16 MB in fp32, which small models and the tests' layouts stay
-# under.
-REAL_BELOW = 2**22
-
-
-def rank_model(cfg: DiTConfig, key: RankShapes, flex: bool = False) -> tuple[nn.Module, int, int]:
-    """(model, N, cp): one period of cfg's blocks (`block_period`) as a rank of `key` holds them (`rank_share`), on fake
-    tensors, with flex attention or sdpa; its rows hold N tokens, the keys and values gathered over cp ranks. An
-    architecture that moves whole frames to ranks (`context_parallel = "all_to_all"`) runs rows of seq_length / cp
-    tokens, as a rank holds them, and gathers over none."""
-    whole = meta_model(cfg)
-    period = block_period(whole)
-    gather_cp = key.cp > 1 and whole.context_parallel == "all_gather"
-    N = key.seq_length if key.cp == 1 or gather_cp else key.seq_length // key.cp
-    cp = key.cp if gather_cp else 1
-    sp = key.tp if key.sp else 1
-    # A small rank runs for real: much faster, the same storages (REAL_BELOW). Not with flex, which attend() would
-    # give dense copies of q, k and v on a real CPU tensor (for the CPU's flex kernel).
-    held = sum(p.numel() for p in whole.blocks[:period].parameters())
-    real = not flex and held // key.tp + key.micro_batch * N * max(cfg.hidden_size, N // cp) // cp < REAL_BELOW
-    model = fake_model(cfg.replace(depth=period), "flex" if flex else "sdpa",
-                       change=lambda m: rank_share(m, key.tp, sp, cp), real=real)
-    return model, N, cp
-
-
-@functools.lru_cache(maxsize=256)
-def _record(cfg: DiTConfig, key: _RecordKey) -> _Record:
-    """Run the model's training forward (EDM preconditioning and loss, as dit-train) on fake tensors at a rank's
-    shapes, with the layout's activation checkpointing (ditcore.models.techniques), and sort what is alive at its
-    end by where it was made: in each block (from its start to the next one's: ST-DiT's regrouping between blocks
-    included), the patch embedder (and the first block's input: the first pipeline stage's), the final layer and
-    the loss (the last stage's), and everything else (the conditioning, positions, masks, text: every stage's).
-
-    The model is built with one period of its blocks (`block_period`), as a rank holds it: the layers its TP plan splits
-    cut to this rank's share, its heads divided; with sequence parallelism its tokens split outside the split
-    layers; with context parallelism its rows split (an architecture that moves whole frames to ranks,
-    `context_parallel = "all_to_all"`, is planned as rows of seq_length / cp tokens, as a rank holds them).
-    """
-    model, N, cp = rank_model(cfg, key, key.flex)
-    period, sp, B = len(model.blocks), key.tp if key.sp else 1, key.micro_batch
-    apply_activation_checkpointing(model, key.checkpointing)
-    meter = _Meter({StorageWeakRef(p.untyped_storage()) for p in model.parameters()}, key.cuda)
-    hooks = [block.register_forward_pre_hook(lambda _, args, i=i: setattr(meter, "region", i))
-             for i, block in enumerate(model.blocks)]
-    hooks.append(model.x_embedder.register_forward_pre_hook(lambda *_: setattr(meter, "region", "embed")))
-    hooks.append(model.x_embedder.register_forward_hook(lambda *_: setattr(meter, "region", "shared")))
-    ends = {}  # the hidden states going into the first block and out of the last one (into the final layer)
-
-    def first_input(_, args) -> None:  # the hidden states a stage receives: the first stage makes them
-        meter.mark(args[0], "embed")
-        ends["in"] = StorageWeakRef(args[0].untyped_storage())
-
-    def last_output(_, args) -> None:
-        meter.region = "head"
-        ends["out"], ends["bytes"] = StorageWeakRef(args[0].untyped_storage()), args[0].untyped_storage().nbytes()
-
-    hooks.append(model.blocks[0].register_forward_pre_hook(first_input, prepend=True))
-    hooks.append(model.final.register_forward_pre_hook(last_output))
-    autocast = torch.autocast("cpu", torch.bfloat16) if key.precision == "bf16" else contextlib.nullcontext()
-    with model.fake_mode, flex_keeps(key.compile) if key.flex else contextlib.nullcontext(), \
-            CudaNorms() if key.cuda else contextlib.nullcontext():
-        batch = planned_batch(cfg, key.micro_batch, N, key.text_len if cfg.text_dim else 0, key.samples_per_row,
-                               key.packed)
-        with meter:
-            with autocast:
-                loss = EDMLoss()(EDMPrecond(model), batch.pop("x"), **batch)
-            alive = meter.alive()
-            # Another period's first block would keep the last one's output as the first block kept its input
-            handed_on = ends["bytes"] if not ends["in"].expired() and ends["out"].expired() else 0
-        del loss
-    for hook in hooks:
-        hook.remove()
-    T = N // cp // sp
-    final = tuple(alive.get(i, 0) for i in range(period))
-    return _Record(blocks=(*final[:-1], final[-1] + handed_on), final=final, shared=alive.get("shared", 0),
-                   embed=alive.get("embed", 0), head=alive.get("head", 0),
-                   hidden=B * T * cfg.hidden_size * DTYPE_BYTES[key.precision])
 
 
 def planned_batch(cfg: DiTConfig, B: int, N: int, L: int, S: int, packed: bool) -> dict:

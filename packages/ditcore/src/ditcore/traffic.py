@@ -4,14 +4,15 @@ What one rank sends, per process group and collective, every micro-batch and onc
 the bytes' ring convention: ditcore.parallel.counting, whose counter checks this model in
 tests/ditcore/parallel/test_equivalence.py). Learned from the model, not written out per architecture:
 
-- tensor and sequence parallelism: a probe forward of one period of blocks at a rank's shapes (as the memory plan
-  runs it, ditcore.memory) reports every linear the TP plan splits (ditcore.models.plan), the rows it multiplies and
-  the dtypes it sees. ColumnParallel: with SP an all-gather of its input in forward, again in backward for the
-  weight's gradient, and a reduce-scatter of the input's gradient; without SP an all-reduce of the input's gradient.
-  `gather_output`: an all-gather of the output features, an all-reduce of the input's gradient (under SP, where each
-  rank applies the gathered features to its own tokens, their gradient reduce-scattered too). RowParallel: with SP
-  a reduce-scatter of the output in forward and an all-gather of its gradient in backward; without SP an all-reduce
-  in forward. Under bf16 every gather of activations runs in the autocast dtype;
+- tensor and sequence parallelism: the probe's forward of one period of blocks at a rank's shapes (ditcore.probe's
+  run, without checkpointing, which the memory plan's meter reads too: one run for both) reports every linear the TP
+  plan splits (ditcore.models.plan), the rows it multiplies and the dtypes it sees. ColumnParallel: with SP an all-
+  gather of its input in forward, again in backward for the weight's gradient, and a reduce-scatter of the input's
+  gradient; without SP an all-reduce of the input's gradient. `gather_output`: an all-gather of the output features,
+  an all-reduce of the input's gradient (under SP, where each rank applies the gathered features to its own tokens,
+  their gradient reduce-scattered too). RowParallel: with SP a reduce-scatter of the output in forward and an all-
+  gather of its gradient in backward; without SP an all-reduce in forward. Under bf16 every gather of activations runs
+  in the autocast dtype;
 - context parallelism: each attention's key/value all-gather (a reduce-scatter in backward), and the all-to-alls of
   an architecture that regroups tokens between blocks (ST-DiT: between frames and lines order), as many tokens as
   leave the rank, which its registration counts for the planned rows (`Architecture.token_moves`), with the SP
@@ -34,7 +35,6 @@ With pp > 1 the stage that sends the most bytes is reported (`traffic_by_stage` 
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import math
 from collections import defaultdict
@@ -43,15 +43,14 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ditcore.diffusion import EDMLoss, EDMPrecond
-from ditcore.flops import block_period
 from ditcore.job import Layout
-from ditcore.memory import RankShapes, fit_grid, meta_model, on_stage, planned_batch, rank_model
+from ditcore.memory import fit_grid, on_stage, planned_batch
 from ditcore.models import ARCHS, arch_of, plan_for
 from ditcore.models.dit import DiTConfig
 from ditcore.models.plan import ColumnParallel, RowParallel
 from ditcore.parallel.counting import Collective, Group, Op, Traffic, When, sent_bytes
 from ditcore.parallel.pipeline import is_shared, stage_blocks
+from ditcore.probe import Hooks, Rank, RankShapes, block_period, meta_model, run, watch_every_run
 
 FP32, FP64 = 4, 8
 DDP_BUCKET = 25 * 2**20  # bytes: torch's DistributedDataParallel default
@@ -92,7 +91,7 @@ def per_step(t: Traffic, micro_batches: int) -> dict[Group, int]:
 def traffic_by_stage(cfg: DiTConfig, layout: Layout, grids: tuple | None = None) -> tuple[Traffic, ...]:
     """traffic() of a rank of every pipeline stage, first to last."""
     lay = layout
-    moves = _probe(cfg, RankShapes.of(lay), grids)
+    moves = _probe(cfg, RankShapes.of(lay, "none"), grids)  # checkpointing reruns its moves: `_micro_batch_traffic`
     period = block_period(meta_model(cfg))
     return tuple(_stage(cfg, lay, moves, period, s) for s in range(lay.pp))
 
@@ -225,31 +224,54 @@ def _fsdp(lay: Layout, params: list[_Param], add, compute: int) -> None:
 
 
 # --------------------------------------------------------------------------------------------------
-# The probe: one forward of one period of blocks at a rank's shapes
+# The meter of the probe's run: one forward of one period of blocks at a rank's shapes
 
 
 @functools.lru_cache(maxsize=64)
 def _probe(cfg: DiTConfig, key: RankShapes, grids: tuple | None) -> tuple[_Move, ...]:
-    """The collectives of one micro-batch's forward and backward on a TP/SP/CP rank, from one training forward (EDM
-    preconditioning and loss, as dit-train) of one period of blocks, at the rank's shapes (ditcore.memory's
-    `rank_share`): every linear the plan splits and every row gather, with its region."""
-    model, N, cp = rank_model(cfg, key)
+    """The collectives of one micro-batch's forward and backward on a TP/SP/CP rank, from the probe's run of one
+    period of blocks at the rank's shapes (ditcore.probe, which the memory plan's meter reads too), and the all-to-alls
+    of an architecture that regroups tokens (its registration's `token_moves`) for `grids`."""
+    moves = run(cfg, key, _Meter, planned_batch)
     token_moves = ARCHS[arch_of(cfg)].token_moves
-    sp, B = (key.tp if key.sp else 1), key.micro_batch
-    plan = plan_for(model)
-    bf16 = key.precision == "bf16"
-    moves: list[_Move] = []
-    region = ["pre"]
+    if token_moves and key.cp > 1:
+        model = meta_model(cfg.replace(depth=block_period(meta_model(cfg))))  # the period's blocks
+        moves += tuple(_swaps(cfg, key, model, grids, token_moves))
+    return moves
 
-    def move(group: Group, op: Op, phase: str, full_bytes: int, n: int, inside: bool = True) -> None:
+
+@watch_every_run
+class _Meter(Hooks):
+    """The traffic model's meter of the probe's run: every linear the plan splits and every row gather (the split's
+    collectives, `_watch_rows`), with its region: a block of the period, or before or after the blocks."""
+
+    def __init__(self, cfg: DiTConfig, key: RankShapes, rank: Rank):
+        model = rank.model
+        self.key, self.sp, self.bf16 = key, (key.tp if key.sp else 1), key.precision == "bf16"
+        self.moves: list[_Move] = []
+        self.region: int | str = "pre"
+        plan = plan_for(model)
+        for name, module in model.named_modules():
+            style = plan.module_style(name) if name and key.tp > 1 else None
+            if isinstance(style, ColumnParallel | RowParallel):
+                module.register_forward_hook(lambda m, args, out, s=style: self.linear(s, m, args[0], out))
+        for i, block in enumerate(model.blocks):
+            block.register_forward_pre_hook(lambda *_, i=i: setattr(self, "region", i))
+        model.final.register_forward_pre_hook(lambda *_: setattr(self, "region", "post"))
+        _watch_rows(model, key, self.move, rank.cp)
+
+    def read(self) -> tuple[_Move, ...]:
+        return tuple(self.moves)
+
+    def move(self, group: Group, op: Op, phase: str, full_bytes: int, n: int, inside: bool = True) -> None:
         if n > 1:
-            moves.append(_Move(region[0], group, op, phase, full_bytes, n, inside))
+            self.moves.append(_Move(self.region, group, op, phase, full_bytes, n, inside))
 
-    def activation(t: torch.Tensor) -> int:  # gathered in the autocast dtype under bf16
-        return 2 if bf16 else t.element_size()
+    def activation(self, t: torch.Tensor) -> int:  # gathered in the autocast dtype under bf16
+        return 2 if self.bf16 else t.element_size()
 
-    def linear(style, layer: nn.Module, x: torch.Tensor, y: torch.Tensor) -> None:
-        tp, rows = key.tp, x.numel() // x.shape[-1]
+    def linear(self, style, layer: nn.Module, x: torch.Tensor, y: torch.Tensor) -> None:
+        move, tp, sp, rows = self.move, self.key.tp, self.sp, x.numel() // x.shape[-1]
         if isinstance(style, ColumnParallel) and style.gather_output:  # every rank's output features
             gathered = y.numel() // y.shape[-1] * layer.weight.shape[0] * tp * y.element_size()
             move("tp", "all_gather", "forward", gathered, tp)
@@ -258,7 +280,7 @@ def _probe(cfg: DiTConfig, key: RankShapes, grids: tuple | None) -> tuple[_Move,
             if x.requires_grad:
                 move("tp", "all_reduce", "backward", x.numel() * x.element_size(), tp)
         elif isinstance(style, ColumnParallel) and sp > 1 and style.sequence_parallel:
-            gathered = rows * sp * x.shape[-1] * activation(x)
+            gathered = rows * sp * x.shape[-1] * self.activation(x)
             move("tp", "all_gather", "forward", gathered, tp)
             move("tp", "all_gather", "backward", gathered, tp)  # for the weight's gradient
             if x.requires_grad:
@@ -271,26 +293,6 @@ def _probe(cfg: DiTConfig, key: RankShapes, grids: tuple | None) -> tuple[_Move,
             move("tp", "all_gather", "backward", y.numel() * sp * y.element_size(), tp)
         else:
             move("tp", "all_reduce", "forward", y.numel() * y.element_size(), tp)
-
-    hooks = []
-    for name, module in model.named_modules():
-        style = plan.module_style(name) if name and key.tp > 1 else None
-        if isinstance(style, ColumnParallel | RowParallel):
-            hooks.append(module.register_forward_hook(lambda m, args, out, s=style: linear(s, m, args[0], out)))
-    for i, block in enumerate(model.blocks):
-        hooks.append(block.register_forward_pre_hook(lambda *_, i=i: region.__setitem__(0, i)))
-    hooks.append(model.final.register_forward_pre_hook(lambda *_: region.__setitem__(0, "post")))
-    _watch_rows(model, key, move, cp)
-    autocast = torch.autocast("cpu", torch.bfloat16) if bf16 else contextlib.nullcontext()
-    with model.fake_mode:
-        batch = planned_batch(cfg, B, N, key.text_len if cfg.text_dim else 0, key.samples_per_row, key.packed)
-        with autocast:
-            EDMLoss()(EDMPrecond(model), batch.pop("x"), **batch)
-    for hook in hooks:
-        hook.remove()
-    if token_moves and key.cp > 1:
-        moves += _swaps(cfg, key, model, grids, token_moves)
-    return tuple(moves)
 
 
 def _watch_rows(model: nn.Module, key: RankShapes, move, cp: int) -> None:

@@ -8,9 +8,9 @@ and the tests' lists of architectures are all read from here, so a new architect
 input is a field of its own Inputs subclass in its model file (`inputs_of` gives the loader and the probes that type).
 
 An architecture that regroups tokens between blocks (ST-DiT) needs no stand-in of its own: it moves them with its
-rows' `permutation` (ditcore.models.attention.RowSplit), which ditcore.parallel's row splits and their one-process stand-in
-implement for every architecture, and registers here what that stand-in cannot show, the tokens each regrouping sends
-between context-parallel ranks (`token_moves`), so no other module imports its model file.
+rows' `permutation` (ditcore.models.attention.RowSplit), which ditcore.parallel's row splits and their one-process
+stand-in implement for every architecture, and registers here what that stand-in cannot show, the tokens each
+regrouping sends between context-parallel ranks (`token_moves`), so no other module imports its model file.
 """
 
 from __future__ import annotations

@@ -13,8 +13,8 @@ images and clips work as for the DiT; an image is a one-frame clip, whose time-l
 
 On one process the regrouping is a gather. Under context parallelism each rank holds whole frames and, after one
 all-to-all, whole time-lines: no attention needs another rank's keys. The model moves them by its rows'
-`permutation` (`Orders`; ditcore.models.attention.RowSplit), which ditcore.parallel implements over ranks, and on one process
-at a rank's shapes, for every architecture alike; what the one-process stand-in cannot show, the tokens each
+`permutation` (`Orders`; ditcore.models.attention.RowSplit), which ditcore.parallel implements over ranks, and on one
+process at a rank's shapes, for every architecture alike; what the one-process stand-in cannot show, the tokens each
 all-to-all sends, the registration gives the traffic model (`token_moves`). No other module needs this file.
 
 What is decided once per forward from the layout of the rows (are all rows alike, does a rank's slice cut a frame,
