@@ -191,12 +191,12 @@ def test_a_layout_written_as_overrides_reads_back_as_the_same_layout():
 
 
 def test_the_config_offers_the_layout_s_choices():
-    """Each layout key of the config takes what ditcore.job.Layout takes (the one owner of those rules), and `auto`
-    where dit-train decides."""
+    """Each layout key of the config takes what ditcore.job.Layout takes (ditcore.choices.LAYOUT_CHOICES, the one list
+    both read), and `auto` where dit-train decides."""
     from dit_train.config import LAYOUT_KEYS, TrainConfig
-    from ditcore.job import CHOICES
+    from ditcore.choices import LAYOUT_CHOICES
 
-    for field, allowed in CHOICES.items():
+    for field, allowed in LAYOUT_CHOICES.items():
         if field in LAYOUT_KEYS:
             section, name = LAYOUT_KEYS[field].split(".")
             offered = set(get_args(TrainConfig.model_fields[section].annotation.model_fields[name].annotation))

@@ -18,7 +18,7 @@ import yaml
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic.fields import FieldInfo
 
-from ditcore.choices import BETA_SCHEDULES, FEATURES, LOSSES, PRECONDS, PREDICTIONS, SOLVERS
+from ditcore.choices import BETA_SCHEDULES, FEATURES, LAYOUT_CHOICES, LOSSES, PRECONDS, PREDICTIONS, SOLVERS
 from ditcore.errors import ConfigError
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"  # apps/train/configs, beside the package source
@@ -93,10 +93,10 @@ class Model(Section):
                                                            "fps embedders, as diffusers' DiTTransformer2DModel "
                                                            "(off: one set shared, DiT's); default: the preset's")
     compile: bool = Field(False, description="torch.compile each block")
-    activation_checkpointing: Literal["none", "block", "selective"] = Field(
+    activation_checkpointing: Literal[LAYOUT_CHOICES["activation_checkpointing"]] = Field(
         "none", description="recompute in backward, for memory: block: each block's whole forward; selective: all "
                             "but its matmuls and attention")
-    attention: Literal["auto", "sdpa", "flex"] = Field(
+    attention: Literal[("auto", *LAYOUT_CHOICES["attention"])] = Field(
         "auto", description="attention kernels: flex (FlexAttention, block-diagonal masks of packed rows; GPU only "
                             "for training), sdpa (dense masks; unmasked rows use flash), auto: flex on a GPU")
     init_from: str | None = Field(
@@ -164,15 +164,15 @@ class Parallel(Section):
     sequence_parallel: bool = False
     fsdp: bool = Field(False, description="shard parameters, gradients, optimizer state and EMA over the data-parallel "
                                          "x context-parallel ranks (FSDP2), on top of tp/cp")
-    reduce_dtype: Literal["fp32", "bf16"] = Field("fp32", description="with fsdp: the dtype gradients are "
-                                                                       "reduce-scattered in")
+    reduce_dtype: Literal[LAYOUT_CHOICES["reduce_dtype"]] = Field(
+        "fp32", description="with fsdp: the dtype gradients are reduce-scattered in")
     fsdp_shard: int | None = Field(None, ge=1, description="with fsdp: ranks each parameter is sharded over, a divisor "
                                                             "of dp x cp; the groups of that many ranks replicate "
                                                             "each other (HSDP: shard within a node, replicate "
                                                             "across nodes). A group is tp x fsdp_shard consecutive "
                                                             "ranks (Megatron's order tp-cp-dp-pp): one node when "
                                                             "that divides the GPUs per node; null: all dp x cp ranks")
-    fsdp_sync: Literal["auto", "micro_batch", "step"] = Field(
+    fsdp_sync: Literal[("auto", *LAYOUT_CHOICES["fsdp_sync"])] = Field(
         "auto", description="with fsdp: gather the parameters and reduce the gradients every micro-batch, or once per "
                             "optimizer step (keeps the unsharded parameters and gradients between micro-batches); "
                             "auto: once per step when the memory plan says it fits")
@@ -249,7 +249,8 @@ class Train(Section):
     steps: int = Field(1000, ge=1)
     global_batch: int = Field(8, ge=1, description="packed rows per optimizer step, over all data-parallel ranks")
     micro_batch: int = Field(8, ge=1, description="packed rows per forward pass on one rank")
-    precision: Literal["auto", "fp32", "bf16"] = Field("auto", description="auto: bf16 autocast on GPU, fp32 on CPU")
+    precision: Literal[("auto", *LAYOUT_CHOICES["precision"])] = Field(
+        "auto", description="auto: bf16 autocast on GPU, fp32 on CPU")
     grad_clip: Number = Field(1.0, ge=0, description="0 disables clipping")
     seed: int = 0
     stop_at: int | None = Field(None, ge=1, description="stop with a checkpoint after this step, as a preemption "

@@ -16,3 +16,14 @@ BETA_SCHEDULES = ("linear", "scaled_linear", "squaredcos_cap_v2")
 # its own kind in a dataset's ditcore.json), and the diffusers VAE classes that ditcore.codecs.vae loads.
 CODEC_NAMES = ("pca", "pixel", "vae")
 VAE_CLASSES = ("AutoencoderKL", "AutoencoderTiny", "AutoencoderKLWan")
+
+# The job's layout: the choices of ditcore.job.Layout's fields that are not numbers, which Layout checks and
+# dit-train's config offers (with `auto` where dit-train decides): activation checkpointing
+# (ditcore.models.techniques), when FSDP gathers and reduces (ditcore.parallel.fsdp), the attention kernels
+# (ditcore.models.attention, whose `auto` is flex on a GPU), the dtypes and the device.
+ACTIVATION_CHECKPOINTING = ("none", "block", "selective")
+FSDP_SYNCS = ("micro_batch", "step")
+ATTENTION = ("flex", "sdpa")
+LAYOUT_CHOICES = {"reduce_dtype": ("fp32", "bf16"), "fsdp_sync": FSDP_SYNCS, "precision": ("bf16", "fp32"),
+                  "activation_checkpointing": ACTIVATION_CHECKPOINTING, "device": ("cuda", "cpu"),
+                  "attention": ATTENTION}

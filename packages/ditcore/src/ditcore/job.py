@@ -13,16 +13,9 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Literal
 
+from ditcore.choices import LAYOUT_CHOICES
 from ditcore.errors import ConfigError
-from ditcore.models.techniques import ACTIVATION_CHECKPOINTING
 from ditcore.parallel.dims import ParallelDims
-from ditcore.parallel.fsdp import SYNCS
-
-# The choices of a Layout's fields that are not numbers, which Layout checks (from their owners where they have one:
-# the techniques, apply_fsdp); dit-train's config offers them, and `auto` (tests/apps/test_config.py holds them equal).
-CHOICES = {"reduce_dtype": ("fp32", "bf16"), "fsdp_sync": SYNCS, "precision": ("bf16", "fp32"),
-           "activation_checkpointing": ACTIVATION_CHECKPOINTING, "device": ("cuda", "cpu"),
-           "attention": ("flex", "sdpa")}
 
 
 @dataclass(frozen=True)
@@ -63,7 +56,7 @@ class Layout:
                 raise ConfigError(field, value, "an integer >= 1")
         if not isinstance(self.text_len, int) or self.text_len < 0:
             raise ConfigError("text_len", self.text_len, "an integer >= 0 (text tokens per row)")
-        for field, allowed in CHOICES.items():
+        for field, allowed in LAYOUT_CHOICES.items():
             if getattr(self, field) not in allowed:
                 raise ConfigError(field, getattr(self, field), "one of " + ", ".join(map(repr, allowed)))
         if self.device == "cpu" and self.attention == "flex":

@@ -20,6 +20,7 @@ from ditcore.diffusion.vp import DiscreteVP
 from ditcore.inputs import Inputs
 from ditcore.layout import grid_positions, unpatchify
 from ditcore.models.dit import DiT, DiTConfig
+from ditcore.models.registry import inputs_of
 
 SCHEDULES = ("karras", "ddim")
 SIGMA_MIN, SIGMA_MAX = 0.002, 80.0  # EDM's sampling range; a DDPM network's own range narrows it
@@ -77,7 +78,8 @@ def _text_rows(states: list[torch.Tensor], dim: int, device) -> tuple[torch.Tens
 def _inputs(model: DiT, B: int, pos: torch.Tensor, grid, use_cfg: bool, text_states, negative_states,
             values: dict) -> Inputs:
     """The inputs of B rows of one sample each, then (with CFG) of B unconditional ones: their text the negative
-    prompts' or none, their conditions with a null value (the class) that value (Inputs.for_sampling)."""
+    prompts' or none, their conditions with a null value (the class) that value (Inputs.for_sampling). The type is
+    the config's architecture's (registry.inputs_of): the model may be a wrapper (a pipeline stage, an EMA copy)."""
     cfg, device = model.cfg, pos.device
     text = text_seg = None
     if cfg.text_dim:
@@ -86,7 +88,7 @@ def _inputs(model: DiT, B: int, pos: torch.Tensor, grid, use_cfg: bool, text_sta
             states += [s.to(device) for s in negative_states] if negative_states else \
                 [torch.zeros(0, cfg.text_dim, device=device)] * B
         text, text_seg = _text_rows(states, cfg.text_dim, device)
-    return model.inputs_class.for_sampling(cfg, B, pos, grid, text, text_seg, values, unconditional=B if use_cfg else 0)
+    return inputs_of(cfg).for_sampling(cfg, B, pos, grid, text, text_seg, values, unconditional=B if use_cfg else 0)
 
 
 def _check_schedule(schedule: str, vp: DiscreteVP | None, steps: int, solver: str) -> None:

@@ -25,10 +25,11 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ditcore.choices import ATTENTION
 from ditcore.errors import ConfigError
 from ditcore.layout import on_host, reorder, segment_mask
 
-BACKENDS = ("auto", "sdpa", "flex")
+BACKENDS = ("auto", *ATTENTION)
 
 
 def check_backend(backend: str) -> str:

@@ -13,9 +13,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from ditcore.choices import ACTIVATION_CHECKPOINTING
 from ditcore.errors import ConfigError
-
-ACTIVATION_CHECKPOINTING = ("none", "block", "selective")
 
 _aten = torch.ops.aten
 # What `selective` keeps: the outputs of the matmuls (linears reach the dispatcher as mm or addmm) and of the

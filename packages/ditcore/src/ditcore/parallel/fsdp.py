@@ -39,6 +39,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from ditcore.choices import FSDP_SYNCS
 from ditcore.errors import ConfigError
 from ditcore.models.techniques import held_blocks
 from ditcore.parallel.dims import ParallelGroups
@@ -48,7 +49,6 @@ _TAGS = "_ditcore_tp_tags"  # {parameter name: its tags}, kept on the sharded mo
 
 
 _SYNC = "_ditcore_fsdp_sync"  # "micro_batch" or "step", kept on the sharded model for `accumulating`
-SYNCS = ("micro_batch", "step")
 
 
 def dp_cp_mesh(groups: ParallelGroups, device_type: str):
@@ -119,8 +119,8 @@ def apply_fsdp(model: nn.Module, groups: ParallelGroups, device_type: str, param
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     groups.dims.check_fsdp(True)
-    if sync not in SYNCS:
-        raise ConfigError("fsdp_sync", sync, "one of " + ", ".join(map(repr, SYNCS)))
+    if sync not in FSDP_SYNCS:
+        raise ConfigError("fsdp_sync", sync, "one of " + ", ".join(map(repr, FSDP_SYNCS)))
     tags = {name: dict(vars(p)) for name, p in model.named_parameters()}
     mesh = fsdp_mesh(groups, device_type, shard)
     # Inputs are left in their dtype (cast_forward_inputs=False): autocast decides the compute dtype per op, as
