@@ -4,7 +4,8 @@ a rank's memory (ditcore.memory), communication (ditcore.traffic) and speed (dit
 Its errors name its fields (ConfigError("tp", ...)): an app says them in its own words (dit-train: the one table
 dit_train.config.LAYOUT_KEYS, which also builds a Layout from its config and writes one back as overrides).
 A new parallel dimension goes in ParallelDims (ditcore.parallel.dims: its degree, checks and process groups), then
-here as a field that `dims` passes on, and in dit-train's LAYOUT_KEYS.
+here as a field that `dims` passes on (a field's choices, when not numbers, in ditcore.choices.LAYOUT_CHOICES, which
+__post_init__ checks and dit-train's config offers), and in dit-train's LAYOUT_KEYS.
 """
 
 from __future__ import annotations
@@ -28,19 +29,19 @@ class Layout:
     pp: int = 1  # pipeline stages: the blocks split into pp consecutive runs, one per rank
     sequence_parallel: bool = False
     fsdp: bool = False
-    reduce_dtype: Literal["fp32", "bf16"] = "fp32"  # with fsdp: the dtype gradients are reduce-scattered in
+    reduce_dtype: Literal[LAYOUT_CHOICES["reduce_dtype"]] = "fp32"  # with fsdp: gradients are reduce-scattered in
     fsdp_shard: int | None = None  # with fsdp: ranks each parameter is sharded over (HSDP); None: all dp x cp ranks
-    fsdp_sync: Literal["micro_batch", "step"] = "micro_batch"  # with fsdp: gather/reduce every micro-batch or once
+    fsdp_sync: Literal[LAYOUT_CHOICES["fsdp_sync"]] = "micro_batch"  # with fsdp: gather/reduce per micro-batch or step
     micro_batch: int = 1  # packed rows per forward on one rank
     micro_batches: int = 1  # per optimizer step on one rank (gradient accumulation): global_batch / (micro_batch*dp)
     seq_length: int = 256  # tokens per row
     text_len: int = 0  # text tokens per row, padding included (ignored by a model without text)
     samples_per_row: int = 1  # per-sample conditioning is (B, S, ...): small, but counted
     packed: bool = True  # rows pack several samples: per-token modulation, masked attention
-    precision: Literal["bf16", "fp32"] = "bf16"  # bf16: autocast with fp32 master weights, as dit-train on a GPU
-    activation_checkpointing: Literal["none", "block", "selective"] = "none"
-    device: Literal["cuda", "cpu"] = "cuda"  # CUDA fuses RMSNorm; the CPU decomposes it, in fp32
-    attention: Literal["flex", "sdpa"] = "flex"  # dit-train's `auto` trains with flex on a GPU
+    precision: Literal[LAYOUT_CHOICES["precision"]] = "bf16"  # bf16: autocast, fp32 master weights (dit-train on a GPU)
+    activation_checkpointing: Literal[LAYOUT_CHOICES["activation_checkpointing"]] = "none"
+    device: Literal[LAYOUT_CHOICES["device"]] = "cuda"  # CUDA fuses RMSNorm; the CPU decomposes it, in fp32
+    attention: Literal[LAYOUT_CHOICES["attention"]] = "flex"  # dit-train's `auto` trains with flex on a GPU
     compile: bool = False  # compiled blocks: selective checkpointing then sees (and keeps) flex's output too
 
     def __post_init__(self) -> None:
