@@ -23,7 +23,7 @@ import math
 
 import torch
 
-from ditcore.diffusion.edm import EDMLoss
+from ditcore.diffusion.edm import EDMLoss, masked_mean, step_draws
 from ditcore.diffusion.vp import DiscreteVP
 from ditcore.inputs import Inputs
 from ditcore.layout import per_token
@@ -49,14 +49,8 @@ class DDPMLoss:
     def __call__(self, denoiser, x, inputs: Inputs | None = None, *, mask=None, sigma=None, noise=None,
                  generator=None, **model_kw):
         """As EDMLoss's: clean tokens x with `inputs`, sigma and noise drawn when not given, mask the real tokens."""
-        B = x.shape[0]
-        seg = None if inputs is None else inputs.seg
-        if sigma is None:
-            num_samples = 1 if seg is None else int(seg.max()) + 1
-            sigma = self.sample_sigma((B, num_samples), x.device, generator)  # (B, S)
-        if noise is None:
-            noise = torch.randn(x.shape, device=x.device, generator=generator, dtype=x.dtype)
-        sigma = sigma.reshape(B, -1)
+        seg, sigma, noise = step_draws(self, x, inputs, sigma, noise, generator)
+        sigma = sigma.reshape(x.shape[0], -1)
         x_noisy = EDMLoss.noisy(x, sigma, noise, seg)
         D, var_values = denoiser.forward_all(x_noisy, sigma, inputs, **model_kw)
         sigma_tok = per_token(sigma.float(), seg)[..., None]  # (B, N or 1, 1)
@@ -69,10 +63,7 @@ class DDPMLoss:
             t_tok = per_token(self.timestep(sigma), seg)[..., None]  # (B, N or 1, 1)
             per_elem = per_elem + self.vb_terms(x.float(), x_noisy.float() / (sigma_tok**2 + 1).sqrt(),
                                                 D.detach().float(), var_values.float(), t_tok)
-        if mask is None:
-            return per_elem.mean()
-        mask = mask[..., None].to(per_elem.dtype)
-        return (per_elem * mask).sum() / (mask.sum() * x.shape[-1])
+        return masked_mean(per_elem, mask)
 
     def vb_terms(self, x0: torch.Tensor, x_t: torch.Tensor, x0_pred: torch.Tensor, var_values: torch.Tensor,
                  t: torch.Tensor) -> torch.Tensor:

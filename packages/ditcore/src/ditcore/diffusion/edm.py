@@ -113,6 +113,26 @@ class EDMPrecond(nn.Module):
         return sigma if self.vp is None else math.sqrt(sigma**2 + 1)
 
 
+def step_draws(loss, x: torch.Tensor, inputs: Inputs | None, sigma, noise, generator):
+    """The segments of `inputs` (None: one sample a row), and the σ (B, S) and noise of a loss's step on clean tokens
+    x: drawn with the loss's `sample_sigma` and `generator` where not given (EDMLoss, ddpm.DDPMLoss)."""
+    seg = None if inputs is None else inputs.seg
+    if sigma is None:
+        num_samples = 1 if seg is None else int(seg.max()) + 1
+        sigma = loss.sample_sigma((x.shape[0], num_samples), x.device, generator)  # (B, S)
+    if noise is None:
+        noise = torch.randn(x.shape, device=x.device, generator=generator, dtype=x.dtype)
+    return seg, sigma, noise
+
+
+def masked_mean(per_elem: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """The mean of a loss's per_elem (B, N, F) over the real tokens, mask (B, N) (None: all of them)."""
+    if mask is None:
+        return per_elem.mean()
+    mask = mask[..., None].to(per_elem.dtype)
+    return (per_elem * mask).sum() / (mask.sum() * per_elem.shape[-1])
+
+
 class EDMLoss:
     """E_σ,n [ λ(σ) ‖D(x + n; σ) − x‖² ] with ln σ ~ N(P_mean, P_std²) drawn per sample (Table 1, "Training").
 
@@ -149,18 +169,10 @@ class EDMLoss:
                  generator=None, **model_kw):
         """The loss of denoiser on clean tokens x (B, N, F) with `inputs` (their seg says each token's sample); sigma
         (B, S) and noise drawn when not given; mask (B, N) the real tokens. model_kw: passed on to the backbone."""
-        B, _N, _ = x.shape
-        seg = None if inputs is None else inputs.seg
-        if sigma is None:
-            num_samples = 1 if seg is None else int(seg.max()) + 1
-            sigma = self.sample_sigma((B, num_samples), x.device, generator)  # (B, S)
-        if noise is None:
-            noise = torch.randn(x.shape, device=x.device, generator=generator, dtype=x.dtype)
+        B = x.shape[0]
+        seg, sigma, noise = step_draws(self, x, inputs, sigma, noise, generator)
         sigma_tok = per_token(sigma.reshape(B, -1), seg)[..., None]  # (B, N or 1, 1)
         D = denoiser(self.noisy(x, sigma, noise, seg), sigma, inputs, **model_kw)
         weight = self.weight(sigma_tok)
         per_elem = weight * (D.float() - x.float()) ** 2  # (B, N, F)
-        if mask is None:
-            return per_elem.mean()
-        mask = mask[..., None].to(per_elem.dtype)
-        return (per_elem * mask).sum() / (mask.sum() * x.shape[-1])
+        return masked_mean(per_elem, mask)
