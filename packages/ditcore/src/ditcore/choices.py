@@ -23,7 +23,7 @@ VAE_CLASSES = ("AutoencoderKL", "AutoencoderTiny", "AutoencoderKLWan")
 # (ditcore.models.attention, whose `auto` is flex on a GPU), the dtypes and the device.
 ACTIVATION_CHECKPOINTING = ("none", "block", "selective")
 FSDP_SYNCS = ("micro_batch", "step")
-ATTENTION = ("flex", "sdpa")
+ATTENTION = ("sdpa", "flex")
 LAYOUT_CHOICES = {"reduce_dtype": ("fp32", "bf16"), "fsdp_sync": FSDP_SYNCS, "precision": ("bf16", "fp32"),
                   "activation_checkpointing": ACTIVATION_CHECKPOINTING, "device": ("cuda", "cpu"),
                   "attention": ATTENTION}
