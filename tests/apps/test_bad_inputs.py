@@ -81,8 +81,6 @@ def configs(tmp_path_factory):
         (["--config", "demo", "optim.lr=.nan"], ["optim.lr=nan is invalid: expected a finite number"]),
         (["--config", "demo", "edm.cfg_dropout=1.5"], ["edm.cfg_dropout=1.5 is invalid: expected a probability"]),
         (["--config", "demo", "parallel.tp=0"], ["parallel.tp=0 is invalid: expected an integer >= 1"]),
-        (["--config", "demo", "parallel.pp=2", "parallel.fsdp=true"], ["parallel.fsdp=True is invalid",
-                                                                         "FSDP over pipeline stages"]),
         (["--config", "demo", "train.micro_batch=3"], ["train.global_batch=8 is invalid: expected a multiple of"]),
         (["--config", "demo", "train.stop_at=0"], ["train.stop_at=0 is invalid"]),
         (["--config", "demo", "validation.prompts=[]"], ["validation.prompts=[] is invalid: expected a non-empty"]),

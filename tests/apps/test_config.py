@@ -94,8 +94,6 @@ def test_a_bad_list_item_is_named_by_its_index(override, key, value, allowed):
 def test_rules_across_fields_and_presets_name_their_key():
     e = error("train.micro_batch=3")
     assert (e.key, e.value, e.allowed) == ("train.global_batch", 8, "a multiple of train.micro_batch=3")
-    e = error("parallel.pp=2", "parallel.fsdp=true")
-    assert (e.key, e.value) == ("parallel.fsdp", True) and e.allowed.startswith("false with pp > 1")
     assert error("model.preset=DiT-XXL").allowed.startswith("one of DiT-S/2, ")
     e = error("parallel.fsdp_shard=2")  # HSDP's groups say how FSDP shards: nothing without it
     assert (e.key, e.value) == ("parallel.fsdp_shard", 2) and e.allowed.startswith("null without parallel.fsdp=true")

@@ -295,6 +295,32 @@ def test_written_with_tp2_resumed_as_a_pipeline_of_two_stages(dataset, stopped_t
         assert abs(x - y) <= 1e-6 * abs(x), (x, y)
 
 
+@pytest.mark.slow
+def test_tp2_to_sharded_pipeline_stages_to_one_process_continues_the_same_run(dataset, stopped_tp2, tmp_path):
+    """parallel.pp=2 with parallel.fsdp=true (each stage's blocks and embedders FSDP2-sharded, gathered once per step)
+    resumes TP=2 + SP's checkpoint and writes one that one process resumes: the same data each time (one data-parallel
+    rank), every loss the uninterrupted TP=2 run's to float32 rounding, and the EMA weights too."""
+    straight, stopped = stopped_tp2
+    run = tmp_path / "resumed"
+    shutil.copytree(stopped, run)
+    sharded = ["parallel.pp=2", "parallel.fsdp=true", "parallel.fsdp_sync=step", "checkpoint.every=2"]
+    proc = torchrun_train(*run_args(dataset, run, 4, *sharded, "train.stop_at=3"), "--resume", "auto")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert f"resumed from {runs.step_dir(run, 2)} at step 2" in proc.stdout + proc.stderr
+    manifest = json.loads((runs.step_dir(run, 3) / runs.MARKER).read_text())
+    assert manifest["layout"] == {"world_size": 2, "tp": 1, "cp": 1, "pp": 2, "dp": 1, "fsdp": True}
+    proc = dit_train(*run_args(dataset, run, 4, "checkpoint.every=2"), "--resume", "auto")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert f"resumed from {runs.step_dir(run, 3)} at step 3" in proc.stdout + proc.stderr
+    a, b = final_state(straight, 4), final_state(run, 4)
+    assert a["history"][:2] == b["history"][:2] and [s for s, _ in b["history"]] == [1, 2, 3, 4]
+    for (_, x), (_, y) in zip(a["history"][2:], b["history"][2:], strict=True):
+        assert abs(x - y) <= 1e-6 * abs(x), (x, y)
+    for k in a[runs.EMA]:
+        scale = a[runs.EMA][k].abs().max().clamp(min=1e-30)
+        assert (a[runs.EMA][k] - b[runs.EMA][k]).abs().max() <= 1e-4 * scale, k
+
+
 def test_loss_decreases_and_outputs_are_written(dataset, tmp_path):
     run = tmp_path / "run"
     proc = dit_train(*run_args(dataset, run, 40, "validation.frames=4", "checkpoint.every=20", "train.micro_batch=4",

@@ -51,6 +51,7 @@ from ditcore.memory import (
     advise,
     choose_fsdp_sync,
     measured_state_bytes,
+    on_stage,
     parameters,
     plan_from,
 )
@@ -661,7 +662,6 @@ def test_activations_of_each_pipeline_stage(mode):
     (dict(world_size=2, cp=2, seq_length=15), r"seq_length=15 is invalid: expected a multiple of cp = 2"),
     (dict(device="cpu"), r"attention='flex' is invalid: expected sdpa on a CPU"),
     (dict(activation_checkpointing="all"), r"activation_checkpointing='all' is invalid: expected one of"),
-    (dict(world_size=4, pp=2, fsdp=True), r"fsdp=True is invalid: expected false with pp > 1"),
     (dict(world_size=4, pp=4), r"pp=4 is invalid: expected at most the model's depth=2"),
 ])
 def test_layouts_that_cannot_run_are_refused(layout, message):
@@ -713,15 +713,34 @@ def test_advice_for_a_7b_model_on_8_gpus():
     assert changes[0] == {"fsdp": True} and len(changes) > 1 and plan.fits(80 * GiB)
 
 
-def test_advice_for_pipeline_stages_leaves_fsdp_out():
+def test_advice_for_pipeline_stages_shards_them_first():
     cfg = preset("DiT-7B", text_dim=4096)
     layout = Layout(world_size=8, tp=2, sequence_parallel=True, pp=2, seq_length=16384, text_len=128,
                     micro_batches=8)
     plan = plan_from(cfg, layout)
     assert plan.stage == 0 and not plan.fits(80 * GiB)  # two micro-batches of 16k tokens in flight on the first
-    changes, plan = advise(cfg, layout, 80 * GiB)  # fsdp is refused with pp > 1: recompute instead
-    assert changes == [{"activation_checkpointing": "selective"}] and plan.fits(80 * GiB)
+    changes, plan = advise(cfg, layout, 80 * GiB)  # each stage sharded over its dp = 2 ranks, then recomputation
+    assert changes == [{"fsdp": True}, {"activation_checkpointing": "selective"}] and plan.fits(80 * GiB)
+    assert plan.weights < 0.51 * plan_from(cfg, layout).weights  # the stage's fp32 weights halved (dim 0 padded)
 
+
+@pytest.mark.parametrize("shards", [2, 3])
+def test_fsdp_over_a_pipeline_stage_shards_the_stages_parameters(shards):
+    """pp=2 with FSDP: a rank holds the dim-0 chunks (torch.chunk's first, the largest) of its stage's parameters
+    only, over the stage's dp ranks; its buffers are those of its own blocks (the later stage's, not blocks.0)."""
+    cfg = SHAPES["plain-1x64"][0].replace(block_embedders=True)  # depth 4, later blocks larger: two a stage
+    model = DiT(cfg)
+    for stage in (0, 1):
+        plan = plan_from(cfg, Layout(world_size=2 * shards, pp=2, fsdp=True, precision="fp32"), stage=stage)
+        mine = [(n, p) for n, p in model.named_parameters() if on_stage(n, cfg, 2, stage)]
+        largest = 4 * sum(torch.chunk(p, shards, dim=0)[0].numel() for _, p in mine)
+        assert (plan.weights, plan.grads, plan.ema) == (largest, largest, largest)
+        assert plan.optimizer == 2 * largest + 4 * len(mine)
+        block = max(sum(p.numel() for n, p in mine if n.startswith(f"blocks.{i}.")) for i in stage_blocks(4, 2, stage))
+        root = sum(p.numel() for n, p in mine if not n.startswith("blocks."))
+        hidden = 0 if stage else plan_from(cfg, Layout(world_size=2, pp=2, precision="fp32"), stage=0).comm_buffers
+        # fp32: the root's and two blocks' parameters, the root's and one block's gradients, a reduce-scatter input
+        assert plan.comm_buffers == 4 * (root + 2 * block) + 4 * (root + block) + 4 * block + hidden
 
 if __name__ == "__main__":
     parallel_worker(sys.argv[1])

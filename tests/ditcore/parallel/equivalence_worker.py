@@ -52,6 +52,7 @@ DATA = dict(in_channels=4, num_classes=5, text_dim=16, fps_cond=True)
 CONFIGS = {"dit": CFG, "moviegen": preset("MovieGen-Tiny", **DATA), "stdit": preset("ST-DiT-Tiny", **DATA)}
 CONFIGS["stdit_cut"] = CONFIGS["stdit"]
 CONFIGS["embedders"] = CFG.replace(block_embedders=True)  # "embedders:CASE": each later block its own embedders
+CONFIGS["deep"] = CFG.replace(depth=4)  # "deep:CASE": two blocks a stage under pp=2, the first resharded by FSDP
 B, GRID = 4, (2, 4, 4)  # 4 rows of 32 tokens
 
 
@@ -187,9 +188,10 @@ def micro_batches(batch, micro: int) -> list[dict]:
     return [rows(batch, slice(i * n, (i + 1) * n)) for i in range(micro)]
 
 
-def pipeline_step(model, batch, groups, micro: int, counter):
+def pipeline_step(model, batch, groups, micro: int, counter, no_sync=None):
     """`step` through the pipeline stages (1F1B): every stage gets the output and the loss, from the last one. The
-    schedule runs inside `counter` (the broadcasts after it are this test's, not training's)."""
+    schedule runs inside `counter` (the broadcasts after it are this test's, not training's); no_sync as `step`'s,
+    around each backward."""
     parts = micro_batches(batch, micro)
     denoiser, losses, g = Recording(model), [], groups
     n = len(range(batch["x"].shape[1])[model.rows.spans(batch["x"].shape[1])[1]])
@@ -205,7 +207,7 @@ def pipeline_step(model, batch, groups, micro: int, counter):
 
     shape = (n, parts[0]["x"].shape[0], CFG.hidden_size)
     with counter:
-        one_f_one_b(g, micro, forward, lambda i: shape, torch.float32, torch.device("cpu"))
+        one_f_one_b(g, micro, forward, lambda i: shape, torch.float32, torch.device("cpu"), no_sync)
     out, loss = torch.zeros_like(batch["x"]), torch.zeros(())
     if g.last_stage:
         out, loss = torch.cat(denoiser.outputs), torch.stack(losses).mean()
@@ -281,7 +283,7 @@ def run_case(arch: str, dims: ParallelDims, packed: bool, checkpointing: str = "
         with counter:
             out, loss = step(model, rows(batch, mine), wrapper, micro, no_sync, between)
     else:  # no DDP: its hooks assume one backward per forward; the schedule's gradients are reduced after it
-        out, loss = pipeline_step(model, rows(batch, mine), groups, micro, counter)
+        out, loss = pipeline_step(model, rows(batch, mine), groups, micro, counter, no_sync)
         unreduced = gather_full(model, {k: p.grad for k, p in model.named_parameters()}, groups)
         with counter, counter.during("step"):
             reduce_grads(model, groups)
@@ -390,6 +392,12 @@ CASES = {
     "pp2_tp2_sp_packed": (ParallelDims(tp=2, pp=2, sequence_parallel=True), True, "none", False, True),  # 4 procs
     "pp2_dp2_selective": (ParallelDims(pp=2), False, "selective", False, True),  # 4 processes
     "pp2_cp2_packed": (ParallelDims(cp=2, pp=2), True, "none", False, True),  # 4 processes
+    # pipeline stages sharded with FSDP2 over each stage's DP×CP ranks (4 processes, or 8 for TP + SP and HSDP)
+    "pp2_fsdp_dp2": (ParallelDims(pp=2), False, "none", True, True),
+    "pp2_fsdp_dp2_step": (ParallelDims(pp=2), False, "selective", True, True, None, "step"),
+    "pp2_fsdp_cp2_packed": (ParallelDims(cp=2, pp=2), True, "none", True, True),
+    "pp2_tp2_sp_fsdp_dp2_packed": (ParallelDims(tp=2, pp=2, sequence_parallel=True), True, "none", True, True),
+    "pp2_hsdp_dp4": (ParallelDims(pp=2), False, "none", True, True, 2),  # shard over 2 x replicate 2, per stage
 }
 
 

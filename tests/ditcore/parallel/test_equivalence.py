@@ -34,9 +34,13 @@ CASES = ["tp2", "tp2_sp", "cp2", "dp2", "tp2_packed", "tp2_sp_packed", "cp2_pack
 CASES_4 = ["fsdp_tp2_sp_dp2",  # 4 processes: TP=2 × FSDP over DP=2
            "hsdp_dp4",  # HSDP: sharded over 2 ranks, replicated twice
            "pp2_tp2_sp_packed",  # two stages of TP=2 + SP
-           "stdit:cp2_tp2_sp_packed"]  # ST-DiT: the all-to-all over CP=2 with each CP rank's slice split by SP
+           "stdit:cp2_tp2_sp_packed",  # ST-DiT: the all-to-all over CP=2 with each CP rank's slice split by SP
+           "deep:pp2_fsdp_dp2"]  # two stages of two blocks, each stage sharded over its DP=2 ranks with FSDP2
 CASES_4_SLOW = ["pp2_dp2_selective", "pp2_cp2_packed",  # two stages × DP=2, two stages of CP=2: make test-slow
-                "hsdp_cp2_dp2_step"]  # HSDP over each CP pair, replicated over DP=2, gathered once per step
+                "hsdp_cp2_dp2_step",  # HSDP over each CP pair, replicated over DP=2, gathered once per step
+                "pp2_fsdp_dp2", "pp2_fsdp_dp2_step", "pp2_fsdp_cp2_packed"]  # stages sharded: gathered once per step; over a CP pair
+CASES_8_SLOW = ["pp2_tp2_sp_fsdp_dp2_packed",  # 8 processes: two stages of TP=2 + SP, each TP shard over DP=2
+                "pp2_hsdp_dp4"]  # two stages, each HSDP: sharded over 2, replicated twice
 # only their traffic (test_traffic_model_matches_the_counted_step), under bf16 autocast: SP's gathers in bf16, FSDP
 # gathering in bf16
 BF16 = ["tp2_packed@bf16", "tp2_sp_packed@bf16", "fsdp_dp2@bf16"]
@@ -83,16 +87,23 @@ def results_4_slow(tmp_path_factory, run_torchrun):
     return run_cases(tmp_path_factory, run_torchrun, [*CASES_4_SLOW, "hsdp_checkpoints"], nproc=4)
 
 
+@pytest.fixture(scope="module")
+def results_8_slow(tmp_path_factory, run_torchrun):
+    return run_cases(tmp_path_factory, run_torchrun, CASES_8_SLOW, nproc=8)
+
+
 def case_results(request, case):
-    fixture = "results_4" if case in CASES_4 else "results_4_slow" if case in CASES_4_SLOW else "results"
+    fixture = {**dict.fromkeys(CASES_4, "results_4"), **dict.fromkeys(CASES_4_SLOW, "results_4_slow"),
+               **dict.fromkeys(CASES_8_SLOW, "results_8_slow")}.get(case, "results")
     return request.getfixturevalue(fixture)[case]
 
 
-ALL = CASES + CASES_4 + CASES_4_SLOW
+ALL = CASES + CASES_4 + CASES_4_SLOW + CASES_8_SLOW
+SLOW = CASES_4_SLOW + CASES_8_SLOW
 
 
 def params(cases: list[str]) -> list:
-    return [pytest.param(c, marks=pytest.mark.slow) if c in CASES_4_SLOW else c for c in cases]
+    return [pytest.param(c, marks=pytest.mark.slow) if c in SLOW else c for c in cases]
 
 
 @pytest.mark.parametrize("case", params(ALL))
@@ -184,7 +195,7 @@ def per_group(collectives: list[dict]) -> dict[tuple[str, str], tuple[int, int]]
 def test_traffic_model_matches_the_counted_step(request, case):
     """Per group and collective, the bytes (within 2%) and the number of collectives a rank sends in the case's
     step are what ditcore.traffic predicts for its layout; with pipeline stages, on the stage that sends the most."""
-    nproc = 4 if case in CASES_4 + CASES_4_SLOW else 2
+    nproc = 8 if case in CASES_8_SLOW else 4 if case in CASES_4 + CASES_4_SLOW else 2
     r = case_results(request, case)
     lay = layout_of(case, nproc)
     arch = case.rpartition(":")[0] or "dit"

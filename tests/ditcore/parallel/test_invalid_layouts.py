@@ -48,23 +48,3 @@ def test_dims_resolve_and_validate():
         ParallelDims(pp=3).check_model(num_heads=4, depth=2)
     with pytest.raises(ConfigError, match=r"tp=0 is invalid: expected an integer >= 1"):
         ParallelDims(tp=0)
-
-
-def test_fsdp_with_a_pipeline_is_refused_by_one_rule():
-    """dit-train's config, the memory planner and apply_fsdp all ask ParallelDims.check_fsdp: one message."""
-    from pathlib import Path
-
-    from ditcore.job import Layout
-
-    ParallelDims(pp=2).check_fsdp(False)
-    ParallelDims(tp=2).check_fsdp(True)
-    with pytest.raises(ConfigError, match=r"fsdp=True is invalid: expected false with pp > 1") as e:
-        ParallelDims(pp=2).check_fsdp(True)
-    with pytest.raises(ConfigError) as planner:
-        Layout(world_size=4, pp=2, fsdp=True)
-    assert str(planner.value) == str(e.value)
-    root = Path(__file__).resolve().parents[3]
-    sources = [*root.glob("apps/*/src/**/*.py"), *root.glob("packages/ditcore/src/ditcore/**/*.py")]
-    assert sources
-    worded = [f.relative_to(root).as_posix() for f in sources if "over pipeline stages is not" in f.read_text()]
-    assert worded == ["packages/ditcore/src/ditcore/parallel/dims.py"]

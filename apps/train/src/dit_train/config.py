@@ -181,17 +181,10 @@ class Parallel(Section):
     accelerator: Literal["auto", "cpu", "gpu"] = "auto"
 
     @model_validator(mode="after")
-    def _fsdp_without_pipeline(self) -> Parallel:
+    def _shard_with_fsdp(self) -> Parallel:
         if self.fsdp_shard is not None and not self.fsdp:
             raise ConfigError("parallel.fsdp_shard", self.fsdp_shard, "null without parallel.fsdp=true (it says how "
                                                                       "FSDP shards)")
-        if self.fsdp:  # importing ditcore.parallel costs seconds (torch.distributed.tensor): only FSDP configs pay
-            from ditcore.parallel.dims import ParallelDims
-
-            try:
-                ParallelDims(pp=self.pp).check_fsdp(self.fsdp)
-            except ConfigError as e:
-                raise in_config_keys(e) from None
         return self
 
 

@@ -47,8 +47,7 @@ class Layout:
     def __post_init__(self) -> None:
         if not isinstance(self.world_size, int) or self.world_size < 1:
             raise ConfigError("world_size", self.world_size, "an integer >= 1 (processes, one per GPU)")
-        dims = self.dims  # ParallelDims' rules: the degrees, that they fit world_size, no FSDP with PP, HSDP's shard
-        dims.check_fsdp(self.fsdp)
+        dims = self.dims  # ParallelDims' rules: the degrees, that they fit world_size, HSDP's shard
         if self.fsdp:
             dims.check_fsdp_shard(self.fsdp_shard)
         for field in ("micro_batch", "seq_length", "samples_per_row", "micro_batches"):

@@ -228,7 +228,7 @@ def _stage_plan(cfg: DiTConfig, lay: Layout, params: list[Param], act: Activatio
     optimizer = ADAM_STATES * FP32 * held + ADAM_STEP_BYTES * len(mine)
     compute = DTYPE_BYTES[lay.precision]  # the forward's weights and activations
     autocast_cache = comm = 0
-    if lay.fsdp:  # one stage: Layout refuses fsdp with pp > 1
+    if lay.fsdp:  # over the stage's DP x CP ranks, with pp > 1
         comm = _fsdp_buffers(lay, mine)
     elif lay.precision == "bf16":
         autocast_cache = compute * sum(p.numel for p in mine if p.cast)
@@ -245,7 +245,12 @@ def _stage_plan(cfg: DiTConfig, lay: Layout, params: list[Param], act: Activatio
 def _fsdp_buffers(lay: Layout, mine: list[Param]) -> int:
     """FSDP2's unsharded parameters and gradients on a rank (the module docstring's comm_buffers)."""
     compute, reduce = DTYPE_BYTES[lay.precision], DTYPE_BYTES[lay.reduce_dtype]
-    block = sum(p.numel for p in mine if p.name.startswith("blocks.0."))
+    blocks: dict[str, int] = {}  # the stage's blocks (with pp > 1 not blocks.0 on every stage): the largest counts
+    for p in mine:
+        if p.name.startswith("blocks."):
+            unit = ".".join(p.name.split(".")[:2])
+            blocks[unit] = blocks.get(unit, 0) + p.numel
+    block = max(blocks.values(), default=0)
     root = sum(p.numel for p in mine if not p.name.startswith("blocks."))
     unsharded_grads = root + block  # the root's accumulate through backward; a block's until reduce-scattered
     comm = compute * unsharded_grads + reduce * block  # + the block's reduce-scatter input

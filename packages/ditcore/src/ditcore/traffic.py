@@ -145,10 +145,11 @@ def _step_traffic(cfg: DiTConfig, lay: Layout, stage: int, add, compute: int) ->
     if not lay.fsdp and lay.pp == 1 and dp_cp > 1:  # DDP: every gradient, in fp32 buckets
         size = FP32 * sum(p.numel for p in params)
         add("dp", "all_reduce", "step", size, dp_cp, pieces=math.ceil(size / DDP_BUCKET))
-    if lay.pp > 1:  # pipeline.reduce_grads: over DP x CP in buckets, then the shared embedders over the stages
-        numel = sum(p.numel for p in params)
-        add("dp", "all_reduce", "step", FP32 * numel, dp_cp, pieces=math.ceil(numel / PP_BUCKET))
-        add("pp", "all_reduce", "step", FP32 * sum(p.numel for p in params if p.shared), lay.pp)
+    if lay.pp > 1:  # pipeline.reduce_grads: over DP x CP in buckets (FSDP has reduced them), then the shared
+        numel = sum(p.numel for p in params)  # embedders (under FSDP: their local pieces) over the stages
+        if not lay.fsdp:
+            add("dp", "all_reduce", "step", FP32 * numel, dp_cp, pieces=math.ceil(numel / PP_BUCKET))
+        add("pp", "all_reduce", "step", FP32 * sum(p.local(lay) for p in params if p.shared), lay.pp)
     # grad_norm: a float64 square sum over TP, the FSDP shards and the stages
     add("tp", "all_reduce", "step", FP64, lay.tp)
     if lay.fsdp:

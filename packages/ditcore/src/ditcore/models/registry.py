@@ -108,9 +108,15 @@ def inputs_of(cfg: DiTConfig) -> type[Inputs]:
 
 
 def plan_for(model: nn.Module) -> Plan:
-    """The tensor-parallel plan of a model, by its exact type (a subclass is another architecture)."""
+    """The tensor-parallel plan of a model, by its exact type (a subclass is another architecture); a model sharded by
+    FSDP2 is of the class `fully_shard` made for it, FSDP<its class>(FSDPModule, its class)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    cls = type(model)
+    if cls.__bases__[0] is FSDPModule:
+        cls = cls.__bases__[1]
     for arch in ARCHS.values():
-        if type(model) is arch.model:
+        if cls is arch.model:
             return arch.plan
     raise TypeError(f"no tensor-parallel plan for {type(model).__name__}: register its architecture with its plan "
                     "(ditcore.models.registry.register)")

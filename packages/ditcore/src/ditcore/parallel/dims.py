@@ -45,15 +45,6 @@ class ParallelDims:
                 f"{dp}: tp*cp*pp*dp must equal the world size {world_size}, and tp*cp*pp = {model_parallel}")
         return ParallelDims(self.tp, self.cp, self.pp, dp, self.sequence_parallel)
 
-    def check_fsdp(self, fsdp: bool) -> None:
-        """The one home of the rule "no FSDP with PP", which dit-train's config, the Layout and `apply_fsdp` ask.
-        1F1B runs several forwards before their backwards and a stage's gradients are averaged after the schedule
-        (ditcore.parallel.pipeline.reduce_grads); FSDP2's per-block gathers and reduce-scatters are not wired into
-        that schedule."""
-        if fsdp and self.pp > 1:
-            raise ConfigError("fsdp", True, "false with pp > 1: FSDP over pipeline stages is not available yet (use "
-                                            "tp/dp with pp, or fsdp without it)")
-
     def check_fsdp_shard(self, shard: int | None) -> None:
         """The one home of HSDP's rule (dit-train, the memory planner and `apply_fsdp` ask it, on resolved dims):
         each parameter is sharded over `shard` consecutive DP×CP ranks, and the dp·cp/shard groups of them replicate

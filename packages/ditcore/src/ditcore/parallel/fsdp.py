@@ -118,7 +118,6 @@ def apply_fsdp(model: nn.Module, groups: ParallelGroups, device_type: str, param
     """
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    groups.dims.check_fsdp(True)
     if sync not in FSDP_SYNCS:
         raise ConfigError("fsdp_sync", sync, "one of " + ", ".join(map(repr, FSDP_SYNCS)))
     tags = {name: dict(vars(p)) for name, p in model.named_parameters()}
@@ -187,7 +186,12 @@ def restore_tags(model: nn.Module) -> nn.Module:
 
 
 def is_fsdp(model: nn.Module) -> bool:
-    return any(isinstance(p, DTensor) for p in model.parameters())
+    """Is `model` sharded by `apply_fsdp`? Asked of its modules, not its parameters: while FSDP2 holds a unit
+    gathered (between a forward and its backward, as in the pipeline's schedule) the unit's parameters are the plain
+    unsharded tensors."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return any(isinstance(m, FSDPModule) for m in model.modules())
 
 
 def local(t: torch.Tensor) -> torch.Tensor:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 
 import torch
 import torch.distributed as dist
@@ -29,7 +30,7 @@ from torch import nn
 from ditcore.errors import ConfigError
 from ditcore.models import plan_for
 from ditcore.parallel.dims import ParallelGroups
-from ditcore.parallel.fsdp import local
+from ditcore.parallel.fsdp import is_fsdp, local
 
 
 def stage_blocks(depth: int, pp: int, stage: int) -> range:
@@ -101,7 +102,8 @@ def wire_dtype(device: torch.device) -> torch.dtype:
 
 
 def one_f_one_b(groups: ParallelGroups, micro_batches: int, forward: Callable[[int, torch.Tensor | None], torch.Tensor],
-                shape: Callable[[int], tuple[int, ...]], dtype: torch.dtype, device: torch.device) -> None:
+                shape: Callable[[int], tuple[int, ...]], dtype: torch.dtype, device: torch.device,
+                no_sync: Callable[[bool], AbstractContextManager] | None = None) -> None:
     """Forward and backward of `micro_batches` micro-batches through the stages, gradients accumulated in `.grad`.
 
     forward(i, hidden) runs micro-batch i on this stage: `hidden` is what the previous stage sent (None on the
@@ -110,12 +112,18 @@ def one_f_one_b(groups: ParallelGroups, micro_batches: int, forward: Callable[[i
     (n, B, D); it is asked before forward(i) and may load the micro-batch. Hidden states and their gradients travel
     in `dtype`. The non-interleaved 1F1B schedule: stage s runs pp − s − 1 forwards ahead, then alternates one
     forward and one backward, then drains, so that it holds at most pp − s micro-batches' activations.
+
+    no_sync(enabled): a context around each backward, enabled on all but the step's last one (Fabric's backward-sync
+    control): a stage sharded with FSDP's sync="step" (`ditcore.parallel.fsdp.accumulating`) then keeps its
+    parameters gathered and its gradients unreduced until that last backward. With sync="micro_batch" each
+    backward reduce-scatters its micro-batch's gradients as it finishes, while the schedule goes on.
     """
     pp, stage = groups.dims.pp, groups.pp_rank
     first, last = stage == 0, stage == pp - 1
     warmup = min(pp - stage - 1, micro_batches)
     inputs: deque = deque()
     outputs: deque = deque()
+    backwards = 0
 
     def empty(i: int) -> torch.Tensor:
         return torch.empty(shape(i), dtype=dtype, device=device)
@@ -127,11 +135,14 @@ def one_f_one_b(groups: ParallelGroups, micro_batches: int, forward: Callable[[i
         return out if last else out.to(dtype)
 
     def run_backward(grad: torch.Tensor | None) -> torch.Tensor | None:
+        nonlocal backwards
         hidden, out = inputs.popleft(), outputs.popleft()
-        if last:
-            out.backward()
-        else:
-            torch.autograd.backward(out, grad.to(out.dtype))
+        backwards += 1
+        with no_sync(backwards < micro_batches) if no_sync else nullcontext():
+            if last:
+                out.backward()
+            else:
+                torch.autograd.backward(out, grad.to(out.dtype))
         return None if first else hidden.grad.to(dtype)
 
     def recv_forward(i: int) -> torch.Tensor | None:
@@ -170,16 +181,18 @@ def one_f_one_b(groups: ParallelGroups, micro_batches: int, forward: Callable[[i
             _exchange(groups, {-1: grad_in}, {})
 
 
-def reduce_grads(model: nn.Module, groups: ParallelGroups, data_parallel: bool = True) -> None:
-    """Complete the gradients after `one_f_one_b`, before `finalize_grads`: averaged over DP×CP (data_parallel:
-    the model is not wrapped in DDP, whose hooks assume one backward per forward), and the stage-shared
-    (conditioning) parameters' summed over the stages, so that every stage takes the same step with them. A
-    parameter that got no gradient this step gets zeros, as in DDP's buckets."""
+def reduce_grads(model: nn.Module, groups: ParallelGroups) -> None:
+    """Complete the gradients after `one_f_one_b`, before `finalize_grads`: averaged over DP×CP (the model is not
+    wrapped in DDP, whose hooks assume one backward per forward; sharded with FSDP2, each backward has already
+    reduce-scattered them, averaged), and the stage-shared (conditioning) parameters' summed over the stages, so that
+    every stage takes the same step with them. Under FSDP that sum is of the local shards: the pipeline group joins
+    ranks of the same DP×CP rank, which hold the same piece of every parameter. A parameter that got no gradient
+    this step gets zeros, as in DDP's buckets."""
     params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     for _, p in params:  # e.g. cross-attention in a step without any text: every rank must reduce the same tensors
         if p.grad is None:
             p.grad = torch.zeros_like(p)
-    if data_parallel and dist.get_world_size(groups.dp_cp_group) > 1:
+    if not is_fsdp(model) and dist.get_world_size(groups.dp_cp_group) > 1:
         grads = [local(p.grad) for _, p in params]
         _all_reduce(grads, groups.dp_cp_group)
         torch._foreach_div_(grads, float(dist.get_world_size(groups.dp_cp_group)))
