@@ -115,7 +115,7 @@ def test_cluster_errors_name_the_option():
 def test_the_search_lists_the_fastest_layouts_that_fit_one_per_model_parallelism():
     cfg = preset("DiT-Tiny", in_channels=4, text_dim=0)
     base = Layout(world_size=4, seq_length=32, device="cpu", attention="sdpa")
-    usable = 2.0e6  # bytes: some of its 78 layouts fit (1.9 to 4.2 MB)
+    usable = 2.0e6  # bytes: some of its 108 layouts fit
     cluster = Cluster(gpus_per_node=2, memory=(HEADROOM.fixed + usable) / (1 - HEADROOM.fraction), nvlink=1 * GB,
                       infiniband=0.1 * GB)
     found = search(cfg, cluster, base, global_batch=4, top=3)
@@ -126,6 +126,8 @@ def test_the_search_lists_the_fastest_layouts_that_fit_one_per_model_parallelism
         if plan.fits(cluster.memory):
             fitting.append(predict(cfg, lay, cluster))
     assert len(fitting) < len(list(layouts(cfg, base, cluster, 4)))  # the card rules some out
+    # pipeline stages sharded by FSDP/HSDP are among them (30 of the 108: pp=2 and pp=4, shards, syncs, checkpointing)
+    assert sum(lay.pp > 1 and lay.fsdp for lay in layouts(cfg, base, cluster, 4)) == 30
     best = max(p.tokens_per_second_per_gpu for p in fitting)
     assert found[0].prediction.tokens_per_second_per_gpu == pytest.approx(best)
     assert found[0].prediction == predict(cfg, found[0].prediction.layout, cluster)

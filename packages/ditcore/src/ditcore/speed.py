@@ -19,7 +19,8 @@ The step time of one rank is its compute plus the communication that nothing hid
   reduce-scatter have no compute beside them). Gathered once per step (fsdp_sync=step): behind one micro-batch.
 - dp (DDP) and replicate (HSDP's all-reduce across replicas): overlapped with the backward (two thirds of the
   compute) that produces the gradients, except the last bucket: DDP's (torch's default bucket_cap_mb=25), one block's
-  for HSDP. With pp > 1 the gradients are all-reduced after the schedule (ditcore.parallel.pipeline): exposed.
+  for HSDP. With pp > 1 and no FSDP the gradients are all-reduced after the schedule (ditcore.parallel.pipeline):
+  exposed. With FSDP over a pipeline stage, as without pp: each backward of the schedule reduce-scatters its own.
 - pp: sends between stages are exposed, and the 1F1B schedule's bubble costs pp - 1 micro-batches' time: a step of m
   micro-batches takes (m + pp - 1) of them.
 
@@ -401,8 +402,6 @@ def layouts(cfg: DiTConfig, base: Layout, cluster: Cluster, global_batch: int) -
                         lay = shape.replace(micro_batch=micro_batch, micro_batches=micro_batches,
                                             activation_checkpointing=checkpointing)
                         yield lay
-                        if pp > 1:  # FSDP with pipeline stages is not available (ParallelDims.check_fsdp)
-                            continue
                         for shard in [None, *(s for s in divisors(dp * cp)[1:-1])]:
                             for sync in ("micro_batch", "step"):
                                 yield lay.replace(fsdp=True, fsdp_shard=shard, fsdp_sync=sync)
