@@ -19,7 +19,8 @@ T5-XXL's), fp32 weights under bf16 autocast, flex attention.
 
 Writes OUT/results.json (after every case). `--compare` reads such files (here, no GPU needed) and prints, per case,
 the measured time beside the compute term of `ditcore.speed.predict` for the same stack, row and checkpointing on one
-GPU (the default cluster's efficiency, `--efficiency` to change it), and the efficiency that would make them equal.
+GPU (the default cluster's efficiency at the stack's width, `--efficiency` to change it), and the efficiency that
+would make them equal.
 """
 
 from __future__ import annotations
@@ -102,8 +103,9 @@ def compare(paths: list[Path], efficiency: float | None) -> None:
     from ditcore.job import Layout
     from ditcore.speed import Cluster, predict
 
-    cluster = Cluster() if efficiency is None else Cluster(efficiency=efficiency)
-    print(f"compute term at {cluster.efficiency:.0%} of {cluster.peak_flops / 1e12:g} TFLOP/s (ditcore.speed)")
+    cluster = Cluster(efficiency=efficiency)
+    at = f"{efficiency:.1%}" if efficiency else "the efficiency measured at the stack's width, at most 50%"
+    print(f"compute term (ditcore.speed) at {at} of {cluster.peak_flops / 1e12:g} TFLOP/s")
     for path in paths:
         run = json.loads(path.read_text())
         h = run["header"]
@@ -112,10 +114,11 @@ def compare(paths: list[Path], efficiency: float | None) -> None:
             compiled, checkpointing = CASES[r["case"]]
             lay = Layout(seq_length=h["tokens"], text_len=h["text_tokens"], activation_checkpointing=checkpointing,
                          compile=compiled)
-            term = predict(cfg, lay, cluster).compute_micro_batch
+            p = predict(cfg, lay, cluster)
+            term = p.compute_micro_batch
             print(f"{h['preset']:<13} {h['depth']} blocks  {r['case']:<19} measured {r['median_s'] * 1e3:7.1f} ms  "
                   f"predicted {term * 1e3:7.1f} ms  ({term / r['median_s'] - 1:+.0%}; equal at "
-                  f"{cluster.efficiency * term / r['median_s']:.1%} efficiency)  on {h['device']}")
+                  f"{p.efficiency * term / r['median_s']:.1%} efficiency)  on {h['device']}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -131,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--compare", type=Path, nargs="+", metavar="RESULTS",
                     help="results.json files: print them beside ditcore.speed's compute term; runs nothing")
     ap.add_argument("--efficiency", type=float, help="with --compare: the fraction of peak assumed (default: "
-                                                     "ditcore.speed.Cluster's)")
+                                                     "ditcore.speed.Cluster's at the width)")
     args = ap.parse_args(argv)
     if args.compare:
         compare(args.compare, args.efficiency)

@@ -62,7 +62,8 @@ def test_the_7b_reference_layout_needs_fsdp_on_80_gib(cli_in_process, tmp_path, 
 
 def test_the_shipped_large_configs_fit_their_target_hardware_compute_bound(tmp_path):
     # 8, 32 and 64 GPUs of 80 GiB, as the configs say; on the default H100 cluster the step is predicted compute-bound
-    # with at most 20% of it exposed communication (issue 28)
+    # with at most 20% of it exposed communication (issue 28), and still compute-bound at half the cross-node bandwidth
+    # (issue 43: the verdict does not rest on the NICs' exact figure)
     for name, world in (("dit-7b-8k", 8), ("dit-28b-8k", 32), ("moviegen-30b", 64)):
         code, out, err = invoke("--config", name, f"data.path={tmp_path / 'absent'}", "--plan", "--world-size", world)
         print(out)
@@ -71,6 +72,8 @@ def test_the_shipped_large_configs_fit_their_target_hardware_compute_bound(tmp_p
         (step,) = [line for line in out.splitlines() if line.startswith("predicted step ")]
         exposed = float(step.partition(" s (")[2].partition("%)")[0])
         assert step.endswith("bound: compute") and exposed <= 20, step
+        (half,) = [line for line in out.splitlines() if line.startswith("at 0.5x the InfiniBand bandwidth")]
+        assert half.endswith("bound: compute") or "the same" in half, half
     # adaLN split over TP: MovieGen-30B at TP=8 holds 4.32 B parameters a rank (13.9 B with adaLN replicated); neither
     # large model fits on 8 GPUs
     code, out, _ = invoke("--config", "dit-28b-8k", f"data.path={tmp_path / 'absent'}", "--plan", "--world-size", 8)

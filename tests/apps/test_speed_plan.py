@@ -1,4 +1,5 @@
-"""`dit-train --plan` prints the predicted step after the memory table; `--plan --search` the fastest layouts that fit.
+"""`dit-train --plan` prints the predicted step after the memory table, and the step at half the cross-node bandwidth;
+`--plan --search` the fastest layouts that fit.
 In process (CliRunner), on a tiny model."""
 
 import re
@@ -10,7 +11,7 @@ from dit_train.config import CONFIGS, load_config, memory_layout
 from dit_train.train import model_config
 from ditcore.data.schema import DatasetInfo
 from ditcore.memory import GiB, choose_fsdp_sync
-from ditcore.speed import Cluster, predict
+from ditcore.speed import Cluster, at_cross_node, predict
 
 
 def invoke(*args) -> tuple[int, str, str]:
@@ -40,12 +41,19 @@ def test_the_plan_prints_the_predicted_step_after_the_memory_table(tmp_path):
                        spatial_factor=1, temporal_factor=1)
     model_cfg = model_config(cfg, info)
     layout = choose_fsdp_sync(model_cfg, memory_layout(cfg, 8, 128), 80 * GiB)  # fsdp_sync=auto, as --plan resolves it
-    p = predict(model_cfg, layout, Cluster(gpus_per_node=4, infiniband=2e9, efficiency=0.25, memory=80 * GiB))
+    cluster = Cluster(gpus_per_node=4, infiniband=2e9, efficiency=0.25, memory=80 * GiB)
+    p = predict(model_cfg, layout, cluster)
     assert [g.group for g in p.groups] == ["tp", "fsdp"] and p.groups[1].link.bandwidth == 4e9
     assert re.search(r"^  fsdp +InfiniBand 4 GB/s ", out, re.M)
-    assert lines[-1] == (f"predicted step {p.step:.3g} s: compute {p.compute_step:.3g} s + exposed {p.exposed:.3g} s "
+    assert lines[-2] == (f"predicted step {p.step:.3g} s: compute {p.compute_step:.3g} s + exposed {p.exposed:.3g} s "
                          f"({p.exposed / p.step:.0%}); {p.tokens_per_second_per_gpu:,.0f} tokens/s per GPU, MFU "
                          f"{p.mfu:.1%}; bound: {p.bound}")
+    # then the same layout at half the cross-node bandwidth: FSDP's gathers over 2 NICs of 1 GB/s take longer
+    half = at_cross_node(model_cfg, layout, cluster)
+    assert half.groups[1].link.bandwidth == 2e9 and half.mfu < p.mfu
+    assert lines[-1] == (f"at 0.5x the InfiniBand bandwidth (1 GB/s per GPU): step {half.step:.3g} s, exposed "
+                         f"{half.exposed / half.step:.0%}; {half.tokens_per_second_per_gpu:,.0f} tokens/s per GPU, MFU "
+                         f"{half.mfu:.1%} ({(half.mfu - p.mfu) * 100:+.1f} points); bound: {half.bound}")
 
 
 def test_bad_cluster_options_are_one_line_errors(tmp_path):
@@ -62,9 +70,10 @@ def test_the_help_states_the_cluster_defaults():
     text = " ".join(out.replace("│", " ").split())  # the help's box, unwrapped
     c = Cluster()
     for option, default in (("--gpus-per-node", c.gpus_per_node), ("--nvlink-gbps", c.nvlink / 1e9),
-                            ("--ib-gbps", c.infiniband / 1e9), ("--peak-tflops", c.peak_flops / 1e12),
-                            ("--efficiency", c.efficiency)):
+                            ("--ib-gbps", c.infiniband / 1e9), ("--peak-tflops", c.peak_flops / 1e12)):
         assert f"(default {default:g}" in text, option
+    assert (f"(default: measured on an H200 by width, {c.efficiency_at(3072):g} up to 3072 wide, else "
+            f"{c.efficiency_at(6144):g})") in text
 
 
 def test_the_search_lists_layouts_that_fit_fastest_first(tmp_path):

@@ -1,5 +1,10 @@
-"""ditcore.speed: the step-time model's links, overlap rules, bound and MFU on hand-built traffic, the row scaling a
-search relies on, and the search itself on a tiny model."""
+"""ditcore.speed: the step-time model's links, α-β collective times, overlap rules, bound and MFU on hand-built
+traffic, the measured efficiency, the cross-node sensitivity, the row scaling a search relies on, and the search
+itself on a tiny model."""
+
+import json
+from dataclasses import replace as dataclass_replace
+from pathlib import Path
 
 import pytest
 
@@ -8,11 +13,14 @@ from ditcore.flops import training_flops_per_token
 from ditcore.job import Layout
 from ditcore.memory import HEADROOM, plan_from
 from ditcore.models import preset
-from ditcore.parallel.counting import Collective, Traffic
+from ditcore.parallel.counting import Collective, Traffic, sent_bytes
 from ditcore.speed import (
     DDP_BUCKET,
+    MEASURED_EFFICIENCY,
     SELECTIVE,
     Cluster,
+    at_cross_node,
+    collective_seconds,
     layouts,
     link,
     predict,
@@ -23,8 +31,11 @@ from ditcore.speed import (
 from ditcore.traffic import traffic
 
 GB = 1e9
-# Round numbers: 100 GB/s within a node of 8, 10 GB/s a GPU between nodes
-CLUSTER = Cluster(gpus_per_node=8, nvlink=100 * GB, infiniband=10 * GB)
+US = 1e-6
+BENCH = Path(__file__).parents[2] / "bench" / "results"
+# Round numbers: 100 GB/s within a node of 8, 10 GB/s a GPU between nodes; no latency: the overlap rules' tests below
+# count bandwidth alone (test_a_ring_collective_takes_its_steps_latency_and_its_bytes_at_the_bus_bandwidth: latency)
+CLUSTER = Cluster(gpus_per_node=8, nvlink=100 * GB, infiniband=10 * GB, nvlink_latency=0, infiniband_latency=0)
 
 
 def test_a_group_within_a_node_uses_nvlink_and_one_across_nodes_shares_its_nodes_nics():
@@ -39,6 +50,39 @@ def test_a_group_within_a_node_uses_nvlink_and_one_across_nodes_shares_its_nodes
     assert link("tp", Layout(world_size=3, tp=3), Cluster(gpus_per_node=2)).name == "InfiniBand"  # straddles nodes
     pipe = Layout(world_size=32, tp=8, pp=4)  # stages a node apart: a send leaves through one NIC
     assert link("pp", pipe, CLUSTER, "send").bandwidth == 10 * GB
+
+
+def test_the_default_links_are_nvlink_within_a_node_and_a_nic_per_rank_of_a_node_across():
+    c = Cluster()  # 8 GPUs a node, NVLink 360 GB/s, a 46 GB/s NIC each
+    within = link("fsdp", Layout(world_size=8, fsdp=True), c)
+    assert (within.name, within.bandwidth, within.nodes) == ("NVLink", 360 * GB, 1)
+    one_a_node = link("fsdp", Layout(world_size=32, tp=8, fsdp=True), c)  # ranks 0, 8, 16, 24: one NIC each
+    assert (one_a_node.name, one_a_node.bandwidth, one_a_node.nodes) == ("InfiniBand", 46 * GB, 4)
+    two_a_node = link("fsdp", Layout(world_size=32, tp=4, fsdp=True), c)  # ranks 0, 4, ..., 28: two a node
+    assert (two_a_node.bandwidth, two_a_node.nodes) == (92 * GB, 4)
+    whole_nodes = link("fsdp", Layout(world_size=32, fsdp=True), c)  # 8 NICs' 368 GB/s, more than NVLink's 360
+    assert (whole_nodes.name, whole_nodes.bandwidth) == ("InfiniBand", 360 * GB)
+
+
+def test_a_ring_collective_takes_its_steps_latency_and_its_bytes_at_the_bus_bandwidth():
+    c = Cluster()  # α 3.4 µs a step within a node, 14 µs between; β 360 GB/s NVLink, 46 GB/s a NIC
+    full = 10**9  # bytes of the buffer
+    tp = Layout(world_size=8, tp=8)  # a ring of 8 within a node: an all-reduce takes 2·7 steps and sends 2·7/8 of it
+    one = Collective("tp", "all_reduce", "micro_batch", 1, sent_bytes("all_reduce", full, 8))
+    assert collective_seconds(one, tp, c) == pytest.approx(14 * 3.4 * US + 2 * 7 / 8 * full / (360 * GB))
+    assert collective_seconds(dataclass_replace(one, count=5, bytes=5 * one.bytes), tp, c) == pytest.approx(
+        5 * (14 * 3.4 * US + 2 * 7 / 8 * full / (360 * GB)))
+    # 16 ranks, two nodes apart, on 4 nodes (4 a node): of the all-gather's 15 steps 3 cross nodes, the rest NVLink
+    fsdp = Layout(world_size=32, tp=2, fsdp=True)
+    gather = Collective("fsdp", "all_gather", "micro_batch", 1, sent_bytes("all_gather", full, 16))
+    assert collective_seconds(gather, fsdp, c) == pytest.approx(12 * 3.4 * US + 3 * 14 * US + 15 / 16 * full /
+                                                                (4 * 46 * GB))
+    reduce = Collective("fsdp", "all_reduce", "step", 1, sent_bytes("all_reduce", full, 16))
+    assert collective_seconds(reduce, fsdp, c) == pytest.approx(24 * 3.4 * US + 6 * 14 * US + 30 / 16 * full /
+                                                                (4 * 46 * GB))
+    pipe = Layout(world_size=32, tp=8, pp=4)  # a send to the next node: one hop, one NIC
+    send = Collective("pp", "send", "micro_batch", 2, 2 * full)
+    assert collective_seconds(send, pipe, c) == pytest.approx(2 * 14 * US + 2 * full / (46 * GB))
 
 
 def step(lay: Layout, *collectives: Collective, compute: float = 1.0, depth: int = 10):
@@ -67,9 +111,10 @@ def test_ddp_hides_behind_backward_but_its_last_bucket_and_a_pipeline_waits():
     lay = Layout(world_size=32, tp=2, micro_batches=4)  # DDP over 16 ranks: 40 GB/s
     ddp = Collective("dp", "all_reduce", "step", 30, 8 * GB)  # 0.2 s, behind 2/3 s of backward
     p = step(lay, ddp)
-    assert p.groups[0].exposed == pytest.approx(2 * DDP_BUCKET / (40 * GB))
+    last = 2 * DDP_BUCKET * 15 // 16 / (40 * GB)  # the last bucket's all-reduce over 16 ranks
+    assert p.groups[0].exposed == pytest.approx(last)
     slow = step(lay, Collective("dp", "all_reduce", "step", 30, 40 * GB))  # 1 s
-    assert slow.groups[0].exposed == pytest.approx(1.0 - 2 / 3 + 2 * DDP_BUCKET / (40 * GB))
+    assert slow.groups[0].exposed == pytest.approx(1.0 - 2 / 3 + last)
 
     pipe = Layout(world_size=32, tp=2, pp=4, micro_batches=8)  # dp x cp = 4 ranks 2 apart: one node, NVLink
     sends = Collective("pp", "send", "micro_batch", 2, 1 * GB)  # stages 8 ranks apart: 10 GB/s, 0.1 s
@@ -93,6 +138,44 @@ def test_mfu_is_the_efficiency_without_communication_and_checkpointing_costs_its
     assert block.mfu == pytest.approx(0.4 * 3 / 4) and block.recompute_fraction == pytest.approx(1 / 4)
     selective = predict(cfg, lay.replace(activation_checkpointing="selective"), cluster)
     assert selective.mfu == pytest.approx(0.4 / (1 + SELECTIVE))
+
+
+def test_the_compute_runs_at_the_efficiency_measured_at_the_models_width_at_most_half_the_peak():
+    runs = {w: json.loads((BENCH / f"compute_step_h200_{name}.json").read_text()) for w, name in
+            ((3072, "dit7b"), (6144, "moviegen30b"))}
+    for width, run in runs.items():  # each constant is its file's compiled row without checkpointing
+        assert f"{width} wide" in run["header"]["model"]
+        measured = next(r["fraction_of_peak"] for r in run["results"] if r["case"] == "compiled-none")
+        assert MEASURED_EFFICIENCY[width] == pytest.approx(measured, abs=5e-4)
+    c = Cluster()
+    assert (c.efficiency_at(3072), c.efficiency_at(1152), c.efficiency_at(6144), c.efficiency_at(8192)) == (
+        0.448, 0.448, 0.5, 0.5)  # narrower: no faster than 3072; 6144's 52.5% capped at 50%; wider: 50%
+    assert Cluster(efficiency=0.3).efficiency_at(3072) == 0.3
+    cfg = preset("DiT-Tiny", in_channels=4, text_dim=0)
+    lay = Layout(world_size=1, seq_length=64)
+    p = predict(cfg, lay, c)
+    assert p.efficiency == 0.448 and p.mfu == pytest.approx(0.448)
+    assert "989 TFLOP/s peak at 44.8%" in p.table().splitlines()[0]
+
+
+def test_half_the_cross_node_bandwidth_slows_fsdp_across_nodes_and_leaves_a_node_alone():
+    cfg = preset("DiT-Tiny", in_channels=4, text_dim=0)
+    # compute made negligible: FSDP over 16 ranks on 2 nodes bounds the step
+    fast = Cluster(peak_flops=1e18, nvlink_latency=0, infiniband_latency=0)
+    lay = Layout(world_size=16, fsdp=True, seq_length=64, micro_batches=2)
+    p, half = predict(cfg, lay, fast), at_cross_node(cfg, lay, fast)
+    assert p.bound == "fsdp" and half.cluster.infiniband == fast.infiniband / 2
+    (f,), (h,) = p.groups, half.groups
+    assert f.link.bandwidth == 360 * GB and h.link.bandwidth == 8 * 23 * GB  # 8 NICs, of 46 then 23 GB/s
+    sent = 2 * f.bytes_micro_batch + f.bytes_step
+    assert h.seconds == pytest.approx(sent / (184 * GB)) and f.seconds == pytest.approx(sent / (360 * GB))
+    assert half.mfu == pytest.approx(p.mfu * p.step / half.step) and half.mfu < p.mfu * 0.6
+    assert f"MFU {half.mfu:.1%} ({(half.mfu - p.mfu) * 100:+.1f} points); bound: fsdp" in half.versus(p)
+    tp = Layout(world_size=4, tp=4, seq_length=64)  # within one node: nothing crosses nodes
+    base, slow = predict(cfg, tp, Cluster()), at_cross_node(cfg, tp, Cluster())
+    assert slow.step == base.step and slow.mfu == base.mfu
+    assert slow.versus(base) == (f"at 0.5x the InfiniBand bandwidth (23 GB/s per GPU): the same, MFU {base.mfu:.1%} "
+                                 "(no collective crosses nodes)")
 
 
 def test_a_micro_batch_of_rows_moves_the_rows_activations_and_the_same_parameters():

@@ -50,12 +50,15 @@ def main(
     nvlink_gbps: float = typer.Option(None, "--nvlink-gbps", help="With --plan: GB/s each GPU sends within a node "
                                                                   "(default 360: NCCL's bus bandwidth on H100 NVLink, "
                                                                   "450 each way on the datasheet)."),
-    ib_gbps: float = typer.Option(None, "--ib-gbps", help="With --plan: GB/s each GPU sends between nodes (default 45: "
-                                                          "NCCL's on a 400 Gb/s NDR InfiniBand NIC per GPU)."),
+    ib_gbps: float = typer.Option(None, "--ib-gbps", help="With --plan: GB/s a GPU's own NIC carries between nodes "
+                                                          "(default 46: NCCL's on a 400 Gb/s NDR InfiniBand NIC; a "
+                                                          "group with k GPUs in each node has k NICs). --plan also "
+                                                          "predicts the step at half of it."),
     peak_tflops: float = typer.Option(None, "--peak-tflops", help="With --plan: dense bf16 TFLOP/s of a GPU "
                                                                   "(default 989: H100 SXM)."),
     efficiency: float = typer.Option(None, "--efficiency", help="With --plan: the fraction of the peak the compute "
-                                                                "runs at, in (0, 1] (default 0.5)."),
+                                                                "runs at, in (0, 1] (default: measured on an H200 by "
+                                                                "width, 0.448 up to 3072 wide, else 0.5)."),
     search: bool = typer.Option(False, "--search", help="With --plan: list the layouts that fit the GPUs (tp, cp, pp, "
                                                         "FSDP or HSDP and its sync, checkpointing, micro_batch), "
                                                         "fastest predicted first, with the overrides that select "
@@ -229,10 +232,12 @@ def print_speed(model_cfg, layout, cluster, global_batch: int | None, top: int) 
 
     from dit_train.config import overrides
     from ditcore.memory import GiB
-    from ditcore.speed import predict
+    from ditcore.speed import at_cross_node, predict
     from ditcore.speed import search as search_layouts
 
-    typer.echo(predict(model_cfg, layout, cluster).table())
+    prediction = predict(model_cfg, layout, cluster)
+    typer.echo(prediction.table())
+    typer.echo(at_cross_node(model_cfg, layout, cluster).versus(prediction))  # how much the verdict rests on the NICs
     if global_batch is None:
         return True
     bar = lambda walk, total: tqdm(walk, total=total, desc="layouts", unit="layout", file=sys.stderr, leave=False)

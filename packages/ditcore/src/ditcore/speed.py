@@ -4,7 +4,8 @@ that fit a cluster ranked by it: `search(cfg, cluster, global_batch)`.
 The step time of one rank is its compute plus the communication that nothing hides, by these rules:
 
 - compute: the honest training FLOPs of its tokens (ditcore.flops: 6·N_tok + attention per token, adaLN and embedders
-  not counted) run at `Cluster.efficiency` of the GPU's peak, plus what activation checkpointing recomputes: block
+  not counted) run at a fraction of the GPU's peak (`Cluster.efficiency_at`: what a stack of the model's width
+  reached on an H200, at most 50%), plus what activation checkpointing recomputes: block
   checkpointing runs every block's forward again in backward (a third of its FLOPs: 2 of 6 per weight, 4 of 12 per
   attended key); selective recomputes no matmul, only elementwise work and norms, which cost `SELECTIVE` more time.
   Measured on one H200 (bench/compute_step.py, bench/results/compute_step_h200_*.json: compiled 8192-token rows of
@@ -24,10 +25,14 @@ The step time of one rank is its compute plus the communication that nothing hid
 - pp: sends between stages are exposed, and the 1F1B schedule's bubble costs pp - 1 micro-batches' time: a step of m
   micro-batches takes (m + pp - 1) of them.
 
-Collectives of different groups are taken not to slow each other down (they share links when two groups are both
-within a node), and a collective's latency is left out (at the sizes where these layouts matter, megabytes a
-collective, bandwidth decides). The step is compute-bound when it computes at least half the time; otherwise the
-group that exposes the most time bounds it (or the pipeline's bubble).
+A collective takes latency + bytes / bandwidth (α-β, `collective_seconds`), by NCCL's own model of its rings
+(`hops`): the bytes are what a rank sends by the ring (ditcore.parallel.counting: (n-1)/n of the buffer for an
+all-gather or reduce-scatter, twice that for an all-reduce), at the bus bandwidth of the group's links (`link`); the
+latency is a hop's for each step of the ring, NVLink's within a node and the network's for the steps that cross
+nodes. Collectives of different groups are taken not to slow each other down (they share links when two groups are
+both within a node). The step is compute-bound when it computes at least half the time; otherwise the group that
+exposes the most time bounds it (or the pipeline's bubble). How much the verdict rests on the cross-node bandwidth,
+the figure least known before a cluster is measured: `Prediction.versus` of the prediction at half of it.
 """
 
 from __future__ import annotations
@@ -43,12 +48,18 @@ from ditcore.flops import training_flops_per_token
 from ditcore.job import Layout
 from ditcore.memory import HEADROOM, GiB, Param, Plan, fit_grid, parameters, plan_from
 from ditcore.models.dit import DiTConfig
-from ditcore.parallel.counting import Collective, Traffic
+from ditcore.parallel.counting import Collective, Traffic, sent_bytes
 
 GB = 1e9
+US = 1e-6
 # Selective checkpointing's recomputation (elementwise work and norms, no matmul) as a fraction of the compute:
 # measured 6%, 3% and 4% at the 7B, 28B and 30B widths (bench/results/compute_step_h200_*.json).
 SELECTIVE = 0.05
+# The fraction of the dense bf16 peak a compiled block stack reached on one H200 (bench/compute_step.py, the
+# compiled-none row of bench/results/compute_step_h200_dit7b.json: 3072 wide; _dit28b.json and _moviegen30b.json:
+# 6144 wide, 53.9% and 52.5%: the lower kept), by width; and the most the model credits (`Cluster.efficiency_at`).
+MEASURED_EFFICIENCY = {3072: 0.448, 6144: 0.525}
+MAX_EFFICIENCY = 0.5
 
 
 @dataclass(frozen=True)
@@ -56,39 +67,67 @@ class Cluster:
     """The GPUs a layout runs on. Defaults: H100 SXM nodes of 8 (DGX/HGX H100), each GPU with its own InfiniBand NIC.
 
     - peak_flops: 989 TFLOP/s dense bf16, NVIDIA's H100 SXM datasheet (1,979 with 2:4 sparsity); ditcore.flops' table.
-    - efficiency: the fraction of that peak the compute runs at without checkpointing. 0.5: compiled blocks of an
-      8192-token row ran at 44.8% (7B width), 53.9% (28B) and 52.5% (30B) of it on one H200 (bench/compute_step.py,
-      bench/results/compute_step_h200_*.json; the H200's compute and peak are the H100's).
-    - nvlink: bytes/s each GPU sends within a node. The datasheet's NVLink 4 is 900 GB/s, both directions together:
-      450 GB/s each way. NCCL's bus bandwidth for large all-reduces and all-gathers on 8 H100 SXM (nccl-tests, without
-      NVLink SHARP) is about 360 GB/s, 80% of that: the default.
-    - infiniband: bytes/s each GPU sends between nodes: one 400 Gb/s NDR ConnectX-7 NIC per GPU is 50 GB/s; NCCL's
-      bus bandwidth between nodes reaches about 45 GB/s of it (90%): the default.
+    - efficiency: the fraction of that peak the compute runs at without checkpointing; None: `efficiency_at` the
+      model's width, as measured (the H200's compute and peak are the H100's).
+    - nvlink: bus bandwidth (bytes/s) of a rank's collectives within a node. The datasheet's NVLink 4 is 900 GB/s,
+      both directions together: 450 GB/s each way. NCCL's effective NVLink bandwidth on 8 H100 SXM is about 370 GB/s
+      (its ring's bus bandwidth, without NVLink SHARP: S. Jeaugey of NVIDIA, "H100 all reduce performance is poor",
+      github.com/NVIDIA/nccl-tests/issues/212); 360 GB/s, 80% of the line rate, is the default.
+    - infiniband: bytes/s one 400 Gb/s NDR NIC carries in NCCL's collectives: "For NDR @ 400Gbps you should see
+      46-48GB/s per NIC" (NVIDIA's NCCL team, "Single-node and multi-node performance of H100 nodes",
+      github.com/NVIDIA/nccl-tests/issues/290); the default is the low end. With 8 GPUs a node and a NIC each, a
+      collective over whole nodes reaches 8 NICs' worth of bus bandwidth per rank ("With 8 400 Gbps NICs your peak
+      would be at 400 GB/s", NCCL's rings below 380 GB/s by default: "Acceptable performance of nccl-test on 2 HGX
+      hosts?", github.com/NVIDIA/nccl-tests/issues/309; on 3 nodes or more a ring's bus bandwidth "is probably
+      reflecting the total NIC bandwidth": github.com/NVIDIA/nccl-tests/issues/160): `link` counts the NICs a group
+      has.
+    - nvlink_latency, infiniband_latency: seconds a step of a ring takes besides its bytes, within a node and between
+      nodes: NCCL's own tuning model (src/graph/tuning.cc, hwLat, Ring with the Simple protocol it runs large messages
+      in: 3.4 µs over NVLink, 14 µs over the network). NCCL adds about 8 µs a collective to launch it; the model
+      leaves that out, as the compute term leaves out kernel launches.
     """
 
     gpus_per_node: int = 8
     peak_flops: float = 989e12
-    efficiency: float = 0.5
+    efficiency: float | None = None
     memory: float = 80 * GiB  # bytes per GPU
     nvlink: float = 360 * GB
-    infiniband: float = 45 * GB
+    infiniband: float = 46 * GB
+    nvlink_latency: float = 3.4 * US
+    infiniband_latency: float = 14 * US
 
     def __post_init__(self) -> None:
+        efficiency = MAX_EFFICIENCY if self.efficiency is None else self.efficiency
         checks = {"--gpus-per-node": (self.gpus_per_node, isinstance(self.gpus_per_node, int) and self.gpus_per_node
                                       >= 1, "an integer >= 1"),
                   "--peak-tflops": (self.peak_flops / 1e12, self.peak_flops > 0, "a number > 0 (TFLOP/s per GPU)"),
-                  "--efficiency": (self.efficiency, 0 < self.efficiency <= 1, "a fraction of the peak in (0, 1]"),
+                  "--efficiency": (efficiency, 0 < efficiency <= 1, "a fraction of the peak in (0, 1]"),
                   "--gpu-memory": (self.memory / GiB, self.memory > 0, "a number > 0 (GiB per GPU)"),
                   "--nvlink-gbps": (self.nvlink / GB, self.nvlink > 0, "a number > 0 (GB/s per GPU)"),
-                  "--ib-gbps": (self.infiniband / GB, self.infiniband > 0, "a number > 0 (GB/s per GPU)")}
+                  "--ib-gbps": (self.infiniband / GB, self.infiniband > 0, "a number > 0 (GB/s per GPU)"),
+                  "nvlink_latency": (self.nvlink_latency / US, self.nvlink_latency >= 0, "µs >= 0"),
+                  "infiniband_latency": (self.infiniband_latency / US, self.infiniband_latency >= 0, "µs >= 0")}
         for option, (value, ok, allowed) in checks.items():
             if not ok or not math.isfinite(value):
                 raise ConfigError(option, value, allowed)
 
-    def describe(self) -> str:
-        return (f"nodes of {self.gpus_per_node} GPUs: {self.peak_flops / 1e12:g} TFLOP/s peak at "
-                f"{self.efficiency:.0%}, {self.memory / GiB:g} GiB; NVLink {self.nvlink / GB:g} GB/s and InfiniBand "
-                f"{self.infiniband / GB:g} GB/s per GPU")
+    def efficiency_at(self, width: int) -> float:
+        """The fraction of the peak a model `width` wide computes at: `efficiency` when given, else the measurement
+        of the narrowest measured stack at least that wide (narrower matmuls run no faster), at most MAX_EFFICIENCY.
+        The cap: a stack timed alone on one GPU is the most a rank reaches, not what it reaches while FSDP's gathers
+        and reduce-scatters run beside it (NCCL's kernels take SMs and memory bandwidth), so the 6144-wide stacks'
+        52.5-53.9% are not credited; 50% was the model's figure before anything was measured."""
+        if self.efficiency is not None:
+            return self.efficiency
+        wider = [e for w, e in sorted(MEASURED_EFFICIENCY.items()) if w >= width]
+        return min(MAX_EFFICIENCY, wider[0] if wider else MAX_EFFICIENCY)
+
+    def describe(self, efficiency: float | None = None) -> str:
+        at = efficiency if efficiency is not None else self.efficiency
+        at = f"{at * 100:.3g}%" if at is not None else "the efficiency measured at the model's width"
+        return (f"nodes of {self.gpus_per_node} GPUs: {self.peak_flops / 1e12:g} TFLOP/s peak at {at}, "
+                f"{self.memory / GiB:g} GiB; NVLink {self.nvlink / GB:g} GB/s and InfiniBand {self.infiniband / GB:g} "
+                f"GB/s per GPU, {self.nvlink_latency / US:g} and {self.infiniband_latency / US:g} µs a ring's step")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -108,22 +147,52 @@ def group_ranks(group: str, lay: Layout) -> tuple[int, int]:
 @dataclass(frozen=True)
 class Link:
     name: str  # NVLink or InfiniBand
-    bandwidth: float  # bytes/s a rank sends at
+    bandwidth: float  # bus bandwidth (bytes/s) a rank's collectives run at: β
+    nodes: int = 1  # nodes a group of it spans, whose ring crosses between them
 
     def __str__(self) -> str:
         return f"{self.name} {self.bandwidth / GB:.0f} GB/s"
 
 
 def link(group: str, lay: Layout, cluster: Cluster, op: str = "all_gather") -> Link:
-    """The link a group's collectives run over. Within a node: NVLink. Across nodes: InfiniBand, where the group's
-    ranks in one node share their node's NICs: NCCL runs a ring channel per NIC, so a group with k ranks in each node
-    moves k times one GPU's InfiniBand bandwidth (at most NVLink's). A pipeline's sends go to one peer: one NIC."""
+    """The link a group's collectives run over. Within a node: NVLink. Across nodes: the ring crosses between nodes
+    over InfiniBand, NVLink carries the rest, and NCCL runs a ring channel through each NIC the group's ranks in a
+    node have (a NIC each, on these nodes): a group with k ranks in each node reaches k NICs' worth of bus bandwidth
+    (at most NVLink's: `Cluster`'s sources). A pipeline's sends go to one peer: one NIC."""
     size, stride = group_ranks(group, lay)
-    span, node = size * stride, cluster.gpus_per_node
-    if span <= node and node % span == 0:  # every group of it within one node
+    node = cluster.gpus_per_node
+    nodes = len({i * stride // node for i in range(size)})  # those of the group of rank 0: the groups are alike
+    if nodes == 1:
         return Link("NVLink", cluster.nvlink)
-    per_node = 1 if op == "send" else max(1, min(size, node // stride))
-    return Link("InfiniBand", min(cluster.nvlink, per_node * cluster.infiniband))
+    per_node = 1 if op == "send" else math.ceil(size / nodes)
+    return Link("InfiniBand", min(cluster.nvlink, per_node * cluster.infiniband), nodes)
+
+
+def hops(op: str, size: int, nodes: int) -> tuple[int, int]:
+    """(within a node, between nodes): the steps of one collective over `size` ranks on `nodes` nodes that wait for a
+    hop's latency, by NCCL's model of its rings (src/graph/tuning.cc): an all-gather, reduce-scatter or broadcast
+    takes size - 1 steps, nodes - 1 of them crossing nodes; an all-reduce, a reduce-scatter then an all-gather, twice
+    that. The all-reduce is taken as a ring, not a tree (2·log2 of the nodes between nodes), because the ring is what
+    the bytes count (ditcore.parallel.counting) and what NCCL runs the large all-reduces in beyond two nodes; for the
+    step's few scalars (grad_norm) it overstates tens of µs a step. An all-to-all sends to each peer in turn; a send
+    is one hop."""
+    if op == "send":
+        return (0, 1) if nodes > 1 else (1, 0)
+    if op == "all_to_all":
+        in_node = math.ceil(size / nodes)
+        return in_node - 1, size - in_node
+    rounds = 2 if op == "all_reduce" else 1
+    return rounds * (size - nodes), rounds * (nodes - 1)
+
+
+def collective_seconds(c: Collective, lay: Layout, cluster: Cluster) -> float:
+    """α-β: the `c.count` collectives' ring steps at their hops' latency, plus their bytes at the group's bus
+    bandwidth."""
+    size, _ = group_ranks(c.group, lay)
+    via = link(c.group, lay, cluster, c.op)
+    within, between = hops(c.op, size, via.nodes)
+    latency = within * cluster.nvlink_latency + between * cluster.infiniband_latency
+    return c.count * latency + c.bytes / via.bandwidth
 
 
 # --------------------------------------------------------------------------------------------------
@@ -160,6 +229,7 @@ class Prediction:
     groups: tuple[GroupTime, ...]
     bubble: float  # seconds of the 1F1B schedule's bubble
     step: float  # seconds
+    efficiency: float | None = None  # the fraction of the peak the compute ran at (None: the cluster's)
 
     @property
     def compute_step(self) -> float:
@@ -194,7 +264,7 @@ class Prediction:
     def table(self) -> str:
         lay, m = self.layout, self.layout.micro_batches
         recompute = f", {self.recompute_fraction:.0%} of it recomputation" if self.recompute_fraction else ""
-        lines = [f"speed  {self.cluster.describe()}",
+        lines = [f"speed  {self.cluster.describe(self.efficiency)}",
                  f"  compute {self.flops_per_token / 1e9:.4g} GFLOP per token: {self.compute_micro_batch:.3g} s per "
                  f"micro-batch, {self.compute_step:.3g} s per step ({m} micro-batch{'es' if m > 1 else ''}){recompute}",
                  f"  {'group':<10}{'link':<18}{'GB/micro-batch':>15}{'GB/step':>10}{'s/step':>9}{'exposed':>9}  "
@@ -210,6 +280,17 @@ class Prediction:
                      f"tokens/s per GPU, MFU {self.mfu:.1%}; bound: {self.bound}")
         return "\n".join(lines)
 
+    def versus(self, base: Prediction) -> str:
+        """One line: this prediction, of the same layout on a slower cross-node network (`at_cross_node`), against
+        `base`'s: how much the verdict rests on the network's bandwidth."""
+        ib = self.cluster.infiniband
+        head = f"at {ib / base.cluster.infiniband:.3g}x the InfiniBand bandwidth ({ib / GB:g} GB/s per GPU): "
+        if self.step == base.step:
+            return head + f"the same, MFU {self.mfu:.1%} (no collective crosses nodes)"
+        return head + (f"step {self.step:.3g} s, exposed {self.exposed / self.step:.0%}; "
+                       f"{self.tokens_per_second_per_gpu:,.0f} tokens/s per GPU, MFU {self.mfu:.1%} "
+                       f"({(self.mfu - base.mfu) * 100:+.1f} points); bound: {self.bound}")
+
 
 def predict(cfg: DiTConfig, lay: Layout, cluster: Cluster, traffic: Traffic | None = None) -> Prediction:
     """The step time of `cfg` trained in layout `lay` on `cluster` (the module docstring gives the rules), from the
@@ -221,8 +302,15 @@ def predict(cfg: DiTConfig, lay: Layout, cluster: Cluster, traffic: Traffic | No
     per_token = honest_flops_per_token(cfg, lay)
     recompute = {"none": 0.0, "selective": SELECTIVE, "block": 1 / 3}[lay.activation_checkpointing]
     tokens = lay.micro_batch * lay.seq_length / (lay.tp * lay.cp * lay.pp)  # a rank's share of a micro-batch's work
-    compute = per_token * tokens * (1 + recompute) / (cluster.peak_flops * cluster.efficiency)
-    return time_step(lay, cluster, traffic, per_token, compute, recompute / (1 + recompute), cfg.depth)
+    efficiency = cluster.efficiency_at(cfg.hidden_size)
+    compute = per_token * tokens * (1 + recompute) / (cluster.peak_flops * efficiency)
+    return time_step(lay, cluster, traffic, per_token, compute, recompute / (1 + recompute), cfg.depth, efficiency)
+
+
+def at_cross_node(cfg: DiTConfig, lay: Layout, cluster: Cluster, fraction: float = 0.5) -> Prediction:
+    """predict() on `cluster` with `fraction` of its cross-node bandwidth: the figure a prediction is least sure of
+    (NCCL reaches the NICs' bandwidth only on a well-tuned fabric; `Cluster`'s sources)."""
+    return predict(cfg, lay, dataclasses.replace(cluster, infiniband=cluster.infiniband * fraction))
 
 
 def honest_flops_per_token(cfg: DiTConfig, lay: Layout) -> float:
@@ -234,7 +322,7 @@ def honest_flops_per_token(cfg: DiTConfig, lay: Layout) -> float:
 
 
 def time_step(lay: Layout, cluster: Cluster, traffic: Traffic, flops_per_token: float, compute: float,
-              recompute_fraction: float, depth: int) -> Prediction:
+              recompute_fraction: float, depth: int, efficiency: float | None = None) -> Prediction:
     """The step of a rank that computes `compute` seconds a micro-batch and sends `traffic`, by the module's rules."""
     m = lay.micro_batches
     by_group: dict[str, list[Collective]] = {}
@@ -243,7 +331,7 @@ def time_step(lay: Layout, cluster: Cluster, traffic: Traffic, flops_per_token: 
 
     def seconds(group: str, when: str) -> tuple[int, float]:
         mine = [c for c in by_group[group] if c.when == when]
-        return sum(c.bytes for c in mine), sum(c.bytes / link(group, lay, cluster, c.op).bandwidth for c in mine)
+        return sum(c.bytes for c in mine), sum(collective_seconds(c, lay, cluster) for c in mine)
 
     def main_link(group: str) -> Link:  # the link of the collective that sends the most
         return link(group, lay, cluster, max(by_group[group], key=lambda c: c.bytes).op)
@@ -263,8 +351,9 @@ def time_step(lay: Layout, cluster: Cluster, traffic: Traffic, flops_per_token: 
         elif g == "replicate":
             hide, tail = backward, lambda t: t / depth
         else:  # DDP: its last bucket waits for the end of backward
-            bw = main_link(g).bandwidth
-            hide, tail = backward, lambda t, bw=bw: min(t, 2 * DDP_BUCKET / bw)
+            bucket = sent_bytes("all_reduce", DDP_BUCKET, group_ranks(g, lay)[0])
+            last = collective_seconds(Collective(g, "all_reduce", "step", 1, bucket), lay, cluster)
+            hide, tail = backward, lambda t, last=last: min(t, last)
         exposed = sum(n * min(t, max(0.0, t - hide) + tail(t)) for n, t in ((m, mb), (1, st)) if t)
         groups[g] = (mb_bytes, step_bytes, mb * m + st, exposed)
     order = ["tp", "cp", "fsdp", "replicate", "dp", "pp"]
@@ -273,7 +362,7 @@ def time_step(lay: Layout, cluster: Cluster, traffic: Traffic, flops_per_token: 
     per_micro_batch = window  # with pp, one stage's micro-batch: what the bubble repeats
     bubble = (lay.pp - 1) * per_micro_batch
     step = sum(t.exposed for t in times) + compute * m + bubble
-    return Prediction(lay, cluster, flops_per_token, compute, recompute_fraction, times, bubble, step)
+    return Prediction(lay, cluster, flops_per_token, compute, recompute_fraction, times, bubble, step, efficiency)
 
 
 # --------------------------------------------------------------------------------------------------
