@@ -28,6 +28,7 @@ from ditcore.diffusion.ddpm import DDPMLoss
 from ditcore.diffusion.vp import DiscreteVP
 from ditcore.errors import ConfigError
 from ditcore.models import PRESETS, DiTConfig, preset
+from ditcore.models.moe import MoEConfig
 from ditcore.training import LatentMap
 
 # model keys that override one DiTConfig field each (model.max_grid bounds positions only: it may differ)
@@ -153,7 +154,14 @@ def model_config(cfg: TrainConfig, info, source: init_from.Source | None = None)
             changes[key] = getattr(m, key)
     if m.max_grid is not None:
         changes["max_grid"] = tuple(m.max_grid)
-    return preset(m.preset, **changes)
+    try:
+        if m.moe is not None:
+            changes["moe"] = MoEConfig(**m.moe.model_dump(exclude_none=True))
+        return preset(m.preset, **changes)
+    except ConfigError as e:  # ditcore names the config's fields: moe.top_k is model.moe.top_k here
+        if e.key.startswith("moe"):
+            raise ConfigError(f"model.{e.key}", e.value, e.allowed) from None
+        raise
 
 
 def foreign_config(cfg: TrainConfig, info, source: init_from.Source) -> DiTConfig:
@@ -163,6 +171,8 @@ def foreign_config(cfg: TrainConfig, info, source: init_from.Source) -> DiTConfi
     differ = []  # (key, the user's value, the checkpoint's)
     if m.arch != "dit":
         differ.append(("model.arch", m.arch, "dit"))
+    if m.moe is not None:
+        differ.append(("model.moe", m.moe.model_dump(exclude_none=True), "dense MLPs"))
     for key in ARCH_KEYS:
         if _set(m, key) and getattr(m, key) is not None and getattr(m, key) != getattr(theirs, key):
             differ.append((f"model.{key}", getattr(m, key), getattr(theirs, key)))

@@ -45,6 +45,9 @@ class STDiTConfig(DiTConfig):
         super().__post_init__()
         if self.depth % 2:
             raise ConfigError("depth", self.depth, "an even number of blocks: spatial and temporal ones alternate")
+        if self.moe is not None:  # STDiT.run_block would have to carry a temporal block's routing stats
+            raise ConfigError("moe", self.moe, "None: ST-DiT has no mixture-of-experts blocks yet (model.arch dit or "
+                                                "moviegen have)")
 
     def attended(self, tokens: float, frames: float) -> float:
         # half the blocks attend over a frame's tokens, the other half over a time-line's
