@@ -33,7 +33,7 @@ from ditcore.training import LatentMap
 
 # model keys that override one DiTConfig field each (model.max_grid bounds positions only: it may differ)
 ARCH_KEYS = ("patch_size", "patch_size_t", "depth", "num_heads", "pos_embed", "qk_norm", "fps_cond", "learn_sigma",
-             "freq_shift", "mlp_norm_eps", "block_embedders")
+             "freq_shift", "mlp_norm_eps", "block_embedders", "moe")
 PRESET_FIELDS = ("hidden_size", "depth", "num_heads", "patch_size", "patch_size_t", "mlp_ratio")
 
 
@@ -171,8 +171,6 @@ def foreign_config(cfg: TrainConfig, info, source: init_from.Source) -> DiTConfi
     differ = []  # (key, the user's value, the checkpoint's)
     if m.arch != "dit":
         differ.append(("model.arch", m.arch, "dit"))
-    if m.moe is not None:
-        differ.append(("model.moe", m.moe.model_dump(exclude_none=True), "dense MLPs"))
     for key in ARCH_KEYS:
         if _set(m, key) and getattr(m, key) is not None and getattr(m, key) != getattr(theirs, key):
             differ.append((f"model.{key}", getattr(m, key), getattr(theirs, key)))

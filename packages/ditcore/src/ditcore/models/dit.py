@@ -607,6 +607,11 @@ DIT_PLAN = Plan(
         # [0-9]: a block's own MLP, not its embedders' (block_embedders: blocks.N.t_embedder.mlp.0)
         "blocks.*[0-9].mlp.0": ColumnParallel(),
         "blocks.*[0-9].mlp.2": RowParallel(),
+        # A mixture of experts' router, experts and shared experts (cfg.moe): whole, as no layout with tp > 1 takes a
+        # MoE model (ParallelDims.check_model) until experts are split over an expert-parallel group
+        "blocks.*.mlp.router": Replicated(),
+        "blocks.*.mlp.experts": Replicated(),
+        "blocks.*.mlp.shared.*": Replicated(),
         "final.adaLN.1": ADALN,
         "final.linear": Replicated(),
     },

@@ -200,8 +200,10 @@ def routing_stats(logits: torch.Tensor, probs: torch.Tensor, chosen: torch.Tenso
     weight = torch.ones_like(logits[:, 0]) if real is None else real.to(logits.dtype)  # (T,)
     tokens = weight.sum().clamp(min=1)
     picks = (chosen[..., None] == torch.arange(E, device=chosen.device)).sum(1).to(logits.dtype)  # (T, E) 0/1
-    share = (weight @ picks) / (tokens * chosen.shape[1])  # f_e: sums to 1
-    mean_prob = (weight @ probs) / tokens  # P_e
+    # sums over tokens, not `weight @ picks`: matmul squeezes a vector product's mm output in place, which selective
+    # checkpointing, keeping that output, refuses
+    share = (weight[:, None] * picks).sum(0) / (tokens * chosen.shape[1])  # f_e: sums to 1
+    mean_prob = (weight[:, None] * probs).sum(0) / tokens  # P_e
     balance = E * (share * mean_prob).sum()
     z = (weight * logits.logsumexp(-1).square()).sum() / tokens
     return torch.cat([balance[None], z[None], share])
