@@ -7,7 +7,7 @@ from torch import nn
 from ditcore.errors import ConfigError
 from ditcore.inputs import Inputs
 from ditcore.layout import grid_positions
-from ditcore.models import ARCHS, PRESETS, DiT, DiTConfig, build, preset
+from ditcore.models import ARCHS, PRESETS, DiT, DiTConfig, MoEConfig, build, preset
 from ditcore.models.dit import DiTBlock
 from ditcore.models.layers import apply_rope, rope_angles
 from ditcore.testing import assert_close_fp32, dit_forward_work, dit_grad_work
@@ -72,14 +72,21 @@ def _sample(cfg, grid, text_len, g):
     )
 
 
-@pytest.mark.parametrize(("arch", "pos_embed", "attention"),
-                         [("dit", "rope", "sdpa"), ("dit", "sincos", "sdpa"), ("dit", "rope", "flex"),
-                          ("moviegen", "rope", "sdpa"), ("stdit", "rope", "sdpa"), ("stdit", "sincos", "sdpa"),
-                          ("stdit", "rope", "flex")])
-def test_packed_rows_equal_samples_run_alone(arch, pos_embed, attention):
+# dropless mixture-of-experts blocks route each token alone (ditcore.models.moe): packing changes nothing either
+MOE = MoEConfig(experts=4, top_k=2, every=2, shared_experts=1)
+
+
+@pytest.mark.parametrize(("arch", "pos_embed", "attention", "moe"),
+                         [("dit", "rope", "sdpa", None), ("dit", "sincos", "sdpa", None), ("dit", "rope", "flex", None),
+                          ("moviegen", "rope", "sdpa", None), ("stdit", "rope", "sdpa", None),
+                          ("stdit", "sincos", "sdpa", None), ("stdit", "rope", "flex", None),
+                          ("dit", "rope", "sdpa", MOE), ("moviegen", "rope", "sdpa", MOE),
+                          ("stdit", "rope", "sdpa", MOE)])
+def test_packed_rows_equal_samples_run_alone(arch, pos_embed, attention, moe):
     """flex on a CPU runs forward only (FlexAttention's reference path): the BlockMask says the same as the dense
     mask. tests/ditcore/models/test_attention.py checks it on a GPU with gradients."""
-    cfg = tiny(arch, text_dim=24, num_classes=5, fps_cond=True, pos_embed=pos_embed, patch_size_t=1, in_channels=4)
+    cfg = tiny(arch, text_dim=24, num_classes=5, fps_cond=True, pos_embed=pos_embed, patch_size_t=1, in_channels=4,
+               moe=moe)
     model = randomize(build(cfg, attention=attention)).eval()
     g = torch.Generator().manual_seed(2)
     # Row 0: an image, a 2-frame clip and an image with no text; row 1: one clip. Padding to N = 40 tokens.

@@ -4,12 +4,14 @@ should."""
 import pytest
 from torch import nn
 
-from ditcore.models import ARCHS, DiT, MovieGen, build, plan_for, preset
+from ditcore.models import ARCHS, DiT, MoEConfig, MovieGen, build, plan_for, preset
 from ditcore.models.dit import DIT_PLAN
 from ditcore.models.moviegen import MOVIEGEN_PLAN
 from ditcore.models.plan import ColumnParallel, Plan
 
-FULL = dict(text_dim=24, num_classes=5, fps_cond=True, block_embedders=True)  # every optional layer of the DiT
+# every optional layer of the DiT: a mixture of experts (with shared experts) in every other block too
+FULL = dict(text_dim=24, num_classes=5, fps_cond=True, block_embedders=True,
+            moe=MoEConfig(experts=2, top_k=1, every=2, shared_experts=1))
 
 
 @pytest.mark.parametrize("changes", [{}, FULL, dict(text_dim=24), dict(num_classes=5)])

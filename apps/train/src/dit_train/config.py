@@ -67,6 +67,24 @@ class Section(BaseModel):
 # The sections
 
 
+class MoE(Section):
+    """model.moe: a mixture-of-experts feed-forward (ditcore.models.moe.MoEConfig); a key left unset takes
+    MoEConfig's default, written beside each."""
+
+    experts: int | None = Field(None, ge=2, description="routed experts per MoE block (default 8)")
+    top_k: int | None = Field(None, ge=1, description="experts each token goes to, at most `experts` (default 2)")
+    every: int | None = Field(None, ge=1, description="blocks i with (i+1) % every == 0 are MoE: 1 all, 2 every other; "
+                                                      "a divisor of the depth (default 1)")
+    expert_hidden: int | None = Field(None, ge=0, description="an expert's hidden width; 0: the dense MLP's "
+                                                              "(default 0)")
+    shared_experts: int | None = Field(None, ge=0, description="always-on experts of that width (default 0)")
+    balance_loss: Number | None = Field(None, ge=0, description="coefficient of the load-balancing loss (default "
+                                                                "0.01)")
+    z_loss: Number | None = Field(None, ge=0, description="coefficient of the router z-loss (default 0.001)")
+    normalize: bool | None = Field(None, description="renormalise a token's top_k weights to sum to 1 (default "
+                                                     "false)")
+
+
 class Model(Section):
     arch: str | None = Field(None, description="a name from ditcore.models.ARCHS; default: the preset's "
                                                 "architecture")
@@ -92,6 +110,8 @@ class Model(Section):
     block_embedders: bool | None = Field(None, description="every block after the first with its own timestep/class/"
                                                            "fps embedders, as diffusers' DiTTransformer2DModel "
                                                            "(off: one set shared, DiT's); default: the preset's")
+    moe: MoE | None = Field(None, description="a mixture-of-experts feed-forward on some blocks (model.moe.*); "
+                                              "default: dense MLPs")
     compile: bool = Field(False, description="torch.compile each block")
     activation_checkpointing: Literal[LAYOUT_CHOICES["activation_checkpointing"]] = Field(
         "none", description="recompute in backward, for memory: block: each block's whole forward; selective: all "

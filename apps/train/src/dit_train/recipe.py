@@ -28,11 +28,12 @@ from ditcore.diffusion.ddpm import DDPMLoss
 from ditcore.diffusion.vp import DiscreteVP
 from ditcore.errors import ConfigError
 from ditcore.models import PRESETS, DiTConfig, preset
+from ditcore.models.moe import MoEConfig
 from ditcore.training import LatentMap
 
 # model keys that override one DiTConfig field each (model.max_grid bounds positions only: it may differ)
 ARCH_KEYS = ("patch_size", "patch_size_t", "depth", "num_heads", "pos_embed", "qk_norm", "fps_cond", "learn_sigma",
-             "freq_shift", "mlp_norm_eps", "block_embedders")
+             "freq_shift", "mlp_norm_eps", "block_embedders", "moe")
 PRESET_FIELDS = ("hidden_size", "depth", "num_heads", "patch_size", "patch_size_t", "mlp_ratio")
 
 
@@ -153,7 +154,14 @@ def model_config(cfg: TrainConfig, info, source: init_from.Source | None = None)
             changes[key] = getattr(m, key)
     if m.max_grid is not None:
         changes["max_grid"] = tuple(m.max_grid)
-    return preset(m.preset, **changes)
+    try:
+        if m.moe is not None:
+            changes["moe"] = MoEConfig(**m.moe.model_dump(exclude_none=True))
+        return preset(m.preset, **changes)
+    except ConfigError as e:  # ditcore names the config's fields: moe.top_k is model.moe.top_k here
+        if e.key.startswith("moe"):
+            raise ConfigError(f"model.{e.key}", e.value, e.allowed) from None
+        raise
 
 
 def foreign_config(cfg: TrainConfig, info, source: init_from.Source) -> DiTConfig:

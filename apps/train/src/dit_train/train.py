@@ -37,6 +37,7 @@ from ditcore.export import export_model
 from ditcore.flops import batch_flops, gpu_peak_flops, measure_cpu_peak_flops
 from ditcore.models import DiTConfig, check_compiled, inputs_of
 from ditcore.models.layers import check_positions
+from ditcore.models.moe import Routing
 from ditcore.parallel import (
     ParallelDims,
     ParallelGroups,
@@ -50,7 +51,7 @@ from ditcore.parallel import (
 from ditcore.parallel.consolidate import without_extra_state
 from ditcore.parallel.fabric import MegatronStrategy
 from ditcore.parallel.pipeline import one_f_one_b, reduce_grads
-from ditcore.training import LatentMap, Loss, StepDraw, draw, stage_forward, step_generator
+from ditcore.training import LatentMap, Loss, StepDraw, draw, routing_of, stage_forward, step_generator
 
 
 class Diverged(RuntimeError):
@@ -184,7 +185,8 @@ def setup(cfg: TrainConfig, resume: str = "auto", overwrite: bool = False) -> Se
                      f"{model_cfg.patch_size}{', learned Σ' if model_cfg.learn_sigma else ''}), edm.precond="
                      f"{cfg.edm.precond} ({recipe.vp.timesteps} {recipe.vp.beta_schedule} timesteps), edm.loss="
                      f"{cfg.edm.loss}, latents scaled as it was trained (std {recipe.latent_stats.std[0]:.4g})")
-    dims.check_model(model_cfg.num_heads, cfg.data.seq_length, model_cfg.depth, model_cfg.kv_heads)
+    dims.check_model(model_cfg.num_heads, cfg.data.seq_length, model_cfg.depth, model_cfg.kv_heads,
+                     moe=model_cfg.moe is not None)
     if cfg.parallel.fsdp:
         groups.dims.check_fsdp_shard(cfg.parallel.fsdp_shard)
     gpu = torch.cuda.get_device_properties(fabric.device).total_memory if on_gpu else None
@@ -442,6 +444,7 @@ def train_step(run: Setup, t: Trainee, it, step: int, metrics: Metrics) -> Micro
     micro = MicroBatches(run, t, it, step)
     if groups.dims.pp == 1:
         loss_sum = torch.zeros((), device=fabric.device)
+        routed = []  # each micro-batch's routing statistics (MoE blocks)
         for i in range(run.accum):
             m = micro.take(i)
             # around the backward too: FSDP2 reads it there (fsdp_sync=step: ditcore.parallel.fsdp.accumulating)
@@ -449,9 +452,16 @@ def train_step(run: Setup, t: Trainee, it, step: int, metrics: Metrics) -> Micro
                 with fabric.autocast():
                     loss = t.loss_fn(t.denoiser, m.batch.x, m.draw.inputs, mask=m.batch.mask, sigma=m.draw.sigma,
                                      noise=m.draw.noise)
-                fabric.backward(loss / run.accum)
+                # the diffusion loss is what is logged and compared; the MoE blocks' aux loss is trained on besides
+                routing = routing_of(t.denoiser.model)
+                fabric.backward((loss if routing is None else loss + routing.aux_loss) / run.accum)
             loss_sum += loss.detach()
-            del m, loss  # this micro-batch's tensors go before the next one is loaded
+            if routing is not None:
+                routed.append(routing.stats.detach())
+            del m, loss, routing  # this micro-batch's tensors go before the next one is loaded
+        if routed:
+            for name, value in Routing(torch.stack(routed).mean(0), run.model_cfg.moe).metrics().items():
+                metrics.record(name, value)
     else:
         loss_sum = pipeline_step(run, t, micro)
     finalize_grads(t.model.module, groups)

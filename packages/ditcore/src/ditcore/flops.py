@@ -8,7 +8,8 @@ where S is the number of keys a query attends over: the sample's tokens, or for 
 mean of a frame's tokens and a time-line's (`DiTConfig.attended`).
 
 N_tok counts only weights applied to every token (patch embedding, attention and MLP projections,
-cross-attention queries/outputs, output projection). Weights applied once per sample (adaLN
+cross-attention queries/outputs, output projection); of a mixture-of-experts MLP, the active ones: the router, the
+top_k experts a token goes to and the shared experts (ditcore.models.moe). Weights applied once per sample (adaLN
 modulation, timestep/class/fps embedders) are excluded; text-side weights (the caption projection and
 the cross-attention key/value projections) run once per text token and are charged per sample.
 
@@ -28,6 +29,7 @@ from torch import nn
 from ditcore.job import Layout
 from ditcore.memory import planned_batch
 from ditcore.models.dit import DiTConfig
+from ditcore.models.moe import GroupedExperts
 from ditcore.probe import Hooks, Rank, RankShapes, block_period, meta_model, run
 
 
@@ -60,21 +62,25 @@ def count_params(cfg: DiTConfig) -> FlopCount:
 
 class _Meter(Hooks):
     """The FLOP count's meter of the probe's run: (per-token, per-text-token, per-sample) weights of the model's
-    linears, by the rows each multiplies."""
+    linears, by the rows each multiplies, and of its MoE experts: per token, the k experts it is sent to."""
 
     def __init__(self, cfg: DiTConfig, key: RankShapes, rank: Rank):
         self.model, self.n, self.text = type(rank.model).__name__, key.seq_length, key.text_len
         self.rows = {self.n: 0, self.text: 0, 1: 0}  # rows a linear multiplies → its weights' total
         for m in rank.model.modules():
             if isinstance(m, nn.Linear):
-                m.register_forward_hook(self.count)
+                m.register_forward_hook(lambda linear, args, out: self.count(
+                    args[0].numel() // linear.in_features, linear.weight.numel()))
+            elif isinstance(m, GroupedExperts):  # forward(x (T, D), chosen (T, k), ...): one expert's weights k times
+                m.register_forward_hook(lambda experts, args, out: self.count(
+                    args[0].shape[0], args[1].shape[1] * (experts.w_in[0].numel() + experts.w_out[0].numel())))
 
-    def count(self, linear: nn.Linear, args, out) -> None:
-        applied = args[0].numel() // linear.in_features
+    def count(self, applied: int, weights: int) -> None:
+        """`weights` weights applied to each of `applied` rows."""
         if applied not in self.rows:
             raise RuntimeError(f"{self.model}: a linear multiplied {applied} rows in the FLOP probe, neither its "
                                f"{self.n} tokens, its {self.text} text tokens nor its one sample")
-        self.rows[applied] += linear.weight.numel()
+        self.rows[applied] += weights
 
     def read(self) -> tuple[int, int, int]:
         return self.rows[self.n], self.rows[self.text], self.rows[1]

@@ -123,10 +123,11 @@ def meta_model(cfg: DiTConfig) -> nn.Module:
 
 
 def block_period(model: nn.Module) -> int:
-    """The fewest blocks after which the model's blocks repeat (1: all alike; ST-DiT: 2, spatial and temporal)."""
-    kinds = [type(block) for block in model.blocks]
+    """The fewest blocks after which the model's blocks repeat (1: all alike; ST-DiT: 2, spatial and temporal; with
+    a mixture of experts every `moe.every` blocks, told apart by their MLP's type)."""
+    kinds = [(type(block), type(getattr(block, "mlp", None))) for block in model.blocks]
     return next(k for k in range(1, len(kinds) + 1)
-                if len(kinds) % k == 0 and all(kind is kinds[i % k] for i, kind in enumerate(kinds)))
+                if len(kinds) % k == 0 and all(kind == kinds[i % k] for i, kind in enumerate(kinds)))
 
 
 # Elements (the run's blocks' parameters on a rank and its largest activation, B x N x max(D, N)) under which a run

@@ -63,6 +63,8 @@ def dit_forward_work(cfg: DiTConfig, seq_len: int, text_len: int = 0) -> int:
     from the side; their own reductions are counted once.
     """
     D, hd, mlp = cfg.hidden_size, cfg.head_dim, cfg.ffn
+    if cfg.moe is not None:  # router (D) and softmax (E) into the weights, an expert's (or the shared) MLP, Σ over k
+        mlp = D + cfg.moe.experts + max(1, cfg.moe.shared_experts) * cfg.moe.hidden(cfg.ffn) + cfg.moe.top_k
     freq = inspect.signature(ScalarEmbedder).parameters["freq_dim"].default  # its sinusoidal features
 
     def attention(keys: int) -> int:

@@ -18,6 +18,7 @@ from ditcore.diffusion import EDMLoss, EDMPrecond
 from ditcore.diffusion.ddpm import DDPMLoss
 from ditcore.inputs import Inputs
 from ditcore.layout import SIGMA_DATA
+from ditcore.models.moe import Routing
 
 Loss = EDMLoss | DDPMLoss
 
@@ -60,6 +61,13 @@ def stage_forward(loss: Loss, denoiser: EDMPrecond, x: torch.Tensor, inputs: Inp
         return loss(denoiser, x, inputs, mask=mask, sigma=sigma, noise=noise, hidden=hidden)
     model_inputs = denoiser.model_inputs(loss.noisy(x, sigma, noise, inputs.seg), sigma, inputs.seg)
     return denoiser.model(*model_inputs, inputs, hidden=hidden)
+
+
+def routing_of(model) -> Routing | None:
+    """The routing statistics of the backbone's last forward, through a data-parallel wrapper (DDP's .module): its
+    mixture-of-experts blocks' losses, which the training objective adds to the diffusion loss (`Routing.aux_loss`),
+    and their expert shares; None for a model without MoE blocks."""
+    return getattr(getattr(model, "module", model), "routing", None)
 
 
 @dataclass(frozen=True)

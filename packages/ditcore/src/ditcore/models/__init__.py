@@ -4,7 +4,8 @@ Each architecture is one file that ends by registering it (ditcore.models.regist
 ditcore.models.dit), `stdit` (the spatio-temporal DiT with factorised attention, ditcore.models.stdit) and
 `moviegen` (MovieGen's Llama-style DiT, ditcore.models.moviegen). A config's type says which one it is; `build`
 makes the model of a config, `plan_for` gives a model's tensor-parallel plan, `inputs_of` the inputs type its model
-takes (ditcore.inputs).
+takes (ditcore.inputs). The DiT's and MovieGen's blocks take a mixture-of-experts feed-forward (ditcore.models.moe)
+where their config's `moe` is set.
 """
 
 # Imported in this order so that they register in it: the order of presets in dit-train's messages.
@@ -12,11 +13,12 @@ from ditcore.models import dit  # isort: skip
 from ditcore.models import stdit  # isort: skip
 from ditcore.models import moviegen  # isort: skip
 from ditcore.models.dit import DiT, DiTConfig
+from ditcore.models.moe import MoEConfig
 from ditcore.models.moviegen import MovieGen, MovieGenConfig
 from ditcore.models.registry import ARCHS, PRESETS, Architecture, arch_of, build, inputs_of, plan_for, preset, register
 from ditcore.models.stdit import STDiT, STDiTConfig
 from ditcore.models.techniques import NotCompiled, apply_activation_checkpointing, apply_compile, check_compiled
 
-__all__ = ["ARCHS", "PRESETS", "Architecture", "DiT", "DiTConfig", "MovieGen", "MovieGenConfig", "NotCompiled",
-           "STDiT", "STDiTConfig", "apply_activation_checkpointing", "apply_compile", "arch_of", "build",
+__all__ = ["ARCHS", "PRESETS", "Architecture", "DiT", "DiTConfig", "MoEConfig", "MovieGen", "MovieGenConfig",
+           "NotCompiled", "STDiT", "STDiTConfig", "apply_activation_checkpointing", "apply_compile", "arch_of", "build",
            "check_compiled", "dit", "inputs_of", "moviegen", "plan_for", "preset", "register", "stdit"]

@@ -41,6 +41,7 @@ from ditcore.models.layers import (
     sincos_2d,
     sincos_3d,
 )
+from ditcore.models.moe import MoE, MoEConfig, Routing
 from ditcore.models.plan import ColumnParallel, PipelineSplit, Plan, Replicated, RowParallel
 from ditcore.models.registry import Architecture, register
 
@@ -77,8 +78,14 @@ class DiTConfig:
     # holds them (transformer_blocks.N.norm1.emb); the model's own condition the first block and the final layer, as
     # diffusers' block 0's do. Off: one set shared by every block, as the original DiT.
     block_embedders: bool = False
+    # A mixture-of-experts feed-forward in place of the MLP of every `moe.every`-th block (ditcore.models.moe); None:
+    # dense MLPs. (A dict, as an export's config file holds it, is read as one.)
+    moe: MoEConfig | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.moe, dict):
+            object.__setattr__(self, "moe", MoEConfig(**self.moe))
+
         def need(ok: bool, field: str, allowed: str) -> None:
             if not ok:
                 raise ConfigError(field, getattr(self, field), allowed)
@@ -102,6 +109,9 @@ class DiTConfig:
             need(self.hidden_size % 4 == 0, "hidden_size", "a multiple of 4 for pos_embed sincos_2d")
         need(self.freq_shift in (0, 1), "freq_shift", "0 (DiT's timestep sinusoid) or 1 (diffusers' port of DiT)")
         need(0 < self.mlp_norm_eps < 1, "mlp_norm_eps", "a small number > 0, e.g. 1e-6")
+        need(self.moe is None or isinstance(self.moe, MoEConfig), "moe", "None or a MoEConfig")
+        if self.moe is not None and self.depth % self.moe.every:  # the blocks then repeat every `every` blocks
+            raise ConfigError("moe.every", self.moe.every, f"a divisor of depth={self.depth}")
 
     @property
     def head_dim(self) -> int:
@@ -249,10 +259,22 @@ def modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch
     return torch.addcmul(shift, x, 1 + scale)  # x (1 + scale) + shift in one kernel
 
 
+def gelu_mlp(dim: int, hidden: int) -> nn.Sequential:
+    return nn.Sequential(nn.Linear(dim, hidden), nn.GELU(approximate="tanh"), nn.Linear(hidden, dim))
+
+
+def moe_mlp(cfg: DiTConfig, dense: type[nn.Module], glu: bool) -> MoE:
+    """The mixture-of-experts feed-forward of cfg.moe, its experts and shared experts MLPs like `dense` (dim,
+    hidden): GELU ones (glu False) or SwiGLU ones."""
+    shared = cfg.moe.shared_experts * cfg.moe.hidden(cfg.ffn)
+    return MoE(cfg.hidden_size, cfg.ffn, cfg.moe, glu=glu, shared=dense(cfg.hidden_size, shared) if shared else None)
+
+
 class DiTBlock(nn.Module):
     own_embedders = False  # a block of its own embedders (DiTConfig.block_embedders) says so
+    moe = False  # a block whose MLP is a mixture of experts (DiTConfig.moe) says so, and returns its routing stats
 
-    def __init__(self, cfg: DiTConfig, own_embedders: bool = False):
+    def __init__(self, cfg: DiTConfig, own_embedders: bool = False, moe: bool = False):
         super().__init__()
         D = cfg.hidden_size
         if own_embedders:  # it conditions on its own embedding of the inputs
@@ -264,11 +286,14 @@ class DiTBlock(nn.Module):
             self.norm_cross = LayerNorm(D, eps=1e-6)
             self.cross = CrossAttention(cfg)
         self.norm2 = LayerNorm(D, elementwise_affine=False, eps=cfg.mlp_norm_eps)
-        self.mlp = nn.Sequential(nn.Linear(D, cfg.ffn), nn.GELU(approximate="tanh"), nn.Linear(cfg.ffn, D))
+        self.moe = moe
+        self.mlp = moe_mlp(cfg, gelu_mlp, glu=False) if moe else gelu_mlp(D, cfg.ffn)
         self.adaLN = nn.Sequential(nn.SiLU(), nn.Linear(D, 6 * D))
 
     def forward(self, x: torch.Tensor, c: torch.Tensor, seg: torch.Tensor | None, a: AttentionInputs):
-        # x: (n, B, D) this rank's tokens; c: (B, S, D) per-sample conditioning → six (n or 1, B, D) modulations
+        # x: (n, B, D) this rank's tokens; c: (B, S, D) per-sample conditioning → six (n or 1, B, D) modulations.
+        # Returns x, and in a MoE block (x, its routing stats): returned, not stored, as a compiled, checkpointed
+        # block may have no side effect
         if self.own_embedders:
             c = embed_conditioning(self, *a.conditioning)
         mods = per_token(self.adaLN(c), seg).transpose(0, 1)
@@ -276,8 +301,11 @@ class DiTBlock(nn.Module):
         x = torch.addcmul(x, gate_a, self.attn(modulate(self.norm1(x), shift_a, scale_a), a))
         if a.text is not None:
             x = x + self.cross(self.norm_cross(x), a)
-        x = torch.addcmul(x, gate_m, self.mlp(modulate(self.norm2(x), shift_m, scale_m)))
-        return x
+        h = modulate(self.norm2(x), shift_m, scale_m)
+        if not self.moe:
+            return torch.addcmul(x, gate_m, self.mlp(h))
+        h, stats = self.mlp(h, None if seg is None else seg >= 0)  # padding does not count in the routing losses
+        return torch.addcmul(x, gate_m, h), stats
 
 
 class FinalLayer(nn.Module):
@@ -319,6 +347,7 @@ class DiT(nn.Module):
     norm_class: type[nn.Module] = LayerNorm  # the final layer's norm
     context_parallel = "all_gather"  # attention gathers the whole row's keys (ditcore.memory plans a rank so)
     inputs_class: type[Inputs] = Inputs  # what forward takes (ditcore.inputs); an architecture may add conditions
+    routing: Routing | None = None  # the last forward's MoE blocks' routing statistics and aux loss (cfg.moe)
 
     def __init__(self, cfg: DiTConfig, attention: str = "auto"):
         super().__init__()
@@ -337,9 +366,8 @@ class DiT(nn.Module):
 
     def new_block(self, i: int) -> nn.Module:
         """The i-th block (of `cfg.depth`): a `block_class`; an architecture whose blocks differ overrides it."""
-        if self.cfg.block_embedders and i > 0:
-            return self.block_class(self.cfg, own_embedders=True)
-        return self.block_class(self.cfg)
+        moe = self.cfg.moe is not None and self.cfg.moe.places(i)
+        return self.block_class(self.cfg, own_embedders=self.cfg.block_embedders and i > 0, moe=moe)
 
     @staticmethod
     def upgrade_state_dict(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -368,8 +396,9 @@ class DiT(nn.Module):
     def initial_value(self, name: str, shape: torch.Size, seed: int, device: torch.device) -> torch.Tensor:
         """DiT's initial value of one parameter, from its one-device name and full one-device shape.
 
-        xavier-uniform linears, zero biases, N(0, 0.02) class and scalar embedders, norms' scales one, and zeros on
-        every adaLN's last linear and on the outputs (adaLN-Zero). Random values come from a generator on `device`
+        xavier-uniform linears (a MoE expert's each as the linear it stands for), zero biases, N(0, 0.02) class and
+        scalar embedders and MoE routers, norms' scales one, and zeros on every adaLN's last linear and on the outputs
+        (adaLN-Zero). Random values come from a generator on `device`
         seeded by (seed, name) alone — crc32 of both, as Python's str hash changes from process to process — so a
         value does not depend on the order parameters are made or filled, nor on how many ranks share the
         parameter (each computes the whole and keeps its shard). CPU and CUDA generators differ: the numbers
@@ -378,7 +407,9 @@ class DiT(nn.Module):
         owner_name, _, kind = name.rpartition(".")
         owner = self.get_submodule(owner_name)  # the same path after ditcore.parallel swaps in parallel linears
         # by path, as a pipeline stage holds only some of the modules (ditcore.parallel.pipeline)
-        small = re.fullmatch(r"(blocks\.\d+\.)?((t_embedder|fps_embedder)\.mlp\.[02]|y_embedder)", owner_name)
+        # the MoE router too: near-uniform probabilities at first, so that every expert gets tokens from the start
+        small = re.fullmatch(r"(blocks\.\d+\.)?((t_embedder|fps_embedder)\.mlp\.[02]|y_embedder|mlp\.router)",
+                             owner_name)
         # adaLN-Zero; cross-attention has no gate: its output projection is zero instead
         zero = re.fullmatch(r"final\.(adaLN\.1|linear)|blocks\.\d+\.(adaLN\.1|cross\.proj)", owner_name)
         value = torch.empty(shape, device=device)
@@ -391,6 +422,9 @@ class DiT(nn.Module):
             return nn.init.xavier_uniform_(value, generator=g)
         if kind == "weight" and len(shape) == 1:  # a norm's scale
             return value.fill_(1.0)
+        if kind in ("w_in", "w_out") and len(shape) == 3:  # MoE experts (E, in, out): each xavier-uniform as a linear
+            bound = (6 / (shape[1] + shape[2])) ** 0.5
+            return value.uniform_(-bound, bound, generator=g)
         raise ValueError(f"DiT.initial_value has no rule for parameter {name} {tuple(shape)} "
                          f"({type(owner).__name__}): add one")
 
@@ -479,8 +513,13 @@ class DiT(nn.Module):
             a.conditioning = (c_noise, inputs.conditions())
         symbolic_sizes(c, a)
 
+        stats = []
         for block in self.blocks:
             h = self.run_block(block, h, c, seg_local, a)
+            if isinstance(h, tuple):  # a MoE block's output and its routing statistics
+                h, block_stats = h
+                stats.append(block_stats)
+        self.routing = Routing(torch.stack(stats), cfg.moe) if stats else None
         if self.final is None:
             return h  # a pipeline stage's hand-off to the next
         out = self.final(h, c, seg_local)  # (n, B, patch_dim)
@@ -568,6 +607,11 @@ DIT_PLAN = Plan(
         # [0-9]: a block's own MLP, not its embedders' (block_embedders: blocks.N.t_embedder.mlp.0)
         "blocks.*[0-9].mlp.0": ColumnParallel(),
         "blocks.*[0-9].mlp.2": RowParallel(),
+        # A mixture of experts' router, experts and shared experts (cfg.moe): whole, as no layout with tp > 1 takes a
+        # MoE model (ParallelDims.check_model) until experts are split over an expert-parallel group
+        "blocks.*.mlp.router": Replicated(),
+        "blocks.*.mlp.experts": Replicated(),
+        "blocks.*.mlp.shared.*": Replicated(),
         "final.adaLN.1": ADALN,
         "final.linear": Replicated(),
     },

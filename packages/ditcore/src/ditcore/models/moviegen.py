@@ -29,6 +29,7 @@ from ditcore.models.dit import (
     DiTBlock,
     DiTConfig,
     add_embedders,
+    moe_mlp,
     no_text,
 )
 from ditcore.models.layers import RMSNorm, apply_rope
@@ -135,7 +136,7 @@ class SwiGLU(nn.Module):
 class MovieGenBlock(DiTBlock):
     """DiTBlock's forward (adaLN-modulated attention and MLP, cross-attention between them) over Llama's layers."""
 
-    def __init__(self, cfg: MovieGenConfig, own_embedders: bool = False):
+    def __init__(self, cfg: MovieGenConfig, own_embedders: bool = False, moe: bool = False):
         nn.Module.__init__(self)  # the layers are these, not the DiT block's
         D = cfg.hidden_size
         if own_embedders:  # DiTConfig.block_embedders
@@ -147,7 +148,8 @@ class MovieGenBlock(DiTBlock):
             self.norm_cross = RMSNorm(D, eps=cfg.norm_eps)
             self.cross = GroupedCrossAttention(cfg)
         self.norm2 = RMSNorm(D, eps=cfg.norm_eps, elementwise_affine=False)
-        self.mlp = SwiGLU(D, cfg.ffn)
+        self.moe = moe
+        self.mlp = moe_mlp(cfg, SwiGLU, glu=True) if moe else SwiGLU(D, cfg.ffn)
         self.adaLN = nn.Sequential(nn.SiLU(), nn.Linear(D, 6 * D))
 
 

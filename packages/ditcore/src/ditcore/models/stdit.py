@@ -255,14 +255,18 @@ class STDiT(DiT):
     context_parallel = "all_to_all"  # a rank holds whole frames, then whole lines (Orders); ditcore.memory plans so
 
     def new_block(self, i: int) -> nn.Module:
-        return (TemporalBlock if i % 2 else DiTBlock)(self.cfg, own_embedders=self.cfg.block_embedders and i > 0)
+        moe = self.cfg.moe is not None and self.cfg.moe.places(i)
+        return (TemporalBlock if i % 2 else DiTBlock)(self.cfg, own_embedders=self.cfg.block_embedders and i > 0,
+                                                       moe=moe)
 
     def run_block(self, block: nn.Module, h: torch.Tensor, c: torch.Tensor, seg: torch.Tensor | None, a: STInputs):
         if not isinstance(block, TemporalBlock):  # a spatial block, or one another pipeline stage holds
             return block(h, c, seg, a)
         a.lines.conditioning = a.conditioning  # what a block with its own embedders embeds (block_embedders)
-        h = block(a.orders.to_lines(h), c, a.lines_seg, a.lines)
-        return a.orders.to_frames(h)
+        out = block(a.orders.to_lines(h), c, a.lines_seg, a.lines)
+        if isinstance(out, tuple):  # a MoE block's routing stats (of its tokens, in whatever order) go with it
+            return a.orders.to_frames(out[0]), out[1]
+        return a.orders.to_frames(out)
 
     def attention_inputs(self, backend: str, B: int, pos, seg, text, text_seg, span: slice, dtype,
                          grids=None) -> STInputs:

@@ -58,8 +58,14 @@ class ParallelDims:
                                                    f"{divisors}, or null to shard over all {size}")
 
     def check_model(self, num_heads: int, seq_len: int | None = None, depth: int | None = None,
-                    num_kv_heads: int | None = None) -> None:
-        """Errors for a model/sequence that this layout cannot split. Call on every rank before any collective."""
+                    num_kv_heads: int | None = None, moe: bool = False) -> None:
+        """Errors for a model/sequence that this layout cannot split. Call on every rank before any collective.
+        moe: the model has mixture-of-experts blocks (DiTConfig.moe)."""
+        for key in ("tp", "pp"):  # experts are not split over ranks yet; a pipeline stage's aux loss would be lost
+            if moe and getattr(self, key) > 1:
+                raise ConfigError(key, getattr(self, key), "1 with model.moe: a mixture of experts trains on one "
+                                                           "process or over dp, fsdp and cp (no expert parallelism "
+                                                           "yet)")
         if depth is not None and depth < self.pp:
             raise ConfigError("pp", self.pp, f"at most the model's depth={depth}: every pipeline stage holds at least "
                                               "one block")

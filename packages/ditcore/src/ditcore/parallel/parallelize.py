@@ -24,7 +24,8 @@ from ditcore.parallel.tensor_parallel import apply_tensor_parallel, is_tp_sharde
 def parallelize(model: nn.Module, groups: ParallelGroups) -> nn.Module:
     """Shard `model` (real or meta weights) in place for this rank and return it."""
     dims, plan = groups.dims, plan_for(model)
-    dims.check_model(model.cfg.num_heads, depth=model.cfg.depth, num_kv_heads=model.cfg.kv_heads)
+    dims.check_model(model.cfg.num_heads, depth=model.cfg.depth, num_kv_heads=model.cfg.kv_heads,
+                     moe=model.cfg.moe is not None)
     if dims.pp > 1:
         split_stages(model, groups)
     sp = dims.sequence_parallel and dims.tp > 1
