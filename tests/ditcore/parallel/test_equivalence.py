@@ -38,7 +38,8 @@ CASES_4 = ["fsdp_tp2_sp_dp2",  # 4 processes: TP=2 × FSDP over DP=2
            "deep:pp2_fsdp_dp2"]  # two stages of two blocks, each stage sharded over its DP=2 ranks with FSDP2
 CASES_4_SLOW = ["pp2_dp2_selective", "pp2_cp2_packed",  # two stages × DP=2, two stages of CP=2: make test-slow
                 "hsdp_cp2_dp2_step",  # HSDP over each CP pair, replicated over DP=2, gathered once per step
-                "pp2_fsdp_dp2", "pp2_fsdp_dp2_step", "pp2_fsdp_cp2_packed"]  # stages sharded: gathered once per step; over a CP pair
+                # two stages sharded by FSDP: over DP=2, gathered once per step, over a CP pair
+                "pp2_fsdp_dp2", "pp2_fsdp_dp2_step", "pp2_fsdp_cp2_packed"]
 CASES_8_SLOW = ["pp2_tp2_sp_fsdp_dp2_packed",  # 8 processes: two stages of TP=2 + SP, each TP shard over DP=2
                 "pp2_hsdp_dp4"]  # two stages, each HSDP: sharded over 2, replicated twice
 # only their traffic (test_traffic_model_matches_the_counted_step), under bf16 autocast: SP's gathers in bf16, FSDP

@@ -497,9 +497,10 @@ def pipeline_step(run: Setup, t: Trainee, micro: MicroBatches) -> torch.Tensor:
         rows, tokens = micro.shape(i)
         return len(range(tokens)[local[1]]), rows, local[0]
 
-    # FSDP's backward-sync control (fsdp_sync=step: ditcore.parallel.fsdp.accumulating) around each backward but the last
+    # FSDP's backward-sync control (fsdp_sync=step: ditcore.parallel.fsdp.accumulating) on all backwards but the last
     no_sync = lambda enabled: fabric.no_backward_sync(t.model, enabled=enabled)
-    one_f_one_b(groups, run.accum, forward, shape, torch.bfloat16 if run.bf16 else torch.float32, fabric.device, no_sync)
+    wire = torch.bfloat16 if run.bf16 else torch.float32
+    one_f_one_b(groups, run.accum, forward, shape, wire, fabric.device, no_sync)
     reduce_grads(t.model.module, groups)
     dist.broadcast(loss_sum, src=groups.pp_ranks[-1], group=groups.pp_group)
     return loss_sum
