@@ -223,3 +223,15 @@ def test_a_vp_ddpm_training_step_never_waits_for_the_device(dit_file, latents, t
     with watched(watch, device):
         train.train_step(run, trainee, it, 3, metrics)
     assert math.isfinite(metrics.recorded["loss"].item())
+
+
+def test_model_moe_keys_make_the_models_moe_config_and_errors_name_them():
+    from ditcore.models import MoEConfig
+
+    cfg = recipe("model.moe.experts=4", "model.moe.top_k=1", "model.moe.every=2").model_cfg
+    assert cfg.moe == MoEConfig(experts=4, top_k=1, every=2)  # the keys left unset: MoEConfig's defaults
+    assert recipe().model_cfg.moe is None
+    with pytest.raises(ConfigError, match=r"^model\.moe\.top_k=5 is invalid: expected an integer from 1 to experts=4"):
+        recipe("model.moe.experts=4", "model.moe.top_k=5")
+    with pytest.raises(ConfigError, match=r"^model\.moe\.every=4 is invalid: expected a divisor of depth=6"):
+        recipe("model.moe.every=4")

@@ -366,8 +366,10 @@ class DiT(nn.Module):
 
     def new_block(self, i: int) -> nn.Module:
         """The i-th block (of `cfg.depth`): a `block_class`; an architecture whose blocks differ overrides it."""
-        moe = self.cfg.moe is not None and self.cfg.moe.places(i)
-        return self.block_class(self.cfg, own_embedders=self.cfg.block_embedders and i > 0, moe=moe)
+        # only the options that are on: an architecture's block without them may take cfg alone
+        kinds = dict(own_embedders=self.cfg.block_embedders and i > 0,
+                     moe=self.cfg.moe is not None and self.cfg.moe.places(i))
+        return self.block_class(self.cfg, **{kind: True for kind, on in kinds.items() if on})
 
     @staticmethod
     def upgrade_state_dict(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
