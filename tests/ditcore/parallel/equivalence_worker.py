@@ -25,6 +25,7 @@ from ditcore.eval.heldout import heldout_batches, heldout_totals, sigma_buckets
 from ditcore.inputs import Inputs
 from ditcore.layout import grid_positions
 from ditcore.models import apply_activation_checkpointing, build, preset, register
+from ditcore.models.moe import MoEConfig
 from ditcore.parallel import (
     ParallelDims,
     consolidated_state_dict,
@@ -52,6 +53,8 @@ DATA = dict(in_channels=4, num_classes=5, text_dim=16, fps_cond=True)
 CONFIGS = {"dit": CFG, "moviegen": preset("MovieGen-Tiny", **DATA), "stdit": preset("ST-DiT-Tiny", **DATA)}
 CONFIGS["stdit_cut"] = CONFIGS["stdit"]
 CONFIGS["embedders"] = CFG.replace(block_embedders=True)  # "embedders:CASE": each later block its own embedders
+# "moe:CASE": every other block a mixture of 4 experts, top 2, with a capacity that drops nothing under ep=2
+CONFIGS["moe"] = CFG.replace(moe=MoEConfig(experts=4, top_k=2, every=2, capacity_factor=2.0))
 CONFIGS["deep"] = CFG.replace(depth=4)  # "deep:CASE": two blocks a stage under pp=2, the first resharded by FSDP
 B, GRID = 4, (2, 4, 4)  # 4 rows of 32 tokens
 
@@ -168,6 +171,12 @@ def held_between(model) -> dict:
             "reduced_between": sum(isinstance(p.grad, DTensor) for p in params), "params": len(params)}
 
 
+def counted_groups(model, groups) -> dict:
+    """The groups the counter names beyond the layout's own: FSDP2's mesh groups, expert parallelism's."""
+    experts = {"ep": groups.ep_group, "edp": groups.edp_group} if groups.dims.ep > 1 else {}
+    return fsdp_groups(model) | experts
+
+
 def fsdp_groups(model) -> dict:
     """The groups of FSDP2's mesh, which the counter names fsdp (HSDP: the shard group) and replicate."""
     mesh = next((p.device_mesh for p in model.parameters() if isinstance(p, DTensor)), None)
@@ -278,7 +287,7 @@ def run_case(arch: str, dims: ParallelDims, packed: bool, checkpointing: str = "
     SENT[0] = 0
     between = {}
     # what the training step sends (ditcore.traffic models it): the consolidations between its parts are this test's
-    counter = CollectiveCounter(groups, fsdp=fsdp, extra=fsdp_groups(model))
+    counter = CollectiveCounter(groups, fsdp=fsdp, extra=counted_groups(model, groups))
     if dims.pp == 1:
         with counter:
             out, loss = step(model, rows(batch, mine), wrapper, micro, no_sync, between)
@@ -354,7 +363,7 @@ def count_bf16(arch: str, dims: ParallelDims, packed: bool, checkpointing: str =
     else:
         wrapper = DistributedDataParallel(model, process_group=groups.dp_cp_group)
     per_rank = batch["x"].shape[0] // groups.dims.dp
-    counter = CollectiveCounter(groups, fsdp=fsdp, extra=fsdp_groups(model))
+    counter = CollectiveCounter(groups, fsdp=fsdp, extra=counted_groups(model, groups))
     with counter, torch.autocast("cpu", torch.bfloat16):
         step(model, rows(batch, slice(groups.dp_rank * per_rank, (groups.dp_rank + 1) * per_rank)), wrapper)
     with counter, counter.during("step"):
@@ -398,6 +407,11 @@ CASES = {
     "pp2_fsdp_cp2_packed": (ParallelDims(cp=2, pp=2), True, "none", True, True),
     "pp2_tp2_sp_fsdp_dp2_packed": (ParallelDims(tp=2, pp=2, sequence_parallel=True), True, "none", True, True),
     "pp2_hsdp_dp4": (ParallelDims(pp=2), False, "none", True, True, 2),  # shard over 2 x replicate 2, per stage
+    # expert parallelism (the "moe" config): the experts split over 2 ranks of DP, of CP; over 2 of DP=4, whose
+    # experts' gradients are then averaged over 2 ranks
+    "ep2": (ParallelDims(ep=2), False),
+    "ep2_cp2_packed": (ParallelDims(cp=2, ep=2), True),
+    "ep2_dp4": (ParallelDims(ep=2), False),
 }
 
 

@@ -30,15 +30,20 @@ CASES = ["tp2", "tp2_sp", "cp2", "dp2", "tp2_packed", "tp2_sp_packed", "cp2_pack
          "reglu:tp2_sp_packed",
          # the DiT with each later block's own embedders (block_embedders): replicated under TP, inside each block's
          # FSDP unit, on each block's pipeline stage
-         "embedders:tp2_sp_packed", "embedders:fsdp_dp2", "embedders:pp2_packed"]
+         "embedders:tp2_sp_packed", "embedders:fsdp_dp2", "embedders:pp2_packed",
+         # a mixture of experts (every other block) with its experts split over 2 ranks (expert parallelism): over
+         # DP=2, over CP=2 (ditcore.parallel.expert_parallel)
+         "moe:ep2", "moe:ep2_cp2_packed"]
 CASES_4 = ["fsdp_tp2_sp_dp2",  # 4 processes: TP=2 × FSDP over DP=2
            "hsdp_dp4",  # HSDP: sharded over 2 ranks, replicated twice
            "pp2_tp2_sp_packed",  # two stages of TP=2 + SP
            "stdit:cp2_tp2_sp_packed",  # ST-DiT: the all-to-all over CP=2 with each CP rank's slice split by SP
-           "deep:pp2_fsdp_dp2"]  # two stages of two blocks, each stage sharded over its DP=2 ranks with FSDP2
+           "deep:pp2_fsdp_dp2",  # two stages of two blocks, each stage sharded over its DP=2 ranks with FSDP2
+           "moe:ep2_dp4"]  # experts over 2 of DP=4: their gradients averaged over the 2 ranks holding the same ones
 CASES_4_SLOW = ["pp2_dp2_selective", "pp2_cp2_packed",  # two stages × DP=2, two stages of CP=2: make test-slow
                 "hsdp_cp2_dp2_step",  # HSDP over each CP pair, replicated over DP=2, gathered once per step
-                "pp2_fsdp_dp2", "pp2_fsdp_dp2_step", "pp2_fsdp_cp2_packed"]  # stages sharded: gathered once per step; over a CP pair
+                # stages sharded: gathered once per step; over a CP pair
+                "pp2_fsdp_dp2", "pp2_fsdp_dp2_step", "pp2_fsdp_cp2_packed"]
 CASES_8_SLOW = ["pp2_tp2_sp_fsdp_dp2_packed",  # 8 processes: two stages of TP=2 + SP, each TP shard over DP=2
                 "pp2_hsdp_dp4"]  # two stages, each HSDP: sharded over 2, replicated twice
 # only their traffic (test_traffic_model_matches_the_counted_step), under bf16 autocast: SP's gathers in bf16, FSDP
@@ -175,7 +180,7 @@ def layout_of(case: str, nproc: int) -> Layout:
     per_rank = rows // (nproc // (dims.tp * dims.cp * dims.pp))
     micro_batch = 1 if per_row else per_rank
     return Layout(world_size=nproc, tp=dims.tp, cp=dims.cp, pp=dims.pp, sequence_parallel=dims.sequence_parallel,
-                  fsdp=fsdp, fsdp_shard=shard, fsdp_sync=sync, micro_batch=micro_batch,
+                  ep=dims.ep,                  fsdp=fsdp, fsdp_shard=shard, fsdp_sync=sync, micro_batch=micro_batch,
                   micro_batches=per_rank // micro_batch, seq_length=ROW,
                   text_len=text_len, samples_per_row=samples, packed=packed,
                   precision="bf16" if case.endswith("@bf16") else "fp32", activation_checkpointing=checkpointing,

@@ -158,7 +158,7 @@ def setup(cfg: TrainConfig, resume: str = "auto", overwrite: bool = False) -> Se
     recipe = resolve(cfg, info)  # the architecture too, where model.init_from is one of the field's DiTs
     cfg, model_cfg = recipe.cfg, recipe.model_cfg
     dims = ParallelDims(cfg.parallel.tp, cfg.parallel.cp, cfg.parallel.pp,
-                        sequence_parallel=cfg.parallel.sequence_parallel)
+                        sequence_parallel=cfg.parallel.sequence_parallel, ep=cfg.parallel.ep)
     devices = int(os.environ.get("LOCAL_WORLD_SIZE", cfg.parallel.devices))
     # before the first CUDA call, which reads it; the processes Fabric starts inherit it
     queues_warning = connections.apply(dims, int(os.environ.get("WORLD_SIZE", devices)), cfg.parallel.fsdp)
@@ -186,7 +186,7 @@ def setup(cfg: TrainConfig, resume: str = "auto", overwrite: bool = False) -> Se
                      f"{cfg.edm.precond} ({recipe.vp.timesteps} {recipe.vp.beta_schedule} timesteps), edm.loss="
                      f"{cfg.edm.loss}, latents scaled as it was trained (std {recipe.latent_stats.std[0]:.4g})")
     dims.check_model(model_cfg.num_heads, cfg.data.seq_length, model_cfg.depth, model_cfg.kv_heads,
-                     moe=model_cfg.moe is not None)
+                     moe=model_cfg.moe)
     if cfg.parallel.fsdp:
         groups.dims.check_fsdp_shard(cfg.parallel.fsdp_shard)
     gpu = torch.cuda.get_device_properties(fabric.device).total_memory if on_gpu else None
@@ -497,9 +497,11 @@ def pipeline_step(run: Setup, t: Trainee, micro: MicroBatches) -> torch.Tensor:
         rows, tokens = micro.shape(i)
         return len(range(tokens)[local[1]]), rows, local[0]
 
-    # FSDP's backward-sync control (fsdp_sync=step: ditcore.parallel.fsdp.accumulating) around each backward but the last
+    # FSDP's backward-sync control (fsdp_sync=step: ditcore.parallel.fsdp.accumulating) around each backward but the
+    # last
     no_sync = lambda enabled: fabric.no_backward_sync(t.model, enabled=enabled)
-    one_f_one_b(groups, run.accum, forward, shape, torch.bfloat16 if run.bf16 else torch.float32, fabric.device, no_sync)
+    dtype = torch.bfloat16 if run.bf16 else torch.float32
+    one_f_one_b(groups, run.accum, forward, shape, dtype, fabric.device, no_sync)
     reduce_grads(t.model.module, groups)
     dist.broadcast(loss_sum, src=groups.pp_ranks[-1], group=groups.pp_group)
     return loss_sum
