@@ -457,6 +457,46 @@ def hsdp_checkpoints(folder: Path) -> dict:
     return dict(zip(["hsdp_to_one", "hsdp_to_fsdp", "fsdp_to_hsdp", "not_vacuous"], map(bool, found), strict=True))
 
 
+def ep_checkpoints(folder: Path) -> dict:
+    """A mixture of 4 experts through layout-free checkpoints across EP sizes (4 processes): EP2's weights and AdamW
+    moments, read back on one process, are the one-device tensors (E, ., .) it held; EP4 resumes exactly them."""
+    cfg = CONFIGS["moe"]
+
+    def split(ep: int, seed: int):
+        groups = ParallelDims(ep=ep).initialize()
+        with torch.device("meta"):
+            model = build(cfg)
+        parallelize(model, groups)
+        materialize(model, seed, "cpu", groups)
+        opt = torch.optim.AdamW(model.parameters())
+        dist_checkpoint.init_optimizer_state(opt)
+        with torch.no_grad():
+            for p in model.parameters():
+                opt.state[p]["exp_avg"].copy_(p * 2 + seed)
+        views = runs.checkpoint_tensors(*dist_checkpoint.state_tensors(model, None, opt, groups, "cpu"))
+        return model, opt, groups, views
+
+    def holds(model, opt, groups, elsewhere: bool = True) -> bool:  # gathered on rank 0: the checkpoint's tensors?
+        full = consolidated_state_dict(model, groups)
+        moments = gather_full(model, {k: opt.state[p]["exp_avg"] for k, p in model.named_parameters()}, groups)
+        if full is None:  # the other ranks: what the reduction below ignores
+            return elsewhere
+        return all(torch.equal(full[k], weights[k]) and torch.equal(moments[k], optim[f"{k}.exp_avg"])
+                   for k in moments)
+
+    ep2, opt2, groups2, views2 = split(2, 5)
+    runs.save_tensors(folder / "ep2", views2, {"step": 1})
+    weights, optim = runs.read_full(folder / "ep2", runs.MODEL), runs.read_full(folder / "ep2", runs.OPTIM)
+    experts = weights["blocks.1.mlp.experts.w_in"].shape[0]
+    two = holds(ep2, opt2, groups2)
+    ep4, opt4, groups4, views4 = split(4, 6)
+    vacuous = holds(ep4, opt4, groups4, elsewhere=False)
+    runs.load_tensors(folder / "ep2", views4)
+    found = torch.tensor([two, holds(ep4, opt4, groups4), not vacuous, experts == cfg.moe.experts])
+    dist.all_reduce(found, op=dist.ReduceOp.MIN)
+    return dict(zip(["ep2_to_one", "one_to_ep4", "not_vacuous", "full_experts"], map(bool, found), strict=True))
+
+
 def main() -> None:
     import fourth_arch  # this script's sibling (a relative import when the tests import this file)
 
@@ -466,8 +506,8 @@ def main() -> None:
     results = {}
     for name in sys.argv[2:] or CASES:
         arch, _, case = name.rpartition(":")
-        if case == "hsdp_checkpoints":
-            results[name] = hsdp_checkpoints(Path(sys.argv[1]).parent)
+        if case in ("hsdp_checkpoints", "ep_checkpoints"):
+            results[name] = globals()[case](Path(sys.argv[1]).parent)
             continue
         case, bf16, _ = case.partition("@bf16")  # "CASE@bf16": only its traffic, under bf16 autocast
         if bf16:

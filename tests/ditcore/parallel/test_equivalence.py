@@ -83,7 +83,8 @@ def results(tmp_path_factory, run_torchrun):
 
 @pytest.fixture(scope="module")
 def results_4(tmp_path_factory, run_torchrun):
-    return run_cases(tmp_path_factory, run_torchrun, CASES_4, nproc=4)
+    # and a mixture of experts' checkpoint across EP sizes (EP2 → one process → EP4)
+    return run_cases(tmp_path_factory, run_torchrun, [*CASES_4, "ep_checkpoints"], nproc=4)
 
 
 @pytest.fixture(scope="module")
@@ -274,3 +275,10 @@ def test_hsdp_checkpoints_reshard_to_fsdp_one_process_and_back(results_4_slow):
     FSDP over 4 ranks resumes; FSDP's checkpoint resumes with HSDP exactly too (other weights do not pass)."""
     r = results_4_slow["hsdp_checkpoints"]
     assert r == {"hsdp_to_one": True, "hsdp_to_fsdp": True, "fsdp_to_hsdp": True, "not_vacuous": True}
+
+
+def test_moe_checkpoints_reshard_across_expert_parallel_sizes(results_4):
+    """Weights and AdamW moments of a mixture of 4 experts written with EP2 (4 processes) are one-device tensors
+    (E, ., .) under one-device names, and EP4 resumes exactly them (its own other weights do not pass)."""
+    r = results_4["ep_checkpoints"]
+    assert r == {"ep2_to_one": True, "one_to_ep4": True, "not_vacuous": True, "full_experts": True}
