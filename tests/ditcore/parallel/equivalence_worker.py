@@ -25,6 +25,7 @@ from ditcore.eval.heldout import heldout_batches, heldout_totals, sigma_buckets
 from ditcore.inputs import Inputs
 from ditcore.layout import grid_positions
 from ditcore.models import apply_activation_checkpointing, build, preset, register
+from ditcore.models.moe import MoEConfig
 from ditcore.parallel import (
     ParallelDims,
     consolidated_state_dict,
@@ -52,6 +53,8 @@ DATA = dict(in_channels=4, num_classes=5, text_dim=16, fps_cond=True)
 CONFIGS = {"dit": CFG, "moviegen": preset("MovieGen-Tiny", **DATA), "stdit": preset("ST-DiT-Tiny", **DATA)}
 CONFIGS["stdit_cut"] = CONFIGS["stdit"]
 CONFIGS["embedders"] = CFG.replace(block_embedders=True)  # "embedders:CASE": each later block its own embedders
+# "moe:CASE": every other block a mixture of 4 experts, top 2, with a capacity that drops nothing under ep=2
+CONFIGS["moe"] = CFG.replace(moe=MoEConfig(experts=4, top_k=2, every=2, capacity_factor=2.0))
 CONFIGS["deep"] = CFG.replace(depth=4)  # "deep:CASE": two blocks a stage under pp=2, the first resharded by FSDP
 B, GRID = 4, (2, 4, 4)  # 4 rows of 32 tokens
 
@@ -168,6 +171,12 @@ def held_between(model) -> dict:
             "reduced_between": sum(isinstance(p.grad, DTensor) for p in params), "params": len(params)}
 
 
+def counted_groups(model, groups) -> dict:
+    """The groups the counter names beyond the layout's own: FSDP2's mesh groups, expert parallelism's."""
+    experts = {"ep": groups.ep_group, "edp": groups.edp_group} if groups.dims.ep > 1 else {}
+    return fsdp_groups(model) | experts
+
+
 def fsdp_groups(model) -> dict:
     """The groups of FSDP2's mesh, which the counter names fsdp (HSDP: the shard group) and replicate."""
     mesh = next((p.device_mesh for p in model.parameters() if isinstance(p, DTensor)), None)
@@ -278,7 +287,7 @@ def run_case(arch: str, dims: ParallelDims, packed: bool, checkpointing: str = "
     SENT[0] = 0
     between = {}
     # what the training step sends (ditcore.traffic models it): the consolidations between its parts are this test's
-    counter = CollectiveCounter(groups, fsdp=fsdp, extra=fsdp_groups(model))
+    counter = CollectiveCounter(groups, fsdp=fsdp, extra=counted_groups(model, groups))
     if dims.pp == 1:
         with counter:
             out, loss = step(model, rows(batch, mine), wrapper, micro, no_sync, between)
@@ -354,7 +363,7 @@ def count_bf16(arch: str, dims: ParallelDims, packed: bool, checkpointing: str =
     else:
         wrapper = DistributedDataParallel(model, process_group=groups.dp_cp_group)
     per_rank = batch["x"].shape[0] // groups.dims.dp
-    counter = CollectiveCounter(groups, fsdp=fsdp, extra=fsdp_groups(model))
+    counter = CollectiveCounter(groups, fsdp=fsdp, extra=counted_groups(model, groups))
     with counter, torch.autocast("cpu", torch.bfloat16):
         step(model, rows(batch, slice(groups.dp_rank * per_rank, (groups.dp_rank + 1) * per_rank)), wrapper)
     with counter, counter.during("step"):
@@ -398,6 +407,11 @@ CASES = {
     "pp2_fsdp_cp2_packed": (ParallelDims(cp=2, pp=2), True, "none", True, True),
     "pp2_tp2_sp_fsdp_dp2_packed": (ParallelDims(tp=2, pp=2, sequence_parallel=True), True, "none", True, True),
     "pp2_hsdp_dp4": (ParallelDims(pp=2), False, "none", True, True, 2),  # shard over 2 x replicate 2, per stage
+    # expert parallelism (the "moe" config): the experts split over 2 ranks of DP, of CP; over 2 of DP=4, whose
+    # experts' gradients are then averaged over 2 ranks
+    "ep2": (ParallelDims(ep=2), False),
+    "ep2_cp2_packed": (ParallelDims(cp=2, ep=2), True),
+    "ep2_dp4": (ParallelDims(ep=2), False),
 }
 
 
@@ -443,6 +457,46 @@ def hsdp_checkpoints(folder: Path) -> dict:
     return dict(zip(["hsdp_to_one", "hsdp_to_fsdp", "fsdp_to_hsdp", "not_vacuous"], map(bool, found), strict=True))
 
 
+def ep_checkpoints(folder: Path) -> dict:
+    """A mixture of 4 experts through layout-free checkpoints across EP sizes (4 processes): EP2's weights and AdamW
+    moments, read back on one process, are the one-device tensors (E, ., .) it held; EP4 resumes exactly them."""
+    cfg = CONFIGS["moe"]
+
+    def split(ep: int, seed: int):
+        groups = ParallelDims(ep=ep).initialize()
+        with torch.device("meta"):
+            model = build(cfg)
+        parallelize(model, groups)
+        materialize(model, seed, "cpu", groups)
+        opt = torch.optim.AdamW(model.parameters())
+        dist_checkpoint.init_optimizer_state(opt)
+        with torch.no_grad():
+            for p in model.parameters():
+                opt.state[p]["exp_avg"].copy_(p * 2 + seed)
+        views = runs.checkpoint_tensors(*dist_checkpoint.state_tensors(model, None, opt, groups, "cpu"))
+        return model, opt, groups, views
+
+    def holds(model, opt, groups, elsewhere: bool = True) -> bool:  # gathered on rank 0: the checkpoint's tensors?
+        full = consolidated_state_dict(model, groups)
+        moments = gather_full(model, {k: opt.state[p]["exp_avg"] for k, p in model.named_parameters()}, groups)
+        if full is None:  # the other ranks: what the reduction below ignores
+            return elsewhere
+        return all(torch.equal(full[k], weights[k]) and torch.equal(moments[k], optim[f"{k}.exp_avg"])
+                   for k in moments)
+
+    ep2, opt2, groups2, views2 = split(2, 5)
+    runs.save_tensors(folder / "ep2", views2, {"step": 1})
+    weights, optim = runs.read_full(folder / "ep2", runs.MODEL), runs.read_full(folder / "ep2", runs.OPTIM)
+    experts = weights["blocks.1.mlp.experts.w_in"].shape[0]
+    two = holds(ep2, opt2, groups2)
+    ep4, opt4, groups4, views4 = split(4, 6)
+    vacuous = holds(ep4, opt4, groups4, elsewhere=False)
+    runs.load_tensors(folder / "ep2", views4)
+    found = torch.tensor([two, holds(ep4, opt4, groups4), not vacuous, experts == cfg.moe.experts])
+    dist.all_reduce(found, op=dist.ReduceOp.MIN)
+    return dict(zip(["ep2_to_one", "one_to_ep4", "not_vacuous", "full_experts"], map(bool, found), strict=True))
+
+
 def main() -> None:
     import fourth_arch  # this script's sibling (a relative import when the tests import this file)
 
@@ -452,8 +506,8 @@ def main() -> None:
     results = {}
     for name in sys.argv[2:] or CASES:
         arch, _, case = name.rpartition(":")
-        if case == "hsdp_checkpoints":
-            results[name] = hsdp_checkpoints(Path(sys.argv[1]).parent)
+        if case in ("hsdp_checkpoints", "ep_checkpoints"):
+            results[name] = globals()[case](Path(sys.argv[1]).parent)
             continue
         case, bf16, _ = case.partition("@bf16")  # "CASE@bf16": only its traffic, under bf16 autocast
         if bf16:

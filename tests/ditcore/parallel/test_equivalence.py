@@ -30,12 +30,16 @@ CASES = ["tp2", "tp2_sp", "cp2", "dp2", "tp2_packed", "tp2_sp_packed", "cp2_pack
          "reglu:tp2_sp_packed",
          # the DiT with each later block's own embedders (block_embedders): replicated under TP, inside each block's
          # FSDP unit, on each block's pipeline stage
-         "embedders:tp2_sp_packed", "embedders:fsdp_dp2", "embedders:pp2_packed"]
+         "embedders:tp2_sp_packed", "embedders:fsdp_dp2", "embedders:pp2_packed",
+         # a mixture of experts (every other block) with its experts split over 2 ranks (expert parallelism): over
+         # DP=2, over CP=2 (ditcore.parallel.expert_parallel)
+         "moe:ep2", "moe:ep2_cp2_packed"]
 CASES_4 = ["fsdp_tp2_sp_dp2",  # 4 processes: TP=2 × FSDP over DP=2
            "hsdp_dp4",  # HSDP: sharded over 2 ranks, replicated twice
            "pp2_tp2_sp_packed",  # two stages of TP=2 + SP
            "stdit:cp2_tp2_sp_packed",  # ST-DiT: the all-to-all over CP=2 with each CP rank's slice split by SP
-           "deep:pp2_fsdp_dp2"]  # two stages of two blocks, each stage sharded over its DP=2 ranks with FSDP2
+           "deep:pp2_fsdp_dp2",  # two stages of two blocks, each stage sharded over its DP=2 ranks with FSDP2
+           "moe:ep2_dp4"]  # experts over 2 of DP=4: their gradients averaged over the 2 ranks holding the same ones
 CASES_4_SLOW = ["pp2_dp2_selective", "pp2_cp2_packed",  # two stages × DP=2, two stages of CP=2: make test-slow
                 "hsdp_cp2_dp2_step",  # HSDP over each CP pair, replicated over DP=2, gathered once per step
                 # two stages sharded by FSDP: over DP=2, gathered once per step, over a CP pair
@@ -79,7 +83,8 @@ def results(tmp_path_factory, run_torchrun):
 
 @pytest.fixture(scope="module")
 def results_4(tmp_path_factory, run_torchrun):
-    return run_cases(tmp_path_factory, run_torchrun, CASES_4, nproc=4)
+    # and a mixture of experts' checkpoint across EP sizes (EP2 → one process → EP4)
+    return run_cases(tmp_path_factory, run_torchrun, [*CASES_4, "ep_checkpoints"], nproc=4)
 
 
 @pytest.fixture(scope="module")
@@ -176,7 +181,7 @@ def layout_of(case: str, nproc: int) -> Layout:
     per_rank = rows // (nproc // (dims.tp * dims.cp * dims.pp))
     micro_batch = 1 if per_row else per_rank
     return Layout(world_size=nproc, tp=dims.tp, cp=dims.cp, pp=dims.pp, sequence_parallel=dims.sequence_parallel,
-                  fsdp=fsdp, fsdp_shard=shard, fsdp_sync=sync, micro_batch=micro_batch,
+                  ep=dims.ep,                  fsdp=fsdp, fsdp_shard=shard, fsdp_sync=sync, micro_batch=micro_batch,
                   micro_batches=per_rank // micro_batch, seq_length=ROW,
                   text_len=text_len, samples_per_row=samples, packed=packed,
                   precision="bf16" if case.endswith("@bf16") else "fp32", activation_checkpointing=checkpointing,
@@ -270,3 +275,10 @@ def test_hsdp_checkpoints_reshard_to_fsdp_one_process_and_back(results_4_slow):
     FSDP over 4 ranks resumes; FSDP's checkpoint resumes with HSDP exactly too (other weights do not pass)."""
     r = results_4_slow["hsdp_checkpoints"]
     assert r == {"hsdp_to_one": True, "hsdp_to_fsdp": True, "fsdp_to_hsdp": True, "not_vacuous": True}
+
+
+def test_moe_checkpoints_reshard_across_expert_parallel_sizes(results_4):
+    """Weights and AdamW moments of a mixture of 4 experts written with EP2 (4 processes) are one-device tensors
+    (E, ., .) under one-device names, and EP4 resumes exactly them (its own other weights do not pass)."""
+    r = results_4["ep_checkpoints"]
+    assert r == {"ep2_to_one": True, "one_to_ep4": True, "not_vacuous": True, "full_experts": True}

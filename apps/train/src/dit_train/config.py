@@ -182,6 +182,9 @@ class Parallel(Section):
     pp: int = Field(1, ge=1, description="pipeline stages: the blocks split over pp ranks, 1F1B over a step's "
                                          "micro-batches (use global_batch >= pp x micro_batch x dp)")
     sequence_parallel: bool = False
+    ep: int = Field(1, ge=1, description="expert parallel: each mixture-of-experts block's experts split over ep "
+                                         "consecutive dp x cp ranks (a divisor of dp x cp and of model.moe.experts); "
+                                         "tokens beyond model.moe.capacity_factor x an even share are dropped")
     fsdp: bool = Field(False, description="shard parameters, gradients, optimizer state and EMA over the data-parallel "
                                          "x context-parallel ranks (FSDP2), on top of tp/cp")
     reduce_dtype: Literal[LAYOUT_CHOICES["reduce_dtype"]] = Field(
@@ -497,7 +500,7 @@ def _without_none(annotation) -> tuple:
 # (`in_config_keys`).
 
 LAYOUT_KEYS = {"tp": "parallel.tp", "cp": "parallel.cp", "pp": "parallel.pp",
-               "sequence_parallel": "parallel.sequence_parallel", "fsdp": "parallel.fsdp",
+               "sequence_parallel": "parallel.sequence_parallel", "ep": "parallel.ep", "fsdp": "parallel.fsdp",
                "reduce_dtype": "parallel.reduce_dtype", "fsdp_shard": "parallel.fsdp_shard",
                "fsdp_sync": "parallel.fsdp_sync", "micro_batch": "train.micro_batch", "seq_length": "data.seq_length",
                "precision": "train.precision", "activation_checkpointing": "model.activation_checkpointing",

@@ -158,7 +158,7 @@ def setup(cfg: TrainConfig, resume: str = "auto", overwrite: bool = False) -> Se
     recipe = resolve(cfg, info)  # the architecture too, where model.init_from is one of the field's DiTs
     cfg, model_cfg = recipe.cfg, recipe.model_cfg
     dims = ParallelDims(cfg.parallel.tp, cfg.parallel.cp, cfg.parallel.pp,
-                        sequence_parallel=cfg.parallel.sequence_parallel)
+                        sequence_parallel=cfg.parallel.sequence_parallel, ep=cfg.parallel.ep)
     devices = int(os.environ.get("LOCAL_WORLD_SIZE", cfg.parallel.devices))
     # before the first CUDA call, which reads it; the processes Fabric starts inherit it
     queues_warning = connections.apply(dims, int(os.environ.get("WORLD_SIZE", devices)), cfg.parallel.fsdp)
@@ -186,7 +186,7 @@ def setup(cfg: TrainConfig, resume: str = "auto", overwrite: bool = False) -> Se
                      f"{cfg.edm.precond} ({recipe.vp.timesteps} {recipe.vp.beta_schedule} timesteps), edm.loss="
                      f"{cfg.edm.loss}, latents scaled as it was trained (std {recipe.latent_stats.std[0]:.4g})")
     dims.check_model(model_cfg.num_heads, cfg.data.seq_length, model_cfg.depth, model_cfg.kv_heads,
-                     moe=model_cfg.moe is not None)
+                     moe=model_cfg.moe)
     if cfg.parallel.fsdp:
         groups.dims.check_fsdp_shard(cfg.parallel.fsdp_shard)
     gpu = torch.cuda.get_device_properties(fabric.device).total_memory if on_gpu else None

@@ -28,6 +28,7 @@ class Layout:
     cp: int = 1
     pp: int = 1  # pipeline stages: the blocks split into pp consecutive runs, one per rank
     sequence_parallel: bool = False
+    ep: int = 1  # expert parallel: a mixture of experts' experts split over ep consecutive dp x cp ranks
     fsdp: bool = False
     reduce_dtype: Literal[LAYOUT_CHOICES["reduce_dtype"]] = "fp32"  # with fsdp: gradients are reduce-scattered in
     fsdp_shard: int | None = None  # with fsdp: ranks each parameter is sharded over (HSDP); None: all dp x cp ranks
@@ -65,7 +66,7 @@ class Layout:
     @property
     def dims(self) -> ParallelDims:
         """The parallel dimensions, resolved over world_size (dp filled in)."""
-        return ParallelDims(self.tp, self.cp, self.pp, sequence_parallel=self.sequence_parallel).resolve(
+        return ParallelDims(self.tp, self.cp, self.pp, sequence_parallel=self.sequence_parallel, ep=self.ep).resolve(
             self.world_size)
 
     @property

@@ -211,7 +211,7 @@ def plan_from(cfg: DiTConfig, layout: Layout, stage: int | None = None) -> Plan:
     """Bytes per GPU of training `cfg` in `layout` (the module docstring says what each part counts): on a rank of
     pipeline stage `stage`, or by default of the most loaded stage (with pp = 1, the only one)."""
     lay = layout
-    lay.dims.check_model(cfg.num_heads, lay.seq_length, cfg.depth, cfg.kv_heads, moe=cfg.moe is not None)
+    lay.dims.check_model(cfg.num_heads, lay.seq_length, cfg.depth, cfg.kv_heads, moe=cfg.moe)
     if stage is not None and not (isinstance(stage, int) and 0 <= stage < lay.pp):
         raise ValueError(f"stage={stage!r} is invalid: expected a pipeline stage in [0, {lay.pp})")
     params = parameters(cfg, lay.tp)

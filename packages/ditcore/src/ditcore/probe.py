@@ -51,13 +51,14 @@ class RankShapes:
     flex: bool = True
     compile: bool = False
     periods: int = 1  # of the blocks: the FLOP count tells a period's weights from the rest's with a second one
+    ep: int = 1  # expert parallel: the traffic meter sizes the dispatch's all-to-alls by it (the run is one-device)
 
     @classmethod
     def of(cls, lay: Layout, checkpointing: str) -> RankShapes:
         """A rank of `lay`, run with `checkpointing` (the memory plan runs a checkpointed layout without it too)."""
         return RankShapes(lay.tp, lay.sequence_parallel and lay.tp > 1, lay.cp, lay.micro_batch, lay.seq_length,
                           lay.text_len, lay.samples_per_row, lay.packed, lay.precision, checkpointing,
-                          cuda=lay.device == "cuda", flex=lay.attention == "flex", compile=lay.compile)
+                          cuda=lay.device == "cuda", flex=lay.attention == "flex", compile=lay.compile, ep=lay.ep)
 
     def replace(self, **changes) -> RankShapes:
         return replace(self, **changes)

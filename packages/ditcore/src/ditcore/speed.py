@@ -477,7 +477,7 @@ def layouts(cfg: DiTConfig, base: Layout, cluster: Cluster, global_batch: int) -
                                      fsdp_sync="micro_batch")
                 try:
                     shape.dims.check_model(cfg.num_heads, base.seq_length, cfg.depth,
-                                           getattr(cfg, "num_kv_heads", None), moe=cfg.moe is not None)
+                                           getattr(cfg, "num_kv_heads", None), moe=cfg.moe)
                     _parameters(cfg, tp)  # every layer the TP plan splits divides by tp
                 except ConfigError:
                     continue

@@ -28,7 +28,12 @@ tests/ditcore/parallel/test_equivalence.py). Learned from the model, not written
   param dtype (bf16 under bf16 precision), padded along dim 0 to a multiple of the shard count; their gradients
   reduce-scattered in `reduce_dtype`. HSDP (`fsdp_shard`): the same over the shard group, and an all-reduce of the
   sharded gradients over the replicate group. `fsdp_sync="step"`: the gathers and the reductions once per step;
-- the pipeline: per micro-batch the hidden states sent on and their gradient sent back, in the compute dtype.
+- the pipeline: per micro-batch the hidden states sent on and their gradient sent back, in the compute dtype;
+- expert parallelism: per MoE block and micro-batch (the probe's experts see the rank's (token, choice) rows) the
+  dispatch's buffer of ep·C rows sent and the outputs sent back, in the compute dtype, their gradients the other way
+  in backward, and the int32 expert ids of the slots in forward, (ep−1)/ep of each leaving the rank
+  (ditcore.parallel.expert_parallel); once per step the experts' gradients (1/ep of them: outside DDP's) all-reduced
+  over the expert-data-parallel group and a float64 square sum over EP for the norm.
 
 With pp > 1 the stage that sends the most bytes is reported (`traffic_by_stage` gives every stage's).
 """
@@ -47,6 +52,7 @@ from ditcore.job import Layout
 from ditcore.memory import fit_grid, on_stage, planned_batch
 from ditcore.models import ARCHS, arch_of, plan_for
 from ditcore.models.dit import DiTConfig
+from ditcore.models.moe import GroupedExperts
 from ditcore.models.plan import ColumnParallel, RowParallel
 from ditcore.parallel.counting import Collective, Group, Op, Traffic, When, sent_bytes
 from ditcore.parallel.pipeline import is_shared, stage_blocks
@@ -142,9 +148,10 @@ def _step_traffic(cfg: DiTConfig, lay: Layout, stage: int, add, compute: int) ->
     if lay.tp > 1 and partial:  # finalize_grads: one flat all-reduce of this rank's (FSDP: local) pieces
         add("tp", "all_reduce", "step", FP32 * sum(p.local(lay) for p in partial), lay.tp)
     dp_cp = lay.dp * lay.cp
-    if not lay.fsdp and lay.pp == 1 and dp_cp > 1:  # DDP: every gradient, in fp32 buckets
-        size = FP32 * sum(p.numel for p in params)
+    if not lay.fsdp and lay.pp == 1 and dp_cp > 1:  # DDP: every gradient (but EP's experts), in fp32 buckets
+        size = FP32 * sum(p.numel for p in params if not p.expert)
         add("dp", "all_reduce", "step", size, dp_cp, pieces=math.ceil(size / DDP_BUCKET))
+    _expert_step(lay, params, add)
     if lay.pp > 1:  # pipeline.reduce_grads: over DP x CP in buckets (FSDP has reduced them), then the shared
         numel = sum(p.numel for p in params)  # embedders (under FSDP: their local pieces) over the stages
         if not lay.fsdp:
@@ -157,12 +164,21 @@ def _step_traffic(cfg: DiTConfig, lay: Layout, stage: int, add, compute: int) ->
     add("pp", "all_reduce", "step", FP64, lay.pp)
 
 
+def _expert_step(lay: Layout, params: tuple[_Param, ...], add) -> None:
+    """Expert parallelism's, once per step: expert_parallel.reduce_expert_grads' one flat all-reduce of the experts'
+    gradients over the ranks holding the same experts; grad_norm's float64 square sum of them over EP."""
+    if lay.ep > 1:
+        add("edp", "all_reduce", "step", FP32 * sum(p.numel for p in params if p.expert), lay.dp * lay.cp // lay.ep)
+        add("ep", "all_reduce", "step", FP64, lay.ep)
+
+
 @dataclass(frozen=True)
 class _Param:
     name: str
     shape: tuple[int, ...]  # on this TP rank
     partial: bool  # its gradient is partial over TP (finalize_grads sums it)
     shared: bool  # on every pipeline stage (the conditioning embedders)
+    expert: bool = False  # a mixture of experts' expert weights, split over EP (shape: this rank's experts)
 
     @property
     def numel(self) -> int:
@@ -181,15 +197,17 @@ class _Param:
 
 
 def _stage_params(cfg: DiTConfig, lay: Layout, stage: int) -> tuple[_Param, ...]:
-    return _tp_stage_params(cfg, lay.tp, lay.sequence_parallel and lay.tp > 1, lay.pp, stage)
+    return _tp_stage_params(cfg, lay.tp, lay.sequence_parallel and lay.tp > 1, lay.pp, stage, lay.ep)
 
 
 @functools.lru_cache(maxsize=256)
-def _tp_stage_params(cfg: DiTConfig, tp: int, sp: bool, pp: int, stage: int) -> tuple[_Param, ...]:
+def _tp_stage_params(cfg: DiTConfig, tp: int, sp: bool, pp: int, stage: int, ep: int = 1) -> tuple[_Param, ...]:
     """Cached: matching every parameter against the TP plan takes ~0.1 s at 30B, and a layout search (ditcore.speed)
     asks for the same tp and stage in hundreds of layouts."""
     model = meta_model(cfg)
     plan = plan_for(model)
+    experts = {f"{m}.{k}" for m, module in model.named_modules() if isinstance(module, GroupedExperts)
+               for k, _ in module.named_parameters(recurse=False)}
     out = []
     for name, p in model.named_parameters():
         if not on_stage(name, cfg, pp, stage):
@@ -197,8 +215,11 @@ def _tp_stage_params(cfg: DiTConfig, tp: int, sp: bool, pp: int, stage: int) -> 
         shape, dim = list(p.shape), plan.partition_dim(name)
         if dim is not None:
             shape[dim] //= tp
+        expert = ep > 1 and name in experts
+        if expert:
+            shape[0] //= ep
         partial = tp > 1 and dim is None and plan.partial_over_tp(name, sp)
-        out.append(_Param(name, tuple(shape), partial, pp > 1 and is_shared(model, name)))
+        out.append(_Param(name, tuple(shape), partial, pp > 1 and is_shared(model, name), expert))
     return tuple(out)
 
 
@@ -248,7 +269,7 @@ class _Meter(Hooks):
 
     def __init__(self, cfg: DiTConfig, key: RankShapes, rank: Rank):
         model = rank.model
-        self.key, self.sp, self.bf16 = key, (key.tp if key.sp else 1), key.precision == "bf16"
+        self.cfg, self.key, self.sp, self.bf16 = cfg, key, (key.tp if key.sp else 1), key.precision == "bf16"
         self.moves: list[_Move] = []
         self.region: int | str = "pre"
         plan = plan_for(model)
@@ -258,6 +279,10 @@ class _Meter(Hooks):
                 module.register_forward_hook(lambda m, args, out, s=style: self.linear(s, m, args[0], out))
         for i, block in enumerate(model.blocks):
             block.register_forward_pre_hook(lambda *_, i=i: setattr(self, "region", i))
+        if key.ep > 1:
+            for module in model.modules():
+                if isinstance(module, GroupedExperts):
+                    module.register_forward_hook(lambda m, args, out: self.dispatch(args[0], args[1]))
         model.final.register_forward_pre_hook(lambda *_: setattr(self, "region", "post"))
         _watch_rows(model, key, self.move, rank.cp)
 
@@ -267,6 +292,16 @@ class _Meter(Hooks):
     def move(self, group: Group, op: Op, phase: str, full_bytes: int, n: int, inside: bool = True) -> None:
         if n > 1:
             self.moves.append(_Move(self.region, group, op, phase, full_bytes, n, inside))
+
+    def dispatch(self, x: torch.Tensor, chosen: torch.Tensor) -> None:
+        """Expert parallelism's all-to-alls of a MoE block (ditcore.parallel.expert_parallel.ExpertDispatch): C slots
+        per peer for the rank's T·k rows, what leaves for the ep − 1 others."""
+        ep = self.key.ep
+        slots = (ep - 1) * math.ceil(self.cfg.moe.capacity_factor * chosen.numel() / ep)
+        rows = slots * x.shape[-1] * self.activation(x)
+        for phase in ("forward", "forward", "backward", "backward"):  # dispatch and combine, their gradients back
+            self.move("ep", "all_to_all", phase, rows, ep)
+        self.move("ep", "all_to_all", "forward", slots * 4, ep)  # the slots' int32 expert ids
 
     def activation(self, t: torch.Tensor) -> int:  # gathered in the autocast dtype under bf16
         return 2 if self.bf16 else t.element_size()

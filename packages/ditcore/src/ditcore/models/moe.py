@@ -6,10 +6,11 @@ token's output is Σ_j w_j · expert_j(x), w_j the chosen experts' probabilities
 renormalised to sum to 1 unless `normalize`, so that with top_k = 1 the router still learns from the main loss), plus
 the always-on shared experts' output (DeepSeek-MoE) where `shared_experts` > 0.
 
-Dropless: every token reaches all of its top_k experts, however many tokens pick the same one. No expert has a
-capacity, so a token's output depends on that token alone: a packed row gives each sample what it gives alone (up
-to float rounding), and padding tokens change nothing. (A capacity limit would drop tokens by what else is in the
-row, and packed == alone would then not hold: there is none.)
+Dropless on one process: every token reaches all of its top_k experts, however many tokens pick the same one. No
+expert has a capacity, so a token's output depends on that token alone: a packed row gives each sample what it gives
+alone (up to float rounding), and padding tokens change nothing. (A capacity limit would drop tokens by what else is
+in the row, and packed == alone would then not hold: there is none on one process. Expert parallelism, whose dispatch
+has a static capacity, `moe.capacity_factor`, can drop: ditcore.parallel.expert_parallel.)
 
 The experts run as one grouped matmul (`grouped_mm`, torch._grouped_mm) over the N·k (token, choice) rows sorted by
 expert, with the expert boundaries a device tensor: shapes are static whatever the routing, nothing is read back to
@@ -53,6 +54,9 @@ class MoEConfig:
     balance_loss: float = 0.01  # coefficient of the load-balancing loss (Switch's 0.01)
     z_loss: float = 0.001  # coefficient of the router z-loss (ST-MoE's 0.001)
     normalize: bool = False  # renormalise the top_k weights of a token to sum to 1 (Mixtral's rule)
+    # under expert parallelism only (ditcore.parallel.expert_parallel): the rows a rank sends each EP peer, as a
+    # multiple of an even share T·k/ep; >= ep drops nothing
+    capacity_factor: float = 1.25
 
     def __post_init__(self) -> None:
         def need(ok: bool, field: str, allowed: str) -> None:
@@ -69,6 +73,7 @@ class MoEConfig:
         need(integer(self.shared_experts) and self.shared_experts >= 0, "shared_experts", "an integer >= 0")
         need(self.balance_loss >= 0, "balance_loss", "a coefficient >= 0")
         need(self.z_loss >= 0, "z_loss", "a coefficient >= 0")
+        need(self.capacity_factor > 0, "capacity_factor", "a number > 0 (>= ep: no token is dropped under EP)")
 
     def places(self, i: int) -> bool:
         """Is block i (counted from 0) a mixture-of-experts block?"""
@@ -134,14 +139,31 @@ class GroupedExperts(nn.Module):
     GELU(tanh) MLPs like the DiT's, or with `glu` SwiGLU ones like MovieGen's, whose w_in output features are laid out
     (hidden, [gate, up]) as ditcore.models.moviegen.SwiGLU's."""
 
+    dispatch = None  # set by ditcore.parallel.expert_parallel: the experts are split over ranks
+
     def __init__(self, dim: int, hidden: int, experts: int, glu: bool):
         super().__init__()
         self.glu = glu
         self.w_in = nn.Parameter(torch.empty(experts, dim, hidden * (2 if glu else 1)))
         self.w_out = nn.Parameter(torch.empty(experts, hidden, dim))
 
-    def forward(self, x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """x (T, D) tokens, chosen (T, k) each token's experts, weights (T, k) fp32 → Σ_j weights_j · expert_j(x)."""
+    def mlps(self, rows: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+        """rows (R, D) in the compute dtype, grouped by expert (ends: each group's last row + 1) → (R, D)."""
+        dtype = rows.dtype
+        h = grouped_mm(rows, self.w_in.to(dtype), ends)  # (R, H or 2H)
+        if self.glu:
+            gate, up = h.unflatten(-1, (-1, 2)).unbind(-1)
+            h = F.silu(gate) * up
+        else:
+            h = F.gelu(h, approximate="tanh")
+        return grouped_mm(h, self.w_out.to(dtype), ends)
+
+    def forward(self, x: torch.Tensor, chosen: torch.Tensor,
+                weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x (T, D) tokens, chosen (T, k) each token's experts, weights (T, k) fp32 → (Σ_j weights_j · expert_j(x),
+        the share of (token, choice) rows dropped: 0 here, dropless)."""
+        if self.dispatch is not None:
+            return self.dispatch(self, x, chosen, weights)
         T, k = chosen.shape
         E = self.w_in.shape[0]
         flat = chosen.reshape(-1)  # (T·k,) the expert of (token t, choice j) at t·k + j
@@ -151,14 +173,15 @@ class GroupedExperts(nn.Module):
         ends = torch.searchsorted(flat[order], torch.arange(E, device=flat.device), right=True).to(torch.int32)
         dtype = compute_dtype(x)
         rows = x.to(dtype)[:, None].expand(T, k, -1).reshape(T * k, -1)  # its backward sums the k choices: no scatter
-        h = grouped_mm(reorder(rows, order, inverse), self.w_in.to(dtype), ends)  # (T·k, H or 2H) by expert
-        if self.glu:
-            gate, up = h.unflatten(-1, (-1, 2)).unbind(-1)
-            h = F.silu(gate) * up
-        else:
-            h = F.gelu(h, approximate="tanh")
-        y = reorder(grouped_mm(h, self.w_out.to(dtype), ends), inverse, order)  # (T·k, D) back in (t, j) order
-        return torch.bmm(weights.to(dtype)[:, None], y.view(T, k, -1)).squeeze(1)  # (T, D): Σ_j with fp32 accumulation
+        y = reorder(self.mlps(reorder(rows, order, inverse), ends), inverse, order)  # (T·k, D) back in (t, j) order
+        return combine(y, weights), torch.zeros((), device=x.device)
+
+
+def combine(y: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """y (T·k, D) the experts' outputs in (token, choice) order, weights (T, k) → (T, D): Σ_j weights_j · y_j, by a
+    batched matmul (fp32 accumulation, no scatter-add)."""
+    T, k = weights.shape
+    return torch.bmm(weights.to(y.dtype)[:, None], y.view(T, k, -1)).squeeze(1)
 
 
 class MoE(nn.Module):
@@ -185,11 +208,11 @@ class MoE(nn.Module):
         weights, chosen = probs.topk(self.top_k, dim=-1)  # (T, k) each, most probable first
         if self.normalize:
             weights = weights / weights.sum(-1, keepdim=True)
-        y = self.experts(tokens, chosen, weights)
+        y, dropped = self.experts(tokens, chosen, weights)
         if self.shared is not None:
             y = y + self.shared(tokens)
         mask = None if real is None else real.T.reshape(n * B)  # (T,) in the tokens' (n, B) order
-        return y.view(n, B, D), routing_stats(logits, probs, chosen, mask)
+        return y.view(n, B, D), torch.cat([routing_stats(logits, probs, chosen, mask), dropped.float()[None]])
 
 
 def routing_stats(logits: torch.Tensor, probs: torch.Tensor, chosen: torch.Tensor,
@@ -211,7 +234,8 @@ def routing_stats(logits: torch.Tensor, probs: torch.Tensor, chosen: torch.Tenso
 
 @dataclass
 class Routing:
-    """What a forward's MoE blocks report (`routing_stats`, stacked): (blocks, 2 + E)."""
+    """What a forward's MoE blocks report (`routing_stats` and the share of (token, choice) rows the expert-parallel
+    dispatch dropped, stacked): (blocks, 2 + E + 1)."""
 
     stats: torch.Tensor
     moe: MoEConfig
@@ -226,7 +250,11 @@ class Routing:
 
     @property
     def share(self) -> torch.Tensor:  # (blocks, E) each block's share of assignments per expert (no gradient)
-        return self.stats[:, 2:].detach()
+        return self.stats[:, 2:-1].detach()
+
+    @property
+    def dropped(self) -> torch.Tensor:  # (blocks,) each block's share of (token, choice) rows dropped (EP's capacity)
+        return self.stats[:, -1].detach()
 
     @property
     def aux_loss(self) -> torch.Tensor:
@@ -235,8 +263,10 @@ class Routing:
         return self.moe.balance_loss * self.balance.sum() + self.moe.z_loss * self.z.sum()
 
     def metrics(self) -> dict[str, torch.Tensor]:
-        """0-d values to log (nothing read back): the aux loss, the blocks' mean balance and z-losses, and each
+        """0-d values to log (nothing read back): the aux loss, the blocks' mean balance and z-losses and dropped share
+        (expert parallelism's capacity; 0 without), and each
         expert's share of the assignments, averaged over the blocks (1/E each when balanced)."""
         share = self.share.mean(0)
         return {"moe_aux_loss": self.aux_loss.detach(), "moe_balance": self.balance.detach().mean(),
-                "moe_z": self.z.detach().mean(), **{f"expert_share_{e}": share[e] for e in range(share.shape[0])}}
+                "moe_z": self.z.detach().mean(), "moe_dropped": self.dropped.mean(),
+                **{f"expert_share_{e}": share[e] for e in range(share.shape[0])}}

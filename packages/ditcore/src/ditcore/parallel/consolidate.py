@@ -1,7 +1,7 @@
 """Consolidated (one-device) weights from a model of any TP layout, and back.
 
 CP and DP ranks hold copies (under FSDP, pieces: gathered over DP×CP first); the TP shards are gathered along
-the dimension the architecture's plan splits them (ditcore.models.plan).
+the dimension the architecture's plan splits them (ditcore.models.plan), the experts over EP along dim 0.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from ditcore.parallel.dims import ParallelGroups
+from ditcore.parallel.expert_parallel import is_expert_sharded
 from ditcore.parallel.fsdp import local, local_piece
 from ditcore.parallel.pipeline import is_shared
 from ditcore.parallel.tensor_parallel import is_tp_sharded, shard
@@ -29,11 +30,7 @@ def gather_full(model: nn.Module, tensors: dict[str, torch.Tensor], groups: Para
     full = {}
     for k, v in tensors.items():
         p = params.get(k)
-        v = v.full_tensor() if isinstance(v, DTensor) else v  # this TP shard, gathered over DP×CP
-        if groups is not None and groups.dims.tp > 1 and p is not None and is_tp_sharded(p):
-            parts = [torch.empty_like(v) for _ in range(groups.dims.tp)]
-            dist.all_gather(parts, v.detach().contiguous(), group=groups.tp_group)
-            v = torch.cat(parts, dim=p.partition_dim)
+        v = _unshard(v, p, groups)
         if keep:
             full[k] = v.detach().cpu().clone()
         elif stage_writer:  # sent to rank 0 below, one tensor at a time
@@ -41,6 +38,20 @@ def gather_full(model: nn.Module, tensors: dict[str, torch.Tensor], groups: Para
     if groups is not None and groups.dims.pp > 1 and stage_writer:  # the stages' writers: global rank 0's pipeline
         _gather_stages(full, groups, keep)
     return full if keep else None
+
+
+def _unshard(v: torch.Tensor, p: torch.Tensor | None, groups: ParallelGroups | None) -> torch.Tensor:
+    """One tensor of this rank: gathered over DP×CP (FSDP's DTensor), over EP (the experts), over TP (its shards)."""
+    v = v.full_tensor() if isinstance(v, DTensor) else v
+    if groups is not None and p is not None and is_expert_sharded(p):  # this rank's experts: all of them
+        parts = [torch.empty_like(v) for _ in range(groups.dims.ep)]
+        dist.all_gather(parts, v.detach().contiguous(), group=groups.ep_group)
+        v = torch.cat(parts)
+    if groups is not None and groups.dims.tp > 1 and p is not None and is_tp_sharded(p):
+        parts = [torch.empty_like(v) for _ in range(groups.dims.tp)]
+        dist.all_gather(parts, v.detach().contiguous(), group=groups.tp_group)
+        v = torch.cat(parts, dim=p.partition_dim)
+    return v
 
 
 def _gather_stages(full: dict[str, torch.Tensor], groups: ParallelGroups, keep: bool) -> None:
@@ -90,7 +101,7 @@ def load_consolidated(model: nn.Module, state: dict[str, torch.Tensor], groups: 
             src = shard(state[k], p, rank, tp) if p is not None else state[k]
             if src.shape != v.shape:
                 raise ValueError(f"{k}: checkpoint shape {tuple(state[k].shape)} does not fit this model's "
-                                 f"{tuple(v.shape)} (shard of tp={tp})")
+                                 f"{tuple(v.shape)} (shard of tp={tp}, ep={getattr(p, 'ep_size', 1)})")
             local(v).copy_(local_piece(src, v))  # under FSDP, this rank's piece of its shard
 
 

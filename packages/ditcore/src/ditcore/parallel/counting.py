@@ -21,7 +21,7 @@ from torch.distributed.distributed_c10d import _resolve_process_group
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-Group = Literal["tp", "cp", "pp", "fsdp", "replicate", "dp"]
+Group = Literal["tp", "cp", "pp", "fsdp", "replicate", "dp", "ep", "edp"]
 Op = Literal["all_gather", "reduce_scatter", "all_reduce", "all_to_all", "send", "broadcast"]
 When = Literal["micro_batch", "step"]
 
@@ -30,7 +30,8 @@ When = Literal["micro_batch", "step"]
 class Collective:
     """All collectives of one kind, in one group, issued at one frequency by one rank."""
 
-    group: Group  # tp; cp; pp (stage to stage); fsdp (the shard group); replicate (HSDP's replicas); dp (DDP, dp x cp)
+    group: Group  # tp; cp; pp (stage to stage); fsdp (the shard group); replicate (HSDP's replicas); dp (DDP, dp x cp);
+    # ep (expert parallelism's dispatch), edp (the ranks holding the same experts)
     op: Op
     when: When  # every micro-batch, or once per optimizer step
     count: int  # collectives issued

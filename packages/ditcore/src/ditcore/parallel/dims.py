@@ -3,6 +3,11 @@
 Ranks are laid out as Megatron-Core lays them (order tp-cp-dp-pp: tensor-parallel peers are adjacent).
 Data parallelism runs over the DP×CP group: context-parallel ranks hold the same weights and each sees a
 slice of the same rows, so their gradients are combined with the data-parallel ones.
+
+Expert parallelism (ep) splits a mixture of experts' experts over `ep` consecutive ranks of the DP×CP group (ranks that
+hold the same TP shard and see different tokens): the EP group. The dp·cp/ep ranks at the same place in the EP groups
+hold the same experts: their expert-data-parallel group, over which the experts' gradients are averaged
+(ditcore.parallel.expert_parallel).
 """
 
 from __future__ import annotations
@@ -22,9 +27,10 @@ class ParallelDims:
     pp: int = 1  # pipeline parallel: the transformer blocks split into pp consecutive stages
     dp: int | None = None  # data parallel; None: whatever the world size leaves
     sequence_parallel: bool = False  # with tp > 1: split tokens over TP ranks outside attention
+    ep: int = 1  # expert parallel: a mixture of experts' experts split over ep consecutive DP×CP ranks
 
     def __post_init__(self) -> None:
-        for name in ("tp", "cp", "pp"):
+        for name in ("tp", "cp", "pp", "ep"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ConfigError(name, value, "an integer >= 1")
@@ -43,7 +49,10 @@ class ParallelDims:
             raise ConfigError(
                 "dp", self.dp,
                 f"{dp}: tp*cp*pp*dp must equal the world size {world_size}, and tp*cp*pp = {model_parallel}")
-        return ParallelDims(self.tp, self.cp, self.pp, dp, self.sequence_parallel)
+        if (dp * self.cp) % self.ep:
+            raise ConfigError("ep", self.ep, f"a divisor of dp x cp = {dp} x {self.cp}: the experts are split over "
+                                             "ranks that see different tokens")
+        return ParallelDims(self.tp, self.cp, self.pp, dp, self.sequence_parallel, self.ep)
 
     def check_fsdp_shard(self, shard: int | None) -> None:
         """The one home of HSDP's rule (dit-train, the memory planner and `apply_fsdp` ask it, on resolved dims):
@@ -58,14 +67,18 @@ class ParallelDims:
                                                    f"{divisors}, or null to shard over all {size}")
 
     def check_model(self, num_heads: int, seq_len: int | None = None, depth: int | None = None,
-                    num_kv_heads: int | None = None, moe: bool = False) -> None:
+                    num_kv_heads: int | None = None, moe=None) -> None:
         """Errors for a model/sequence that this layout cannot split. Call on every rank before any collective.
-        moe: the model has mixture-of-experts blocks (DiTConfig.moe)."""
-        for key in ("tp", "pp"):  # experts are not split over ranks yet; a pipeline stage's aux loss would be lost
-            if moe and getattr(self, key) > 1:
+        moe: the model's mixture-of-experts config (DiTConfig.moe), None for a dense model."""
+        for key in ("tp", "pp"):  # experts are not split over TP yet; a pipeline stage's aux loss would be lost
+            if moe is not None and getattr(self, key) > 1:
                 raise ConfigError(key, getattr(self, key), "1 with model.moe: a mixture of experts trains on one "
-                                                           "process or over dp, fsdp and cp (no expert parallelism "
-                                                           "yet)")
+                                                           "process or over dp, fsdp, cp and ep")
+        if self.ep > 1 and moe is None:
+            raise ConfigError("ep", self.ep, "1 for a model without model.moe: there are no experts to split")
+        if self.ep > 1 and moe.experts % self.ep:
+            raise ConfigError("ep", self.ep, f"a divisor of model.moe.experts={moe.experts}: each rank holds "
+                                             "experts/ep whole experts")
         if depth is not None and depth < self.pp:
             raise ConfigError("pp", self.pp, f"at most the model's depth={depth}: every pipeline stage holds at least "
                                               "one block")
@@ -109,6 +122,7 @@ class ParallelDims:
             pp_group=ps.get_pipeline_model_parallel_group(),
             pp_rank=ps.get_pipeline_model_parallel_rank(),
             pp_ranks=tuple(dist.get_process_group_ranks(ps.get_pipeline_model_parallel_group())),
+            **_expert_groups(dims),
         )
         seed_model_parallel_rng(0, groups.tp_rank)
         return groups
@@ -130,6 +144,9 @@ class ParallelGroups:
     pp_group: dist.ProcessGroup | None = None  # the pipeline: one rank of every stage, with the same tp/cp/dp ranks
     pp_rank: int = 0  # this rank's stage
     pp_ranks: tuple[int, ...] = (0,)  # global ranks of the stages, first to last
+    ep_group: dist.ProcessGroup | None = None  # ep > 1: the ranks this rank's tokens are dispatched over
+    ep_rank: int = 0  # this rank's place in it: it holds experts ep_rank·E/ep to (ep_rank + 1)·E/ep − 1
+    edp_group: dist.ProcessGroup | None = None  # ep > 1: the ranks holding the same experts (their gradients' peers)
 
     @property
     def is_model_parallel_writer(self) -> bool:
@@ -143,6 +160,28 @@ class ParallelGroups:
     @property
     def last_stage(self) -> bool:
         return self.pp_rank == self.dims.pp - 1
+
+
+def _expert_groups(dims: ParallelDims) -> dict:
+    """The EP and expert-data-parallel groups of this rank (none when ep = 1). Every DP×CP group of the world (one per
+    TP rank and pipeline stage), its ranks in Megatron's order (rank = tp_rank + tp·dp_cp_rank + tp·dp_cp·pp_rank), is
+    cut into rows of ep consecutive ranks: the rows are EP groups, the columns expert-data-parallel ones. new_group is
+    collective over the world: every rank creates every group, in the same order (as fsdp._hsdp_groups)."""
+    if dims.ep == 1:
+        return {}
+    world, me = dist.get_world_size(), dist.get_rank()
+    everyone = torch.arange(world).reshape(dims.pp, world // (dims.tp * dims.pp), dims.tp).permute(0, 2, 1)
+    mine = {}
+    for dp_cp in everyone.reshape(dims.tp * dims.pp, -1):
+        grid = dp_cp.reshape(-1, dims.ep)
+        for role, lines in (("ep_group", grid), ("edp_group", grid.T)):
+            for line in lines.tolist():
+                group = dist.new_group(line)
+                if me in line:
+                    mine[role] = group
+                    if role == "ep_group":
+                        mine["ep_rank"] = line.index(me)
+    return mine
 
 
 def destroy() -> None:

@@ -22,6 +22,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from ditcore.parallel.consolidate import without_extra_state
 from ditcore.parallel.dims import ParallelGroups
+from ditcore.parallel.expert_parallel import is_expert_sharded
 from ditcore.parallel.fsdp import local
 from ditcore.parallel.tensor_parallel import full_shape, is_tp_sharded
 
@@ -77,6 +78,8 @@ def _global(value: torch.Tensor, like: torch.Tensor, groups: ParallelGroups, mes
     dp = [Shard(0) if isinstance(value, DTensor) else Replicate()]
     if isinstance(value, DTensor) and value.device_mesh.ndim == 2:  # HSDP: a piece of its group's, replicated
         mesh, dp = _hsdp_mesh(groups, value.device_mesh), [Replicate(), Shard(0)]
+    if is_expert_sharded(like):  # this rank's experts: replicated over the expert-data-parallel ranks
+        mesh, dp = _ep_mesh(groups, mesh.device_type), [Replicate(), Shard(0)]
     shape = full_shape(like, groups.dims.tp)
     return DTensor.from_local(piece, mesh, [tp, *dp], run_check=False, shape=shape,
                               stride=torch.empty(shape, device="meta").stride())
@@ -97,6 +100,22 @@ def _mesh(groups: ParallelGroups, device_type: str):
     if tuple(mesh.get_coordinate()) != (groups.tp_rank, groups.dp_cp_rank):
         raise RuntimeError(f"rank {dist.get_rank()}: the checkpoint mesh puts it at {mesh.get_coordinate()}, "
                            f"Megatron at tp {groups.tp_rank}, dp×cp {groups.dp_cp_rank}")
+    return mesh
+
+
+@functools.cache
+def _ep_mesh(groups: ParallelGroups, device_type: str):
+    """The (tp, dp_cp) mesh with dp_cp split into (expert data parallel, ep) over the same groups (ep consecutive
+    DP×CP ranks, ditcore.parallel.dims): rank = tp_rank + tp·(ep_rank + ep·edp_rank) + tp·dp_cp·pp_rank."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    world, tp, pp, ep = dist.get_world_size(), groups.dims.tp, groups.dims.pp, groups.dims.ep
+    ranks = torch.arange(world).reshape(pp, world // (tp * pp * ep), ep, tp)[groups.pp_rank].permute(2, 0, 1)
+    mesh = DeviceMesh.from_group([groups.tp_group, groups.edp_group, groups.ep_group], device_type, mesh=ranks,
+                                 mesh_dim_names=("tp", "edp", "ep"))
+    if tuple(mesh.get_coordinate())[::2] != (groups.tp_rank, groups.ep_rank):
+        raise RuntimeError(f"rank {dist.get_rank()}: the checkpoint mesh puts it at {mesh.get_coordinate()}, "
+                           f"Megatron at tp {groups.tp_rank}, ep {groups.ep_rank}")
     return mesh
 
 

@@ -120,6 +120,9 @@ def apply_fsdp(model: nn.Module, groups: ParallelGroups, device_type: str, param
 
     if sync not in FSDP_SYNCS:
         raise ConfigError("fsdp_sync", sync, "one of " + ", ".join(map(repr, FSDP_SYNCS)))
+    if groups.dims.ep > 1:  # the experts would need a mesh of their own (the expert-data-parallel ranks)
+        raise ConfigError("fsdp", True, f"false with ep={groups.dims.ep}: expert parallelism trains with DDP (FSDP "
+                                        "of expert-parallel experts is not implemented yet)")
     tags = {name: dict(vars(p)) for name, p in model.named_parameters()}
     mesh = fsdp_mesh(groups, device_type, shard)
     # Inputs are left in their dtype (cast_forward_inputs=False): autocast decides the compute dtype per op, as

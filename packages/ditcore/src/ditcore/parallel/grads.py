@@ -7,6 +7,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ditcore.parallel.dims import ParallelGroups
+from ditcore.parallel.expert_parallel import is_expert_sharded, reduce_expert_grads
 from ditcore.parallel.fsdp import is_fsdp, local, shard_group
 from ditcore.parallel.pipeline import is_shared
 from ditcore.parallel.tensor_parallel import is_tp_sharded
@@ -16,7 +17,9 @@ def finalize_grads(model: nn.Module, groups: ParallelGroups | None) -> None:
     """Complete the gradients after backward (and after DDP's averaging over DP×CP), before clipping/stepping.
 
     1. Sum partial gradients of replicated parameters over TP (tagged by `parallelize` from the plan).
-    2. Context parallel: every CP rank computed the full loss but only its slice of the tokens, so its
+    2. Expert parallel: the experts' gradients, which DDP skipped, averaged over their own ranks
+       (ditcore.parallel.expert_parallel.reduce_expert_grads).
+    3. Context parallel: every CP rank computed the full loss but only its slice of the tokens, so its
        gradients are partial sums; DDP averaged them over DP×CP, which divides by cp once too often.
 
     Under FSDP each rank does the same to its DP×CP piece of every gradient (TP peers hold the same pieces); FSDP2
@@ -36,27 +39,33 @@ def finalize_grads(model: nn.Module, groups: ParallelGroups | None) -> None:
         dist.all_reduce(flat, group=groups.tp_group)  # one collective for all of them
         torch._foreach_copy_(partial, [s.view_as(g) for g, s in zip(partial, flat.split([g.numel() for g in partial]),
                                                                          strict=True)])
+    if groups.dims.ep > 1:
+        reduce_expert_grads(model, groups)
     if groups.dims.cp > 1:
         torch._foreach_mul_(_grads(model), float(groups.dims.cp))
 
 
 def grad_norm(model: nn.Module, groups: ParallelGroups | None) -> torch.Tensor:
     """Global L2 norm of the gradients, a float64 tensor on their device: TP shards' squares are summed over TP,
-    replicated parameters counted once; under FSDP every rank's pieces are summed over DP×CP (HSDP: over its shard
-group only, whose pieces make a whole parameter; the other groups hold the same ones). One fused (foreach)
-    reduction per kind, one collective per kind of split, no host sync. Pipeline stages add up their own.
+    experts' over EP, replicated parameters counted once; under FSDP every rank's pieces are summed over DP×CP
+    (HSDP: over its shard group only, whose pieces make a whole parameter; the other groups hold the same ones). One
+    fused (foreach) reduction per kind, one collective per kind of split, no host sync. Pipeline stages add up their
+    own.
 
     torch._foreach_norm gives every gradient's norm (one kernel launch for many tensors; accumulated in float64
     on a CPU, in float32 on a GPU) as float64, and their squares are summed in float64.
     """
     params = [p for n, p in model.named_parameters() if p.grad is not None and _counted_here(model, n, groups)]
     sharded = [local(p.grad) for p in params if is_tp_sharded(p)]
-    replicated = [local(p.grad) for p in params if not is_tp_sharded(p)]
+    replicated = [local(p.grad) for p in params if not is_tp_sharded(p) and not is_expert_sharded(p)]
+    experts = [local(p.grad) for p in params if is_expert_sharded(p)]
     device = local(next(model.parameters())).device
-    sharded_sq, replicated_sq = (_sum_of_squares(grads, device) for grads in (sharded, replicated))
+    sharded_sq, replicated_sq, experts_sq = (_sum_of_squares(g, device) for g in (sharded, replicated, experts))
     if groups is not None and groups.dims.tp > 1:
         dist.all_reduce(sharded_sq, group=groups.tp_group)
-    total = sharded_sq + replicated_sq
+    if groups is not None and groups.dims.ep > 1:  # each EP rank its own experts
+        dist.all_reduce(experts_sq, group=groups.ep_group)
+    total = sharded_sq + replicated_sq + experts_sq
     if groups is not None and is_fsdp(model):  # every parameter is split over the shard group: add up the pieces
         dist.all_reduce(total, group=shard_group(model))
     if groups is not None and groups.dims.pp > 1:  # each stage its own blocks; the shared embedders once

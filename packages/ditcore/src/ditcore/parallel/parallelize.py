@@ -2,9 +2,9 @@
 this rank's part of a model built the way dit-train builds it (meta device, sharded, techniques, materialised).
 
 The model file knows nothing of ranks. This applies, in order: the pipeline split (this rank's stage only),
-tensor (and sequence) parallelism as the
-architecture's plan says (ditcore.models.plan), the row split for context/sequence parallelism, and the tags
-that gradient finalisation reads (which replicated parameters' gradients are partial over TP).
+tensor (and sequence) parallelism as the architecture's plan says (ditcore.models.plan), the experts split over the
+EP group (ditcore.parallel.expert_parallel), the row split for context/sequence parallelism, and the tags that
+gradient finalisation reads (which replicated parameters' gradients are partial over TP).
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from torch import nn
 from ditcore.models import DiTConfig, apply_activation_checkpointing, apply_compile, build, plan_for
 from ditcore.parallel.context_parallel import SplitRows
 from ditcore.parallel.dims import ParallelGroups
+from ditcore.parallel.expert_parallel import apply_expert_parallel
 from ditcore.parallel.fsdp import apply_fsdp
 from ditcore.parallel.materialize import materialize
 from ditcore.parallel.pipeline import split_stages
@@ -25,13 +26,15 @@ def parallelize(model: nn.Module, groups: ParallelGroups) -> nn.Module:
     """Shard `model` (real or meta weights) in place for this rank and return it."""
     dims, plan = groups.dims, plan_for(model)
     dims.check_model(model.cfg.num_heads, depth=model.cfg.depth, num_kv_heads=model.cfg.kv_heads,
-                     moe=model.cfg.moe is not None)
+                     moe=model.cfg.moe)
     if dims.pp > 1:
         split_stages(model, groups)
     sp = dims.sequence_parallel and dims.tp > 1
     names = [name for name, _ in model.named_parameters()]  # the one-device names, which sharding keeps
     if dims.tp > 1:
         apply_tensor_parallel(model, plan, groups, sp)
+    if dims.ep > 1:
+        apply_expert_parallel(model, groups)
     if dims.cp > 1 or sp:
         model.rows = SplitRows(groups, sp)  # every architecture's: one that regroups tokens uses its permutation
     params = dict(model.named_parameters())

@@ -35,7 +35,10 @@ def is_tp_sharded(p: torch.Tensor) -> bool:
 
 
 def shard(full: torch.Tensor, local: torch.Tensor, rank: int, size: int) -> torch.Tensor:
-    """This rank's piece of a full tensor, for a parameter split along `partition_dim`."""
+    """This rank's piece of a full tensor, for a parameter split along `partition_dim` over TP, or an expert
+    parameter split along dim 0 over EP (its tags: ditcore.parallel.expert_parallel)."""
+    if getattr(local, "expert_parallel", False):
+        full = full.chunk(local.ep_size)[local.ep_rank]
     if not is_tp_sharded(local):
         return full
     return full.chunk(size, dim=local.partition_dim)[rank]
@@ -43,6 +46,8 @@ def shard(full: torch.Tensor, local: torch.Tensor, rank: int, size: int) -> torc
 
 def full_shape(local: torch.Tensor, size: int) -> torch.Size:
     """The one-device shape of a parameter of which this rank holds `local` (the inverse of `shard`)."""
+    if getattr(local, "expert_parallel", False):
+        return torch.Size([local.shape[0] * local.ep_size, *local.shape[1:]])
     if not is_tp_sharded(local):
         return local.shape
     if getattr(local, "partition_stride", 1) != 1:
