@@ -193,6 +193,24 @@ def test_memory_plan_holds_every_expert():
     assert plan.weights > dense.weights and plan.activations > 0
 
 
+def test_under_expert_parallelism_a_rank_plans_its_own_experts_and_the_search_tries_ep():
+    """parallel.ep: a rank holds E/ep of each MoE block's stacked expert weights (dim 0) and every other parameter
+    whole; --plan --search tries each ep that divides dp x cp and the experts, for MoE configs only."""
+    from ditcore.job import Layout
+    from ditcore.speed import Cluster, layouts
+
+    cfg = preset("DiT-Tiny", moe=MOE)
+    lay = Layout(world_size=4, seq_length=16, text_len=0, precision="fp32", device="cpu", attention="sdpa")
+    experts = sum(p.numel() for m in meta_model(cfg).modules() if isinstance(m, GroupedExperts)
+                  for p in m.parameters())
+    assert experts > 0
+    for ep in (2, 4):
+        assert plan_from(cfg, lay).weights - plan_from(cfg, lay.replace(ep=ep)).weights == 4 * experts * (ep - 1) // ep
+    tried = {(s.ep, s.fsdp) for s in layouts(cfg, lay, Cluster(gpus_per_node=4), 4)}
+    assert {(2, False), (4, False)} <= tried and (2, True) not in tried  # EP with FSDP is refused (apply_fsdp)
+    assert {s.ep for s in layouts(preset("DiT-Tiny"), lay, Cluster(gpus_per_node=4), 4)} == {1}
+
+
 # --------------------------------------------------------------------------------------------------
 # A training step: bf16 sums, host reads, compile, checkpointing
 

@@ -246,8 +246,9 @@ def print_speed(model_cfg, layout, cluster, global_batch: int | None, top: int) 
         typer.echo(f"error: no layout of {layout.world_size} GPUs fits {cluster.memory / GiB:g} GiB: use more GPUs "
                    "(--world-size) or a smaller model", err=True)
         return False
+    experts = " x ep" if model_cfg.moe is not None else ""
     typer.echo(f"search: the {len(found)} fastest layouts of {layout.world_size} GPUs that fit, one for each tp x cp x "
-               "pp (overrides of this config)")
+               f"pp{experts} (overrides of this config)")
     typer.echo(f"  {'tokens/s/GPU':>12}{'MFU':>7}{'step s':>10}{'exposed':>9}{'GiB':>7}  {'bound':<10}overrides")
     for c in found:
         p = c.prediction

@@ -83,6 +83,10 @@ class MoE(Section):
     z_loss: Number | None = Field(None, ge=0, description="coefficient of the router z-loss (default 0.001)")
     normalize: bool | None = Field(None, description="renormalise a token's top_k weights to sum to 1 (default "
                                                      "false)")
+    capacity_factor: Number | None = Field(None, gt=0, description="under parallel.ep > 1: slots a rank sends each "
+                                                                  "expert-parallel peer, x its even share of the "
+                                                                  "rows; the rest dropped, >= ep drops none "
+                                                                  "(default 1.25)")
 
 
 class Model(Section):

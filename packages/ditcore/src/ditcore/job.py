@@ -99,4 +99,5 @@ class Layout:
             wrap = f"1F1B pipeline, {n} micro-batch{'es' if n > 1 else ''} a step; no DDP, no FSDP"
         else:
             wrap = "DDP, no FSDP"
-        return f"world {self.world_size} = tp {self.tp}{sp} x cp {self.cp} x pp {self.pp} x dp {self.dp}; {wrap}"
+        ep = f"; experts over ep {self.ep} of dp x cp" if self.ep > 1 else ""
+        return f"world {self.world_size} = tp {self.tp}{sp} x cp {self.cp} x pp {self.pp} x dp {self.dp}; {wrap}{ep}"

@@ -63,6 +63,7 @@ from ditcore.job import Layout
 from ditcore.layout import grid_rows
 from ditcore.models import inputs_of, plan_for
 from ditcore.models.dit import DiTConfig
+from ditcore.models.moe import GroupedExperts
 from ditcore.parallel.pipeline import stage_blocks
 from ditcore.probe import Rank, RankShapes, meta_model, run, watch_every_run
 
@@ -172,8 +173,9 @@ class Param:
         return math.ceil(self.shape[0] / shards) * math.prod(self.shape[1:])
 
 
-def parameters(cfg: DiTConfig, tp: int = 1) -> list[Param]:
-    """Every parameter of the model, counted on a meta-device model, with its shape on one tensor-parallel rank."""
+def parameters(cfg: DiTConfig, tp: int = 1, ep: int = 1) -> list[Param]:
+    """Every parameter of the model, counted on a meta-device model, with its shape on one tensor-parallel rank (and,
+    for a mixture of experts' stacked expert weights, on one expert-parallel rank: its experts, dim 0 over ep)."""
     model = meta_model(cfg)
     params, plan = [], plan_for(model)
     for name, p in model.named_parameters():
@@ -184,6 +186,8 @@ def parameters(cfg: DiTConfig, tp: int = 1) -> list[Param]:
                 raise ConfigError("tp", tp, f"a divisor of {shape[dim]}, the size of {name} it splits")
             shape[dim] //= tp
         owner = model.get_submodule(name.rpartition(".")[0])
+        if isinstance(owner, GroupedExperts):  # ditcore.parallel.expert_parallel: rank r holds experts r·E/ep on
+            shape[0] //= ep
         params.append(Param(name, tuple(shape), p.numel(), cast=not isinstance(owner, nn.Embedding)))
     return params
 
@@ -214,7 +218,7 @@ def plan_from(cfg: DiTConfig, layout: Layout, stage: int | None = None) -> Plan:
     lay.dims.check_model(cfg.num_heads, lay.seq_length, cfg.depth, cfg.kv_heads, moe=cfg.moe)
     if stage is not None and not (isinstance(stage, int) and 0 <= stage < lay.pp):
         raise ValueError(f"stage={stage!r} is invalid: expected a pipeline stage in [0, {lay.pp})")
-    params = parameters(cfg, lay.tp)
+    params = parameters(cfg, lay.tp, lay.ep)
     act = _activations(cfg, lay)
     plans = [_stage_plan(cfg, lay, params, act, s) for s in (range(lay.pp) if stage is None else [stage])]
     return max(plans, key=lambda plan: plan.total)  # the first of the most loaded

@@ -141,7 +141,9 @@ def group_ranks(group: str, lay: Layout) -> tuple[int, int]:
     dpcp = lay.dp * lay.cp
     shard = lay.fsdp_shard or dpcp
     return {"tp": (lay.tp, 1), "cp": (lay.cp, lay.tp), "dp": (dpcp, lay.tp), "fsdp": (shard, lay.tp),
-            "replicate": (dpcp // shard, lay.tp * shard), "pp": (lay.pp, lay.tp * dpcp)}[group]
+            "replicate": (dpcp // shard, lay.tp * shard), "pp": (lay.pp, lay.tp * dpcp),
+            # expert parallelism: ep consecutive DP x CP ranks, and the ranks that hold the same experts
+            "ep": (lay.ep, lay.tp), "edp": (dpcp // lay.ep, lay.tp * lay.ep)}[group]
 
 
 @dataclass(frozen=True)
@@ -215,7 +217,9 @@ class GroupTime:
 # How a table says what each group overlaps with.
 OVERLAPS = {"fsdp": "the micro-batch's compute (prefetched gathers, reduce-scatters as blocks finish)",
             "dp": "backward, except the last 25 MB bucket", "replicate": "backward, except the last block's",
-            "tp": "nothing: between the matmuls", "cp": "nothing: before attention", "pp": "nothing, plus the bubble"}
+            "tp": "nothing: between the matmuls", "cp": "nothing: before attention", "pp": "nothing, plus the bubble",
+            "ep": "nothing: between the router and the experts, and back",
+            "edp": "nothing: after backward (finalize_grads)"}
 DDP_BUCKET = 25 * 2**20  # torch DDP's bucket_cap_mb
 
 
@@ -356,7 +360,7 @@ def time_step(lay: Layout, cluster: Cluster, traffic: Traffic, flops_per_token: 
             hide, tail = backward, lambda t, last=last: min(t, last)
         exposed = sum(n * min(t, max(0.0, t - hide) + tail(t)) for n, t in ((m, mb), (1, st)) if t)
         groups[g] = (mb_bytes, step_bytes, mb * m + st, exposed)
-    order = ["tp", "cp", "fsdp", "replicate", "dp", "pp"]
+    order = ["tp", "cp", "ep", "fsdp", "replicate", "dp", "edp", "pp"]
     times = tuple(GroupTime(g, main_link(g), *groups[g], OVERLAPS.get(g, "nothing"))
                   for g in sorted(groups, key=lambda g: order.index(g) if g in order else len(order)))
     per_micro_batch = window  # with pp, one stage's micro-batch: what the bubble repeats
@@ -398,7 +402,7 @@ def search(cfg: DiTConfig, cluster: Cluster, base: Layout, global_batch: int, to
     walk = predicted if progress is None else progress(predicted, len(predicted))
     for pred in walk:
         lay = pred.layout
-        family = (lay.tp, lay.cp, lay.pp)
+        family = (lay.tp, lay.cp, lay.pp, lay.ep)
         if family in fitted or state_bytes(cfg, lay) > usable or any(needs_less(f, lay) for f in failed):
             continue
         plan = plan_from(cfg, lay)
@@ -453,7 +457,7 @@ def fsdp_shards(lay: Layout) -> int:
 def needs_less(small: Layout, lay: Layout) -> bool:
     """Does `small` need no more memory than `lay`? The same model parallelism, and on each of memory_order's keys
     no more: if `small` does not fit, neither does `lay`."""
-    same = (small.tp, small.cp, small.pp) == (lay.tp, lay.cp, lay.pp)
+    same = (small.tp, small.cp, small.pp, small.ep) == (lay.tp, lay.cp, lay.pp, lay.ep)
     return same and all(a <= b for a, b in zip(memory_order(small), memory_order(lay), strict=True))
 
 
@@ -473,7 +477,7 @@ def layouts(cfg: DiTConfig, base: Layout, cluster: Cluster, global_batch: int) -
                 break
             for pp in divisors(world // (tp * cp)):
                 dp = world // (tp * cp * pp)
-                shape = base.replace(tp=tp, cp=cp, pp=pp, sequence_parallel=tp > 1, fsdp=False, fsdp_shard=None,
+                shape = base.replace(tp=tp, cp=cp, pp=pp, ep=1, sequence_parallel=tp > 1, fsdp=False, fsdp_shard=None,
                                      fsdp_sync="micro_batch")
                 try:
                     shape.dims.check_model(cfg.num_heads, base.seq_length, cfg.depth,
@@ -491,9 +495,20 @@ def layouts(cfg: DiTConfig, base: Layout, cluster: Cluster, global_batch: int) -
                         lay = shape.replace(micro_batch=micro_batch, micro_batches=micro_batches,
                                             activation_checkpointing=checkpointing)
                         yield lay
+                        yield from _expert_parallel(cfg, lay)
                         for shard in [None, *(s for s in divisors(dp * cp)[1:-1])]:
                             for sync in ("micro_batch", "step"):
                                 yield lay.replace(fsdp=True, fsdp_shard=shard, fsdp_sync=sync)
+
+
+def _expert_parallel(cfg: DiTConfig, lay: Layout) -> Iterator[Layout]:
+    """`lay` with a mixture of experts' experts split over each ep > 1 that divides dp x cp and the experts (without
+    FSDP: ditcore.parallel.fsdp refuses FSDP with ep)."""
+    if cfg.moe is None:
+        return
+    for ep in divisors(lay.dp * lay.cp)[1:]:
+        if cfg.moe.experts % ep == 0:
+            yield lay.replace(ep=ep)
 
 
 def divisors(n: int) -> list[int]:
@@ -503,18 +518,18 @@ def divisors(n: int) -> list[int]:
 def state_bytes(cfg: DiTConfig, lay: Layout) -> float:
     """What a rank's weights, gradients, AdamW and EMA need at least (fp32, 20 B a parameter held): the layout's TP
     and FSDP shares of every parameter, over pp stages evenly (the most loaded stage holds no less)."""
-    held = sum(p.shard(lay.shards) for p in _parameters(cfg, lay.tp))
+    held = sum(p.shard(lay.shards) for p in _parameters(cfg, lay.tp, lay.ep))
     return 20 * held / lay.pp
 
 
 @functools.lru_cache(maxsize=64)
-def _parameters(cfg: DiTConfig, tp: int) -> list[Param]:
-    return parameters(cfg, tp)  # cached: a search asks for every layout's
+def _parameters(cfg: DiTConfig, tp: int, ep: int = 1) -> list[Param]:
+    return parameters(cfg, tp, ep)  # cached: a search asks for every layout's
 
 
 # The fields a searched layout may change, in the order an app lists them.
-SEARCHED = ("tp", "cp", "pp", "sequence_parallel", "fsdp", "fsdp_shard", "fsdp_sync", "activation_checkpointing",
-            "micro_batch")
+SEARCHED = ("tp", "cp", "pp", "ep", "sequence_parallel", "fsdp", "fsdp_shard", "fsdp_sync",
+            "activation_checkpointing", "micro_batch")
 
 
 def changes(lay: Layout, base: Layout) -> dict:
