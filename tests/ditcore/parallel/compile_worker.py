@@ -21,12 +21,15 @@ from ditcore.diffusion import EDMLoss, EDMPrecond
 from ditcore.inputs import Inputs
 from ditcore.layout import grid_positions
 from ditcore.models import preset
+from ditcore.models.moe import MoEConfig
 from ditcore.parallel import ParallelDims, build_parallel_model, finalize_grads, gather_full
 from ditcore.parallel.pipeline import one_f_one_b, reduce_grads
 from ditcore.training import stage_forward
 
 DATA = dict(in_channels=4, num_classes=5, text_dim=16, fps_cond=True)
-CONFIGS = {"dit": preset("DiT-Tiny", **DATA), "moviegen": preset("MovieGen-Tiny", **DATA)}
+CONFIGS = {"dit": preset("DiT-Tiny", **DATA), "moviegen": preset("MovieGen-Tiny", **DATA),
+           # "moe:CASE": the second block a mixture of 4 experts, top-2; under EP no slot overflows (capacity 2 = ep)
+           "moe": preset("DiT-Tiny", moe=MoEConfig(experts=4, top_k=2, every=2, capacity_factor=2.0), **DATA)}
 ROWS, N, BATCHES = 2, 32, 20  # rows of 32 tokens: divisible by cp·tp = 4
 
 # case → (dims, activation checkpointing, fsdp)
@@ -43,6 +46,7 @@ CASES = {
     "fsdp_dp2_selective": (ParallelDims(), "selective", True),
     "fsdp_cp2_selective": (ParallelDims(cp=2), "selective", True),  # FSDP over the CP pair: dit-28b-8k, moviegen-30b
     "pp2": (ParallelDims(pp=2), "none", False),
+    "ep2_selective": (ParallelDims(ep=2), "selective", False),  # experts over the 2 data-parallel ranks
     # 4 processes
     "fsdp_tp2_sp_dp2_selective": (ParallelDims(tp=2, sequence_parallel=True), "selective", True),
     "cp2_tp2_sp_block": (ParallelDims(cp=2, tp=2, sequence_parallel=True), "block", False),
@@ -129,8 +133,36 @@ def run_case(arch: str, dims: ParallelDims, checkpointing: str, fsdp: bool) -> d
         worst["loss"] = max(worst["loss"], rel(losses[1], losses[0]))
         if grads[0] is not None:
             worst["grad"] = max([worst["grad"]] + [rel(grads[1][k], grads[0][k]) for k in grads[0]])
+    held = [b for b in compiled.blocks if next(b.parameters(), None) is not None]
     return {"unique_graphs": counters["stats"]["unique_graphs"], "graph_breaks": dict(counters["graph_break"]),
-            "blocks": sum(1 for b in compiled.blocks if next(b.parameters(), None) is not None), **worst}
+            "blocks": len(held), "kinds": len({(type(b), getattr(b, "moe", False)) for b in held}), **worst,
+            **(device_checks(eager, groups, cfg) if cfg.moe is not None else {})}
+
+
+def device_checks(model, groups, cfg) -> dict:
+    """What a GPU would suffer and a CPU hides, on one bf16 step of the eager model (ditcore.testing): a value read
+    back to the host (an all-to-all's split sizes, an expert's token count), or a sum scattered into bf16."""
+    from ditcore.models import dit
+    from ditcore.testing import HostReads, NoLowPrecisionScatter
+    from ditcore.training import routing_of
+
+    batch = packed_batch(torch.Generator().manual_seed(100 + dist.get_rank()), cfg)
+    watch = HostReads("cpu")
+    found = {"host_read": None, "low_precision_scatter": None}
+    check, dit.check_positions = dit.check_positions, watch.unwatched(dit.check_positions)  # CPU positions, by design
+    try:
+        scatter = NoLowPrecisionScatter()
+        with watch, scatter, torch.autocast("cpu", torch.bfloat16):
+            inputs = Inputs(seg=batch["seg"], **batch["cond"])
+            loss = EDMLoss()(EDMPrecond(model), batch["x"], inputs, mask=batch["mask"], sigma=batch["sigma"],
+                             noise=batch["noise"])
+            (loss + routing_of(model).aux_loss).backward()
+    except RuntimeError as e:
+        found["host_read" if "host wait" in str(e) else "low_precision_scatter"] = str(e)
+    finally:
+        dit.check_positions = check
+    model.zero_grad(set_to_none=True)
+    return found
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:

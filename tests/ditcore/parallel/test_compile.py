@@ -21,7 +21,7 @@ GRAPHS_PER_BLOCK = 2
 # The default run keeps one torchrun of two cases (the suite's time on 2 cores): TP + SP under selective
 # checkpointing (the layout Megatron's linears lost entirely) and CP on MovieGen's blocks. `make test-slow` runs
 # every other family, FSDP with TP + SP under block checkpointing (the shipped large configs') among them.
-CASES_2 = ["tp2_sp_selective", "moviegen:cp2"]
+CASES_2 = ["tp2_sp_selective", "moviegen:cp2", "moe:ep2_selective"]
 CASES_2_SLOW = ["tp2", "tp2_sp", "tp2_sp_block", "fsdp_tp2_sp", "fsdp_tp2_sp_block", "fsdp_tp2_sp_selective", "cp2",
                 "cp2_selective", "moviegen:fsdp_cp2_selective",
                 "fsdp_dp2_selective", "pp2", "moviegen:tp2_sp_selective"]
@@ -62,8 +62,18 @@ def test_compiled_blocks_are_whole_graphs_on_every_rank(results, case):
     for rank, r in enumerate(results(case)):
         assert not r["graph_breaks"], f"{case}, rank {rank}: graph breaks {list(r['graph_breaks'])}"
         fsdp = case.rpartition(":")[2].startswith("fsdp")
-        bound = GRAPHS_PER_BLOCK * (r["blocks"] if fsdp else 1)
+        bound = GRAPHS_PER_BLOCK * (r["blocks"] if fsdp else r["kinds"])  # kinds: a dense and a MoE block differ
         assert 1 <= r["unique_graphs"] <= bound, f"{case}, rank {rank}: {r['unique_graphs']} graphs over 20 batches " \
                                                  f"for {r['blocks']} blocks (at most {bound})"
         # aot_eager runs the traced graphs op by op: the same numbers as the eager model, to the last bit
         assert r["loss"] == 0.0 and r["grad"] == 0.0, (case, rank, r["loss"], r["grad"])
+
+
+@pytest.mark.parametrize("case", [c for c in CASES_2 if c.startswith("moe:")])
+def test_an_expert_parallel_step_reads_nothing_back_and_scatters_no_bf16_sum(results, case):
+    """On each EP rank, one bf16 step of the eager model: the dispatch's all-to-alls have static split sizes (no token
+    count read back to the host), and its gathers' backward scatters nothing (ditcore.testing's checks)."""
+    for rank, r in enumerate(results(case)):
+        assert r["kinds"] == 2  # not vacuous: a MoE block was there
+        assert r["host_read"] is None, f"rank {rank}: {r['host_read']}"
+        assert r["low_precision_scatter"] is None, f"rank {rank}: {r['low_precision_scatter']}"
