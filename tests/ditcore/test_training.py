@@ -7,7 +7,7 @@ from ditcore.data.packing import PackedRow, TokenSample, collate
 from ditcore.diffusion import EDMLoss
 from ditcore.layout import grid_positions
 from ditcore.models import preset
-from ditcore.training import draw, drop_conditions, step_generator
+from ditcore.training import WithLoss, draw, drop_conditions, step_generator
 
 CFG = preset("DiT-Tiny", num_classes=9)  # null class 9
 
@@ -74,3 +74,18 @@ def test_a_batch_mapped_to_the_model_s_latent_stats_is_the_scaled_raw_latents():
     expected[2, 10:] = 0
     # z normalised and back: a few float32 roundings of values up to |0.18215 z| ~ 4
     torch.testing.assert_close(mapped, expected, rtol=0, atol=8 * 1.2e-7 * expected.abs().max().item())
+
+
+def test_a_stages_own_loss_rides_on_the_backward_of_what_it_hands_on():
+    """ditcore.training.WithLoss: the hidden states pass unchanged, and their backward also backpropagates the
+    stage's loss (a pipeline stage's MoE aux loss) with the given scale, as if it had been added to the objective."""
+    w = torch.tensor([1.5, -2.0], requires_grad=True)
+    h = torch.randn(3, 2, generator=torch.Generator().manual_seed(0))
+    out = h * w  # what a stage sends on
+    aux = (w**2).sum()  # its own loss term
+    grad = torch.randn(3, 2, generator=torch.Generator().manual_seed(1))  # what the next stage sends back
+    sent = WithLoss.apply(out, aux, 0.25)
+    assert torch.equal(sent, out)
+    torch.autograd.backward(sent, grad)
+    expected = (h * grad).sum(0) + 0.25 * 2 * w.detach()
+    assert torch.allclose(w.grad, expected, rtol=1e-6, atol=0)

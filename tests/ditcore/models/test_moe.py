@@ -151,10 +151,10 @@ def test_invalid_moe_config_names_the_key(changes, match):
         MoEConfig(**changes)
 
 
-def test_split_layouts_refuse_moe_in_one_line():
-    for key, dims in (("tp", ParallelDims(tp=2)), ("pp", ParallelDims(pp=2))):
-        with pytest.raises(ConfigError, match=rf"^{key}=2 is invalid: expected 1 with model.moe"):
-            dims.check_model(4, moe=MoEConfig())
+def test_tensor_parallelism_refuses_moe_in_one_line_and_pipeline_stages_take_it():
+    with pytest.raises(ConfigError, match=r"^tp=2 is invalid: expected 1 with model.moe"):
+        ParallelDims(tp=2).check_model(4, moe=MoEConfig())
+    ParallelDims(pp=2).check_model(4, depth=2, moe=MoEConfig())  # tests/ditcore/parallel: moe:pp2_moe, moe:ep2_pp2
 
 
 def test_an_export_config_dict_reads_back_as_moe_config():

@@ -412,6 +412,10 @@ CASES = {
     "ep2": (ParallelDims(ep=2), False),
     "ep2_cp2_packed": (ParallelDims(cp=2, ep=2), True),
     "ep2_dp4": (ParallelDims(ep=2), False),
+    # and through pipeline stages (1F1B, a micro-batch per row): the MoE block on the second stage, alone or with its
+    # experts over the stage's 2 data-parallel ranks (4 processes)
+    "pp2_moe": (ParallelDims(pp=2), False, "none", False, True),
+    "ep2_pp2": (ParallelDims(pp=2, ep=2), False, "none", False, True),
 }
 
 

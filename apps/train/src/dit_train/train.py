@@ -37,7 +37,7 @@ from ditcore.export import export_model
 from ditcore.flops import batch_flops, gpu_peak_flops, measure_cpu_peak_flops
 from ditcore.models import DiTConfig, check_compiled, inputs_of
 from ditcore.models.layers import check_positions
-from ditcore.models.moe import Routing
+from ditcore.models.moe import Routing, routing_metrics
 from ditcore.parallel import (
     ParallelDims,
     ParallelGroups,
@@ -51,7 +51,7 @@ from ditcore.parallel import (
 from ditcore.parallel.consolidate import without_extra_state
 from ditcore.parallel.fabric import MegatronStrategy
 from ditcore.parallel.pipeline import one_f_one_b, reduce_grads
-from ditcore.training import LatentMap, Loss, StepDraw, draw, routing_of, stage_forward, step_generator
+from ditcore.training import LatentMap, Loss, StepDraw, WithLoss, draw, routing_of, stage_forward, step_generator
 
 
 class Diverged(RuntimeError):
@@ -463,7 +463,7 @@ def train_step(run: Setup, t: Trainee, it, step: int, metrics: Metrics) -> Micro
             for name, value in Routing(torch.stack(routed).mean(0), run.model_cfg.moe).metrics().items():
                 metrics.record(name, value)
     else:
-        loss_sum = pipeline_step(run, t, micro)
+        loss_sum = pipeline_step(run, t, micro, metrics)
     finalize_grads(t.model.module, groups)
     grad_norm = clip_grad_norm_(t.model.module, cfg.train.grad_clip or float("inf"), groups)
     t.optimizer.step()
@@ -475,23 +475,30 @@ def train_step(run: Setup, t: Trainee, it, step: int, metrics: Metrics) -> Micro
     return micro
 
 
-def pipeline_step(run: Setup, t: Trainee, micro: MicroBatches) -> torch.Tensor:
+def pipeline_step(run: Setup, t: Trainee, micro: MicroBatches, metrics: Metrics) -> torch.Tensor:
     """The step's micro-batches through the pipeline stages (1F1B), gradients completed; returns the sum of their
-    losses, which the last stage computes and every stage gets (a broadcast on the device, no host sync)."""
-    fabric, groups = run.fabric, run.groups
+    losses, which the last stage computes and every stage gets (a broadcast on the device, no host sync). Each
+    stage's MoE blocks' aux loss rides on its own backward (`WithLoss`); their statistics are pooled over the stages
+    for the metrics."""
+    fabric, groups, moe = run.fabric, run.groups, run.model_cfg.moe
     loss_sum = torch.zeros((), device=fabric.device)
     local = run.model_cfg.hidden_size, t.model.module.rows.spans(run.cfg.data.seq_length)[1]
+    routed = torch.zeros(0 if moe is None else moe.experts + 4, device=fabric.device)  # stats summed, then blocks
 
     def forward(i: int, hidden: torch.Tensor | None) -> torch.Tensor:
-        nonlocal loss_sum
+        nonlocal loss_sum, routed
         m = micro.take(i)  # afterwards autograd keeps what backward needs of it, and nothing else stays
         with fabric.autocast():
             out = stage_forward(t.loss_fn, t.denoiser, m.batch.x, m.draw.inputs, last=groups.last_stage, hidden=hidden,
                                 mask=m.batch.mask, sigma=m.draw.sigma, noise=m.draw.noise)
+        routing = routing_of(t.denoiser.model)  # this stage's MoE blocks, if it holds any
+        if routing is not None:
+            stats = routing.stats.detach()
+            routed = routed + torch.cat([stats.sum(0), stats.new_tensor([len(stats)])]) / run.accum
         if not groups.last_stage:
-            return out
+            return out if routing is None else WithLoss.apply(out, routing.aux_loss, 1 / run.accum)
         loss_sum = loss_sum + out.detach()
-        return out / run.accum
+        return (out if routing is None else out + routing.aux_loss) / run.accum
 
     def shape(i: int) -> tuple[int, int, int]:  # this rank's tokens of the rows, the rows, the width
         rows, tokens = micro.shape(i)
@@ -503,6 +510,10 @@ def pipeline_step(run: Setup, t: Trainee, micro: MicroBatches) -> torch.Tensor:
     one_f_one_b(groups, run.accum, forward, shape, wire, fabric.device, no_sync)
     reduce_grads(t.model.module, groups)
     dist.broadcast(loss_sum, src=groups.pp_ranks[-1], group=groups.pp_group)
+    if moe is not None:  # every stage's blocks: their statistics' sums and counts added up over the stages
+        dist.all_reduce(routed, group=groups.pp_group)
+        for name, value in routing_metrics(routed[:-1], routed[-1], moe).items():
+            metrics.record(name, value)
     return loss_sum
 
 

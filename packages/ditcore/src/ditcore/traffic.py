@@ -152,8 +152,9 @@ def _step_traffic(cfg: DiTConfig, lay: Layout, stage: int, add, compute: int) ->
         size = FP32 * sum(p.numel for p in params if not p.expert)
         add("dp", "all_reduce", "step", size, dp_cp, pieces=math.ceil(size / DDP_BUCKET))
     _expert_step(lay, params, add)
-    if lay.pp > 1:  # pipeline.reduce_grads: over DP x CP in buckets (FSDP has reduced them), then the shared
-        numel = sum(p.numel for p in params)  # embedders (under FSDP: their local pieces) over the stages
+    if lay.pp > 1:  # pipeline.reduce_grads: over DP x CP in buckets (FSDP has reduced them; EP's experts are
+        # averaged by _expert_step's), then the shared embedders (under FSDP: their local pieces) over the stages
+        numel = sum(p.numel for p in params if not p.expert)
         if not lay.fsdp:
             add("dp", "all_reduce", "step", FP32 * numel, dp_cp, pieces=math.ceil(numel / PP_BUCKET))
         add("pp", "all_reduce", "step", FP32 * sum(p.local(lay) for p in params if p.shared), lay.pp)

@@ -63,6 +63,23 @@ def stage_forward(loss: Loss, denoiser: EDMPrecond, x: torch.Tensor, inputs: Inp
     return denoiser.model(*model_inputs, inputs, hidden=hidden)
 
 
+class WithLoss(torch.autograd.Function):
+    """`out` itself, whose backward also runs the backward of the 0-d `loss`, with gradient `scale`: a pipeline
+    stage's own loss terms (its MoE blocks' aux loss) ride on the hidden states it hands on, so that the schedule's one
+    backward of them (ditcore.parallel.pipeline.one_f_one_b) trains on both."""
+
+    @staticmethod
+    def forward(ctx, out: torch.Tensor, loss: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale = scale
+        ctx.save_for_backward(loss)
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (loss,) = ctx.saved_tensors
+        return grad, torch.full_like(loss, ctx.scale), None
+
+
 def routing_of(model) -> Routing | None:
     """The routing statistics of the backbone's last forward, through a data-parallel wrapper (DDP's .module): its
     mixture-of-experts blocks' losses, which the training objective adds to the diffusion loss (`Routing.aux_loss`),

@@ -263,10 +263,17 @@ class Routing:
         return self.moe.balance_loss * self.balance.sum() + self.moe.z_loss * self.z.sum()
 
     def metrics(self) -> dict[str, torch.Tensor]:
-        """0-d values to log (nothing read back): the aux loss, the blocks' mean balance and z-losses and dropped share
-        (expert parallelism's capacity; 0 without), and each
-        expert's share of the assignments, averaged over the blocks (1/E each when balanced)."""
-        share = self.share.mean(0)
-        return {"moe_aux_loss": self.aux_loss.detach(), "moe_balance": self.balance.detach().mean(),
-                "moe_z": self.z.detach().mean(), "moe_dropped": self.dropped.mean(),
-                **{f"expert_share_{e}": share[e] for e in range(share.shape[0])}}
+        """0-d values to log (nothing read back): `routing_metrics` of these blocks."""
+        stats = self.stats.detach()
+        return routing_metrics(stats.sum(0), stats.new_tensor(float(len(stats))), self.moe)
+
+
+def routing_metrics(total: torch.Tensor, blocks: torch.Tensor, moe: MoEConfig) -> dict[str, torch.Tensor]:
+    """0-d values to log from the routing statistics summed over `blocks` MoE blocks (a 0-d tensor: pipeline stages
+    add theirs up on the device): the aux loss, the blocks' mean balance and z-losses and dropped share (expert
+    parallelism's capacity; 0 without), and each expert's share of the assignments, averaged over the blocks (1/E
+    each when balanced)."""
+    share = total[2:-1] / blocks
+    return {"moe_aux_loss": moe.balance_loss * total[0] + moe.z_loss * total[1], "moe_balance": total[0] / blocks,
+            "moe_z": total[1] / blocks, "moe_dropped": total[-1] / blocks,
+            **{f"expert_share_{e}": share[e] for e in range(share.shape[0])}}

@@ -30,6 +30,7 @@ from torch import nn
 from ditcore.errors import ConfigError
 from ditcore.models import plan_for
 from ditcore.parallel.dims import ParallelGroups
+from ditcore.parallel.expert_parallel import is_expert_sharded
 from ditcore.parallel.fsdp import is_fsdp, local
 
 
@@ -185,15 +186,17 @@ def reduce_grads(model: nn.Module, groups: ParallelGroups) -> None:
     """Complete the gradients after `one_f_one_b`, before `finalize_grads`: averaged over DP×CP (the model is not
     wrapped in DDP, whose hooks assume one backward per forward; sharded with FSDP2, each backward has already
     reduce-scattered them, averaged), and the stage-shared (conditioning) parameters' summed over the stages, so that
-    every stage takes the same step with them. Under FSDP that sum is of the local shards: the pipeline group joins
-    ranks of the same DP×CP rank, which hold the same piece of every parameter. A parameter that got no gradient
-    this step gets zeros, as in DDP's buckets."""
+    every stage takes the same step with them (experts split over EP excepted: ditcore.parallel.expert_parallel's
+    reduce_expert_grads, in finalize_grads, averages them). Under FSDP that sum is of the local shards: the pipeline
+    group joins ranks of the same DP×CP rank, which hold the same piece of every parameter. A parameter that got no
+    gradient this step gets zeros, as in DDP's buckets."""
     params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     for _, p in params:  # e.g. cross-attention in a step without any text: every rank must reduce the same tensors
         if p.grad is None:
             p.grad = torch.zeros_like(p)
     if not is_fsdp(model) and dist.get_world_size(groups.dp_cp_group) > 1:
-        grads = [local(p.grad) for _, p in params]
+        # an expert-parallel rank's experts are not its DP×CP peers': finalize_grads averages them over their own
+        grads = [local(p.grad) for _, p in params if not is_expert_sharded(p)]
         _all_reduce(grads, groups.dp_cp_group)
         torch._foreach_div_(grads, float(dist.get_world_size(groups.dp_cp_group)))
     if groups.dims.pp > 1:
