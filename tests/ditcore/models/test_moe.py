@@ -151,10 +151,13 @@ def test_invalid_moe_config_names_the_key(changes, match):
         MoEConfig(**changes)
 
 
-def test_tensor_parallelism_refuses_moe_in_one_line_and_pipeline_stages_take_it():
-    with pytest.raises(ConfigError, match=r"^tp=2 is invalid: expected 1 with model.moe"):
-        ParallelDims(tp=2).check_model(4, moe=MoEConfig())
-    ParallelDims(pp=2).check_model(4, depth=2, moe=MoEConfig())  # tests/ditcore/parallel: moe:pp2_moe, moe:ep2_pp2
+def test_expert_parallelism_needs_experts_it_can_split_in_one_line():
+    with pytest.raises(ConfigError, match=r"^ep=2 is invalid: expected 1 for a model without model.moe"):
+        ParallelDims(ep=2).check_model(4)
+    with pytest.raises(ConfigError, match=r"^ep=4 is invalid: expected a divisor of model.moe.experts=6"):
+        ParallelDims(ep=4).check_model(4, moe=MoEConfig(experts=6))
+    # every other layout takes MoE (tests/ditcore/parallel/test_equivalence.py's moe: cases)
+    ParallelDims(tp=2, pp=2, cp=2, sequence_parallel=True, ep=2).check_model(4, depth=2, moe=MoEConfig())
 
 
 def test_an_export_config_dict_reads_back_as_moe_config():

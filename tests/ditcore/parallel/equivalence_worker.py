@@ -416,6 +416,9 @@ CASES = {
     # experts over the stage's 2 data-parallel ranks (4 processes)
     "pp2_moe": (ParallelDims(pp=2), False, "none", False, True),
     "ep2_pp2": (ParallelDims(pp=2, ep=2), False, "none", False, True),
+    "moe_tp2_sp_packed": (ParallelDims(tp=2, sequence_parallel=True), True),
+    "moe_tp2": (ParallelDims(tp=2), False),
+    "ep2_tp2_sp": (ParallelDims(tp=2, sequence_parallel=True, ep=2), False),
 }
 
 

@@ -33,7 +33,8 @@ CASES = ["tp2", "tp2_sp", "cp2", "dp2", "tp2_packed", "tp2_sp_packed", "cp2_pack
          "embedders:tp2_sp_packed", "embedders:fsdp_dp2", "embedders:pp2_packed",
          # a mixture of experts (every other block) with its experts split over 2 ranks (expert parallelism): over
          # DP=2, over CP=2 (ditcore.parallel.expert_parallel)
-         "moe:ep2", "moe:ep2_cp2_packed", "moe:pp2_moe"]
+         "moe:ep2", "moe:ep2_cp2_packed", "moe:pp2_moe",
+         "moe:moe_tp2", "moe:moe_tp2_sp_packed"]  # MoE under TP (+ SP): the experts replicated, SP's grads summed
 CASES_4 = ["fsdp_tp2_sp_dp2",  # 4 processes: TP=2 × FSDP over DP=2
            "hsdp_dp4",  # HSDP: sharded over 2 ranks, replicated twice
            "pp2_tp2_sp_packed",  # two stages of TP=2 + SP
@@ -44,7 +45,8 @@ CASES_4 = ["fsdp_tp2_sp_dp2",  # 4 processes: TP=2 × FSDP over DP=2
 CASES_4_SLOW = ["pp2_dp2_selective", "pp2_cp2_packed",  # two stages × DP=2, two stages of CP=2: make test-slow
                 "hsdp_cp2_dp2_step",  # HSDP over each CP pair, replicated over DP=2, gathered once per step
                 # two stages sharded by FSDP: over DP=2, gathered once per step, over a CP pair
-                "pp2_fsdp_dp2", "pp2_fsdp_dp2_step", "pp2_fsdp_cp2_packed"]
+                "pp2_fsdp_dp2", "pp2_fsdp_dp2_step", "pp2_fsdp_cp2_packed",
+                "moe:ep2_tp2_sp"]  # experts over 2 data-parallel ranks of each TP rank, TP=2 + SP
 CASES_8_SLOW = ["pp2_tp2_sp_fsdp_dp2_packed",  # 8 processes: two stages of TP=2 + SP, each TP shard over DP=2
                 "pp2_hsdp_dp4"]  # two stages, each HSDP: sharded over 2, replicated twice
 # only their traffic (test_traffic_model_matches_the_counted_step), under bf16 autocast: SP's gathers in bf16, FSDP

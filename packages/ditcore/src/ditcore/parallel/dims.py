@@ -70,9 +70,6 @@ class ParallelDims:
                     num_kv_heads: int | None = None, moe=None) -> None:
         """Errors for a model/sequence that this layout cannot split. Call on every rank before any collective.
         moe: the model's mixture-of-experts config (DiTConfig.moe), None for a dense model."""
-        if moe is not None and self.tp > 1:  # experts are not split over TP yet
-            raise ConfigError("tp", self.tp, "1 with model.moe: a mixture of experts trains on one process or over "
-                                             "dp, fsdp, cp, pp and ep")
         if self.ep > 1 and moe is None:
             raise ConfigError("ep", self.ep, "1 for a model without model.moe: there are no experts to split")
         if self.ep > 1 and moe.experts % self.ep:
