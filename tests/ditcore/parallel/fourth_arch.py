@@ -50,7 +50,8 @@ class ReGLUDiT(DiT):
 
 # Gate and up split by hidden units alike (contiguous column splits), so each rank multiplies matching halves.
 PLAN = Plan(
-    modules={k: v for k, v in DIT_PLAN.modules.items() if not k.startswith("blocks.*[0-9].mlp.")} | {
+    # the DiT's MLP entries (its dense MLP's and its mixture of experts') are not this block's
+    modules={k: v for k, v in DIT_PLAN.modules.items() if not (k.startswith("blocks.") and ".mlp." in k)} | {
         "blocks.*.mlp.gate": ColumnParallel(),
         "blocks.*.mlp.up": ColumnParallel(),
         "blocks.*.mlp.down": RowParallel(),

@@ -49,6 +49,9 @@ RULES: dict[str, str] = {
     "model.freq_shift": MODEL,
     "model.mlp_norm_eps": MODEL,
     "model.block_embedders": MODEL,
+    # the experts and their routing are the model; one key for the section, so its coefficients and EP's capacity
+    # factor are held with it (a resumed run that wants other ones starts a new run from model.init_from)
+    "model.moe": MODEL,
     "model.compile": APPLY,
     "model.activation_checkpointing": APPLY,
     "model.attention": APPLY,
@@ -62,6 +65,7 @@ RULES: dict[str, str] = {
     "parallel.tp": APPLY,  # any layout resumes from any other (the loader's position: by data-parallel size)
     "parallel.cp": APPLY,
     "parallel.pp": APPLY,
+    "parallel.ep": APPLY,  # experts are saved whole, (E, ., .), whatever ep wrote them
     "parallel.sequence_parallel": APPLY,
     "parallel.fsdp": APPLY,
     "parallel.reduce_dtype": APPLY,

@@ -108,13 +108,9 @@ def inputs_of(cfg: DiTConfig) -> type[Inputs]:
 
 
 def plan_for(model: nn.Module) -> Plan:
-    """The tensor-parallel plan of a model, by its exact type (a subclass is another architecture); a model sharded by
-    FSDP2 is of the class `fully_shard` made for it, FSDP<its class>(FSDPModule, its class)."""
-    from torch.distributed.fsdp import FSDPModule
-
-    cls = type(model)
-    if cls.__bases__[0] is FSDPModule:
-        cls = cls.__bases__[1]
+    """The tensor-parallel plan of a model, by its exact type (a subclass is another architecture). A model sharded by
+    FSDP2 is of a class `fully_shard` made for it: ditcore.parallel.fsdp keeps its own as `architecture_class`."""
+    cls = model.__dict__.get("architecture_class", type(model))
     for arch in ARCHS.values():
         if cls is arch.model:
             return arch.plan

@@ -135,6 +135,7 @@ def apply_fsdp(model: nn.Module, groups: ParallelGroups, device_type: str, param
         fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=not keep)
     # the root (embedders, final layer): the final layer's backward comes first; its gradients are reduced with the
     # last block's
+    model.__dict__["architecture_class"] = type(model)  # fully_shard swaps its class: the registry's plan_for reads it
     fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=False)
     model.register_forward_hook(_reshard_without_backward)
     model.__dict__[_TAGS], model.__dict__[_SYNC] = tags, sync
