@@ -39,6 +39,7 @@ from ditcore.parallel import (
 )
 from ditcore.parallel.consolidate import gather_full
 from ditcore.parallel.counting import CollectiveCounter
+from ditcore.parallel.expert_parallel import is_expert_sharded
 from ditcore.parallel.fabric import MegatronStrategy
 from ditcore.parallel.fsdp import apply_fsdp, local, local_piece
 from ditcore.parallel.pipeline import PipelinedModel, one_f_one_b, reduce_grads
@@ -179,7 +180,8 @@ def counted_groups(model, groups) -> dict:
 
 def fsdp_groups(model) -> dict:
     """The groups of FSDP2's mesh, which the counter names fsdp (HSDP: the shard group) and replicate."""
-    mesh = next((p.device_mesh for p in model.parameters() if isinstance(p, DTensor)), None)
+    mesh = next((p.device_mesh for p in model.parameters() if isinstance(p, DTensor) and not is_expert_sharded(p)),
+                None)  # the experts' mesh is the expert-data-parallel group (counted_groups' edp)
     if mesh is None:
         return {}
     if mesh.ndim == 1:
@@ -317,7 +319,7 @@ def run_case(arch: str, dims: ParallelDims, packed: bool, checkpointing: str = "
     dist.all_gather_object(traffic, [dataclasses.asdict(c) for c in counter.traffic().collectives])
     result["traffic"] = traffic
     if fsdp:
-        mesh = next(p for p in model.parameters() if isinstance(p, DTensor)).device_mesh
+        mesh = next(p for p in model.parameters() if isinstance(p, DTensor) and not is_expert_sharded(p)).device_mesh
         result["mesh"] = [dist.get_process_group_ranks(mesh.get_group(d)) for d in range(mesh.ndim)]
     if grads is not None:
         result["grad"] = max((diff(grads[k], ref_grads[k]) for k in ref_grads), key=lambda d: d[1])
@@ -419,6 +421,12 @@ CASES = {
     "moe_tp2_sp_packed": (ParallelDims(tp=2, sequence_parallel=True), True),
     "moe_tp2": (ParallelDims(tp=2), False),
     "ep2_tp2_sp": (ParallelDims(tp=2, sequence_parallel=True, ep=2), False),
+    # and sharded with FSDP2: the experts over the ranks holding the same ones (2 of DP=4; 1 of DP=2), the rest over DP;
+    # HSDP (shard 2 × replicate 2: the experts over their 2 ranks all the same); gathered and reduced once a step
+    "ep2_fsdp_dp4": (ParallelDims(ep=2), False, "none", True),
+    "ep2_fsdp": (ParallelDims(ep=2), False, "none", True),
+    "ep2_hsdp_dp4": (ParallelDims(ep=2), False, "none", True, False, 2),
+    "ep2_fsdp_dp4_step": (ParallelDims(ep=2), False, "none", True, True, None, "step"),
 }
 
 

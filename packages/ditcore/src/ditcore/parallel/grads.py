@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from ditcore.parallel.dims import ParallelGroups
 from ditcore.parallel.expert_parallel import is_expert_sharded, reduce_expert_grads
@@ -48,7 +49,8 @@ def finalize_grads(model: nn.Module, groups: ParallelGroups | None) -> None:
 def grad_norm(model: nn.Module, groups: ParallelGroups | None) -> torch.Tensor:
     """Global L2 norm of the gradients, a float64 tensor on their device: TP shards' squares are summed over TP,
     experts' over EP, replicated parameters counted once; under FSDP every rank's pieces are summed over DP×CP
-    (HSDP: over its shard group only, whose pieces make a whole parameter; the other groups hold the same ones). One
+    (HSDP: over its shard group only, whose pieces make a whole parameter; the other groups hold the same ones), the
+    experts' over their own shard group, the expert-data-parallel one. One
     fused (foreach) reduction per kind, one collective per kind of split, no host sync. Pipeline stages add up their
     own.
 
@@ -63,11 +65,15 @@ def grad_norm(model: nn.Module, groups: ParallelGroups | None) -> torch.Tensor:
     sharded_sq, replicated_sq, experts_sq = (_sum_of_squares(g, device) for g in (sharded, replicated, experts))
     if groups is not None and groups.dims.tp > 1:
         dist.all_reduce(sharded_sq, group=groups.tp_group)
-    if groups is not None and groups.dims.ep > 1:  # each EP rank its own experts
-        dist.all_reduce(experts_sq, group=groups.ep_group)
-    total = sharded_sq + replicated_sq + experts_sq
+    total = sharded_sq + replicated_sq
     if groups is not None and is_fsdp(model):  # every parameter is split over the shard group: add up the pieces
         dist.all_reduce(total, group=shard_group(model))
+    if groups is not None and groups.dims.ep > 1:  # each EP rank its own experts
+        dist.all_reduce(experts_sq, group=groups.ep_group)
+        if groups.dims.dp * groups.dims.cp > groups.dims.ep and any(isinstance(p.grad, DTensor) for p in params
+                                                                     if is_expert_sharded(p)):
+            dist.all_reduce(experts_sq, group=groups.edp_group)  # and under FSDP, split over the ranks holding them
+    total = total + experts_sq
     if groups is not None and groups.dims.pp > 1:  # each stage its own blocks; the shared embedders once
         dist.all_reduce(total, group=groups.pp_group)
     return total.sqrt()
