@@ -290,6 +290,8 @@ def test_hsdp_checkpoints_reshard_to_fsdp_one_process_and_back(results_4_slow):
 
 def test_moe_checkpoints_reshard_across_expert_parallel_sizes(results_4):
     """Weights and AdamW moments of a mixture of 4 experts written with EP2 (4 processes) are one-device tensors
-    (E, ., .) under one-device names, and EP4 resumes exactly them (its own other weights do not pass)."""
+    (E, ., .) under one-device names, and EP4 resumes exactly them (its own other weights do not pass); the same from
+    EP2 under FSDP, its experts sharded over the 2 ranks holding them, to EP2 without FSDP."""
     r = results_4["ep_checkpoints"]
-    assert r == {"ep2_to_one": True, "one_to_ep4": True, "not_vacuous": True, "full_experts": True}
+    assert r == {"ep2_to_one": True, "one_to_ep4": True, "not_vacuous": True, "full_experts": True,
+                 "ep2_fsdp_to_one": True, "one_to_ep2": True, "not_vacuous_fsdp": True, "full_experts_fsdp": True}
