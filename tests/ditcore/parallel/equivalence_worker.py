@@ -427,6 +427,7 @@ CASES = {
     "ep2_fsdp": (ParallelDims(ep=2), False, "none", True),
     "ep2_hsdp_dp4": (ParallelDims(ep=2), False, "none", True, False, 2),
     "ep2_fsdp_dp4_step": (ParallelDims(ep=2), False, "none", True, True, None, "step"),
+    "ep2_fsdp_step": (ParallelDims(ep=2), False, "none", True, True, None, "step"),  # 2 micro-batches a rank
 }
 
 

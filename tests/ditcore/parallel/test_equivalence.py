@@ -35,7 +35,8 @@ CASES = ["tp2", "tp2_sp", "cp2", "dp2", "tp2_packed", "tp2_sp_packed", "cp2_pack
          # DP=2, over CP=2 (ditcore.parallel.expert_parallel)
          "moe:ep2", "moe:ep2_cp2_packed", "moe:pp2_moe",
          "moe:moe_tp2", "moe:moe_tp2_sp_packed",  # MoE under TP (+ SP): the experts replicated, SP's grads summed
-         "moe:ep2_fsdp"]  # EP + FSDP: each rank's experts an FSDP unit over the one rank holding them
+         "moe:ep2_fsdp",  # EP + FSDP: each rank's experts an FSDP unit over the one rank holding them
+         "moe:ep2_fsdp_step"]  # and 2 micro-batches a rank, gathered and reduced once a step
 CASES_4 = ["fsdp_tp2_sp_dp2",  # 4 processes: TP=2 × FSDP over DP=2
            "hsdp_dp4",  # HSDP: sharded over 2 ranks, replicated twice
            "pp2_tp2_sp_packed",  # two stages of TP=2 + SP
