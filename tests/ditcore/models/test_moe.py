@@ -210,7 +210,7 @@ def test_under_expert_parallelism_a_rank_plans_its_own_experts_and_the_search_tr
     for ep in (2, 4):
         assert plan_from(cfg, lay).weights - plan_from(cfg, lay.replace(ep=ep)).weights == 4 * experts * (ep - 1) // ep
     tried = {(s.ep, s.fsdp) for s in layouts(cfg, lay, Cluster(gpus_per_node=4), 4)}
-    assert {(2, False), (4, False)} <= tried and (2, True) not in tried  # EP with FSDP is refused (apply_fsdp)
+    assert {(2, False), (4, False), (2, True), (4, True)} <= tried  # EP with DDP, and with FSDP
     assert {s.ep for s in layouts(preset("DiT-Tiny"), lay, Cluster(gpus_per_node=4), 4)} == {1}
 
 

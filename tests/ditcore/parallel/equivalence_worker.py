@@ -39,6 +39,7 @@ from ditcore.parallel import (
 )
 from ditcore.parallel.consolidate import gather_full
 from ditcore.parallel.counting import CollectiveCounter
+from ditcore.parallel.expert_parallel import is_expert_sharded
 from ditcore.parallel.fabric import MegatronStrategy
 from ditcore.parallel.fsdp import apply_fsdp, local, local_piece
 from ditcore.parallel.pipeline import PipelinedModel, one_f_one_b, reduce_grads
@@ -179,7 +180,8 @@ def counted_groups(model, groups) -> dict:
 
 def fsdp_groups(model) -> dict:
     """The groups of FSDP2's mesh, which the counter names fsdp (HSDP: the shard group) and replicate."""
-    mesh = next((p.device_mesh for p in model.parameters() if isinstance(p, DTensor)), None)
+    mesh = next((p.device_mesh for p in model.parameters() if isinstance(p, DTensor) and not is_expert_sharded(p)),
+                None)  # the experts' mesh is the expert-data-parallel group (counted_groups' edp)
     if mesh is None:
         return {}
     if mesh.ndim == 1:
@@ -317,7 +319,7 @@ def run_case(arch: str, dims: ParallelDims, packed: bool, checkpointing: str = "
     dist.all_gather_object(traffic, [dataclasses.asdict(c) for c in counter.traffic().collectives])
     result["traffic"] = traffic
     if fsdp:
-        mesh = next(p for p in model.parameters() if isinstance(p, DTensor)).device_mesh
+        mesh = next(p for p in model.parameters() if isinstance(p, DTensor) and not is_expert_sharded(p)).device_mesh
         result["mesh"] = [dist.get_process_group_ranks(mesh.get_group(d)) for d in range(mesh.ndim)]
     if grads is not None:
         result["grad"] = max((diff(grads[k], ref_grads[k]) for k in ref_grads), key=lambda d: d[1])
@@ -419,6 +421,13 @@ CASES = {
     "moe_tp2_sp_packed": (ParallelDims(tp=2, sequence_parallel=True), True),
     "moe_tp2": (ParallelDims(tp=2), False),
     "ep2_tp2_sp": (ParallelDims(tp=2, sequence_parallel=True, ep=2), False),
+    # and sharded with FSDP2: the experts over the ranks holding the same ones (2 of DP=4; 1 of DP=2), the rest over DP;
+    # HSDP (shard 2 × replicate 2: the experts over their 2 ranks all the same); gathered and reduced once a step
+    "ep2_fsdp_dp4": (ParallelDims(ep=2), False, "none", True),
+    "ep2_fsdp": (ParallelDims(ep=2), False, "none", True),
+    "ep2_hsdp_dp4": (ParallelDims(ep=2), False, "none", True, False, 2),
+    "ep2_fsdp_dp4_step": (ParallelDims(ep=2), False, "none", True, True, None, "step"),
+    "ep2_fsdp_step": (ParallelDims(ep=2), False, "none", True, True, None, "step"),  # 2 micro-batches a rank
 }
 
 
@@ -465,25 +474,29 @@ def hsdp_checkpoints(folder: Path) -> dict:
 
 
 def ep_checkpoints(folder: Path) -> dict:
-    """A mixture of 4 experts through layout-free checkpoints across EP sizes (4 processes): EP2's weights and AdamW
-    moments, read back on one process, are the one-device tensors (E, ., .) it held; EP4 resumes exactly them."""
+    """A mixture of 4 experts through layout-free checkpoints across EP sizes and FSDP (4 processes): EP2's weights and
+    AdamW moments, read back on one process, are the one-device tensors (E, ., .) it held; EP4 resumes exactly them.
+    The same from EP2 under FSDP (the experts sharded over the 2 ranks holding them) to EP2 without it."""
     cfg = CONFIGS["moe"]
 
-    def split(ep: int, seed: int):
+    def split(ep: int, seed: int, fsdp: bool = False):
         groups = ParallelDims(ep=ep).initialize()
         with torch.device("meta"):
             model = build(cfg)
         parallelize(model, groups)
+        if fsdp:
+            apply_fsdp(model, groups, "cpu")
         materialize(model, seed, "cpu", groups)
         opt = torch.optim.AdamW(model.parameters())
         dist_checkpoint.init_optimizer_state(opt)
         with torch.no_grad():
             for p in model.parameters():
-                opt.state[p]["exp_avg"].copy_(p * 2 + seed)
+                local(opt.state[p]["exp_avg"]).copy_(local(p) * 2 + seed)
         views = runs.checkpoint_tensors(*dist_checkpoint.state_tensors(model, None, opt, groups, "cpu"))
         return model, opt, groups, views
 
-    def holds(model, opt, groups, elsewhere: bool = True) -> bool:  # gathered on rank 0: the checkpoint's tensors?
+    def holds(model, opt, groups, checkpoint: str, elsewhere: bool = True) -> bool:  # on rank 0: its tensors?
+        weights, optim = (runs.read_full(folder / checkpoint, kind) for kind in (runs.MODEL, runs.OPTIM))
         full = consolidated_state_dict(model, groups)
         moments = gather_full(model, {k: opt.state[p]["exp_avg"] for k, p in model.named_parameters()}, groups)
         if full is None:  # the other ranks: what the reduction below ignores
@@ -493,15 +506,24 @@ def ep_checkpoints(folder: Path) -> dict:
 
     ep2, opt2, groups2, views2 = split(2, 5)
     runs.save_tensors(folder / "ep2", views2, {"step": 1})
-    weights, optim = runs.read_full(folder / "ep2", runs.MODEL), runs.read_full(folder / "ep2", runs.OPTIM)
-    experts = weights["blocks.1.mlp.experts.w_in"].shape[0]
-    two = holds(ep2, opt2, groups2)
+    experts = runs.read_full(folder / "ep2", runs.MODEL)["blocks.1.mlp.experts.w_in"].shape[0]
+    two = holds(ep2, opt2, groups2, "ep2")
     ep4, opt4, groups4, views4 = split(4, 6)
-    vacuous = holds(ep4, opt4, groups4, elsewhere=False)
+    vacuous = holds(ep4, opt4, groups4, "ep2", elsewhere=False)
     runs.load_tensors(folder / "ep2", views4)
-    found = torch.tensor([two, holds(ep4, opt4, groups4), not vacuous, experts == cfg.moe.experts])
+    four = holds(ep4, opt4, groups4, "ep2")
+    sharded, opt_s, groups_s, views_s = split(2, 7, fsdp=True)
+    runs.save_tensors(folder / "ep2_fsdp", views_s, {"step": 1})
+    fsdp_experts = runs.read_full(folder / "ep2_fsdp", runs.MODEL)["blocks.1.mlp.experts.w_in"].shape[0]
+    from_fsdp = holds(sharded, opt_s, groups_s, "ep2_fsdp")
+    back, opt_b, groups_b, views_b = split(2, 8)
+    vacuous_fsdp = holds(back, opt_b, groups_b, "ep2_fsdp", elsewhere=False)
+    runs.load_tensors(folder / "ep2_fsdp", views_b)
+    found = torch.tensor([two, four, not vacuous, experts == cfg.moe.experts, from_fsdp,
+                          holds(back, opt_b, groups_b, "ep2_fsdp"), not vacuous_fsdp, fsdp_experts == cfg.moe.experts])
     dist.all_reduce(found, op=dist.ReduceOp.MIN)
-    return dict(zip(["ep2_to_one", "one_to_ep4", "not_vacuous", "full_experts"], map(bool, found), strict=True))
+    return dict(zip(["ep2_to_one", "one_to_ep4", "not_vacuous", "full_experts", "ep2_fsdp_to_one",
+                     "one_to_ep2", "not_vacuous_fsdp", "full_experts_fsdp"], map(bool, found), strict=True))
 
 
 def main() -> None:

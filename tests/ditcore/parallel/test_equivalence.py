@@ -34,19 +34,24 @@ CASES = ["tp2", "tp2_sp", "cp2", "dp2", "tp2_packed", "tp2_sp_packed", "cp2_pack
          # a mixture of experts (every other block) with its experts split over 2 ranks (expert parallelism): over
          # DP=2, over CP=2 (ditcore.parallel.expert_parallel)
          "moe:ep2", "moe:ep2_cp2_packed", "moe:pp2_moe",
-         "moe:moe_tp2", "moe:moe_tp2_sp_packed"]  # MoE under TP (+ SP): the experts replicated, SP's grads summed
+         "moe:moe_tp2", "moe:moe_tp2_sp_packed",  # MoE under TP (+ SP): the experts replicated, SP's grads summed
+         "moe:ep2_fsdp",  # EP + FSDP: each rank's experts an FSDP unit over the one rank holding them
+         "moe:ep2_fsdp_step"]  # and 2 micro-batches a rank, gathered and reduced once a step
 CASES_4 = ["fsdp_tp2_sp_dp2",  # 4 processes: TP=2 × FSDP over DP=2
            "hsdp_dp4",  # HSDP: sharded over 2 ranks, replicated twice
            "pp2_tp2_sp_packed",  # two stages of TP=2 + SP
            "stdit:cp2_tp2_sp_packed",  # ST-DiT: the all-to-all over CP=2 with each CP rank's slice split by SP
            "deep:pp2_fsdp_dp2",  # two stages of two blocks, each stage sharded over its DP=2 ranks with FSDP2
            "moe:ep2_dp4",  # experts over 2 of DP=4: their gradients averaged over the 2 ranks holding the same ones
-           "moe:ep2_pp2"]  # two stages, the second's experts over its 2 data-parallel ranks
+           "moe:ep2_pp2",  # two stages, the second's experts over its 2 data-parallel ranks
+           "moe:ep2_fsdp_dp4"]  # EP + FSDP: the experts sharded over the 2 ranks holding them, the rest over 4
 CASES_4_SLOW = ["pp2_dp2_selective", "pp2_cp2_packed",  # two stages × DP=2, two stages of CP=2: make test-slow
                 "hsdp_cp2_dp2_step",  # HSDP over each CP pair, replicated over DP=2, gathered once per step
                 # two stages sharded by FSDP: over DP=2, gathered once per step, over a CP pair
                 "pp2_fsdp_dp2", "pp2_fsdp_dp2_step", "pp2_fsdp_cp2_packed",
-                "moe:ep2_tp2_sp"]  # experts over 2 data-parallel ranks of each TP rank, TP=2 + SP
+                "moe:ep2_tp2_sp",  # experts over 2 data-parallel ranks of each TP rank, TP=2 + SP
+                # EP + HSDP (the experts plain FSDP over their 2 ranks), EP + FSDP gathered once per step
+                "moe:ep2_hsdp_dp4", "moe:ep2_fsdp_dp4_step"]
 CASES_8_SLOW = ["pp2_tp2_sp_fsdp_dp2_packed",  # 8 processes: two stages of TP=2 + SP, each TP shard over DP=2
                 "pp2_hsdp_dp4"]  # two stages, each HSDP: sharded over 2, replicated twice
 # only their traffic (test_traffic_model_matches_the_counted_step), under bf16 autocast: SP's gathers in bf16, FSDP
@@ -149,7 +154,8 @@ def test_reduce_grads_is_what_makes_pipeline_gradients_right(request, case):
     assert rel_diff > 1e-2, f"{case}: gradients were already right before reduce_grads ({rel_diff:.1e})"
 
 
-@pytest.mark.parametrize("case", params([c for c in ALL if c.rpartition(":")[2].startswith(("fsdp", "hsdp", "pp"))]))
+@pytest.mark.parametrize("case", params([c for c in ALL if c.rpartition(":")[2].startswith(("fsdp", "hsdp", "pp"))
+                                          or "_fsdp" in c or "_hsdp" in c]))
 def test_materialised_on_the_meta_device_is_the_one_device_init(request, case):
     """Each rank allocates and fills only its piece of its TP shard (FSDP), or of its stage (PP); gathered, they are
     the one-device weights."""
@@ -285,6 +291,8 @@ def test_hsdp_checkpoints_reshard_to_fsdp_one_process_and_back(results_4_slow):
 
 def test_moe_checkpoints_reshard_across_expert_parallel_sizes(results_4):
     """Weights and AdamW moments of a mixture of 4 experts written with EP2 (4 processes) are one-device tensors
-    (E, ., .) under one-device names, and EP4 resumes exactly them (its own other weights do not pass)."""
+    (E, ., .) under one-device names, and EP4 resumes exactly them (its own other weights do not pass); the same from
+    EP2 under FSDP, its experts sharded over the 2 ranks holding them, to EP2 without FSDP."""
     r = results_4["ep_checkpoints"]
-    assert r == {"ep2_to_one": True, "one_to_ep4": True, "not_vacuous": True, "full_experts": True}
+    assert r == {"ep2_to_one": True, "one_to_ep4": True, "not_vacuous": True, "full_experts": True,
+                 "ep2_fsdp_to_one": True, "one_to_ep2": True, "not_vacuous_fsdp": True, "full_experts_fsdp": True}

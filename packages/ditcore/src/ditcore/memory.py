@@ -7,6 +7,8 @@ One rank of a layout holds, in bytes:
   tensor-parallel share of every parameter: the layers that the TP plan (ditcore.models.plan) splits
   divided by tp, the rest whole. With fsdp, FSDP2 shards each again over the dp x cp ranks along dim 0, padded up to a
   multiple of that count: a rank holds ceil(rows / (dp*cp)) rows of each (HSDP: over fsdp_shard of them, `shards`).
+  Under expert parallelism a rank's E/ep experts of each MoE block are split over the dp*cp/ep ranks holding the same
+  ones instead (HSDP too: `Param.held`).
   With pp > 1 a rank holds its pipeline stage's parameters only (ditcore.parallel.pipeline): its blocks
   (`stage_blocks`), the conditioning embedders (on every stage), the patch embedder on the first stage and the final
   layer on the last.
@@ -163,6 +165,7 @@ class Param:
     shape: tuple[int, ...]  # on one tensor-parallel rank
     full: int  # elements on one device
     cast: bool  # bf16 autocast copies it (all but embedding tables)
+    expert: bool = False  # a mixture of experts' expert weights split over ep > 1 (shape: one EP rank's experts)
 
     @property
     def numel(self) -> int:
@@ -171,6 +174,11 @@ class Param:
     def shard(self, shards: int) -> int:
         """Elements a rank holds when FSDP2 splits dim 0 over `shards` ranks (padded up to a multiple of them)."""
         return math.ceil(self.shape[0] / shards) * math.prod(self.shape[1:])
+
+    def held(self, lay: Layout) -> int:
+        """Elements a rank holds in `lay`: its FSDP piece, EP's experts over the ranks holding the same ones
+        (ditcore.parallel.fsdp)."""
+        return self.shard(lay.dp * lay.cp // lay.ep if self.expert and lay.fsdp else lay.shards)
 
 
 def parameters(cfg: DiTConfig, tp: int = 1, ep: int = 1) -> list[Param]:
@@ -188,7 +196,8 @@ def parameters(cfg: DiTConfig, tp: int = 1, ep: int = 1) -> list[Param]:
         owner = model.get_submodule(name.rpartition(".")[0])
         if isinstance(owner, GroupedExperts):  # ditcore.parallel.expert_parallel: rank r holds experts r·E/ep on
             shape[0] //= ep
-        params.append(Param(name, tuple(shape), p.numel(), cast=not isinstance(owner, nn.Embedding)))
+        params.append(Param(name, tuple(shape), p.numel(), cast=not isinstance(owner, nn.Embedding),
+                            expert=ep > 1 and isinstance(owner, GroupedExperts)))
     return params
 
 
@@ -227,7 +236,7 @@ def plan_from(cfg: DiTConfig, layout: Layout, stage: int | None = None) -> Plan:
 def _stage_plan(cfg: DiTConfig, lay: Layout, params: list[Param], act: Activations, stage: int) -> Plan:
     """The plan of a rank of pipeline stage `stage`: its parameters' state, buffers and activations."""
     mine = [p for p in params if on_stage(p.name, cfg, lay.pp, stage)]
-    held = sum(p.shard(lay.shards) for p in mine)  # elements of this rank's (TP, then FSDP) shards
+    held = sum(p.held(lay) for p in mine)  # elements of this rank's (TP and EP, then FSDP) shards
     weights = grads = ema = FP32 * held
     optimizer = ADAM_STATES * FP32 * held + ADAM_STEP_BYTES * len(mine)
     compute = DTYPE_BYTES[lay.precision]  # the forward's weights and activations

@@ -494,16 +494,15 @@ def layouts(cfg: DiTConfig, base: Layout, cluster: Cluster, global_batch: int) -
                     for checkpointing in ("none", "selective", "block"):
                         lay = shape.replace(micro_batch=micro_batch, micro_batches=micro_batches,
                                             activation_checkpointing=checkpointing)
-                        yield lay
-                        yield from _expert_parallel(cfg, lay)
-                        for shard in [None, *(s for s in divisors(dp * cp)[1:-1])]:
-                            for sync in ("micro_batch", "step"):
-                                yield lay.replace(fsdp=True, fsdp_shard=shard, fsdp_sync=sync)
+                        for each in (lay, *_expert_parallel(cfg, lay)):
+                            yield each
+                            for shard in [None, *(s for s in divisors(dp * cp)[1:-1])]:
+                                for sync in ("micro_batch", "step"):
+                                    yield each.replace(fsdp=True, fsdp_shard=shard, fsdp_sync=sync)
 
 
 def _expert_parallel(cfg: DiTConfig, lay: Layout) -> Iterator[Layout]:
-    """`lay` with a mixture of experts' experts split over each ep > 1 that divides dp x cp and the experts (without
-    FSDP: ditcore.parallel.fsdp refuses FSDP with ep)."""
+    """`lay` with a mixture of experts' experts split over each ep > 1 that divides dp x cp and the experts."""
     if cfg.moe is None:
         return
     for ep in divisors(lay.dp * lay.cp)[1:]:
@@ -518,7 +517,7 @@ def divisors(n: int) -> list[int]:
 def state_bytes(cfg: DiTConfig, lay: Layout) -> float:
     """What a rank's weights, gradients, AdamW and EMA need at least (fp32, 20 B a parameter held): the layout's TP
     and FSDP shares of every parameter, over pp stages evenly (the most loaded stage holds no less)."""
-    held = sum(p.shard(lay.shards) for p in _parameters(cfg, lay.tp, lay.ep))
+    held = sum(p.held(lay) for p in _parameters(cfg, lay.tp, lay.ep))
     return 20 * held / lay.pp
 
 

@@ -33,7 +33,9 @@ tests/ditcore/parallel/test_equivalence.py). Learned from the model, not written
   dispatch's buffer of ep·C rows sent and the outputs sent back, in the compute dtype, their gradients the other way
   in backward, and the int32 expert ids of the slots in forward, (ep−1)/ep of each leaving the rank
   (ditcore.parallel.expert_parallel); once per step the experts' gradients (1/ep of them: outside DDP's) all-reduced
-  over the expert-data-parallel group and a float64 square sum over EP for the norm.
+  over the expert-data-parallel group and a float64 square sum over EP for the norm. Under FSDP the experts are a
+  unit of their own per MoE block, gathered and reduce-scattered as the blocks are but over the expert-data-parallel
+  group (plain FSDP, HSDP too), with a float64 square sum over it for the norm instead of the all-reduce.
 
 With pp > 1 the stage that sends the most bytes is reported (`traffic_by_stage` gives every stage's).
 """
@@ -167,10 +169,15 @@ def _step_traffic(cfg: DiTConfig, lay: Layout, stage: int, add, compute: int) ->
 
 def _expert_step(lay: Layout, params: tuple[_Param, ...], add) -> None:
     """Expert parallelism's, once per step: expert_parallel.reduce_expert_grads' one flat all-reduce of the experts'
-    gradients over the ranks holding the same experts; grad_norm's float64 square sum of them over EP."""
+    gradients over the ranks holding the same experts (not under FSDP); grad_norm's float64 square sum of them over
+    EP, and under FSDP over those ranks too."""
     if lay.ep > 1:
-        add("edp", "all_reduce", "step", FP32 * sum(p.numel for p in params if p.expert), lay.dp * lay.cp // lay.ep)
+        edp = lay.dp * lay.cp // lay.ep
+        if not lay.fsdp:  # (FSDP's reduce-scatters have summed them: `_fsdp`)
+            add("edp", "all_reduce", "step", FP32 * sum(p.numel for p in params if p.expert), edp)
         add("ep", "all_reduce", "step", FP64, lay.ep)
+        if lay.fsdp:  # and over the ranks they are sharded over
+            add("edp", "all_reduce", "step", FP64, edp)
 
 
 @dataclass(frozen=True)
@@ -193,7 +200,7 @@ class _Param:
         """Elements of its gradient on the rank that holds the most (FSDP: the first shard)."""
         if not lay.fsdp:
             return self.numel
-        shards = lay.fsdp_shard or lay.dp * lay.cp
+        shards = lay.dp * lay.cp // lay.ep if self.expert else lay.fsdp_shard or lay.dp * lay.cp
         return min(self.shape[0], math.ceil(self.shape[0] / shards)) * math.prod(self.shape[1:])
 
 
@@ -229,21 +236,22 @@ def _fsdp(lay: Layout, params: list[_Param], add, compute: int) -> None:
     parameters and a reduce-scatter of its gradients, then under HSDP their all-reduce across the replicas. Every
     micro-batch, a block but the last is resharded after forward and gathered again for backward; the last block
     and the root stay gathered. With fsdp_sync="step" each unit is gathered and reduced once per step."""
-    shards = lay.fsdp_shard or lay.dp * lay.cp
-    replicas = lay.dp * lay.cp // shards
-    units: dict[str, list[_Param]] = defaultdict(list)
+    units: dict[tuple[str, bool], list[_Param]] = defaultdict(list)  # (block or root, experts) → its parameters
     for p in params:
-        units[".".join(p.name.split(".")[:2]) if p.name.startswith("blocks.") else "root"].append(p)
+        units[".".join(p.name.split(".")[:2]) if p.name.startswith("blocks.") else "root", p.expert].append(p)
     reduce = FP32 if lay.reduce_dtype == "fp32" else 2
     once = lay.fsdp_sync == "step"
     when: When = "step" if once else "micro_batch"
-    last = max((u for u in units if u != "root"), key=lambda u: int(u.split(".")[1]), default=None)
-    for name, unit in units.items():
+    last = max((u for u, _ in units if u != "root"), key=lambda u: int(u.split(".")[1]), default=None)
+    for (name, experts), unit in units.items():
+        # EP's experts: a unit of their own, plain FSDP over the ranks holding the same experts
+        group, shards = ("edp", lay.dp * lay.cp // lay.ep) if experts else ("fsdp", lay.fsdp_shard or lay.dp * lay.cp)
         gathered = sum(p.padded(shards) for p in unit)
         kept = once or name in ("root", last)  # not resharded after forward
-        add("fsdp", "all_gather", when, compute * gathered, shards, 1 if kept else 2)
-        add("fsdp", "reduce_scatter", when, reduce * gathered, shards)
-        add("replicate", "all_reduce", when, reduce * gathered // shards, replicas)
+        add(group, "all_gather", when, compute * gathered, shards, 1 if kept else 2)
+        add(group, "reduce_scatter", when, reduce * gathered, shards)
+        if not experts:
+            add("replicate", "all_reduce", when, reduce * gathered // shards, lay.dp * lay.cp // shards)
 
 
 # --------------------------------------------------------------------------------------------------

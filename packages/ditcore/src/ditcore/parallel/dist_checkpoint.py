@@ -78,7 +78,9 @@ def _global(value: torch.Tensor, like: torch.Tensor, groups: ParallelGroups, mes
     dp = [Shard(0) if isinstance(value, DTensor) else Replicate()]
     if isinstance(value, DTensor) and value.device_mesh.ndim == 2:  # HSDP: a piece of its group's, replicated
         mesh, dp = _hsdp_mesh(groups, value.device_mesh), [Replicate(), Shard(0)]
-    if is_expert_sharded(like):  # this rank's experts: replicated over the expert-data-parallel ranks
+    if is_expert_sharded(like) and isinstance(value, DTensor):  # FSDP's: its rows of them, EP's rows split over edp
+        mesh, dp = _ep_mesh(groups, mesh.device_type, fsdp=True), [Shard(0), Shard(0)]
+    elif is_expert_sharded(like):  # this rank's experts: replicated over the expert-data-parallel ranks
         mesh, dp = _ep_mesh(groups, mesh.device_type), [Replicate(), Shard(0)]
     shape = full_shape(like, groups.dims.tp)
     return DTensor.from_local(piece, mesh, [tp, *dp], run_check=False, shape=shape,
@@ -104,16 +106,21 @@ def _mesh(groups: ParallelGroups, device_type: str):
 
 
 @functools.cache
-def _ep_mesh(groups: ParallelGroups, device_type: str):
+def _ep_mesh(groups: ParallelGroups, device_type: str, fsdp: bool = False):
     """The (tp, dp_cp) mesh with dp_cp split into (expert data parallel, ep) over the same groups (ep consecutive
-    DP×CP ranks, ditcore.parallel.dims): rank = tp_rank + tp·(ep_rank + ep·edp_rank) + tp·dp_cp·pp_rank."""
+    DP×CP ranks, ditcore.parallel.dims): rank = tp_rank + tp·(ep_rank + ep·edp_rank) + tp·dp_cp·pp_rank. fsdp: its
+    dims ordered (tp, ep, edp) instead, for experts that FSDP shards over edp: DTensor splits a dim sharded twice
+    along the mesh's dims in their order, EP's blocks of experts first, then each block over edp."""
     from torch.distributed.device_mesh import DeviceMesh
 
     world, tp, pp, ep = dist.get_world_size(), groups.dims.tp, groups.dims.pp, groups.dims.ep
     ranks = torch.arange(world).reshape(pp, world // (tp * pp * ep), ep, tp)[groups.pp_rank].permute(2, 0, 1)
-    mesh = DeviceMesh.from_group([groups.tp_group, groups.edp_group, groups.ep_group], device_type, mesh=ranks,
-                                 mesh_dim_names=("tp", "edp", "ep"))
-    if tuple(mesh.get_coordinate())[::2] != (groups.tp_rank, groups.ep_rank):
+    dims = [("tp", groups.tp_group), ("edp", groups.edp_group), ("ep", groups.ep_group)]
+    if fsdp:
+        ranks, dims = ranks.permute(0, 2, 1), [dims[0], dims[2], dims[1]]
+    mesh = DeviceMesh.from_group([g for _, g in dims], device_type, mesh=ranks,
+                                 mesh_dim_names=tuple(name for name, _ in dims))
+    if (mesh.get_coordinate()[0], mesh.get_local_rank("ep")) != (groups.tp_rank, groups.ep_rank):
         raise RuntimeError(f"rank {dist.get_rank()}: the checkpoint mesh puts it at {mesh.get_coordinate()}, "
                            f"Megatron at tp {groups.tp_rank}, ep {groups.ep_rank}")
     return mesh

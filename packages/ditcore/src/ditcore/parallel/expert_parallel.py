@@ -28,7 +28,9 @@ global batch.
 Gradients: the experts' gradients are complete for the tokens of the whole EP group (the combine's backward sends them
 back); `reduce_expert_grads` sums them over the expert-data-parallel group (the ranks holding the same experts) and
 divides by dp·cp, which leaves them as DDP leaves the others. DDP itself skips them (`apply_expert_parallel` lists
-them as its parameters to ignore). FSDP with EP is refused (`apply_fsdp`).
+them as its parameters to ignore). Under FSDP the experts are sharded over the expert-data-parallel group
+(ditcore.parallel.fsdp), whose reduce-scatter averages their gradients over it: `reduce_expert_grads` only rescales
+those.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from ditcore.layout import reorder
@@ -74,8 +77,14 @@ def apply_expert_parallel(model: nn.Module, groups: ParallelGroups) -> None:
 
 def reduce_expert_grads(model: nn.Module, groups: ParallelGroups) -> None:
     """Sum the experts' gradients over the expert-data-parallel group, one collective, and divide by dp·cp (module
-    docstring): then they are what DDP's average over DP×CP makes of the others."""
-    grads = [p.grad for p in model.parameters() if p.grad is not None and is_expert_sharded(p)]
+    docstring): then they are what DDP's average over DP×CP makes of the others. Experts sharded by FSDP over that
+    group come averaged over it (a sum / (dp·cp/ep); FSDP2 does not divide over one rank, ep = dp·cp): their local
+    pieces are divided by ep."""
+    experts = [p.grad for p in model.parameters() if p.grad is not None and is_expert_sharded(p)]
+    sharded = [g.to_local() for g in experts if isinstance(g, DTensor)]
+    if sharded:
+        torch._foreach_mul_(sharded, 1.0 / groups.dims.ep)
+    grads = [g for g in experts if not isinstance(g, DTensor)]
     if not grads:
         return
     if groups.dims.dp * groups.dims.cp > groups.dims.ep:

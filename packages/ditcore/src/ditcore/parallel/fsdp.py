@@ -27,6 +27,14 @@ The TP tags that Megatron and ditcore put on parameters (`tensor_model_parallel`
 `tp_partial_grad`) are carried over to the sharded parameters, which FSDP2 creates anew. `Module.to_empty` and
 `Module.to` swap DTensor parameters' contents *and* attributes (torch.utils.swap_tensors), which would drop them:
 `apply_fsdp` keeps them by name on the model, and `restore_tags` puts them back after such a move.
+
+Expert parallelism (ditcore.parallel.expert_parallel): a MoE block's experts (this EP rank's E/ep of them) are an FSDP
+unit of their own, sharded along dim 0 over the expert-data-parallel ranks (those holding the same experts, dp·cp/ep
+of them; one rank when ep = dp·cp) and made before their block's, which then leaves them out (torchtitan's
+composition). They are gathered and resharded with their block; their gradients are reduce-scattered within the
+expert-data-parallel group, averaged over it, and `reduce_expert_grads` turns that average into the sum over all
+DP×CP ranks / (dp·cp) that the other parameters get. Under HSDP the experts are sharded over the same group (plain
+FSDP: no replicas of them).
 """
 
 from __future__ import annotations
@@ -41,6 +49,7 @@ from torch.distributed.tensor import DTensor
 
 from ditcore.choices import FSDP_SYNCS
 from ditcore.errors import ConfigError
+from ditcore.models.moe import GroupedExperts
 from ditcore.models.techniques import held_blocks
 from ditcore.parallel.dims import ParallelGroups
 
@@ -56,6 +65,11 @@ def dp_cp_mesh(groups: ParallelGroups, device_type: str):
     return _mesh(groups.dp_cp_group, device_type)
 
 
+def expert_mesh(groups: ParallelGroups, device_type: str):
+    """A one-dimensional DeviceMesh over the expert-data-parallel group (the ranks that hold the same experts)."""
+    return _mesh(groups.edp_group, device_type, "edp")
+
+
 def fsdp_mesh(groups: ParallelGroups, device_type: str, shard: int | None = None):
     """The mesh FSDP2 shards over: the DP×CP group, or for HSDP (`shard` < dp·cp) a 2-D (replicate, shard) mesh of it
     whose shard groups are `shard` consecutive DP×CP ranks. Collective the first time (new groups): call on every
@@ -67,11 +81,11 @@ def fsdp_mesh(groups: ParallelGroups, device_type: str, shard: int | None = None
 
 
 @functools.cache
-def _mesh(group: dist.ProcessGroup, device_type: str):
+def _mesh(group: dist.ProcessGroup, device_type: str, name: str = "dp_cp"):
     from torch.distributed.device_mesh import DeviceMesh
 
     ranks = dist.get_process_group_ranks(group)
-    return DeviceMesh.from_group(group, device_type, mesh=torch.tensor(ranks), mesh_dim_names=("dp_cp",))
+    return DeviceMesh.from_group(group, device_type, mesh=torch.tensor(ranks), mesh_dim_names=(name,))
 
 
 def _hsdp_mesh(groups: ParallelGroups, device_type: str, shard: int):
@@ -120,9 +134,6 @@ def apply_fsdp(model: nn.Module, groups: ParallelGroups, device_type: str, param
 
     if sync not in FSDP_SYNCS:
         raise ConfigError("fsdp_sync", sync, "one of " + ", ".join(map(repr, FSDP_SYNCS)))
-    if groups.dims.ep > 1:  # the experts would need a mesh of their own (the expert-data-parallel ranks)
-        raise ConfigError("fsdp", True, f"false with ep={groups.dims.ep}: expert parallelism trains with DDP (FSDP "
-                                        "of expert-parallel experts is not implemented yet)")
     tags = {name: dict(vars(p)) for name, p in model.named_parameters()}
     mesh = fsdp_mesh(groups, device_type, shard)
     # Inputs are left in their dtype (cast_forward_inputs=False): autocast decides the compute dtype per op, as
@@ -132,6 +143,10 @@ def apply_fsdp(model: nn.Module, groups: ParallelGroups, device_type: str, param
     for i, block in enumerate(blocks):
         # the last block's backward runs right after the final layer: not resharded after forward
         keep = sync == "step" or i == len(blocks) - 1
+        if groups.dims.ep > 1:  # first: a unit that holds them already leaves them out of the block's
+            for experts in (m for m in block.modules() if isinstance(m, GroupedExperts)):
+                fully_shard(experts, mesh=expert_mesh(groups, device_type), mp_policy=policy,
+                            reshard_after_forward=not keep)
         fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=not keep)
     # the root (embedders, final layer): the final layer's backward comes first; its gradients are reduced with the
     # last block's
@@ -174,7 +189,8 @@ def accumulating(model: nn.Module, enabled: bool = True):
 
 def shard_group(model: nn.Module) -> dist.ProcessGroup | None:
     """The ranks a sharded model's parameters are split over (DP×CP, or HSDP's shard group); None if not sharded."""
-    p = next((p for p in model.parameters() if isinstance(p, DTensor)), None)
+    p = next((p for p in model.parameters() if isinstance(p, DTensor) and not getattr(p, "expert_parallel", False)),
+             None)
     if p is None:
         return None
     mesh = p.device_mesh

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from ditcore.parallel.dims import ParallelGroups
 from ditcore.parallel.expert_parallel import is_expert_sharded, reduce_expert_grads
@@ -48,29 +49,43 @@ def finalize_grads(model: nn.Module, groups: ParallelGroups | None) -> None:
 def grad_norm(model: nn.Module, groups: ParallelGroups | None) -> torch.Tensor:
     """Global L2 norm of the gradients, a float64 tensor on their device: TP shards' squares are summed over TP,
     experts' over EP, replicated parameters counted once; under FSDP every rank's pieces are summed over DP×CP
-    (HSDP: over its shard group only, whose pieces make a whole parameter; the other groups hold the same ones). One
-    fused (foreach) reduction per kind, one collective per kind of split, no host sync. Pipeline stages add up their
-    own.
+    (HSDP: over its shard group only, whose pieces make a whole parameter; the other groups hold the same ones), the
+    experts' over their own shard group, the expert-data-parallel one. One fused (foreach) reduction per kind, one
+    collective per kind of split, no host sync. Pipeline stages add up their own.
 
     torch._foreach_norm gives every gradient's norm (one kernel launch for many tensors; accumulated in float64
     on a CPU, in float32 on a GPU) as float64, and their squares are summed in float64.
     """
     params = [p for n, p in model.named_parameters() if p.grad is not None and _counted_here(model, n, groups)]
-    sharded = [local(p.grad) for p in params if is_tp_sharded(p)]
-    replicated = [local(p.grad) for p in params if not is_tp_sharded(p) and not is_expert_sharded(p)]
-    experts = [local(p.grad) for p in params if is_expert_sharded(p)]
     device = local(next(model.parameters())).device
-    sharded_sq, replicated_sq, experts_sq = (_sum_of_squares(g, device) for g in (sharded, replicated, experts))
+    sharded_sq, replicated_sq, experts_sq = _squares_by_split(params, device)
     if groups is not None and groups.dims.tp > 1:
         dist.all_reduce(sharded_sq, group=groups.tp_group)
-    if groups is not None and groups.dims.ep > 1:  # each EP rank its own experts
-        dist.all_reduce(experts_sq, group=groups.ep_group)
-    total = sharded_sq + replicated_sq + experts_sq
+    total = sharded_sq + replicated_sq
     if groups is not None and is_fsdp(model):  # every parameter is split over the shard group: add up the pieces
         dist.all_reduce(total, group=shard_group(model))
+    if groups is not None and groups.dims.ep > 1:
+        _sum_over_expert_ranks(experts_sq, [p for p in params if is_expert_sharded(p)], groups)
+    total = total + experts_sq
     if groups is not None and groups.dims.pp > 1:  # each stage its own blocks; the shared embedders once
         dist.all_reduce(total, group=groups.pp_group)
     return total.sqrt()
+
+
+def _squares_by_split(params: list[nn.Parameter], device: torch.device) -> tuple[torch.Tensor, ...]:
+    """The local gradients' sums of squares: of the TP shards, of the replicated parameters, of EP's experts."""
+    sharded = [local(p.grad) for p in params if is_tp_sharded(p)]
+    replicated = [local(p.grad) for p in params if not is_tp_sharded(p) and not is_expert_sharded(p)]
+    experts = [local(p.grad) for p in params if is_expert_sharded(p)]
+    return tuple(_sum_of_squares(g, device) for g in (sharded, replicated, experts))
+
+
+def _sum_over_expert_ranks(experts_sq: torch.Tensor, experts: list[torch.Tensor], groups: ParallelGroups) -> None:
+    """The experts' squares: each EP rank holds its own experts, and under FSDP each of the ranks holding the same
+    ones its piece of them."""
+    dist.all_reduce(experts_sq, group=groups.ep_group)
+    if groups.dims.dp * groups.dims.cp > groups.dims.ep and any(isinstance(p.grad, DTensor) for p in experts):
+        dist.all_reduce(experts_sq, group=groups.edp_group)
 
 
 def _counted_here(model: nn.Module, name: str, groups: ParallelGroups | None) -> bool:
