@@ -41,6 +41,7 @@ from torch.distributed.tensor import DTensor
 
 from ditcore.choices import FSDP_SYNCS
 from ditcore.errors import ConfigError
+from ditcore.models.dit import symbolic_block_inputs
 from ditcore.models.techniques import held_blocks
 from ditcore.parallel.dims import ParallelGroups
 
@@ -133,6 +134,9 @@ def apply_fsdp(model: nn.Module, groups: ParallelGroups, device_type: str, param
         # the last block's backward runs right after the final layer: not resharded after forward
         keep = sync == "step" or i == len(blocks) - 1
         fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=not keep)
+        # FSDP2's own pre-forward hook (prepended) hands the block unmarked aliases of its inputs: this one, after it,
+        # marks them again, so that a compiled block keeps one graph for all text lengths and samples per row
+        block.register_forward_pre_hook(symbolic_block_inputs)
     # the root (embedders, final layer): the final layer's backward comes first; its gradients are reduced with the
     # last block's
     fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=False)
