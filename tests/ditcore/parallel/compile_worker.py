@@ -51,6 +51,7 @@ CASES = {
     "fsdp_tp2_sp_dp2_selective": (ParallelDims(tp=2, sequence_parallel=True), "selective", True),
     "cp2_tp2_sp_block": (ParallelDims(cp=2, tp=2, sequence_parallel=True), "block", False),
     "pp2_tp2_sp_selective": (ParallelDims(pp=2, tp=2, sequence_parallel=True), "selective", False),
+    "fsdp_pp2_dp2_selective": (ParallelDims(pp=2), "selective", True),  # each stage's one block sharded over dp=2
 }
 
 

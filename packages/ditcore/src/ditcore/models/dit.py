@@ -342,6 +342,17 @@ def symbolic_sizes(c: torch.Tensor, a: AttentionInputs) -> None:
                 torch._dynamo.maybe_mark_dynamic(mask.attn, 3)
 
 
+@torch.compiler.disable  # marks are made before tracing: dynamo would otherwise trace the hook of a compiled block
+def symbolic_block_inputs(block: nn.Module, args: tuple) -> None:
+    """symbolic_sizes again, on what a block is called with: a forward pre-hook that runs after FSDP2's
+    (ditcore.parallel.fsdp.apply_fsdp). FSDP2's hook passes the inputs that require grad (c, a.text) through an
+    autograd function to hook their backward, and hands the block its aliases, which carry none of dynamo's marks, in
+    a copy of `a` (dataclasses.replace): the compiled block took their first sizes as static and recompiled for each
+    new text length and number of samples per row."""
+    _, c, _, a = args
+    symbolic_sizes(c, a)
+
+
 class DiT(nn.Module):
     block_class: type[nn.Module] = DiTBlock  # an architecture that differs only in its blocks subclasses DiT
     norm_class: type[nn.Module] = LayerNorm  # the final layer's norm

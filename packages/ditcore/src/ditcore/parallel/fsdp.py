@@ -49,6 +49,7 @@ from torch.distributed.tensor import DTensor
 
 from ditcore.choices import FSDP_SYNCS
 from ditcore.errors import ConfigError
+from ditcore.models.dit import symbolic_block_inputs
 from ditcore.models.moe import GroupedExperts
 from ditcore.models.techniques import held_blocks
 from ditcore.parallel.dims import ParallelGroups
@@ -148,6 +149,9 @@ def apply_fsdp(model: nn.Module, groups: ParallelGroups, device_type: str, param
                 fully_shard(experts, mesh=expert_mesh(groups, device_type), mp_policy=policy,
                             reshard_after_forward=not keep)
         fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=not keep)
+        # FSDP2's own pre-forward hook (prepended) hands the block unmarked aliases of its inputs: this one, after it,
+        # marks them again, so that a compiled block keeps one graph for all text lengths and samples per row
+        block.register_forward_pre_hook(symbolic_block_inputs)
     # the root (embedders, final layer): the final layer's backward comes first; its gradients are reduced with the
     # last block's
     model.__dict__["architecture_class"] = type(model)  # fully_shard swaps its class: the registry's plan_for reads it
