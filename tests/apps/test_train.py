@@ -321,6 +321,27 @@ def test_tp2_to_sharded_pipeline_stages_to_one_process_continues_the_same_run(da
         assert (a[runs.EMA][k] - b[runs.EMA][k]).abs().max() <= 1e-4 * scale, k
 
 
+@pytest.mark.slow
+def test_expert_parallel_training_logs_its_routing_and_scores_the_held_out_set_in_lockstep(dataset, tmp_path):
+    """parallel.ep=2 over the 2 data-parallel ranks of a MoE DiT: it trains, logs the routing (aux loss, balance,
+    dropped share, every expert's share) and ends with its held-out loss, which every EP rank scores whole: EP peers
+    must run the same batches in lockstep (the dispatch's all-to-alls), which shares of the set would not give (a
+    rank with one batch more waited for its peer forever)."""
+    moe = ["model.moe.experts=4", "model.moe.top_k=2", "model.moe.capacity_factor=2", *heldout_args(dataset),
+           "validation.heldout.samples=7"]  # 7 samples: the two ranks' shares would differ
+    run = tmp_path / "ep2"
+    proc = torchrun_train(*run_args(dataset, run, 2, *moe, "parallel.ep=2"))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = csv_rows(run)
+    logged = {k for r in rows for k in r}
+    assert {"moe_aux_loss", "moe_balance", "moe_dropped", *(f"expert_share_{e}" for e in range(4))} <= logged
+    for r in rows:
+        if r.get("expert_share_0"):
+            assert sum(float(r[f"expert_share_{e}"]) for e in range(4)) == pytest.approx(1, rel=1e-5)
+    (last,) = [values for step, values in heldout_logged(run).items() if step == 2]
+    assert last and all(math.isfinite(float(v)) for v in last.values())
+
+
 def test_loss_decreases_and_outputs_are_written(dataset, tmp_path):
     run = tmp_path / "run"
     proc = dit_train(*run_args(dataset, run, 40, "validation.frames=4", "checkpoint.every=20", "train.micro_batch=4",

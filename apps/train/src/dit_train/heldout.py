@@ -103,7 +103,11 @@ class HeldOutLoss:
         check_same_latents(val, run.info, root)
         m = run.model_cfg
         samples = read_heldout(root, h.samples, m.patch_size, m.patch_size_t, cfg.data.seq_length)
-        mine = list(range(len(samples)))[groups.dp_rank::groups.dims.dp]  # TP/CP/PP peers hold the same
+        # each data-parallel rank scores its share (TP/CP/PP peers hold the same); under expert parallelism every rank
+        # scores them all: EP peers run their forwards in lockstep, the same number of batches of the same shapes
+        # (the dispatch's all-to-alls), which shares of the set would not give
+        share = groups.dims.dp if groups.dims.ep == 1 else 1
+        mine = list(range(len(samples)))[groups.dp_rank % share::share]
         batches = heldout_batches([samples[i] for i in mine], mine, h.seed, cfg.data.seq_length,
                                   cfg.train.micro_batch, text_multiple=128 if run.on_gpu else 1, inputs=inputs_of(m))
         fabric.print(f"held-out loss: {len(samples)} samples of {root} at {h.buckets} noise levels "
@@ -127,7 +131,8 @@ class HeldOutLoss:
                 model = PipelinedModel(model, run.groups)
             sums, counts = heldout_totals(run.recipe.denoiser(model), self.batches, self.buckets, self.loss,
                                           device=run.fabric.device, cfg=run.model_cfg,
-                                          latent_map=self.latent_map, group=run.groups.dp_group,
+                                          latent_map=self.latent_map,
+                                          group=run.groups.dp_group if run.groups.dims.ep == 1 else None,
                                           autocast=run.fabric.autocast)
             losses = (sums / counts).cpu()  # waits for the device: a validation step
             values[f"heldout/{which}/total"] = float((losses * self.weights).sum())
