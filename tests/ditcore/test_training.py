@@ -7,7 +7,7 @@ from ditcore.data.packing import PackedRow, TokenSample, collate
 from ditcore.diffusion import EDMLoss
 from ditcore.layout import grid_positions
 from ditcore.models import preset
-from ditcore.training import WithLoss, draw, drop_conditions, step_generator
+from ditcore.training import WithLoss, aux_loss, draw, drop_conditions, step_generator
 
 CFG = preset("DiT-Tiny", num_classes=9)  # null class 9
 
@@ -89,3 +89,16 @@ def test_a_stages_own_loss_rides_on_the_backward_of_what_it_hands_on():
     torch.autograd.backward(sent, grad)
     expected = (h * grad).sum(0) + 0.25 * 2 * w.detach()
     assert torch.allclose(w.grad, expected, rtol=1e-6, atol=0)
+
+
+def test_under_sequence_parallelism_each_tp_rank_trains_on_its_share_of_the_routing_loss():
+    """finalize_grads sums the router's gradients over TP under SP, where the ranks split a row's tokens: each counts
+    1/tp of its own routing losses, so that the layout trains on their mean, as DP and CP (which average) do."""
+    from ditcore.models.moe import MoEConfig, Routing
+    from ditcore.parallel.dims import ParallelDims
+
+    routing = Routing(torch.tensor([[1.2, 3.0, 0.5, 0.5, 0.0]]), MoEConfig(experts=2, balance_loss=0.01, z_loss=0.001))
+    assert aux_loss(routing, ParallelDims()) == pytest.approx(0.01 * 1.2 + 0.001 * 3.0)
+    sp = ParallelDims(tp=2, sequence_parallel=True)
+    for dims, share in ((ParallelDims(tp=2), 1), (ParallelDims(cp=2), 1), (sp, 2)):
+        assert aux_loss(routing, dims) == pytest.approx(routing.aux_loss / share)

@@ -51,7 +51,17 @@ from ditcore.parallel import (
 from ditcore.parallel.consolidate import without_extra_state
 from ditcore.parallel.fabric import MegatronStrategy
 from ditcore.parallel.pipeline import one_f_one_b, reduce_grads
-from ditcore.training import LatentMap, Loss, StepDraw, WithLoss, draw, routing_of, stage_forward, step_generator
+from ditcore.training import (
+    LatentMap,
+    Loss,
+    StepDraw,
+    WithLoss,
+    aux_loss,
+    draw,
+    routing_of,
+    stage_forward,
+    step_generator,
+)
 
 
 class Diverged(RuntimeError):
@@ -454,7 +464,7 @@ def train_step(run: Setup, t: Trainee, it, step: int, metrics: Metrics) -> Micro
                                      noise=m.draw.noise)
                 # the diffusion loss is what is logged and compared; the MoE blocks' aux loss is trained on besides
                 routing = routing_of(t.denoiser.model)
-                fabric.backward((loss if routing is None else loss + routing.aux_loss) / run.accum)
+                fabric.backward((loss if routing is None else loss + aux_loss(routing, groups.dims)) / run.accum)
             loss_sum += loss.detach()
             if routing is not None:
                 routed.append(routing.stats.detach())
@@ -496,9 +506,9 @@ def pipeline_step(run: Setup, t: Trainee, micro: MicroBatches, metrics: Metrics)
             stats = routing.stats.detach()
             routed = routed + torch.cat([stats.sum(0), stats.new_tensor([len(stats)])]) / run.accum
         if not groups.last_stage:
-            return out if routing is None else WithLoss.apply(out, routing.aux_loss, 1 / run.accum)
+            return out if routing is None else WithLoss.apply(out, aux_loss(routing, groups.dims), 1 / run.accum)
         loss_sum = loss_sum + out.detach()
-        return (out if routing is None else out + routing.aux_loss) / run.accum
+        return (out if routing is None else out + aux_loss(routing, groups.dims)) / run.accum
 
     def shape(i: int) -> tuple[int, int, int]:  # this rank's tokens of the rows, the rows, the width
         rows, tokens = micro.shape(i)

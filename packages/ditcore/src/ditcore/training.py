@@ -80,6 +80,15 @@ class WithLoss(torch.autograd.Function):
         return grad, torch.full_like(loss, ctx.scale), None
 
 
+def aux_loss(routing: Routing, dims) -> torch.Tensor:
+    """The MoE blocks' aux loss a rank trains on, of a layout's ParallelDims `dims`: its own tokens' routing losses
+    (Routing.aux_loss), whose gradients data and context parallelism average over the ranks like every other; under
+    sequence parallelism the TP ranks split a row's tokens and finalize_grads sums the router's gradients over them,
+    so each rank's counts 1/tp. Every layout then trains on the mean of its ranks' own routing losses (as Megatron-Core
+    computes them per rank by default), which is one process's where the ranks see the same tokens."""
+    return routing.aux_loss / (dims.tp if dims.sequence_parallel and dims.tp > 1 else 1)
+
+
 def routing_of(model) -> Routing | None:
     """The routing statistics of the backbone's last forward, through a data-parallel wrapper (DDP's .module): its
     mixture-of-experts blocks' losses, which the training objective adds to the diffusion loss (`Routing.aux_loss`),
