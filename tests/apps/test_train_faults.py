@@ -12,11 +12,10 @@ import time
 from pathlib import Path
 
 import pytest
-from torch._subclasses.fake_tensor import is_fake
 
 from dit_train import preemption
 from dit_train import train as training
-from ditcore import runs
+from ditcore import probe, runs
 from ditcore.diffusion import EDMLoss
 
 BIN = Path(sys.executable).parent
@@ -128,17 +127,25 @@ def test_divergence_keeps_every_window_and_names_the_data_this_early(text_data, 
                                                                       monkeypatch):
     """A loss that is not finite at step 3: the windows of steps 1 and 2 are on disk, and the message names the
     dataset beside the learning rate (a finite but absurd latent used to be blamed on the learning rate alone)."""
-    calls = []
-    loss = EDMLoss.__call__
+    calls, probing = [], []
+    loss, probe_run = EDMLoss.__call__, probe._run
 
-    def nan_at_third_step(self, denoiser, x, *args, **kwargs):
-        value = loss(self, denoiser, x, *args, **kwargs)
-        if x.is_meta or is_fake(x):  # the planner's probe (ditcore.probe), once per config in a process: not a step
+    def nan_at_third_step(self, *args, **kwargs):
+        value = loss(self, *args, **kwargs)
+        if probing:  # the planner's and FLOP count's probe (ditcore.probe) runs the loss too: not a step
             return value
         calls.append(1)
         return value * float("nan") if len(calls) == 3 else value
 
+    def probed(*args, **kwargs):
+        probing.append(1)
+        try:
+            return probe_run(*args, **kwargs)
+        finally:
+            probing.pop()
+
     monkeypatch.setattr(EDMLoss, "__call__", nan_at_third_step)
+    monkeypatch.setattr(probe, "_run", probed)
     run = tmp_path / "run"
     with pytest.raises(training.Diverged) as e:
         in_process(config(text_data, run, "train.steps=6", "checkpoint.every=100"))
