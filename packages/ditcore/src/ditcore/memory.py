@@ -11,7 +11,7 @@ One rank of a layout holds, in bytes:
   ones instead (HSDP too: `Param.held`).
   With pp > 1 a rank holds its pipeline stage's parameters only (ditcore.parallel.pipeline): its blocks
   (`stage_blocks`), the conditioning embedders (on every stage), the patch embedder on the first stage and the final
-  layer on the last.
+  layer on the last; with fsdp too, those sharded over the stage's dp x cp ranks.
 - autocast_cache: under bf16 autocast without fsdp, the bf16 copies of the parameters that the forward makes and
   keeps for backward (autocast's cached casts of linear weights and biases; the norms cast their scales themselves;
   embedding tables are not cast). Counted whole: all of them are alive at the end of the forward. With fsdp the
