@@ -504,23 +504,20 @@ def ep_checkpoints(folder: Path) -> dict:
         return all(torch.equal(full[k], weights[k]) and torch.equal(moments[k], optim[f"{k}.exp_avg"])
                    for k in moments)
 
-    ep2, opt2, groups2, views2 = split(2, 5)
-    runs.save_tensors(folder / "ep2", views2, {"step": 1})
-    experts = runs.read_full(folder / "ep2", runs.MODEL)["blocks.1.mlp.experts.w_in"].shape[0]
-    two = holds(ep2, opt2, groups2, "ep2")
-    ep4, opt4, groups4, views4 = split(4, 6)
-    vacuous = holds(ep4, opt4, groups4, "ep2", elsewhere=False)
-    runs.load_tensors(folder / "ep2", views4)
-    four = holds(ep4, opt4, groups4, "ep2")
-    sharded, opt_s, groups_s, views_s = split(2, 7, fsdp=True)
-    runs.save_tensors(folder / "ep2_fsdp", views_s, {"step": 1})
-    fsdp_experts = runs.read_full(folder / "ep2_fsdp", runs.MODEL)["blocks.1.mlp.experts.w_in"].shape[0]
-    from_fsdp = holds(sharded, opt_s, groups_s, "ep2_fsdp")
-    back, opt_b, groups_b, views_b = split(2, 8)
-    vacuous_fsdp = holds(back, opt_b, groups_b, "ep2_fsdp", elsewhere=False)
-    runs.load_tensors(folder / "ep2_fsdp", views_b)
-    found = torch.tensor([two, four, not vacuous, experts == cfg.moe.experts, from_fsdp,
-                          holds(back, opt_b, groups_b, "ep2_fsdp"), not vacuous_fsdp, fsdp_experts == cfg.moe.experts])
+    def round_trip(written, name: str, read) -> list:
+        """`written` (model, optimizer, groups, views) saved as `name` and loaded into `read`: [the checkpoint holds
+        the writer's tensors, it holds all the experts, the reader held other ones before, it holds them after]."""
+        runs.save_tensors(folder / name, written[3], {"step": 1})
+        experts = runs.read_full(folder / name, runs.MODEL)["blocks.1.mlp.experts.w_in"].shape[0]
+        wrote = holds(*written[:3], name)
+        vacuous = holds(*read[:3], name, elsewhere=False)
+        runs.load_tensors(folder / name, read[3])
+        return [wrote, experts == cfg.moe.experts, not vacuous, holds(*read[:3], name)]
+
+    ep2_to_one, full, not_vacuous, one_to_ep4 = round_trip(split(2, 5), "ep2", split(4, 6))
+    fsdp_to_one, full_fsdp, not_vacuous_fsdp, one_to_ep2 = round_trip(split(2, 7, fsdp=True), "ep2_fsdp", split(2, 8))
+    found = torch.tensor([ep2_to_one, one_to_ep4, not_vacuous, full, fsdp_to_one, one_to_ep2, not_vacuous_fsdp,
+                          full_fsdp])
     dist.all_reduce(found, op=dist.ReduceOp.MIN)
     return dict(zip(["ep2_to_one", "one_to_ep4", "not_vacuous", "full_experts", "ep2_fsdp_to_one",
                      "one_to_ep2", "not_vacuous_fsdp", "full_experts_fsdp"], map(bool, found), strict=True))
