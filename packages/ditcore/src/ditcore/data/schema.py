@@ -61,12 +61,15 @@ class DatasetInfo:
     # a held-out split: the training set's {"heldout": "val", "samples": N, "chosen": how}; the held-out set's
     # {"heldout_of": "..", "samples": N, "chosen": how} (dit-prepare --val-samples)
     split: dict = field(default_factory=dict)
+    # a blend's members (ditcore.data.blend): [{"name", "path", "weight", "subflavors", "latent_stats"}]
+    blend: list = field(default_factory=list)
     format: str = FORMAT
 
     def write(self, root: Path) -> None:
         data = asdict(self)
-        for optional in ("class_names", "split"):  # a dataset without them keeps the file as before: older ditcores
-            if not data[optional]:                 # read it
+        # a dataset without the optional fields keeps the file as before: older ditcores read it
+        for optional in ("class_names", "split", "blend"):
+            if not data[optional]:
                 del data[optional]
         tmp = root / f".{INFO_FILE}.tmp"
         durable.write_text(tmp, json.dumps(data, indent=1))
@@ -85,10 +88,18 @@ def read_info(root: str | Path) -> DatasetInfo:
                            f"{INFO_FILE} and .nv-meta/)")
     if not root.is_dir():
         raise DatasetError(f"dataset path '{root}' does not exist — run dit-prepare first")
-    if not (root / INFO_FILE).is_file() or not (root / ".nv-meta").is_dir():
+    if not (root / INFO_FILE).is_file() or not ((root / ".nv-meta").is_dir() or is_blend(root)):
         raise DatasetError(f"dataset path '{root}' has no {INFO_FILE} / .nv-meta/: it is not a finished "
                            "ditcore dataset (dit-prepare did not complete?) — run dit-prepare again with --overwrite")
     return parse_info(root / INFO_FILE, "dataset", "run dit-prepare again with --overwrite")
+
+
+def is_blend(root: str | Path) -> bool:
+    """A blend's folder (ditcore.data.blend) has a ditcore.json that lists its datasets, and no index of its own."""
+    try:
+        return bool(json.loads((Path(root) / INFO_FILE).read_text()).get("blend"))
+    except (ValueError, AttributeError, OSError):
+        return False
 
 
 def parse_info(path: Path, what: str = "dataset", fix: str = "run dit-prepare again with --overwrite") -> DatasetInfo:
