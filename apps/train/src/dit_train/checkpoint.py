@@ -41,7 +41,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from dit_train import resume_config
 from ditcore import disk, durable, runs
-from ditcore.data.loader import compare_fingerprints
+from ditcore.data.loader import blend_note, compare_fingerprints
 from ditcore.parallel import dist_checkpoint
 from ditcore.runs import CheckpointError
 
@@ -61,6 +61,18 @@ def resolve_resume(run_dir: Path, resume: str) -> list[Path]:
     return [path]
 
 
+def blend_order(run_dir: Path, resume: str) -> tuple[str, ...]:
+    """The datasets of a blend the checkpoint a resume tries first read, in its loader's order; () when there is none,
+    it read no blend, or it cannot be read (its resume then reports that). Read before the loader is built, which keeps
+    them in that order (ditcore.data.loader.build_loader's `first`)."""
+    try:
+        candidates = resolve_resume(run_dir, resume)
+        data = runs.read_values(candidates[0]).get("dataset") if candidates else None
+    except Exception:  # unreadable: the resume itself says what is wrong
+        return ()
+    return tuple(m["name"] for m in data["blend"]) if isinstance(data, dict) and "blend" in data else ()
+
+
 def layout(fabric) -> dict:
     """The job's layout, as the manifest records it."""
     dims = fabric.strategy.groups.dims
@@ -77,6 +89,7 @@ def save(fabric, run_dir: Path, step: int, state: dict, loader, config_yaml: str
     final = Path(run_dir) / runs.CHECKPOINTS / all_ranks(fabric, name)[0]  # rank 0's choice, once its folder exists
     tmp = runs.tmp_dir(final)
     values = _values(state) | {"skipped": dict(skipped_total(fabric, state["skipped"])),
+                               "drawn": dict(dp_total(fabric, state["drawn"])),
                                "dataset": getattr(loader, "fingerprint", None)}
     try:
         runs.save_tensors(tmp, _tensors(fabric, state), values)  # each rank its pieces, fsynced
@@ -234,6 +247,7 @@ def _load(fabric, ckpt: Path, state: dict, loader, changes: resume_config.Compar
         state["heldout"] = values.get("heldout", [])  # [step, held-out losses] (dit_train.heldout)
         # the run's total goes to one rank, so that adding every data-parallel rank's counts keeps it
         state["skipped"] = Counter(values.get("skipped", {}) if fabric.global_rank == 0 else {})
+        state["drawn"] = Counter(values.get("drawn", {}) if fabric.global_rank == 0 else {})
         _restore_schedule(state["optimizer"], state["scheduler"], values["scheduler"])
     except (Exception, CheckpointException) as e:  # verified, yet unreadable; DCP's is no Exception
         return f"checkpoint {ckpt} does not load: {runs.checkpoint_error(e)}"
@@ -249,6 +263,9 @@ def _load(fabric, ckpt: Path, state: dict, loader, changes: resume_config.Compar
     try:
         if not fresh:
             loader.restore_state_rank(runs.read_loader_state(ckpt, groups.dp_rank))
+            note = blend_note(values.get("dataset"), getattr(loader, "fingerprint", None))
+            if note and rank == 0:
+                print(note, file=sys.stderr, flush=True)
         elif rank == 0:
             print(f"note: {'; '.join(fresh)}: weights, EMA, optimizer state and step resume exactly, but the data "
                   "loader's saved position does not carry over, so it starts a fresh pass over the data (samples "
@@ -289,8 +306,13 @@ def _first_line(e: Exception) -> str:
 
 
 def skipped_total(fabric, mine: Counter) -> Counter:
-    """Collective: the samples skipped by the data loaders of all data-parallel ranks, by reason. Each counts once:
-    its TP/CP/PP peers load the same samples and their counts are left out."""
+    """Collective: the samples skipped by the data loaders of all data-parallel ranks, by reason."""
+    return dp_total(fabric, mine)
+
+
+def dp_total(fabric, mine: Counter) -> Counter:
+    """Collective: the sum of every data-parallel rank's counts of what its loader read. Each counts once: its
+    TP/CP/PP peers load the same samples and their counts are left out."""
     groups = fabric.strategy.groups
     reader = groups.tp_rank == groups.cp_rank == groups.pp_rank == 0
     return sum((Counter(part) for part in all_ranks(fabric, mine if reader else {})), Counter())

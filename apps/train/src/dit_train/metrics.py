@@ -5,6 +5,9 @@ A step never waits for the device (tests/apps/test_train.py proves it): `record`
 the host reads every queued step's values in one transfer (`read_back`), at the steps that log, checkpoint or
 validate. A new device-side metric is one `record("name", value)` where the step computes it: its window mean is
 then logged under that name (a CSV column, a TensorBoard tag); an entry in BAR shows it on the progress bar too.
+
+A blend's datasets (ditcore.data.blend) are counted on the host as their batches are loaded (`drawn_counts`) and
+logged as data/NAME/{samples,tokens,share} (`BlendWindow`).
 """
 
 from __future__ import annotations
@@ -108,3 +111,32 @@ class Metrics:
 def bar_postfix(logged: dict[str, float]) -> dict[str, str]:
     """The progress bar's fields (BAR) of a logged window."""
     return {label: fmt.format(logged[name]) for label, (name, fmt) in BAR.items() if name in logged}
+
+
+def drawn_counts(batch) -> Counter:
+    """The samples and tokens of each dataset of a blend in `batch`, as "NAME/samples" and "NAME/tokens" counts."""
+    out = Counter()
+    for name, (samples, tokens) in batch.by_source().items():
+        out[f"{name}/samples"] += samples
+        out[f"{name}/tokens"] += tokens
+    return out
+
+
+class BlendWindow:
+    """The figures of a blend's datasets logged at a step: data/NAME/samples and data/NAME/tokens, drawn since the run
+    began (over every data-parallel rank and resume), and data/NAME/share, its share of the samples drawn since the
+    previous log line (the weights, within sampling noise)."""
+
+    def __init__(self, names: list[str]):
+        self.names, self.last = names, Counter()
+
+    def figures(self, total: Counter) -> dict[str, float]:
+        window = {name: total[f"{name}/samples"] - self.last[f"{name}/samples"] for name in self.names}
+        drawn = sum(window.values())
+        out = {}
+        for name in self.names:
+            out[f"data/{name}/samples"] = total[f"{name}/samples"]
+            out[f"data/{name}/tokens"] = total[f"{name}/tokens"]
+            out[f"data/{name}/share"] = window[name] / drawn if drawn else float("nan")
+        self.last = total
+        return out

@@ -21,12 +21,13 @@ from dit_train.config import TrainConfig, memory_layout
 from dit_train.evaluation import FIDScorer
 from dit_train.heldout import HeldOutLoss
 from dit_train.media_log import TensorBoard, log_samples
-from dit_train.metrics import Metrics, bar_postfix
+from dit_train.metrics import BlendWindow, Metrics, bar_postfix, drawn_counts
 from dit_train.plots import plot_heldout, plot_losses
 from dit_train.preemption import Preempted
 from dit_train.recipe import Recipe, model_config, resolve  # noqa: F401 (model_config: where it was before)
 from dit_train.validation import Validator
 from ditcore import durable, init_from, runs
+from ditcore.data import blend
 from ditcore.data.fit import fit_report
 from ditcore.data.loader import build_loader, check_samples_fit, next_batch
 from ditcore.data.packing import PackedBatch
@@ -126,12 +127,13 @@ class Trainee:
     denoiser: EDMPrecond  # the model, preconditioned
     latent_map: LatentMap | None  # dataset units → the network's, on the device; None where they are the same
     state: dict  # what a checkpoint holds: the above, the step and the loss history
+    blend_window: BlendWindow | None = None  # the logged figures of a blend's datasets; None for one dataset
 
 
 def train(cfg: TrainConfig, resume: str = "auto", overwrite: bool = False) -> dict:
     run = setup(cfg, resume, overwrite)
     heldout = HeldOutLoss.build(run)  # read and packed once, here; refused before anything is built
-    trainee = build(run)
+    trainee = build(run, checkpoint.blend_order(run.run_dir, resume))
     # compared, and saved with every checkpoint, resolved: a resume whose auto would resolve otherwise is refused
     ckpt = checkpoint.resume(run.fabric, run.run_dir, resume, trainee.state, trainee.loader, run.cfg)  # verified
     if ckpt is not None:
@@ -203,12 +205,15 @@ def setup(cfg: TrainConfig, resume: str = "auto", overwrite: bool = False) -> Se
     fsdp_sync = choose_fsdp_sync(cfg, model_cfg, fabric, gpu)
     if on_gpu:
         check_memory_plan(cfg, model_cfg, fabric.world_size, gpu, fsdp_sync)
-    check_samples_fit(info, cfg.data.path, patch_size=model_cfg.patch_size, patch_size_t=model_cfg.patch_size_t,
-                      seq_length=cfg.data.seq_length)  # refuses a dataset none of whose samples fits
-    for line in fit_report(info, patch_size=model_cfg.patch_size, patch_size_t=model_cfg.patch_size_t,
-                           seq_length=cfg.data.seq_length, micro_batch=cfg.train.micro_batch,
-                           num_workers=cfg.data.num_workers):
-        fabric.print(line)
+    for name, root, data_info in blend.datasets(cfg.data.path, info):  # the dataset, or each one of a blend
+        check_samples_fit(data_info, root, patch_size=model_cfg.patch_size, patch_size_t=model_cfg.patch_size_t,
+                          seq_length=cfg.data.seq_length)  # refuses a dataset none of whose samples fits
+        if name:
+            fabric.print(f"blend     {name}: {root}")
+        for line in fit_report(data_info, patch_size=model_cfg.patch_size, patch_size_t=model_cfg.patch_size_t,
+                               seq_length=cfg.data.seq_length, micro_batch=cfg.train.micro_batch,
+                               num_workers=cfg.data.num_workers):
+            fabric.print(line)
     accum = cfg.train.global_batch // (cfg.train.micro_batch * groups.dims.dp)
     if accum * cfg.train.micro_batch * groups.dims.dp != cfg.train.global_batch:
         raise ValueError(f"train.global_batch={cfg.train.global_batch} is not a multiple of train.micro_batch="
@@ -273,8 +278,9 @@ def check_memory_plan(cfg: TrainConfig, model_cfg: DiTConfig, world_size: int, g
                           "config to see where it goes and what to change")
 
 
-def build(run: Setup) -> Trainee:
-    """The model (same seed on every rank, then sharded), EMA, optimizer, schedule and data loader."""
+def build(run: Setup, first: tuple[str, ...] = ()) -> Trainee:
+    """The model (same seed on every rank, then sharded), EMA, optimizer, schedule and data loader. first: the
+    datasets of a blend the checkpoint to resume read, in its loader's order (checkpoint.blend_order)."""
     cfg, fabric, groups, model_cfg = run.cfg, run.fabric, run.groups, run.model_cfg
     torch.manual_seed(cfg.train.seed)
     model = build_model(run, training=True)
@@ -294,11 +300,13 @@ def build(run: Setup) -> Trainee:
                           dp_group=groups.dp_group, shuffle_buffer_size=cfg.data.shuffle_buffer,
                           packing_buffer_size=cfg.data.packing_buffer, seed=cfg.train.seed,
                           text_multiple=128 if run.on_gpu else 1,  # 128: FlexAttention's key block
-                          max_skipped_in_a_row=cfg.data.max_skipped_in_a_row, inputs=inputs_of(model_cfg))
+                          max_skipped_in_a_row=cfg.data.max_skipped_in_a_row, inputs=inputs_of(model_cfg),
+                          first=first)
     state = {runs.MODEL: model, "optimizer": optimizer, runs.EMA: ema.module, "scheduler": scheduler, "step": 0,
              "history": [],  # [step, loss] of every step
              # samples this rank's loader passed over, by reason; the shards left out at the start, counted once
              "skipped": Counter(loader.skipped_at_start if groups.dp_rank == 0 else {}),
+             "drawn": Counter(),  # samples and tokens this rank drew from each dataset of a blend (drawn_counts)
              # the network's preconditioning and units, as a run started from this one reads them (ditcore.init_from)
              "network": run.recipe.recorded()}
     # The denoiser calls what Fabric wrapped (DDP, or the model itself) under fabric.autocast(), not Fabric's wrapper:
@@ -306,7 +314,8 @@ def build(run: Setup) -> Trainee:
     # and a pipeline stage's backward of its hidden states cannot go through fabric.backward.
     denoiser = run.recipe.denoiser(model._forward_module)
     return Trainee(model, ema, optimizer, scheduler, loader, run.recipe.loss(), denoiser,
-                   run.recipe.latent_map(fabric.device), state)
+                   run.recipe.latent_map(fabric.device), state,
+                   BlendWindow([m.name for m in loader.blend]) if loader.blend else None)
 
 
 def start_from(run: Setup, t: Trainee) -> None:
@@ -343,6 +352,8 @@ def fit(run: Setup, t: Trainee, validator: Validator, config_yaml: str, preempte
                dynamic_ncols=True)
     it = iter(t.loader)
     metrics = Metrics()
+    if t.blend_window is not None:  # its first window starts here (after a resume: at the checkpoint's totals)
+        t.blend_window.last = checkpoint.dp_total(fabric, t.state["drawn"])
     while step < cfg.train.steps:
         t0 = time.perf_counter()
         micro = train_step(run, t, it, step, metrics)
@@ -350,6 +361,7 @@ def fit(run: Setup, t: Trainee, validator: Validator, config_yaml: str, preempte
         t.state["step"] = step
         metrics.end_step(step, time.perf_counter() - t0, micro.tokens, micro.flops, micro.skipped.total())
         t.state["skipped"].update(micro.skipped)
+        t.state["drawn"].update(micro.drawn)
         bar.update()
         if cfg.model.compile and step == first + 1:  # the blocks were compiled in this process's first step
             for reason in check_compiled(t.model.module):
@@ -407,6 +419,8 @@ def step_figures(run: Setup, t: Trainee, now: Due, step: int, metrics: Metrics, 
     figures = {}
     if now.log:
         figures = metrics.close_window(peak, run.groups.dims) | {"lr": t.scheduler.get_last_lr()[0]}
+        if t.loader.blend:
+            figures |= t.blend_window.figures(checkpoint.dp_total(run.fabric, t.state["drawn"]))
     if now.score:  # before the save: a run resumed from this step has this point of the curve too
         figures |= heldout.run_on(scored(t), step, t.state)
     if now.validate:
@@ -538,6 +552,7 @@ class MicroBatches:
         self.shapes: list[tuple[int, int]] = []  # (rows, tokens per row) of every one loaded
         self.tokens, self.flops = 0, 0.0
         self.skipped: Counter = Counter()
+        self.drawn: Counter = Counter()  # samples and tokens of each dataset of a blend (drawn_counts)
 
     def take(self, i: int) -> MicroBatch:
         self._load_until(i)
@@ -567,6 +582,8 @@ class MicroBatches:
         before the copy to the device, so that nothing after it waits for the device."""
         batch = next_batch(self.it, self.t.loader)  # its failures as one DatasetError
         self.skipped.update(batch.skipped)  # what the loader passed over to fill this batch
+        if self.t.loader.blend:
+            self.drawn.update(drawn_counts(batch))
         self.tokens += int(batch.mask.sum())
         check_positions(batch.pos, self.run.model_cfg.max_grid)  # here, not in the model's forward, where it would sync
         self.flops += batch_flops(self.run.model_cfg, batch)

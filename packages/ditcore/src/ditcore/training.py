@@ -31,8 +31,10 @@ def step_generator(seed: int, step: int, micro: int, dp_rank: int, device="cpu")
 def drop_conditions(batch: PackedBatch, p: float, cfg, g: torch.Generator) -> Inputs:
     """The batch's inputs after CFG dropout per sample (Inputs.dropped): a dropped sample's text becomes empty (all
     its text tokens masked) and each condition with a null value takes it (its class the null class); unlabelled
-    samples get the null class too. cfg: the model's config, whose null values they are."""
-    drop = torch.rand(batch.per_sample_shape, generator=g, device=g.device) < p
+    samples get the null class too. cfg: the model's config, whose null values they are. p: the dropout rate of
+    samples whose dataset sets none (batch.drop_rate: a blend's cfg_drop), with the same one draw either way."""
+    u = torch.rand(batch.per_sample_shape, generator=g, device=g.device)
+    drop = u < (p if batch.drop_rate is None else torch.where(batch.drop_rate.isnan(), p, batch.drop_rate))
     return batch.inputs().dropped(drop, cfg)
 
 

@@ -102,6 +102,13 @@ def members(root: str | Path, info: DatasetInfo | None = None) -> list[Member]:
     return out
 
 
+def datasets(root: str | Path, info: DatasetInfo) -> list[tuple[str, Path, DatasetInfo]]:
+    """(name, folder, info) of each dataset data.path names: a blend's members, or the dataset itself (name "")."""
+    if not info.blend:
+        return [("", Path(root), info)]
+    return [(m.name, m.root, read_info(m.root)) for m in members(root, info)]
+
+
 def parse_spec(spec: str) -> tuple[Path, float, dict, str | None]:
     """`PATH[:WEIGHT[:KEY=VALUE...]]` → (path, weight, subflavors, name or None). `name=` names the member (default:
     its folder's name); the other keys are SUBFLAVORS. ValueError in one line for what is wrong."""

@@ -39,8 +39,11 @@ from megatron.energon import (
 )
 from megatron.energon.errors import FatalSampleError
 from megatron.energon.flavors.base_dataset import Sample
+from megatron.energon.wrappers.blend_dataset import BlendDataset
 
 from ditcore import quiet
+from ditcore.data.blend import NAME_KEY, Member, metadataset
+from ditcore.data.blend import members as blend_members
 from ditcore.data.fit import latent_shapes, tokens_of
 from ditcore.data.packing import PackedBatch, PackedRow, TokenSample, collate, first_fit_decreasing
 from ditcore.data.schema import INFO_FILE, DatasetError, crude_config, read_info, read_sample
@@ -128,11 +131,12 @@ def next_batch(it, loader) -> PackedBatch:
         batch = next(it)
     except Exception as e:
         root = loader.dataset_root
-        changed = changed_files(root, loader.dataset_stamp)
-        if changed:
-            raise DatasetError(f"the dataset changed while training: {len(changed)} files of '{root}' differ from "
-                               f"when this run opened it (e.g. {changed[0]}) — let dit-prepare finish, then "
-                               "continue with --resume auto (or write the new dataset to another folder)") from None
+        for member, stamp in loader.dataset_stamps.items():
+            changed = changed_files(member, stamp)
+            if changed:
+                raise DatasetError(f"the dataset changed while training: {len(changed)} files of '{member}' differ "
+                                   f"from when this run opened it (e.g. {changed[0]}) — let dit-prepare finish, then "
+                                   "continue with --resume auto (or write the new dataset to another folder)") from None
         counts = too_many_skipped(e)
         if counts is not None:
             reasons = ", ".join(f"{n} {reason.replace('_', ' ')}" for reason, n in counts.most_common())
@@ -191,14 +195,20 @@ class PackingTaskEncoder(TaskEncoder):
     decoder = None
 
     def __init__(self, *, patch_size: int, patch_size_t: int, seq_length: int, text_dim: int, text_multiple: int = 1,
-                 max_skipped_in_a_row: int = MAX_SKIPPED_IN_A_ROW, dataset_stamp: dict | None = None,
-                 root: Path | None = None, inputs: type[Inputs] = Inputs):
+                 max_skipped_in_a_row: int = MAX_SKIPPED_IN_A_ROW, dataset_stamps: dict | None = None,
+                 inputs: type[Inputs] = Inputs, members: dict[str, Member] | None = None,
+                 blend_stats: dict | None = None):
         super().__init__()
         self.inputs = inputs  # the architecture's inputs type: which per-sample conditions each sample's metadata gives
         self.p, self.pt, self.seq_length, self.text_dim = patch_size, patch_size_t, seq_length, text_dim
         self.text_multiple = text_multiple
         self.max_skipped_in_a_row = max_skipped_in_a_row
-        self.root, self.dataset_stamp = root, dataset_stamp  # to tell a dataset replaced under the run
+        self.dataset_stamps = dataset_stamps or {}  # root → dataset_files: to tell a dataset replaced under the run
+        # a blend's datasets by name (a sample's NAME_KEY subflavor): their CFG dropout rates and the maps of their
+        # latents into the blend's units (None: the same units)
+        members = members or {}
+        self.drop_rates = {name: m.cfg_drop for name, m in members.items()}
+        self.latent_maps = {name: m.latent_map(blend_stats or {}) for name, m in members.items()}
         self._skipped: Counter = Counter()  # since the last batch
         self._skipped_samples: list[tuple[str, str, str]] = []  # (key, reason, detail) since the last batch
         self._in_a_row: Counter = Counter()  # since the last usable sample
@@ -219,8 +229,9 @@ class PackingTaskEncoder(TaskEncoder):
     def count_error(self, exc: Exception, sample, sources=None) -> None:
         """Energon's error handler: skip the unreadable sample and count it. If the dataset's files changed since
         the loader opened them (prepared again under the run), stop: the rest would be garbage too."""
-        if self.root is not None and changed_files(self.root, self.dataset_stamp):
-            raise RuntimeError(f"the dataset {self.root} changed while it was read") from exc
+        for root, stamp in self.dataset_stamps.items():
+            if changed_files(root, stamp):
+                raise RuntimeError(f"the dataset {root} changed while it was read") from exc
         where = f" ({sources[0].shard_name})" if sources else ""
         self._count("unreadable_sample", f"{getattr(sample, '__key__', '?')}{where}", f"{type(exc).__name__}: {exc}")
 
@@ -247,7 +258,12 @@ class PackingTaskEncoder(TaskEncoder):
             self._skip(sample, "longer_than_seq_length", f"{n} tokens, data.seq_length={self.seq_length}")
         self._check_conditions(sample)
         self._in_a_row.clear()
-        item = TokenSample.of(sample.__key__, z, text, sample.meta, self.p, self.pt)
+        source = (sample.__subflavors__ or {}).get(NAME_KEY, "")
+        if (latent_map := self.latent_maps.get(source)) is not None:  # another member's units → the blend's
+            scale, shift = latent_map
+            z = z.float() * scale[:, None, None, None] + shift[:, None, None, None]
+        item = TokenSample.of(sample.__key__, z, text, sample.meta, self.p, self.pt, source=source,
+                              cfg_drop=self.drop_rates.get(source))
         return EncodedSample.derive_from(sample, item=item)
 
     def _check_conditions(self, sample: LatentSample) -> None:
@@ -297,6 +313,71 @@ def broken_shards(root: Path) -> dict[str, str]:
     return bad
 
 
+def _broken_shards(root: Path, top: Path) -> dict[str, str]:
+    """The shards of the dataset at `root` (of the blend at `top`, or itself) to leave out, logged; refused when every
+    one is broken."""
+    bad = broken_shards(root)
+    if bad:
+        info = read_info(root)
+        if _indexed_count(root, bad) == info.counts.get("samples", -1) or len(bad) == info.counts.get("shards", -1):
+            name, reason = next(iter(bad.items()))
+            where = f"dataset '{root}'" + (f" of blend '{top}'" if root != top else "")
+            raise DatasetError(f"every shard of {where} is broken ({len(bad)}, e.g. {name}: {reason}) — "
+                               "run dit-prepare again with --overwrite")
+        for name, reason in bad.items():
+            log.warning("leaving out broken shard %s of %s (%s)", name, root, reason)
+    return bad
+
+
+def _in_order(blend: list[Member], first: tuple[str, ...]) -> list[Member]:
+    """The blend's datasets with those named in `first` first, in that order, then the others in the blend's."""
+    known = [m for name in first for m in blend if m.name == name]
+    return known + [m for m in blend if m not in known]
+
+
+def _write_metadataset(root: Path, blend: list[Member], configs: dict[str, dict]) -> Path:
+    """The Energon metadataset the loader opens for the blend at `root`: its datasets in the loader's order, by
+    absolute path, each with its crude dataset config (and split config); named by its content, so that runs of other
+    orders never share one. Every rank writes the same file; the rename is atomic."""
+    text = yaml.safe_dump(metadataset(blend, None, configs), sort_keys=False)
+    path = root / f".blend-{hashlib.sha256(text.encode()).hexdigest()[:16]}.yaml"
+    if not path.is_file():
+        tmp = root / f".{path.name}.{os.getpid()}"
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    return path
+
+
+def _blend_nodes(dataset) -> list[BlendDataset]:
+    """The BlendDatasets in the tree of Energon datasets under `dataset`."""
+    found, stack = [], [dataset]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, BlendDataset):
+            found.append(node)
+        stack += [d for d in getattr(node, "datasets", ()) or [getattr(node, "dataset", None)] if d is not None]
+    return found
+
+
+class GrowingBlend(BlendDataset):
+    """Energon's blend, which also restores the state of a blend of its first datasets (a checkpoint's, before
+    datasets were added to the blend): those continue where the state left each, the datasets added since start from
+    their beginning. The state holds no weights: a change of weights restores as it is. The datasets' order is kept
+    by the loader (build_loader's `first`), and so are the indices by which the state's buffers name a sample's
+    dataset."""
+
+    def restore_state(self, state) -> None:
+        known = len(state["datasets"])
+        if known > len(self.datasets):
+            raise ValueError(f"the saved state is of a blend of {known} datasets, this one has {len(self.datasets)}")
+        for dataset, dstate in zip(self.datasets[:known], state["datasets"], strict=True):
+            dataset.restore_state(dstate)
+        for dataset in self.datasets[known:]:
+            dataset.reset_state_deep()
+        self._worker_rng.restore_state(state["_worker_rng"])
+        self.exhausted = [*state["exhausted"], *[False] * (len(self.datasets) - known)]
+
+
 def _split_config_without(root: Path, bad: dict[str, str]) -> str:
     """Energon split config equal to the dataset's, with the broken shards excluded; returns its file name."""
     meta = root / ".nv-meta"
@@ -340,6 +421,8 @@ def compare_fingerprints(saved: dict | None, now: dict, root: Path) -> tuple[str
     the same data. A checkpoint without a fingerprint (an older dit-train) counts as the same data."""
     if saved is None or now is None or saved == now:
         return None, None
+    if "blend" in saved or "blend" in now:
+        return _compare_blends(saved, now, root)
     damaged = {name: reason for name, reason in now["broken"].items()
                if name in saved["shards"] and name not in saved["broken"]}
     if damaged and saved["digest"] == now["digest"]:
@@ -355,6 +438,49 @@ def compare_fingerprints(saved: dict | None, now: dict, root: Path) -> tuple[str
     same_counts = {k: n for k, (n, _) in saved["shards"].items()} == {k: n for k, (n, _) in now["shards"].items()}
     what = "was prepared again" if same_counts else f"now has {size(now)}, then {size(saved)}"
     return None, f"dataset '{root}' is not the one the checkpoint was trained on (it {what})"
+
+
+def _compare_blends(saved: dict, now: dict, root: Path) -> tuple[str | None, str | None]:
+    """compare_fingerprints of a blend: a dataset the checkpoint's loader read that is not in the blend now is refused
+    (its samples' place in the state would name another dataset); a dataset damaged or prepared again as each alone;
+    weights changed and datasets added keep every position (blend_note says so)."""
+    if "blend" not in saved or "blend" not in now:
+        was, is_ = ("a blend", "a dataset") if "blend" in saved else ("a dataset", "a blend")
+        return None, f"data.path '{root}' is {is_}, the checkpoint's loader read {was}"
+    then = [m["name"] for m in saved["blend"]]
+    current = {m["name"]: m for m in now["blend"]}
+    gone = [name for name in then if name not in current]
+    if gone:
+        return (f"dataset '{gone[0]}', which the checkpoint's loader read, is not in blend '{root}' any more — add it "
+                "back (its weight may be small), or start a new run from this one's weights with model.init_from"
+                ), None
+    if [m["name"] for m in now["blend"][:len(then)]] != then:
+        return None, f"the datasets of blend '{root}' are in another order than the checkpoint's"
+    for m in saved["blend"]:
+        damage, difference = compare_fingerprints(m["data"], current[m["name"]]["data"], Path(m["name"]))
+        if damage or difference:
+            where = f"dataset '{m['name']}' of blend '{root}'"
+            return tuple(t and t.replace(f"dataset '{m['name']}'", where) for t in (damage, difference))
+    return None, None
+
+
+def blend_note(saved: dict | None, now: dict | None) -> str | None:
+    """What changed in a blend since the checkpoint that keeps every dataset's position (datasets added, weights
+    changed), in one line; None if nothing did or either is not a blend."""
+    if not saved or not now or "blend" not in saved or "blend" not in now:
+        return None
+    then = {m["name"]: m["weight"] for m in saved["blend"]}
+    weights = {m["name"]: m["weight"] for m in now["blend"]}
+    added = [name for name in weights if name not in then]
+    changed = [f"{name} {then[name]:.3g} → {w:.3g}" for name, w in weights.items()
+               if name in then and not math.isclose(w, then[name], rel_tol=1e-9)]
+    if not added and not changed:
+        return None
+    what = ([f"dataset{'s' * (len(added) > 1)} {', '.join(added)} added"] if added else []) + (
+        [f"weights changed ({', '.join(changed)})"] if changed else [])
+    return (f"note: the blend changed since the checkpoint: {'; '.join(what)} — every dataset the checkpoint read "
+            "continues from its position, and samples are drawn by the new weights"
+            + (" (an added dataset starts at its beginning)" if added else ""))
 
 
 def check_samples_fit(info, root, *, patch_size: int, patch_size_t: int, seq_length: int) -> int:
@@ -429,6 +555,7 @@ def build_loader(
     text_multiple: int = 1,
     max_skipped_in_a_row: int = MAX_SKIPPED_IN_A_ROW,
     inputs: type[Inputs] = Inputs,
+    first: tuple[str, ...] = (),
 ):
     """An endless, resumable loader of PackedBatch for one data-parallel rank.
 
@@ -439,39 +566,47 @@ def build_loader(
     TooManySkipped. inputs: the model's inputs type (its architecture's, DiT.inputs_class), whose per-sample
     conditions each sample's metadata gives. Iterate with `next_batch`, which turns the loader's failures into one
     DatasetError.
+
+    `root` may be a blend's folder (ditcore.data.blend): Energon draws each sample from one of its datasets by their
+    weights, and each keeps its own position in the loader's state. first: the names of the blend's datasets a
+    checkpoint's loader read, in its order: they keep their places, datasets added since come after them, so that the
+    checkpoint's state restores with every dataset's position kept (GrowingBlend).
     """
     root = Path(root)
     quiet.energon_buffer_bar()
-    stamp = dataset_files(root)  # before anything is read: a later change is the dataset replaced under the run
     info = read_info(root)
-    split_config = None
-    bad = broken_shards(root)
-    if bad:
-        if _indexed_count(root, bad) == info.counts.get("samples", -1) or len(bad) == info.counts.get("shards", -1):
-            name, reason = next(iter(bad.items()))
-            raise DatasetError(f"every shard of dataset '{root}' is broken ({len(bad)}, e.g. {name}: {reason}) — "
-                               "run dit-prepare again with --overwrite")
-        for name, reason in bad.items():
-            log.warning("leaving out broken shard %s (%s)", name, reason)
-        split_config = _split_config_without(root, bad)
+    blend = _in_order(blend_members(root, info), first) if info.blend else []
+    roots = [m.root for m in blend] or [root]
+    stamps = {r: dataset_files(r) for r in roots}  # before anything is read: a later change is a dataset replaced
+    broken = {r: _broken_shards(r, root) for r in roots}
     encoder = PackingTaskEncoder(patch_size=patch_size, patch_size_t=patch_size_t, seq_length=seq_length,
                                  text_dim=info.text_encoder["dim"], text_multiple=text_multiple,
-                                 max_skipped_in_a_row=max_skipped_in_a_row, dataset_stamp=stamp, root=root,
-                                 inputs=inputs)
+                                 max_skipped_in_a_row=max_skipped_in_a_row, dataset_stamps=stamps, inputs=inputs,
+                                 members={m.name: m for m in blend}, blend_stats=info.latent_stats)
     worker_config = WorkerConfig(rank=dp_rank, world_size=dp_size, num_workers=num_workers,
                                  data_parallel_group=dp_group, seed_offset=seed,
                                  global_error_handler=encoder.count_error)
-    dataset = get_train_dataset(
-        str(root), dataset_config=crude_config(root),  # dataset.yaml is the typed view, for Energon's CLI
-        worker_config=worker_config, batch_size=batch_size, task_encoder=encoder,
-        shuffle_buffer_size=shuffle_buffer_size, max_samples_per_sequence=max_samples_per_sequence,
-        packing_buffer_size=packing_buffer_size or 4 * batch_size, **({"split_config": split_config} if bad else {}),
-    )
+    settings = dict(worker_config=worker_config, batch_size=batch_size, task_encoder=encoder,
+                    shuffle_buffer_size=shuffle_buffer_size, max_samples_per_sequence=max_samples_per_sequence,
+                    packing_buffer_size=packing_buffer_size or 4 * batch_size)
+    if blend:
+        splits = {m.name: {"split_config": _split_config_without(m.root, broken[m.root])}
+                  for m in blend if broken[m.root]}
+        dataset = get_train_dataset(str(_write_metadataset(root, blend, splits)), **settings)
+        for node in _blend_nodes(dataset):
+            node.__class__ = GrowingBlend
+    else:
+        split = {"split_config": _split_config_without(root, broken[root])} if broken[root] else {}
+        # dataset.yaml is the typed view, for Energon's CLI
+        dataset = get_train_dataset(str(root), dataset_config=crude_config(root), **split, **settings)
     loader = _Loader(dataset)
     loader.worker_init_fn = functools.partial(_init_worker, loader.worker_init_fn)
     _stop_workers_at_exit()
-    loader.skipped_at_start = {"broken_shard": _indexed_count(root, bad)} if bad else {}
-    loader.fingerprint = dataset_fingerprint(root, bad)
-    loader.dataset_root, loader.dataset_stamp = root, stamp
+    left_out = sum(_indexed_count(r, bad) for r, bad in broken.items())
+    loader.skipped_at_start = {"broken_shard": left_out} if left_out else {}
+    loader.fingerprint = dataset_fingerprint(root, broken[root]) if not blend else {
+        "blend": [{"name": m.name, "weight": m.weight, "data": dataset_fingerprint(m.root, broken[m.root])}
+                  for m in blend]}
+    loader.dataset_root, loader.dataset_stamps, loader.blend = root, stamps, blend
     loader.skip_log = SkipLog()
     return loader

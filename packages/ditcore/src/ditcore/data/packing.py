@@ -49,16 +49,18 @@ class TokenSample:
     text: torch.Tensor  # (L, D) unpadded
     meta: dict  # the sample's JSON metadata (ditcore.data.schema): its per-sample conditions are read from it
     caption: str
+    source: str = ""  # the dataset of a blend it came from (ditcore.data.blend); "" outside a blend
+    cfg_drop: float | None = None  # its dataset's CFG dropout rate (a blend's cfg_drop subflavor); None: the run's
 
     @classmethod
-    def of(cls, key: str, latent: torch.Tensor, text: torch.Tensor, meta: dict, patch_size: int, patch_size_t: int
-           ) -> TokenSample:
+    def of(cls, key: str, latent: torch.Tensor, text: torch.Tensor, meta: dict, patch_size: int, patch_size_t: int,
+           source: str = "", cfg_drop: float | None = None) -> TokenSample:
         """A dataset sample (latent (C, T, H, W) divisible by the patch, text states, metadata), patchified."""
         _, T, H, W = latent.shape
         grid = (T // patch_size_t, H // patch_size, W // patch_size)
         return cls(key=key, tokens=patchify(latent[None].float(), patch_size, patch_size_t)[0],
                    pos=grid_positions(grid), grid=grid, text=text.float(), meta=dict(meta),
-                   caption=str(meta.get("caption", "")))
+                   caption=str(meta.get("caption", "")), source=source, cfg_drop=cfg_drop)
 
 
 @dataclass
@@ -91,6 +93,10 @@ class PackedBatch:
     whole_rows: bool = False  # every row is one sample without padding (known on the host, so no device sync)
     whole_text: bool = False  # ... and every text token belongs to its row's sample
     inputs_class: type[Inputs] = Inputs  # the architecture's (ditcore.inputs): what `inputs` builds
+    sources: list[list[str]] = field(default_factory=list)  # each sample's dataset of a blend ("" outside one)
+    # (B, S) float32 CFG dropout rate of each sample whose dataset sets one (a blend's cfg_drop), NaN for the run's
+    # edm.cfg_dropout; None when no sample's dataset sets one
+    drop_rate: torch.Tensor | None = None
 
     TENSORS = ("x", "pos", "seg", "text", "text_seg", "num_samples")
 
@@ -117,14 +123,25 @@ class PackedBatch:
                                  **self.conditions)
 
     def to(self, device, non_blocking: bool = False) -> PackedBatch:
-        return dataclasses.replace(self, conditions={k: t.to(device, non_blocking=non_blocking)
-                                                     for k, t in self.conditions.items()},
-                                   **{k: getattr(self, k).to(device, non_blocking=non_blocking) for k in self.TENSORS})
+        move = lambda t: t.to(device, non_blocking=non_blocking)
+        return dataclasses.replace(self, conditions={k: move(t) for k, t in self.conditions.items()},
+                                   drop_rate=None if self.drop_rate is None else move(self.drop_rate),
+                                   **{k: move(getattr(self, k)) for k in self.TENSORS})
 
     def pin_memory(self) -> PackedBatch:
         """Page-locked copies (torch's DataLoader calls this when it pins batches), so copies to a GPU are async."""
         return dataclasses.replace(self, conditions={k: t.pin_memory() for k, t in self.conditions.items()},
+                                   drop_rate=None if self.drop_rate is None else self.drop_rate.pin_memory(),
                                    **{k: getattr(self, k).pin_memory() for k in self.TENSORS})
+
+    def by_source(self) -> dict[str, tuple[int, int]]:
+        """Samples and tokens of each dataset of a blend in these rows (host values): source → (samples, tokens)."""
+        out: dict[str, tuple[int, int]] = {}
+        for row_sources, row_grids in zip(self.sources, self.grids, strict=True):
+            for source, (t, h, w) in zip(row_sources, row_grids, strict=True):
+                n, k = out.get(source, (0, 0))
+                out[source] = (n + 1, k + t * h * w)
+        return out
 
 
 def collate(rows: list[PackedRow], seq_length: int, text_multiple: int = 1,
@@ -157,6 +174,11 @@ def collate(rows: list[PackedRow], seq_length: int, text_multiple: int = 1,
         out.keys.append([s.key for s in row.samples])
         out.captions.append([s.caption for s in row.samples])
         out.grids.append([s.grid for s in row.samples])
+        out.sources.append([s.source for s in row.samples])
+    rates = [[s.cfg_drop for s in row.samples] for row in rows]
+    if any(r is not None for row in rates for r in row):
+        out.drop_rate = torch.tensor([[float("nan") if r is None else r for r in row] + [float("nan")] * (S - len(row))
+                                      for row in rates], dtype=torch.float32)
     out.whole_rows = S == 1 and all(row.length == seq_length for row in rows)
     out.whole_text = bool((out.text_seg >= 0).all())
     return out
