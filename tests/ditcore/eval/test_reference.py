@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from ditcore.codecs import LatentStats, PixelCodec
+from ditcore.data.blend import write_blend
 from ditcore.data.schema import DatasetInfo, read_info
 from ditcore.data.writer import ShardWriter, finish_dataset, start_dataset
 from ditcore.eval import FeatureNet, FrechetDistance, ReferenceError, ReferenceStats, dataset_reference, load_reference
@@ -46,15 +47,13 @@ def images(n: int, seed: int) -> torch.Tensor:
     return (colour + 0.3 * noise).clamp(-1, 1)
 
 
-@pytest.fixture(scope="module")
-def dataset(tmp_path_factory):
-    """N images of SIZE² pixels through the exact pixel codec (and a 2-frame clip, which FID leaves out)."""
-    root = tmp_path_factory.mktemp("fid") / "data"
+def write_images(root, pixels: torch.Tensor, mean: float = 0.0, std: float = 1.0):
+    """`pixels` through the exact pixel codec, normalised by (mean, std), and a 2-frame clip, which FID leaves out."""
     start_dataset(root, overwrite=False)
-    codec, stats = PixelCodec(4), LatentStats.from_dict({"mean": [0.0] * 48, "std": [1.0] * 48})
+    codec, stats = PixelCodec(4), LatentStats.from_dict({"mean": [mean] * 48, "std": [std] * 48})
     with ShardWriter(root, max_count=40) as writer:
-        for i, pixels in enumerate(images(N, 0)):
-            latent = stats.normalize(codec.encode(pixels[None, :, None]))[0]  # (C, 1, h, w)
+        for i, image in enumerate(pixels):
+            latent = stats.normalize(codec.encode(image[None, :, None]))[0]  # (C, 1, h, w)
             writer.write(f"{i:05d}", latent, torch.zeros(0, 1), {"caption": ""})
         clip = stats.normalize(codec.encode(images(2, 1).permute(1, 0, 2, 3)[None]))[0]  # (C, 2, h, w)
         writer.write("clip", clip, torch.zeros(0, 1), {"caption": ""})
@@ -63,6 +62,12 @@ def dataset(tmp_path_factory):
                        temporal_factor=1, counts={"latent_shapes": dict(writer.latent_shapes)})
     finish_dataset(root, info)
     return root
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory):
+    """N images of SIZE² pixels (and a clip)."""
+    return write_images(tmp_path_factory.mktemp("fid") / "data", images(N, 0))
 
 
 def score(reference: ReferenceStats, pixels: torch.Tensor) -> float:
@@ -110,6 +115,26 @@ def test_the_cache_is_reused_and_rebuilt_when_the_dataset_changes(dataset, monke
     rebuilt = dataset_reference(dataset, net=net(), limit=32)
     assert json.loads(cache.with_suffix(".json").read_text())["dataset"] != meta["dataset"]
     torch.testing.assert_close(rebuilt.mu, first.mu, rtol=0, atol=1e-12)  # the same images
+
+
+def test_a_blends_reference_mixes_its_datasets_images_by_their_weights(dataset, tmp_path):
+    """Each dataset's images decoded with its own latent statistics, weighed as training draws them."""
+    alone = dataset_reference(dataset, net=net())
+    again = write_images(tmp_path / "again", images(N, 0), mean=0.3, std=2.0)  # the same images in other units
+    write_blend(tmp_path / "same", [(dataset, 3.0, {}, "data"), (again, 1.0, {}, "again")])
+    same = dataset_reference(tmp_path / "same", net=net())
+    assert (same.n, same.height, same.width) == (2 * N, SIZE, SIZE)
+    torch.testing.assert_close(same.mu, alone.mu, rtol=0, atol=1e-3)  # bf16 latents: a pixel may round otherwise
+    torch.testing.assert_close(same.sigma, alone.sigma, rtol=0, atol=1e-3)
+
+    bright = write_images(tmp_path / "bright", (images(N, 2) + 0.6).clamp(-1, 1), mean=0.3, std=2.0)
+    write_blend(tmp_path / "blend", [(dataset, 3.0, {}, "data"), (bright, 1.0, {}, "bright")])
+    blend = dataset_reference(tmp_path / "blend", net=net())
+    drawn = torch.cat([images(72, 5), (images(24, 6) + 0.6).clamp(-1, 1)])  # other images, 3 to 1 as the blend
+    scores = {name: score(ref, drawn) for name, ref in (("blend", blend), ("data", alone),
+                                                         ("bright", dataset_reference(bright, net=net())))}
+    print(", ".join(f"FD against {name} {value:.3g}" for name, value in scores.items()))
+    assert scores["blend"] < 0.2 * min(scores["data"], scores["bright"])
 
 
 def test_an_adm_npz_is_read_without_pickle(tmp_path):

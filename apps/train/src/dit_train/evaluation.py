@@ -1,7 +1,9 @@
 """validation.fid: at every validation (and at the end) the FID, or FD_DINOv2, of validation.fid.num samples of the
-EMA weights against data.path's images, logged as fid/<features> to every logger (CSV, TensorBoard, W&B).
+EMA weights against data.path's images (a blend's: its datasets' mixed by their weights, each decoded with its own
+latent statistics), logged as fid/<features> to every logger (CSV, TensorBoard, W&B).
 
-The reference statistics are computed once, by the first rank, and cached in DATA/eval/ (ditcore.eval.reference);
+The reference statistics are computed once, by the first rank, and cached in DATA/eval/ (a blend's: in each of its
+datasets' folders; ditcore.eval.reference);
 the samples are drawn at the reference's image size with the validation settings (steps, guidance, solver, seed),
 split over the data-parallel ranks, and their sums reduced over them. The model-parallel peers of a rank (TP, CP,
 pipeline stages) sample the same images and compute the same figure. Text-conditioned models sample

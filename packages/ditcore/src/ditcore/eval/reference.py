@@ -6,6 +6,9 @@ A reference is one of:
   samples only, of one size (default: the dataset's most common image size); video samples are left out (FID is an
   image figure). Cached as DATA/eval/fid-<features>-<H>x<W>-<n>.safetensors with a JSON of what it is, reused while
   the features, size, count and the dataset's fingerprint match, rebuilt otherwise;
+- a blend's folder (ditcore.data.blend): the mixture of its datasets' images by the blend's weights, what training
+  draws from — each dataset's statistics as above (decoded with its own latent statistics, cached in its own
+  folder), at the first dataset's image size, mixed: μ = Σ w_d μ_d, Σ = Σ w_d (Σ_d + (μ_d − μ)(μ_d − μ)ᵀ);
 - a statistics file that ditcore wrote (that .safetensors, its JSON beside it);
 - an ADM-style .npz with `mu` and `sigma` (the reference batches of OpenAI's guided-diffusion evaluator, Inception
   pool3 features), read with allow_pickle=False.
@@ -143,7 +146,8 @@ def dataset_reference(root: str | Path, *, net, height: int | None = None, width
                       limit: int | None = None, batch: int = 32, device: str | torch.device = "cpu",
                       progress: Callable[[int], None] | None = None) -> ReferenceStats:
     """The statistics of a dataset's images under `net` (a FeatureNet), from DATA/eval/ when a cache there
-    matches, else computed (and cached, where the folder is writable). limit: at most this many images."""
+    matches, else computed (and cached, where the folder is writable). limit: at most this many images (a blend's:
+    of each dataset)."""
     from ditcore.codecs import LatentStats, load_codec
     from ditcore.data.loader import dataset_fingerprint
     from ditcore.data.schema import read_info
@@ -152,6 +156,9 @@ def dataset_reference(root: str | Path, *, net, height: int | None = None, width
 
     root = Path(root)
     info = read_info(root)  # DatasetError: no dataset there, or an unfinished one
+    if info.blend:
+        return blend_reference(root, info, net=net, height=height, width=width, limit=limit, batch=batch,
+                               device=device, progress=progress)
     if info.codec.get("kind") == "none":
         raise ReferenceError(f"dataset '{root}' holds random latents (dit-prepare mock): there are no images to "
                              "score against — use a dataset of images")
@@ -192,6 +199,23 @@ def dataset_reference(root: str | Path, *, net, height: int | None = None, width
     except OSError:
         pass  # a read-only dataset: scored all the same, computed again next time
     return stats
+
+
+def blend_reference(root: Path, info, *, net, height: int | None = None, width: int | None = None,
+                    **kwargs) -> ReferenceStats:
+    """A blend's images: the mixture of its datasets' (dataset_reference each, the later ones at the first one's
+    size) by their weights. Its count, nominal, is theirs summed (load_into gives μ and Σ back for any count)."""
+    from ditcore.data.blend import members
+
+    parts = []
+    for member in members(root, info):
+        stats = dataset_reference(member.root, net=net, height=height, width=width, **kwargs)
+        height, width = stats.height, stats.width
+        parts.append((member.weight, stats))
+    total = sum(w for w, _ in parts)
+    mu = sum(w / total * s.mu for w, s in parts)
+    sigma = sum(w / total * (s.sigma + torch.outer(s.mu - mu, s.mu - mu)) for w, s in parts)
+    return ReferenceStats(mu, sigma, sum(s.n for _, s in parts), net.name, height, width, source=str(root))
 
 
 def image_size(root: Path, info, height: int | None, width: int | None) -> tuple[int, int]:
