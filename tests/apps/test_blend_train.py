@@ -15,7 +15,9 @@ from ditcore.data.blend import parse_spec, write_blend
 BIN = Path(sys.executable).parent
 TINY = ["model.preset=DiT-Tiny", "model.patch_size=2", "data.seq_length=64", "data.num_workers=0",
         "train.micro_batch=2", "train.global_batch=4", "optim.lr=3e-3", "optim.warmup_steps=0", "checkpoint.every=3",
-        "logging.every=1", "validation.every=0", "logging.tensorboard=false", "validation.heldout.samples=0"]
+        "logging.every=1", "validation.every=0", "logging.tensorboard=false"]
+# each dataset's held-out set (its val/): 3 samples at 2 noise levels, at step 3 and at the end
+HELDOUT = ["validation.heldout.samples=3", "validation.heldout.buckets=2", "validation.heldout.every=3"]
 
 
 def dit_train(*args, timeout=300):
@@ -32,7 +34,7 @@ def data(cli_in_process, tmp_path_factory) -> Path:
     for name, extra in (("images", ["--video-ratio", 0]), ("clips", ["--video-ratio", 1, "--seed", 1]),
                         ("extra", ["--video-ratio", 0, "--seed", 2])):
         proc = cli_in_process("prepare", "synthetic", "--out", root / name, "--num", 40, "--size", 16, "--frames", 4,
-                              "--codec", "pixel", *extra)
+                              "--codec", "pixel", "--val-samples", 3, *extra)
         assert proc.returncode == 0, proc.stderr[-3000:]
     write_blend(root / "blend", [parse_spec(f"{root / 'images'}:0.7"), parse_spec(f"{root / 'clips'}:0.3")])
     return root
@@ -56,17 +58,18 @@ def final_state(run_dir: Path, step: int) -> dict:
 
 def test_a_blend_trains_resumes_exactly_and_logs_each_datasets_share(data, tmp_path):
     straight, stopped = tmp_path / "straight", tmp_path / "stopped"
-    proc = dit_train(*run_args(data / "blend", straight, 6))
+    proc = dit_train(*run_args(data / "blend", straight, 6, *HELDOUT))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "blend     images: " in proc.stdout + proc.stderr
-    first = dit_train(*run_args(data / "blend", stopped, 6, "train.stop_at=3"))
+    first = dit_train(*run_args(data / "blend", stopped, 6, "train.stop_at=3", *HELDOUT))
     assert first.returncode == 0, first.stderr[-3000:]
-    again = dit_train(*run_args(data / "blend", stopped, 6), "--resume", "auto")
+    again = dit_train(*run_args(data / "blend", stopped, 6, *HELDOUT), "--resume", "auto")
     assert again.returncode == 0, again.stderr[-3000:]
     assert "note: the blend changed" not in again.stderr  # the same blend: nothing to say
     a, b = final_state(straight, 6), final_state(stopped, 6)
     assert a["values"]["history"] == b["values"]["history"]  # every step's loss, exactly
     assert a["values"]["drawn"] == b["values"]["drawn"]  # the same samples of each dataset
+    assert a["values"]["heldout"] == b["values"]["heldout"]  # the held-out losses at steps 3 and 6, each dataset's
     for part in (runs.MODEL, runs.EMA, runs.OPTIM):
         for k in a[part]:
             assert torch.equal(a[part][k], b[part][k]), f"{part}.{k}"
@@ -78,6 +81,10 @@ def test_a_blend_trains_resumes_exactly_and_logs_each_datasets_share(data, tmp_p
         assert int(float(rows[6][f"data/{name}/tokens"])) == drawn[f"{name}/tokens"]
     assert drawn["images/tokens"] == 16 * drawn["images/samples"]
     assert drawn["clips/tokens"] == 64 * drawn["clips/samples"]
+    scored = {int(r["step"]): r for r in csv_rows(stopped) if "heldout/ema/total" in r}
+    assert sorted(scored) == [3, 6]
+    for row in scored.values():  # every held-out sample together, and each dataset's own
+        assert {"heldout/images/ema/total", "heldout/clips/ema/total", "heldout/clips/raw/total"} <= row.keys()
     for step, row in rows.items():
         shares = float(row["data/images/share"]) + float(row["data/clips/share"])
         assert abs(shares - 1) < 1e-9, (step, row)

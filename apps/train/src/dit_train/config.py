@@ -177,7 +177,8 @@ class Data(Section):
                                                               "long for seq_length) before the run stops: a dataset "
                                                               "with no usable sample is not read forever")
     val_path: str | None = Field(None, description="the held-out dataset of validation.heldout; default: "
-                                                   "data.path/val, which dit-prepare --val-samples N writes")
+                                                   "data.path/val, which dit-prepare --val-samples N writes (for a "
+                                                   "blend: each of its datasets' val/, scored per dataset)")
 
 
 class Parallel(Section):
