@@ -269,13 +269,12 @@ def test_blend_of_two_prepared_datasets(cli_in_process, tmp_path):
     proc = cli_in_process("prepare", "blend", out, "--dataset", f"{a}:3:name=day", "--dataset", f"{b}:1:cfg_drop=0.25")
     assert proc.returncode == 0 and not proc.stderr, proc.stderr[-3000:]
     lines = proc.stdout.splitlines()
-    assert lines[0] == f"blend     {out}: 2 datasets, 12 samples, in day's latent units — train on it with " \
-                       f"dit-train data.path={out}"
+    assert lines[0] == f"blend     {out}: 2 datasets, 12 samples (dit-train data.path={out})"
     assert [line.split() for line in lines[1:4]] == [
         ["dataset", "weight", "samples", "latents", "subflavors", "path"],
         ["day", "0.750", "6", "same", "-", str(a)],
         ["b", "0.250", "6", "mapped", "cfg_drop=0.25", str(b)]]
-    assert lines[4].startswith("  mapped: its latent statistics differ from the blend's") and len(lines) == 5
+    assert lines[4].startswith("latents   in day's units; mapped: ") and len(lines) == 5
     info = read_info(out)
     assert info.latent_stats == read_info(a).latent_stats != read_info(b).latent_stats
     assert [(e["name"], e["path"], e["weight"], e["subflavors"]) for e in info.blend] == [

@@ -375,13 +375,12 @@ def blend(
         flavors = " ".join(f"{k}={v}" for k, v in m.subflavors.items()) or "-"
         rows.append((m.name, f"{m.weight:.3f}", str(n), units, flavors, str(path)))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]
-    typer.echo(f"blend     {out}: {len(blended)} datasets, {info.counts.get('samples', '?')} samples, in "
-               f"{blended[0].name}'s latent units — train on it with dit-train data.path={out}")
+    typer.echo(f"blend     {out}: {len(blended)} datasets, {info.counts.get('samples', '?')} samples "
+               f"(dit-train data.path={out})")
     for row in rows:
-        typer.echo("  " + "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=False)) + "  " + row[-1])
-    if any(m.latent_map(info.latent_stats) is not None for m in blended):
-        typer.echo("  mapped: its latent statistics differ from the blend's; its samples are mapped into the blend's "
-                   "units as they are read")
+        typer.echo(" " * 10 + "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=False)) + "  " + row[-1])
+    typer.echo(f"latents   in {blended[0].name}'s units; mapped: a dataset's own statistics differ, its samples are "
+               "mapped into them as they are read")
 
 
 run = entry_point(app)  # the console script: usage errors are one line, exit code 2
