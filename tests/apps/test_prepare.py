@@ -233,6 +233,10 @@ def test_mock_dataset_for_throughput(tmp_path):
         (["synthetic", "--out", "{tmp}/o", "--size", "36", "--pca-patch", "8"], "must be a multiple of --pca-patch 8"),
         # 4-pixel PCA cells (folder's default) x the demo's patch 4
         (["folder", "{tmp}", "--out", "{tmp}/o", "--size", "72"], "--size 72 is not a multiple of 16"),
+        (["blend", "{tmp}/o", "--dataset", "/no/such", "--dataset", "{tmp}"], "dataset path '/no/such' does not exist"),
+        (["blend", "{tmp}/o", "-d", "{tmp}:0", "-d", "{tmp}"], "weight 0 must be a positive number"),
+        (["blend", "{tmp}/o", "-d", "{tmp}:1:colour=red", "-d", "{tmp}"], "unknown key 'colour'"),
+        (["blend", "{tmp}/o", "-d", "{tmp}"], "a blend needs at least two datasets"),
     ],
 )
 def test_bad_inputs_give_one_clear_line(cli_in_process, tmp_path, args, message):
@@ -247,6 +251,49 @@ def test_existing_output_is_refused_without_overwrite(cli_in_process, synthetic)
     proc = cli_in_process("prepare", "mock", "--out", out, "--num", 2)
     assert proc.returncode == 2 and "already exists and is not empty" in proc.stderr
     assert read_info(out).counts["samples"] == 24  # untouched
+
+
+def test_blend_of_two_prepared_datasets(cli_in_process, tmp_path):
+    """`dit-prepare blend OUT --dataset ...` on two synthetic datasets (pixel codec, no text encoder: nothing to fit)
+    whose latent statistics differ: the summary has a line per dataset, the second's latents mapped into the first's
+    units; both pass Energon's own checks. A dataset with another codec is refused in one line naming it, and an
+    existing blend is replaced only with --overwrite (OUT given as --out, as the other commands take it)."""
+    from ditcore.data.blend import BLEND_FILE, members
+
+    a, b, m, out = tmp_path / "a", tmp_path / "b", tmp_path / "m", tmp_path / "mix"
+    for root, seed in ((a, 1), (b, 2)):
+        proc = cli_in_process("prepare", "synthetic", "--out", root, "--num", 6, "--size", 16, "--frames", 2,
+                              "--codec", "pixel", "--text-encoder", "null", "--fit-samples", 6, "--seed", seed)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        energon_accepts(root)
+    proc = cli_in_process("prepare", "blend", out, "--dataset", f"{a}:3:name=day", "--dataset", f"{b}:1:cfg_drop=0.25")
+    assert proc.returncode == 0 and not proc.stderr, proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    assert lines[0] == f"blend     {out}: 2 datasets, 12 samples (dit-train data.path={out})"
+    assert [line.split() for line in lines[1:4]] == [
+        ["dataset", "weight", "samples", "latents", "subflavors", "path"],
+        ["day", "0.750", "6", "same", "-", str(a)],
+        ["b", "0.250", "6", "mapped", "cfg_drop=0.25", str(b)]]
+    assert lines[4].startswith("latents   in day's units; mapped: ") and len(lines) == 5
+    info = read_info(out)
+    assert info.latent_stats == read_info(a).latent_stats != read_info(b).latent_stats
+    assert [(e["name"], e["path"], e["weight"], e["subflavors"]) for e in info.blend] == [
+        ("day", "../a", 0.75, {}), ("b", "../b", 0.25, {"cfg_drop": 0.25})]
+    assert [mb.latent_map(info.latent_stats) is None for mb in members(out)] == [True, False]
+    assert sorted(p.name for p in out.iterdir()) == [BLEND_FILE, "ditcore.json"]  # the pixel codec has no file
+
+    proc = cli_in_process("prepare", "mock", "--out", m, "--num", 2, "--text-dim", 0)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = cli_in_process("prepare", "blend", tmp_path / "other", "-d", a, "-d", m)
+    assert proc.returncode == 2 and not (tmp_path / "other").exists()
+    assert proc.stderr.startswith("error: dataset 'm' has codec {") and "dataset 'a' {\"factor\": 2" in proc.stderr
+    assert len(proc.stderr.splitlines()) == 1, proc.stderr
+    proc = cli_in_process("prepare", "blend", "--out", out, "-d", a, "-d", b)
+    assert proc.returncode == 2 and proc.stderr == f"error: output '{out}' already exists and is not empty — choose " \
+                                                   "another path or pass --overwrite\n"
+    assert read_info(out) == info
+    proc = cli_in_process("prepare", "blend", "--out", out, "-d", a, "-d", b, "--overwrite")
+    assert proc.returncode == 0 and [e["weight"] for e in read_info(out).blend] == [0.5, 0.5], proc.stderr
 
 
 def test_every_source_has_help_and_the_shared_options_declared_once():
@@ -266,7 +313,8 @@ def test_every_source_has_help_and_the_shared_options_declared_once():
     expected = {"synthetic": encode | write, "butterfly": encode | write, "mock": write,
                 "folder": encode | {"pca_patch": 4, "latent_norm": "global"} | write}
     commands = get_command(app).commands
-    assert set(commands) == set(expected)
+    assert set(commands) == set(expected) | {"blend"}  # blend writes no samples: none of the groups'
+    assert {p.name for p in commands["blend"].params} == {"out", "datasets", "out_option", "overwrite"}
     for name, options in expected.items():
         taken = {p.name: p.default for p in commands[name].params}
         assert {k: taken.get(k) for k in options} == options, name

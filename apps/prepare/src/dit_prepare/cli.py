@@ -325,4 +325,62 @@ def mock(
             typer.echo(next(line for line in summary.lines() if line.startswith("held out")))
 
 
+SPEC = "PATH[:WEIGHT[:KEY=VALUE...]]"
+# Typer keeps the single line breaks of every paragraph after the first: each paragraph is one string
+BLEND_HELP = "\n\n".join([
+    "Several prepared datasets trained on as one, each drawn by its weight (dit-train data.path=OUT).",
+    "A sample comes from dataset i with probability WEIGHT_i / the sum of the weights (the weights are normalised to "
+    "sum 1). No sample is copied: OUT holds "
+    "blend.yaml (Energon's metadataset over the datasets, by paths relative to OUT: move OUT and the datasets "
+    "together) and ditcore.json, written last.",
+    f"Each --dataset is {SPEC}, e.g. data/photos:3:name=photos:cfg_drop=0.2. Keys: name= names the dataset in "
+    "dit-train's metrics (default: its folder's name; letters, digits, '_', '.', '-'); cfg_drop= the probability in "
+    "[0, 1] that a sample of this dataset is trained without its caption (and other conditions) instead of "
+    "edm.cfg_dropout.",
+    "The datasets must share the codec (a fitted codec's parameter files too), the text encoder and its width, the "
+    "latent factors and the classes: a latent and a text then mean the same whichever dataset they come from. Their "
+    "latent statistics may differ: a dataset's samples are mapped into the first dataset's units as they are read.",
+])
+
+
+@app.command(help=BLEND_HELP)
+def blend(
+    out: Path = typer.Argument(None, metavar="OUT", show_default=False,
+                               help="The blend's folder (created; --out/-o OUT, as the other commands take it, works "
+                                    "too). Must be empty unless --overwrite; never one of the datasets."),
+    datasets: list[str] = typer.Option(None, "--dataset", "-d", metavar=SPEC, show_default=False,
+                                       help="A prepared dataset, its weight (default 1) and keys. Twice or more."),
+    out_option: Path = typer.Option(None, "--out", "-o", metavar="OUT", show_default=False,
+                                    help="OUT as an option, as the other commands take it."),
+    overwrite: bool = typer.Option(False, help="Replace an existing blend at OUT (never a dataset)."),
+) -> None:
+    from ditcore.data.blend import members, parse_spec, write_blend
+    from ditcore.data.schema import read_info
+
+    if out is not None and out_option is not None and out != out_option:
+        fail(f"OUT given twice, as '{out}' and --out '{out_option}' — give one")
+    out = out if out is not None else out_option
+    if out is None:
+        fail(f"no OUT: give the blend's folder — dit-prepare blend OUT --dataset {SPEC} --dataset ...")
+    try:
+        specs = [parse_spec(spec) for spec in datasets or []]
+        info = write_blend(out, specs, overwrite=overwrite)
+        blended = members(out, info)
+        samples = [read_info(m.root).counts.get("samples", "?") for m in blended]
+    except (ValueError, FileExistsError, OSError) as e:  # ditcore.data.schema.DatasetError is a ValueError
+        fail(str(e))
+    rows = [("dataset", "weight", "samples", "latents", "subflavors", "path")]
+    for m, n, (path, *_) in zip(blended, samples, specs, strict=True):
+        units = "mapped" if m.latent_map(info.latent_stats) is not None else "same"
+        flavors = " ".join(f"{k}={v}" for k, v in m.subflavors.items()) or "-"
+        rows.append((m.name, f"{m.weight:.3f}", str(n), units, flavors, str(path)))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]
+    typer.echo(f"blend     {out}: {len(blended)} datasets, {info.counts.get('samples', '?')} samples "
+               f"(dit-train data.path={out})")
+    for row in rows:
+        typer.echo(" " * 10 + "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=False)) + "  " + row[-1])
+    typer.echo(f"latents   in {blended[0].name}'s units; mapped: a dataset's own statistics differ, its samples are "
+               "mapped into them as they are read")
+
+
 run = entry_point(app)  # the console script: usage errors are one line, exit code 2

@@ -78,8 +78,8 @@ class Member:
 
 
 def _relative(path: Path, folder: Path) -> str:
-    try:
-        return os.path.relpath(path, folder)
+    try:  # from the folder's real place, as members() resolves it (a symlink in `folder` would skew a lexical path)
+        return os.path.relpath(path, Path(folder).resolve())
     except ValueError:  # another drive
         return str(path)
 
@@ -129,7 +129,12 @@ def parse_spec(spec: str) -> tuple[Path, float, dict, str | None]:
         key, eq, value = kv.partition("=")
         if not eq:
             raise ValueError(f"--dataset {spec!r}: {kv!r} is not KEY=VALUE")
+        if key in subflavors or (key == "name" and name is not None):
+            raise ValueError(f"--dataset {spec!r}: {key}= is given twice")
         if key == "name":
+            if not value:
+                raise ValueError(f"--dataset {spec!r}: name= is empty — give the name the metrics show, e.g. "
+                                 "name=photos")
             name = value
         elif key in SUBFLAVORS:
             subflavors[key] = _subflavor(key, value, spec)
@@ -178,6 +183,9 @@ def _check_codec_files(roots: dict[str, Path], info: DatasetInfo) -> None:
     digests = {}
     for name, root in roots.items():
         for f in _codec_files(info):
+            if not (root / f).is_file():
+                raise DatasetError(f"dataset '{name}' ({root}) has no {f}, its codec's parameters — run dit-prepare "
+                                   "on it again with --overwrite")
             digests.setdefault(f, {})[name] = hashlib.sha256((root / f).read_bytes()).hexdigest()
     for f, by_member in digests.items():
         (first, ref), *rest = by_member.items()
@@ -192,8 +200,9 @@ def write_blend(out: Path, specs: list[tuple[Path, float, dict, str | None]], ov
     """Validate the member datasets, then write the blend's folder `out` (ditcore.json last). Returns its info."""
     out = Path(out)
     if len(specs) < 2:
-        raise DatasetError(f"a blend needs at least two datasets, got {len(specs)} — train on a single dataset by "
-                           "pointing data.path at it")
+        raise DatasetError(f"a blend needs at least two datasets (--dataset PATH[:WEIGHT[:KEY=VALUE...]] each), got "
+                           f"{len(specs)}" + (" — train on a single dataset by pointing data.path at it"
+                                              if specs else ""))
     infos, roots = {}, {}
     for path, _, _, name in specs:
         name = name or Path(path).resolve().name
@@ -213,32 +222,60 @@ def write_blend(out: Path, specs: list[tuple[Path, float, dict, str | None]], ov
     total = sum(w for _, w, _, _ in specs)
     blend = [Member(name, roots[name], w / total, sub, infos[name].latent_stats)
              for name, (_, w, sub, _) in zip(infos, specs, strict=True)]
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+    if out.exists() and not out.is_dir():
+        raise FileExistsError(f"output '{out}' is a file — choose a folder path for the blend")
+    if out.exists() and any(out.iterdir()):
+        _refuse_dataset(out)  # before the advice to pass --overwrite, which would not replace a dataset either
         if not overwrite:
             raise FileExistsError(f"output '{out}' already exists and is not empty — choose another path or pass "
                                   "--overwrite")
         _remove_blend(out)
-    durable.make_writable_dir(out)
+    try:
+        durable.make_writable_dir(out)
+    except OSError as e:
+        raise PermissionError(f"output '{out}' cannot be written ({e.strerror}) — choose another path") from None
     for f in _codec_files(first):
         shutil.copyfile(roots[blend[0].name] / f, out / f)
     durable.write_text(out / BLEND_FILE, yaml.safe_dump(metadataset(blend, out), sort_keys=False))
-    counts: dict = {}
-    for info in infos.values():
-        for key, value in info.counts.items():
-            if isinstance(value, int):
-                counts[key] = counts.get(key, 0) + value
     info = DatasetInfo(codec=first.codec, latent_stats=first.latent_stats, text_encoder=first.text_encoder,
                        latent_channels=first.latent_channels, spatial_factor=first.spatial_factor,
-                       temporal_factor=first.temporal_factor, counts=counts, num_classes=first.num_classes,
-                       class_names=first.class_names, blend=[m.entry(out) for m in blend])
+                       temporal_factor=first.temporal_factor, counts=_summed_counts(infos),
+                       num_classes=first.num_classes, class_names=first.class_names,
+                       blend=[m.entry(out) for m in blend])
     info.write(out)
     return info
 
 
-def _remove_blend(out: Path) -> None:
-    """What write_blend writes, ditcore.json first (a half-removed blend never passes for one)."""
+def _summed_counts(infos: dict[str, DatasetInfo]) -> dict:
+    """The members' counts as one dataset's: numbers summed, and the tallies by kind (latent_shapes, skipped) summed
+    per kind: dit-train's fit report reads latent_shapes (ditcore.data.fit). The example keys of a latent shape
+    (latent_shape_keys) are named NAME/KEY, as keys repeat across datasets."""
+    from ditcore.data.writer import SHAPE_KEYS
+
+    counts: dict = {}
+    for name, info in infos.items():
+        for key, value in info.counts.items():
+            if isinstance(value, int) and not isinstance(value, bool):
+                counts[key] = counts.get(key, 0) + value
+            elif key == "latent_shape_keys" and isinstance(value, dict):
+                tally = counts.setdefault(key, {})
+                for shape, keys in value.items():
+                    tally[shape] = (tally.get(shape, []) + [f"{name}/{k}" for k in keys])[:SHAPE_KEYS]
+            elif isinstance(value, dict) and all(isinstance(n, int) for n in value.values()):
+                tally = counts.setdefault(key, {})
+                for kind, n in value.items():
+                    tally[kind] = tally.get(kind, 0) + n
+    return counts
+
+
+def _refuse_dataset(out: Path) -> None:
     if (out / ".nv-meta").is_dir() or any(out.glob("*.tar")):
         raise FileExistsError(f"output '{out}' holds a dataset, not a blend — choose another folder")
+
+
+def _remove_blend(out: Path) -> None:
+    """What write_blend writes, ditcore.json first (a half-removed blend never passes for one)."""
+    _refuse_dataset(out)
     (out / INFO_FILE).unlink(missing_ok=True)
     for p in [out / BLEND_FILE, *out.glob("codec_*"), *out.glob(".blend-*.yaml")]:
         p.unlink(missing_ok=True)
