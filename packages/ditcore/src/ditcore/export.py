@@ -53,8 +53,11 @@ def export_model(out: str | Path, state_dict: dict[str, torch.Tensor], cfg: DiTC
         (tmp / CONFIG).write_text(json.dumps(meta, indent=1))
         # contents only: the copies' modes come from the umask (a codec an older dit-prepare wrote 0600 included)
         shutil.copyfile(dataset / INFO_FILE, tmp / INFO_FILE)
-        if latent_stats is not None:
-            info = json.loads((tmp / INFO_FILE).read_text()) | {"latent_stats": latent_stats.to_dict()}
+        info = json.loads((tmp / INFO_FILE).read_text())
+        # a blend's list of datasets names folders relative to the blend's: the export keeps only what its latents are
+        if latent_stats is not None or "blend" in info:
+            info |= {"latent_stats": latent_stats.to_dict()} if latent_stats is not None else {}
+            info.pop("blend", None)
             (tmp / INFO_FILE).write_text(json.dumps(info, indent=1))
         for codec_file in codec_files:
             shutil.copyfile(codec_file, tmp / codec_file.name)
