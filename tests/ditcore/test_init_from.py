@@ -3,7 +3,8 @@
 The source is a 2-block DiT-Tiny; the target has 3 blocks (and, in some tests, wider text states): blocks 0-1, the
 embedders and the final layer are copied exactly, block 2 (and the wider text projection) keep the fresh init.
 TP=2 runs in this process on torch's fake process-group backend (copying runs no collective); the 2-process test runs
-TP, FSDP and pipeline layouts on gloo."""
+TP, FSDP and pipeline layouts on gloo. The staged recipe's step (dit-7b-stage1 → stage2 → stage3): the same
+architecture on longer rows and a larger grid, started from the previous stage's checkpoint."""
 
 import contextlib
 import json
@@ -14,12 +15,16 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
 
+from ditcore import runs
 from ditcore.errors import ConfigError
 from ditcore.export import WEIGHTS
 from ditcore.init_from import copy_in, match, start_from
+from ditcore.inputs import Inputs
+from ditcore.layout import grid_rows
 from ditcore.models import DiT, preset
 from ditcore.parallel import ParallelDims, ParallelGroups, materialize, parallelize
 from ditcore.parallel.tensor_parallel import is_tp_sharded
+from ditcore.testing import assert_close_fp32, dit_forward_work, fp32_tolerance
 
 from .parallel.conftest import torchrun
 from .parallel.init_from_worker import FRESH_SEED, LAYOUTS, TARGET
@@ -224,3 +229,114 @@ def test_an_export_of_a_vp_run_is_a_source_with_its_schedule_and_latent_stats(tm
     export_model(tmp_path / "edm", state, SOURCE, data)
     edm = read_source(tmp_path / "edm")
     assert edm.vp is None and edm.latent_stats is None and edm.recorded() == {}
+
+
+# ---------------------------------------------------------------- stages (issue 44)
+
+# Stage 1 trains on rows of two images of 4x4 tokens (32 tokens); the next stage, started from it, on rows of 256
+# tokens holding clips of up to 4 frames of 8x8 tokens. The same architecture: only max_grid, the bound positions are
+# checked against, grows (dit-train's model.max_grid; the shipped stages keep the preset's (64, 256, 256)).
+STAGE1 = SOURCE.replace(max_grid=(1, 4, 4))
+STAGE2 = SOURCE.replace(max_grid=(4, 8, 8))
+TEXT = 3  # text tokens of each sample
+
+
+def trained(cfg, seed: int) -> dict[str, torch.Tensor]:
+    """Weights as training leaves them: off their initialisation, whose zero gates and output layer would make every
+    output zero and every comparison below vacuous."""
+    g = torch.Generator().manual_seed(seed)
+    return {k: v + 0.2 * torch.randn(v.shape, generator=g) for k, v in weights(cfg, seed).items()}
+
+
+def save_checkpoint(run_dir, step: int, model: dict, ema: dict, optim: dict):
+    """A checkpoint as dit-train writes it (dit_train.checkpoint's sequence, through ditcore.runs): the model's, the
+    EMA's and AdamW's tensors and the values, sealed and published in the run directory."""
+    final = runs.begin_step(run_dir, step)
+    tmp = runs.tmp_dir(final)
+    runs.save_tensors(tmp, runs.checkpoint_tensors(model, ema, optim), {"step": step})
+    runs.publish(tmp, final, step, {"world_size": 1}, runs.seal(tmp, runs.files_of_rank(tmp, 0)), None)
+    return final
+
+
+def sample(cfg, grid, g) -> dict:
+    tokens = grid[0] * grid[1] * grid[2]
+    return {"grid": grid, "x": torch.randn(tokens, cfg.patch_dim, generator=g),
+            "c_noise": torch.randn((), generator=g), "text": torch.randn(TEXT, cfg.text_dim, generator=g)}
+
+
+def row(samples: list[dict], N: int, shifts=None) -> tuple[torch.Tensor, torch.Tensor, Inputs]:
+    """One row of N tokens packing `samples` (then padding) as the loader packs them, each with its own noise level
+    and text; a sample's positions start at its shift (t, h, w) (the loader's: (0, 0, 0))."""
+    seg, pos = grid_rows([[s["grid"] for s in samples]], N)
+    x, text = torch.zeros(1, N, samples[0]["x"].shape[1]), torch.cat([s["text"] for s in samples])[None]
+    for i, (s, shift) in enumerate(zip(samples, shifts or [(0, 0, 0)] * len(samples), strict=True)):
+        x[0, seg[0] == i] = s["x"]
+        pos[0, seg[0] == i] += torch.tensor(shift)
+    text_seg = torch.arange(len(samples)).repeat_interleave(TEXT)[None]
+    c_noise = torch.stack([s["c_noise"] for s in samples])[None]
+    return x, c_noise, Inputs(pos, seg=seg, text=text, text_seg=text_seg)
+
+
+def model_with(cfg, state: dict) -> DiT:
+    model = DiT(cfg)
+    model.load_state_dict(state)
+    return model.eval()
+
+
+@pytest.mark.parametrize("pos_embed", ["rope", "sincos"])
+def test_the_next_stage_starts_from_the_previous_one_on_longer_rows_and_larger_grids(tmp_path, pos_embed):
+    """No tensor of the DiT depends on the grid or the row length: positions are computed from each token's integer
+    (t, h, w), as RoPE's rotation angles or the fixed sin-cos table, never looked up in a learned one. So init_from
+    takes every tensor of stage 1's run (its newest checkpoint's EMA weights, into the model and its EMA alike; not
+    the checkpoint's raw model weights, nor AdamW's state), stage 2 computes on stage 1's rows exactly what stage 1
+    computed, and on its own longer rows and larger grids it runs with nothing extended."""
+    one, two = STAGE1.replace(pos_embed=pos_embed), STAGE2.replace(pos_embed=pos_embed)
+    model, ema = trained(one, 2), trained(one, 3)
+    optim = {f"{k}.{m}": torch.rand(v.shape) for k, v in model.items() for m in ("exp_avg", "exp_avg_sq")}
+    ckpt = save_checkpoint(tmp_path / "stage1", 1000, model, ema, optim)
+    g = torch.Generator().manual_seed(4)
+    images = [sample(one, (1, 4, 4), g), sample(one, (1, 4, 4), g)]
+    stage1 = model_with(one, ema)  # what stage 1 hands on: its EMA weights
+    with torch.no_grad():
+        before = stage1(*row(images, 32))
+
+    modules = [materialize(meta(two), FRESH_SEED, "cpu") for _ in ("model", "ema")]
+    line = start_from(tmp_path / "stage1", two, modules, None)  # model.init_from=RUN_DIR, as the shipped stages
+    assert line == f"init_from {ckpt}: 58 of 58 tensors (x_embedder, t_embedder, text_embedder, blocks 0-1 of 2, final)"
+    for module in modules:
+        assert all(torch.equal(v, ema[k]) for k, v in module.state_dict().items())
+    k = "blocks.0.attn.qkv.weight"  # not vacuous: the checkpoint's model, its EMA and a fresh init all differ
+    assert not torch.allclose(model[k], ema[k], atol=1e-2) and not torch.allclose(ema[k], weights(two, FRESH_SEED)[k],
+                                                                                     atol=1e-2)
+    stage2 = modules[0].eval()
+    with torch.no_grad():
+        assert torch.equal(stage2(*row(images, 32)), before)  # the same model, bitwise
+
+        # A clip of 3 frames of 8x8 tokens: positions beyond stage 1's grid, which stage 1 refuses and stage 2 takes.
+        # Stage 2's row packs it after the two images in 256 tokens (224 and padding); each sample attends to its own
+        # tokens only (the masked keys add exact zeros), so each computes what it computes alone: the images what
+        # stage 1 computed on them
+        clip = sample(two, (3, 8, 8), g)
+        with pytest.raises(ValueError, match=r"token position T=2 is outside the model's range 0..0 \(max_grid=\(1, "):
+            stage1(*row([clip], 192))
+        packed = stage2(*row([*images, clip], 256))
+        work = dit_forward_work(two, seq_len=256, text_len=3 * TEXT)
+        assert_close_fp32(packed[:, :32], before, work=work)
+        assert_close_fp32(packed[:, 32:224], stage2(*row([clip], 192)), work=work)
+        assert (packed[:, 32:224] - clip["x"]).abs().mean() > 0.1  # the clip's output is not its input
+
+        if pos_embed == "rope":
+            # RoPE rotates queries and keys by their own positions, so attention sees only offsets between tokens:
+            # the images placed beyond stage 1's grid compute what they computed at its origin, up to the rounding
+            # of their angles (positions ≤ 7 times frequencies ≤ 1: ≤ 7 rad, rounded within 7 ε) in each block's
+            # queries and keys, counted as reductions of that length
+            shifted = row(images, 32, [(2, 4, 4), (1, 0, 4)])
+            top = int(shifted[2].pos.max())
+            moved = stage2(*shifted)
+            work = dit_forward_work(two, seq_len=32, text_len=2 * TEXT) + two.depth * 2 * top
+            assert_close_fp32(moved, before, work=work)
+            # Not vacuous: positions matter. With the first image's tokens in reverse order on the same positions, a
+            # model blind to positions would give its outputs reversed; this one is far off them
+            reversed_ = [dict(images[0], x=images[0]["x"].flip(0)), images[1]]
+            off = (stage2(*row(reversed_, 32))[:, :16] - before[:, :16].flip(1)).abs().max().item()
+            assert off > 100 * fp32_tolerance(work, before.abs().max().item())
