@@ -113,3 +113,38 @@ def test_a_resume_may_add_a_dataset_and_change_weights_but_not_drop_one(data, tm
     errors = [ln for ln in dropped.stderr.splitlines() if ln.startswith("error")]
     assert len(errors) == 1 and "dataset 'clips', which the checkpoint's loader read, is not in blend" in errors[0], (
         dropped.stderr[-3000:])
+
+
+# ~3 min on 2 cores (9 dit-train processes): make test-slow, which CI runs
+@pytest.mark.slow
+def test_the_three_stage_chain_images_then_image_and_video_then_longer_clips(data, cli_in_process, tmp_path):
+    """The staged recipe at CPU scale (README, "The chain on your own data"): stage 1 on 16-token images, stage 2 on a
+    blend of images and 64-token clips, stage 3 on a blend of images and 128-token clips, each stage starting from the
+    previous one's weights (model.init_from: its run directory) at a longer data.seq_length and a larger grid, and
+    each stopped halfway and resumed."""
+    long = tmp_path / "long"
+    proc = cli_in_process("prepare", "synthetic", "--out", long, "--num", 24, "--size", 16, "--frames", 8,
+                          "--codec", "pixel", "--video-ratio", 1, "--seed", 3)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    write_blend(tmp_path / "long-mix", [parse_spec(f"{data / 'images'}:0.2"), parse_spec(f"{long}:0.8")])
+    stages = [(data / "images", 16, None), (data / "blend", 64, tmp_path / "stage-1"),
+              (tmp_path / "long-mix", 128, tmp_path / "stage-2")]
+    for i, (path, seq, init) in enumerate(stages, start=1):
+        run = tmp_path / f"stage-{i}"
+        args = run_args(path, run, 4, f"data.seq_length={seq}", *([f"model.init_from={init}"] if init else []))
+        first = dit_train(*args, "train.stop_at=2")
+        assert first.returncode == 0, first.stderr[-3000:]
+        said = first.stdout + first.stderr
+        if init:  # every tensor of the previous stage's EMA weights, into the new model and its EMA
+            taken = [ln for ln in said.splitlines() if ln.startswith(f"init_from {init}")]
+            assert len(taken) == 1 and "fresh" not in taken[0], said[-3000:]
+        again = dit_train(*args, "--resume", "auto")
+        assert again.returncode == 0, again.stderr[-3000:]
+        assert f"resumed from {runs.step_dir(run, 2)}" in again.stdout + again.stderr
+        if init:
+            assert "model.init_from" in again.stdout + again.stderr and "is ignored" in again.stdout + again.stderr
+        history = runs.read_values(runs.step_dir(run, 4))["history"]
+        assert [s for s, _ in history] == [1, 2, 3, 4]
+        assert (run / "export" / "model.safetensors").is_file() or any((run / "export").iterdir())
+    drawn = runs.read_values(runs.step_dir(tmp_path / "stage-3", 4))["drawn"]
+    assert drawn["long/tokens"] == 128 * drawn["long/samples"] > 0  # the 8-frame clips, whole, in rows of 128

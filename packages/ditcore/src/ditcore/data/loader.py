@@ -20,6 +20,7 @@ import multiprocessing
 import os
 import signal
 import tarfile
+import tempfile
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -340,9 +341,11 @@ def _write_metadataset(root: Path, blend: list[Member], configs: dict[str, dict]
     absolute path, each with its crude dataset config (and split config); named by its content, so that runs of other
     orders never share one. Every rank writes the same file; the rename is atomic."""
     text = yaml.safe_dump(metadataset(blend, None, configs), sort_keys=False)
-    path = root / f".blend-{hashlib.sha256(text.encode()).hexdigest()[:16]}.yaml"
+    name = f".blend-{hashlib.sha256(text.encode()).hexdigest()[:16]}.yaml"
+    folder = root if os.access(root, os.W_OK) else Path(tempfile.gettempdir())  # a read-only blend: this machine's
+    path = folder / name
     if not path.is_file():
-        tmp = root / f".{path.name}.{os.getpid()}"
+        tmp = folder / f".{name}.{os.getpid()}"
         tmp.write_text(text)
         os.replace(tmp, path)
     return path
