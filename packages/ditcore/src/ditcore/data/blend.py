@@ -37,6 +37,7 @@ import yaml
 
 from ditcore import durable
 from ditcore.data.schema import INFO_FILE, DatasetError, DatasetInfo, crude_config, is_blend, read_info
+from ditcore.layout import SIGMA_DATA
 
 BLEND_FILE = "blend.yaml"
 NAME_KEY = "dataset"  # the subflavor that names a sample's dataset
@@ -60,16 +61,20 @@ class Member:
         return self.subflavors.get("cfg_drop")
 
     def latent_map(self, blend_stats: dict) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(scale, shift) per channel that take this member's latents into the blend's units (x' = scale·x + shift,
-        both normalised to SIGMA_DATA: ditcore.training.LatentMap.between's formula); None where the units are the
-        same (no arithmetic: the samples stay bit for bit)."""
+        """(scale, shift) per channel, float32, that take this member's latents into the blend's units: x' = scale·x +
+        shift with scale = std/std', shift = (mean − mean')/std'·σ_d (mean, std: the member's; mean', std': the
+        blend's; both normalised to SIGMA_DATA, as ditcore.training.LatentMap maps a dataset to a network, in float64
+        then rounded); None where the units are the same (no arithmetic: the samples stay bit for bit)."""
         if not self.latent_stats or not blend_stats or self.latent_stats == blend_stats:
             return None
-        from ditcore.codecs import LatentStats
-        from ditcore.training import LatentMap
-
-        m = LatentMap.between(LatentStats.from_dict(self.latent_stats), LatentStats.from_dict(blend_stats), 1)
-        return m.scale, m.shift
+        mine, blend = ({k: torch.tensor(stats[k], dtype=torch.float64) for k in ("mean", "std")}
+                       for stats in (self.latent_stats, blend_stats))
+        if mine["mean"].shape != blend["mean"].shape:
+            raise DatasetError(f"dataset '{self.name}' has latent statistics of {len(mine['mean'])} channels, the "
+                               f"blend's {len(blend['mean'])}")
+        scale = mine["std"] / blend["std"]
+        shift = (mine["mean"] - blend["mean"]) / blend["std"] * SIGMA_DATA
+        return scale.float(), shift.float()
 
     def entry(self, folder: Path) -> dict:
         """Its ditcore.json entry, the path relative to the blend's folder where it can be (the two move together)."""

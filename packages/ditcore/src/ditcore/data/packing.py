@@ -144,6 +144,17 @@ class PackedBatch:
         return out
 
 
+def drop_rates(rows: list[PackedRow], slots: int) -> torch.Tensor | None:
+    """(B, slots) float32: each sample's dataset's CFG dropout rate, NaN where it sets none (the run's) and in empty
+    slots; None when no sample's dataset sets one."""
+    rates = [[s.cfg_drop for s in row.samples] for row in rows]
+    if all(r is None for row in rates for r in row):
+        return None
+    nan = float("nan")
+    return torch.tensor([[nan if r is None else r for r in row] + [nan] * (slots - len(row)) for row in rates],
+                        dtype=torch.float32)
+
+
 def collate(rows: list[PackedRow], seq_length: int, text_multiple: int = 1,
             inputs: type[Inputs] = Inputs) -> PackedBatch:
     """Rows → one batch; the text length L is the longest row's text, padded up to a multiple of text_multiple.
@@ -175,10 +186,7 @@ def collate(rows: list[PackedRow], seq_length: int, text_multiple: int = 1,
         out.captions.append([s.caption for s in row.samples])
         out.grids.append([s.grid for s in row.samples])
         out.sources.append([s.source for s in row.samples])
-    rates = [[s.cfg_drop for s in row.samples] for row in rows]
-    if any(r is not None for row in rates for r in row):
-        out.drop_rate = torch.tensor([[float("nan") if r is None else r for r in row] + [float("nan")] * (S - len(row))
-                                      for row in rates], dtype=torch.float32)
+    out.drop_rate = drop_rates(rows, S)
     out.whole_rows = S == 1 and all(row.length == seq_length for row in rows)
     out.whole_text = bool((out.text_seg >= 0).all())
     return out
