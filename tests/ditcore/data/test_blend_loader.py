@@ -152,3 +152,28 @@ def test_a_blend_resumes_exactly_and_keeps_each_position_when_it_grows(data, tmp
     with pytest.raises(Exception):  # noqa: B017 (Energon's own assertion on a tree of another shape)
         fewer.restore_state_rank(state)
         next(iter(fewer))
+
+
+def test_a_checkpoints_blend_against_the_blend_now(data):
+    """What a resume does with the loader's saved position (ditcore.data.loader.compare_fingerprints, blend_note):
+    kept, with one note, for changed weights and added datasets; a dataset gone is refused; a dataset prepared again
+    or another order means a fresh pass, naming the dataset."""
+    from ditcore.data.loader import blend_note, compare_fingerprints, dataset_fingerprint
+
+    fp = {name: dataset_fingerprint(data / name, {}) for name in ("images", "clips", "more")}
+    blend = lambda *members: {"blend": [{"name": n, "weight": w, "data": fp[n]} for n, w in members]}
+    saved, root = blend(("images", 0.7), ("clips", 0.3)), data / "blend"
+    assert compare_fingerprints(saved, saved, root) == (None, None) and blend_note(saved, saved) is None
+    grown = blend(("images", 0.25), ("clips", 0.25), ("more", 0.5))
+    assert compare_fingerprints(saved, grown, root) == (None, None)
+    assert blend_note(saved, grown).startswith("note: the blend changed since the checkpoint: dataset more added; "
+                                               "weights changed (images 0.7 → 0.25, clips 0.3 → 0.25) — every dataset")
+    refusal, _ = compare_fingerprints(saved, blend(("images", 0.5), ("more", 0.5)), root)
+    assert refusal.startswith("dataset 'clips', which the checkpoint's loader read, is not in blend")
+    _, fresh = compare_fingerprints(saved, blend(("clips", 0.3), ("images", 0.7)), root)
+    assert fresh == f"the datasets of blend '{root}' are in another order than the checkpoint's"
+    again = {"blend": [saved["blend"][0], {**saved["blend"][1], "data": {**fp["clips"], "digest": "prepared again"}}]}
+    _, fresh = compare_fingerprints(saved, again, root)
+    assert fresh.startswith(f"dataset 'clips' of blend '{root}' is not the one the checkpoint was trained on")
+    _, fresh = compare_fingerprints(fp["images"], saved, root)
+    assert fresh == f"data.path '{root}' is a blend, the checkpoint's loader read a dataset"

@@ -37,6 +37,7 @@ import yaml
 
 from ditcore import durable
 from ditcore.data.schema import INFO_FILE, DatasetError, DatasetInfo, crude_config, is_blend, read_info
+from ditcore.data.writer import start_output
 from ditcore.layout import SIGMA_DATA
 
 BLEND_FILE = "blend.yaml"
@@ -227,18 +228,8 @@ def write_blend(out: Path, specs: list[tuple[Path, float, dict, str | None]], ov
     total = sum(w for _, w, _, _ in specs)
     blend = [Member(name, roots[name], w / total, sub, infos[name].latent_stats)
              for name, (_, w, sub, _) in zip(infos, specs, strict=True)]
-    if out.exists() and not out.is_dir():
-        raise FileExistsError(f"output '{out}' is a file — choose a folder path for the blend")
-    if out.exists() and any(out.iterdir()):
-        _refuse_dataset(out)  # before the advice to pass --overwrite, which would not replace a dataset either
-        if not overwrite:
-            raise FileExistsError(f"output '{out}' already exists and is not empty — choose another path or pass "
-                                  "--overwrite")
-        _remove_blend(out)
-    try:
-        durable.make_writable_dir(out)
-    except OSError as e:
-        raise PermissionError(f"output '{out}' cannot be written ({e.strerror}) — choose another path") from None
+    # a dataset there is refused before the advice to pass --overwrite, which would not replace it either
+    start_output(out, overwrite, "blend", _remove_blend, refuse=_refuse_dataset)
     for f in _codec_files(first):
         shutil.copyfile(roots[blend[0].name] / f, out / f)
     durable.write_text(out / BLEND_FILE, yaml.safe_dump(metadataset(blend, out), sort_keys=False))

@@ -41,14 +41,22 @@ def merge_shape_keys(parts) -> dict[str, list[str]]:
 
 def start_dataset(root: Path, overwrite: bool) -> None:
     """Make `root` ready for writing. An existing dataset is replaced only with overwrite=True."""
+    start_output(root, overwrite, "dataset", remove_dataset_files)
+
+
+def start_output(root: Path, overwrite: bool, what: str, remove, refuse=None) -> None:
+    """Make the folder `root` ready for writing a `what`: `remove(root)` clears what is there only with overwrite=True,
+    after `refuse(root)` (if given) has raised for contents no overwrite may replace."""
     root = Path(root)
     if root.exists() and not root.is_dir():
-        raise FileExistsError(f"output '{root}' is a file — choose a folder path for the dataset")
+        raise FileExistsError(f"output '{root}' is a file — choose a folder path for the {what}")
     if root.exists() and any(root.iterdir()):
+        if refuse is not None:
+            refuse(root)
         if not overwrite:
             raise FileExistsError(f"output '{root}' already exists and is not empty — choose another path "
                                   "or pass --overwrite")
-        remove_dataset_files(root)
+        remove(root)
     try:
         durable.make_writable_dir(root)
     except OSError as e:
