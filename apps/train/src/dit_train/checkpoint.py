@@ -62,15 +62,20 @@ def resolve_resume(run_dir: Path, resume: str) -> list[Path]:
 
 
 def blend_order(run_dir: Path, resume: str) -> tuple[str, ...]:
-    """The datasets of a blend the checkpoint a resume tries first read, in its loader's order; () when there is none,
-    it read no blend, or it cannot be read (its resume then reports that). Read before the loader is built, which keeps
-    them in that order (ditcore.data.loader.build_loader's `first`)."""
+    """The datasets of a blend that the checkpoint a resume would load read, in its loader's order: that of the first
+    candidate whose values read (an unreadable one is skipped, as --resume auto skips it); () when there is none or
+    it read no blend. Read before the loader is built, which keeps them in that order (build_loader's `first`)."""
     try:
         candidates = resolve_resume(run_dir, resume)
-        data = runs.read_values(candidates[0]).get("dataset") if candidates else None
-    except Exception:  # unreadable: the resume itself says what is wrong
+    except (OSError, ValueError):  # the resume itself says what is wrong
         return ()
-    return tuple(m["name"] for m in data["blend"]) if isinstance(data, dict) and "blend" in data else ()
+    for ckpt in candidates:
+        try:
+            data = runs.read_values(ckpt).get("dataset")
+        except (Exception, CheckpointException):  # damaged; DCP's CheckpointException is no Exception
+            continue
+        return tuple(m["name"] for m in data["blend"]) if isinstance(data, dict) and "blend" in data else ()
+    return ()
 
 
 def layout(fabric) -> dict:
