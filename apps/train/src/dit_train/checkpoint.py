@@ -93,7 +93,7 @@ def save(fabric, run_dir: Path, step: int, state: dict, loader, config_yaml: str
         name = runs.begin_step(run_dir, step).name
     final = Path(run_dir) / runs.CHECKPOINTS / all_ranks(fabric, name)[0]  # rank 0's choice, once its folder exists
     tmp = runs.tmp_dir(final)
-    values = _values(state) | {"skipped": dict(skipped_total(fabric, state["skipped"])),
+    values = _values(state) | {"skipped": dict(dp_total(fabric, state["skipped"])),
                                "drawn": dict(dp_total(fabric, state["drawn"])),
                                "dataset": getattr(loader, "fingerprint", None)}
     try:
@@ -308,11 +308,6 @@ def _values(state: dict) -> dict:
 def _first_line(e: Exception) -> str:
     text = str(e).strip()
     return f"{type(e).__name__}: {text.splitlines()[0]}" if text else type(e).__name__
-
-
-def skipped_total(fabric, mine: Counter) -> Counter:
-    """Collective: the samples skipped by the data loaders of all data-parallel ranks, by reason."""
-    return dp_total(fabric, mine)
 
 
 def dp_total(fabric, mine: Counter) -> Counter:

@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 from dit_train.config import TrainConfig
-from ditcore.data.blend import members
+from ditcore.data.blend import members, to_blend_units
 from ditcore.data.packing import TokenSample
 from ditcore.data.schema import (
     HELDOUT_DIR,
@@ -75,9 +75,7 @@ def read_heldout(root: Path, n: int, patch_size: int, patch_size_t: int, seq_len
             raise DatasetError(f"held-out sample {key} of '{root}' (latent {T}x{H}x{W}) does not fit patch "
                                f"{patch_size_t}x{patch_size}x{patch_size} and data.seq_length={seq_length} — "
                                "prepare the held-out set with the training set (dit-prepare --val-samples N)")
-        if latent_map is not None:
-            scale, shift = (v[:, None, None, None] for v in latent_map)
-            latent = latent.float() * scale + shift  # (C, T, H, W)
+        latent = to_blend_units(latent, latent_map)
         samples.append(TokenSample.of(key, latent, text, meta, patch_size, patch_size_t))
     return samples
 

@@ -431,7 +431,7 @@ def step_figures(run: Setup, t: Trainee, now: Due, step: int, metrics: Metrics, 
 def report_skipped(run: Setup, t: Trainee) -> dict:
     """Collective: the samples every data-parallel rank's loader skipped since the run began (by reason, over all
     resumes), printed in one line; each data-parallel rank counts once (its TP/CP/PP peers saw the same samples)."""
-    total = checkpoint.skipped_total(run.fabric, t.state["skipped"])
+    total = checkpoint.dp_total(run.fabric, t.state["skipped"])
     if total:
         reasons = ", ".join(f"{n} {reason.replace('_', ' ')}" for reason, n in sorted(total.items()))
         run.fabric.print(f"skipped {total.total()} samples of {run.cfg.data.path} while training ({reasons}); "

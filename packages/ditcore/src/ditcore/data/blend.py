@@ -83,6 +83,14 @@ class Member:
                 "subflavors": self.subflavors, "latent_stats": self.latent_stats}
 
 
+def to_blend_units(latent: torch.Tensor, latent_map: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+    """A dataset's latent (C, T, H, W) in its blend's units, by the dataset's `Member.latent_map`; as it is for None."""
+    if latent_map is None:
+        return latent
+    scale, shift = (v[:, None, None, None] for v in latent_map)
+    return latent.float() * scale + shift
+
+
 def _relative(path: Path, folder: Path) -> str:
     try:  # from the folder's real place, as members() resolves it (a symlink in `folder` would skew a lexical path)
         return os.path.relpath(path, Path(folder).resolve())

@@ -43,7 +43,7 @@ from megatron.energon.flavors.base_dataset import Sample
 from megatron.energon.wrappers.blend_dataset import BlendDataset
 
 from ditcore import quiet
-from ditcore.data.blend import NAME_KEY, Member, metadataset
+from ditcore.data.blend import NAME_KEY, Member, metadataset, to_blend_units
 from ditcore.data.blend import members as blend_members
 from ditcore.data.fit import latent_shapes, tokens_of
 from ditcore.data.packing import PackedBatch, PackedRow, TokenSample, collate, first_fit_decreasing
@@ -260,9 +260,7 @@ class PackingTaskEncoder(TaskEncoder):
         self._check_conditions(sample)
         self._in_a_row.clear()
         source = (sample.__subflavors__ or {}).get(NAME_KEY, "")
-        if (latent_map := self.latent_maps.get(source)) is not None:  # another member's units → the blend's
-            scale, shift = latent_map
-            z = z.float() * scale[:, None, None, None] + shift[:, None, None, None]
+        z = to_blend_units(z, self.latent_maps.get(source))  # a dataset with other statistics: into the blend's
         item = TokenSample.of(sample.__key__, z, text, sample.meta, self.p, self.pt, source=source,
                               cfg_drop=self.drop_rates.get(source))
         return EncodedSample.derive_from(sample, item=item)
