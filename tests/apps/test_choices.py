@@ -6,21 +6,33 @@ from typing import get_args
 
 from dit_prepare import cli as prepare_cli
 from dit_sample import cli, generate
-from dit_train.config import EDM, FID, Validation, VPSchedule
+from dit_train.config import EDM, FID, Flow, TrainConfig, Validation, VPSchedule
 from ditcore import codecs, export
-from ditcore.choices import BETA_SCHEDULES, CODEC_NAMES, FEATURES, LOSSES, PRECONDS, PREDICTIONS, SOLVERS, VAE_CLASSES
+from ditcore.choices import (
+    BETA_SCHEDULES,
+    CODEC_NAMES,
+    FEATURES,
+    LOSSES,
+    OBJECTIVES,
+    PRECONDS,
+    PREDICTIONS,
+    SAMPLE_SOLVERS,
+    SOLVERS,
+    T_DISTS,
+    VAE_CLASSES,
+)
 from ditcore.diffusion import edm, sampler, vp
 from ditcore.eval import features
 from ditcore.sampling import SCHEDULES
 
 
 def test_the_apps_choices_are_the_library_s_lists():
-    assert [s.value for s in cli.Solver] == list(SOLVERS)
+    assert [s.value for s in cli.Solver] == list(SAMPLE_SOLVERS) == [*SOLVERS, "unipc"]
     assert [s.value for s in cli.Schedule] == list(SCHEDULES)
     assert [f.value for f in cli.Features] == list(FEATURES)
-    assert generate.SOLVERS is SOLVERS  # Sampler.check and the Gradio radio
+    assert generate.SOLVERS is SAMPLE_SOLVERS  # Sampler.check and the Gradio radio
     assert sampler.SOLVERS is SOLVERS and features.FEATURES is FEATURES  # what the library checks against
-    assert get_args(Validation.model_fields["solver"].annotation) == SOLVERS
+    assert get_args(Validation.model_fields["solver"].annotation) == SAMPLE_SOLVERS
 
 
 def test_dit_train_offers_the_library_s_objectives():
@@ -29,6 +41,9 @@ def test_dit_train_offers_the_library_s_objectives():
     assert get_args(VPSchedule.model_fields["beta_schedule"].annotation) == BETA_SCHEDULES == get_args(vp.BetaSchedule)
     assert get_args(FID.model_fields["features"].annotation) == FEATURES
     assert edm.PREDICTIONS is PREDICTIONS and export.PRECONDS is PRECONDS  # what an export is checked against
+    assert get_args(TrainConfig.model_fields["objective"].annotation) == ("auto", *OBJECTIVES)
+    assert export.OBJECTIVES is OBJECTIVES
+    assert get_args(Flow.model_fields["t_dist"].annotation) == T_DISTS
 
 
 def test_dit_prepare_offers_the_library_s_codecs():

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import typer
 
-from ditcore.choices import FEATURES, SOLVERS
+from ditcore.choices import FEATURES, SAMPLE_SOLVERS
 from ditcore.cli import entry_point, fail, stop_on_signal, version_option
 
 app = typer.Typer(
@@ -23,7 +23,7 @@ app = typer.Typer(
 
 
 # Typer lists and validates these choices, read from the library's lists of them (ditcore.choices: no torch import)
-Solver = enum.StrEnum("Solver", {name: name for name in SOLVERS})
+Solver = enum.StrEnum("Solver", {name: name for name in SAMPLE_SOLVERS})
 Features = enum.StrEnum("Features", {name: name for name in FEATURES})
 
 
@@ -77,10 +77,13 @@ def generate(
     height: int = typer.Option(None, help="Height in pixels. Default: the height (and width) the run trained at most; "
                                           "else the size it validated at; else 64.", show_default=False),
     width: int = typer.Option(None, help="Width in pixels. Default: see --height.", show_default=False),
-    solver: Solver = typer.Option("heun", help="heun (2nd order) or euler."),
+    solver: Solver = typer.Option("heun", help="heun (2nd order) or euler; unipc for flow-matching networks "
+                                               "(diffusers' UniPC multistep scheduler, as Wan samples). A flow "
+                                               "network samples with the timestep shift it was trained with."),
     schedule: Schedule = typer.Option("karras", help="Noise levels: karras (EDM's, rho 7) or ddim (a DDPM network's "
                                                      "own timesteps, spaced as DDIM spaces them; with --solver euler "
-                                                     "this is DDIM). ddim: VP-preconditioned networks only."),
+                                                     "this is DDIM). ddim: VP-preconditioned networks only. A flow "
+                                                     "network steps through its shifted times t whatever this says."),
     vae: str = typer.Option(None, help=VAE_HELP, show_default=False),
     num_heads: int = typer.Option(None, min=1, help=HEADS_HELP, show_default=False),
     fps: float = typer.Option(8.0, min=0.1, max=240.0,

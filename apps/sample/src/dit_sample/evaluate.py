@@ -57,8 +57,8 @@ def evaluate(checkpoint: str | Path, reference: str | Path, num: int, *, feature
         t0 = time.perf_counter()
         with step_bar(len(plan.batches(rank, world)) * steps, f"{FIGURE[features]} samples", disable=rank != 0) as bar:
             value = score_samples(model, sampler.exported.codec, sampler.exported.stats, distance, plan,
-                                  text_states=states, rank=rank, world=world, prediction=sampler.exported.prediction,
-                                  vp=sampler.exported.vp, callback=stopping.checked(bar))
+                                  text_states=states, rank=rank, world=world, callback=stopping.checked(bar),
+                                  **sampler.exported.sampling())
         result = {"what": FIGURE[features], "value": value, "step": sampler.exported.extra.get("step"), "num": num,
                   "features": net.name, "reference": str(reference), "reference_n": ref.n, "height": height,
                   "width": width, "steps": steps, "guidance": guidance, "seed": seed, "ranks": world,

@@ -18,7 +18,7 @@ import torch
 import yaml
 
 from ditcore import interop, runs
-from ditcore.choices import SOLVERS
+from ditcore.choices import SAMPLE_SOLVERS as SOLVERS
 from ditcore.codecs import DiffusersVAECodec, LatentStats
 from ditcore.codecs.text import MAX_TOKENS, TextEncoder, load_text_encoder
 from ditcore.data.fit import latent_shapes
@@ -116,6 +116,9 @@ class Sampler:
         _check_numbers(steps=steps, guidance=guidance, frames=frames, height=height, width=width, seed=seed)
         if solver not in SOLVERS:
             raise RequestError(f"solver={solver!r} is unknown: expected one of {', '.join(SOLVERS)}")
+        if solver == "unipc" and self.exported.objective != "flow":
+            raise RequestError("solver unipc samples flow-matching networks, and this one was trained with "
+                               f"{self.exported.objective.upper()} — use heun or euler")
         self._check_schedule(schedule, steps, solver)
         if self.class_conditional:
             n = self.exported.model.cfg.num_classes
@@ -134,6 +137,9 @@ class Sampler:
             raise RequestError(f"schedule={schedule!r} is unknown: expected one of {', '.join(SCHEDULES)}")
         if schedule != "ddim":
             return
+        if self.exported.objective == "flow":
+            raise RequestError("schedule ddim steps through a DDPM network's timesteps, and this one is a flow "
+                               "network (its times follow its own shift) — leave the schedule at karras")
         if vp is None:
             raise RequestError("schedule ddim steps through a DDPM network's timesteps, and this model is "
                                "EDM-preconditioned (it has none) — use schedule karras")
@@ -196,8 +202,7 @@ class Sampler:
         result = sample(self.exported.model, self.exported.codec, self.exported.stats, text_states=states,
                         negative_states=negative, class_labels=class_labels, frames=frames, height=height,
                         width=width, steps=steps, guidance=guidance, solver=solver, seed=seed, fps=fps,
-                        prediction=self.exported.prediction, vp=self.exported.vp, schedule=schedule,
-                        callback=callback)
+                        schedule=schedule, callback=callback, **self.exported.sampling())
         if not torch.isfinite(result.latents).all():  # decoded, NaN would be an all-black picture passing as a sample
             raise RequestError("the sample came out non-finite (NaN/Inf) although the weights are finite: the model's "
                                "output overflowed — try a lower guidance, other steps, or another checkpoint")

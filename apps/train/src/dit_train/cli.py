@@ -66,7 +66,7 @@ def main(
     top: int = typer.Option(10, "--top", min=1, help="With --search: layouts listed."),
     version_: bool = version_option("dit-train"),
 ) -> None:
-    """Train a diffusion transformer with the EDM objective (Lightning Fabric + Megatron-Core parallelism).
+    """Train a diffusion transformer with EDM or flow matching (Lightning Fabric + Megatron-Core parallelism).
 
     Launch one process (or Fabric starts parallel.devices of them), or run under torchrun for several.
     Writes RUN_DIR (train.run_dir): checkpoints/, samples/, csv/ and tensorboard/ logs (wandb/ with logging.wandb),

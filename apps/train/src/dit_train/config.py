@@ -18,7 +18,17 @@ import yaml
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic.fields import FieldInfo
 
-from ditcore.choices import BETA_SCHEDULES, FEATURES, LAYOUT_CHOICES, LOSSES, PRECONDS, PREDICTIONS, SOLVERS
+from ditcore.choices import (
+    BETA_SCHEDULES,
+    FEATURES,
+    LAYOUT_CHOICES,
+    LOSSES,
+    OBJECTIVES,
+    PRECONDS,
+    PREDICTIONS,
+    SAMPLE_SOLVERS,
+    T_DISTS,
+)
 from ditcore.errors import ConfigError
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"  # apps/train/configs, beside the package source
@@ -265,6 +275,41 @@ class EDM(Section):
     ema_decay: Number = Field(0.999, ge=0, lt=1)
 
 
+class Flow(Section):
+    """Rectified flow (objective: flow): x_t = (1 − t) x₀ + t ε, the network predicts the velocity ε − x₀ and is
+    trained on its plain mean squared error (ditcore.diffusion.flow). edm.cfg_dropout and edm.ema_decay apply to it
+    as to EDM."""
+
+    t_dist: Literal[T_DISTS] = Field("logit_normal", description="training t per sample: logit_normal (SD3: "
+                                                                  "t = sigmoid(N(t_mean, t_std²))) or uniform")
+    t_mean: Number = Field(0.0, description="logit_normal's mean")
+    t_std: Number = Field(1.0, gt=0, description="logit_normal's std")
+    shift: Number = Field(1.0, gt=0, description="constant timestep shift s, t' = s t/(1 + (s − 1) t), in training "
+                                                 "and sampling alike (Wan 2.1: 5 at 720p, 3 at 480p; SD3: 3); 1: none")
+    dynamic_shift: bool = Field(False, description="shift by each sample's token count instead (Flux): mu from "
+                                                   "base_shift at base_seq_len to max_shift at max_seq_len tokens, "
+                                                   "t' = e^mu/(e^mu + 1/t − 1)")
+    base_shift: Number = 0.5
+    max_shift: Number = 1.15
+    base_seq_len: int = Field(256, ge=1)
+    max_seq_len: int = Field(4096, ge=2)
+
+    @model_validator(mode="after")
+    def _lengths_in_order(self) -> Flow:
+        if self.base_seq_len >= self.max_seq_len:
+            raise ConfigError("flow.base_seq_len", self.base_seq_len,
+                              f"less than flow.max_seq_len={self.max_seq_len}")
+        return self
+
+    def time_shift(self):
+        """The ditcore.diffusion.flow.TimeShift these keys describe."""
+        from ditcore.diffusion.flow import TimeShift  # deferred: it imports torch, and --help imports this module
+
+        return TimeShift(shift=float(self.shift), dynamic=self.dynamic_shift, base_shift=float(self.base_shift),
+                         max_shift=float(self.max_shift), base_seq_len=self.base_seq_len,
+                         max_seq_len=self.max_seq_len)
+
+
 class Train(Section):
     run_dir: str = "runs/demo"
     steps: int = Field(1000, ge=1)
@@ -290,7 +335,8 @@ class HeldOut(Section):
 
     samples: int = Field(64, ge=0, description="held-out samples (the first of data.val_path) scored at every "
                                                "validation; 0: no held-out loss")
-    buckets: int = Field(8, ge=1, le=64, description="noise levels, log-spaced from sigma_min to sigma_max")
+    buckets: int = Field(8, ge=1, le=64, description="noise levels, log-spaced from sigma_min to sigma_max (flow: "
+                                                     "times t, evenly spaced, ditcore.eval.heldout.t_buckets)")
     sigma_min: Number = Field(0.002, gt=0)
     sigma_max: Number = Field(80.0, gt=0)
     seed: int = Field(0, description="the held-out noise: the same at every validation and across resumes")
@@ -324,7 +370,8 @@ class Validation(Section):
         Field(["a red butterfly", "a blue butterfly"], min_length=1))
     steps: int = Field(18, ge=1)
     guidance: Number = 4.0
-    solver: Literal[SOLVERS] = "heun"
+    solver: Literal[SAMPLE_SOLVERS] = Field("heun", description="heun or euler; unipc (flow only: diffusers' UniPC "
+                                                                "multistep scheduler, as Wan samples)")
     frames: int = Field(1, ge=1, description="pixel frames of each sample; 1: an image")
     clip_frames: int = Field(0, ge=0, description="> 0: also sample every prompt as a clip of this many frames "
                                                   "(mp4); 0: no clips")
@@ -354,11 +401,16 @@ class Logging(Section):
 
 
 class TrainConfig(Section):
+    objective: Literal[("auto", *OBJECTIVES)] = Field(
+        "auto", description="edm (Karras et al.: the edm section) or flow (rectified flow: the flow section); auto: "
+                            "the objective model.init_from's network was trained with (flow for a Wan model), else "
+                            "edm")
     model: Model = Model()
     data: Data = Data()
     parallel: Parallel = Parallel()
     optim: Optim = Optim()
     edm: EDM = EDM()
+    flow: Flow = Flow()
     train: Train = Train()
     checkpoint: Checkpoint = Checkpoint()
     validation: Validation = Validation()
@@ -372,10 +424,21 @@ class TrainConfig(Section):
                               f"a multiple of train.micro_batch={self.train.micro_batch}")
         if self.edm.precond == "vp" and self.edm.prediction == "x":
             raise ConfigError("edm.prediction", "x", "edm with edm.precond=vp: a DDPM network predicts the noise")
+        if self.objective == "flow":
+            self._flow_alone()
         if self.edm.precond == "edm" and self.edm.loss == "ddpm":
             raise ConfigError("edm.loss", "ddpm", "auto or edm with edm.precond=edm: DiT's objective trains a DDPM "
                                                   "network on its timesteps (edm.precond=vp)")
         return self
+
+    def _flow_alone(self) -> None:
+        """objective flow with an EDM-only choice set: one line naming it (flow has no preconditioning or
+        prediction choices of its own: the network predicts the velocity)."""
+        for key, value, edm_only in (("precond", self.edm.precond, "vp"), ("loss", self.edm.loss, "ddpm"),
+                                     ("prediction", self.edm.prediction, "x")):
+            if value == edm_only:
+                raise ConfigError(f"edm.{key}", value, "unset with objective=flow: a flow network predicts the "
+                                                       "velocity ε − x₀ under its own loss (the flow section)")
 
     def to_dict(self) -> dict:
         return self.model_dump()

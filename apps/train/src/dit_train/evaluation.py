@@ -19,7 +19,6 @@ from tqdm import tqdm
 from dit_train.config import TrainConfig
 from ditcore.codecs import LatentStats, load_codec
 from ditcore.codecs.text import load_text_encoder
-from ditcore.diffusion.vp import DiscreteVP
 from ditcore.errors import ConfigError
 from ditcore.eval import (
     FIGURE,
@@ -42,7 +41,7 @@ class FIDScorer:
     validation and at the end."""
 
     def __init__(self, cfg: TrainConfig, info, model_cfg, fabric, groups: ParallelGroups,
-                 vp: DiscreteVP | None = None, stats: LatentStats | None = None):
+                 network: dict | None = None, stats: LatentStats | None = None):
         f = cfg.validation.fid
         self.enabled = f.num > 0
         if not self.enabled:
@@ -50,7 +49,7 @@ class FIDScorer:
         if info.codec.get("kind") == "none":
             raise ConfigError("validation.fid.num", f.num, "0 for a dataset of random latents (dit-prepare mock): it "
                                                            "has no images to score against")
-        self.cfg, self.fabric, self.groups, self.vp = cfg, fabric, groups, vp
+        self.cfg, self.fabric, self.groups, self.network = cfg, fabric, groups, network or {}
         self.codec = load_codec(info.codec, Path(cfg.data.path))
         self.stats = stats or LatentStats.from_dict(info.latent_stats)
         self.key = f"fid/{f.features}"
@@ -102,8 +101,7 @@ class FIDScorer:
         with step_bar(batches * self.plan.steps, f"{FIGURE[self.cfg.validation.fid.features]} samples, step {step}",
                       disable=self.fabric.global_rank != 0, leave=False) as bar:
             value = score_samples(model, self.codec, self.stats, self.distance, self.plan, text_states=self.states,
-                                  rank=g.dp_rank, world=g.dims.dp, prediction=self.cfg.edm.prediction, vp=self.vp,
-                                  callback=bar)
+                                  rank=g.dp_rank, world=g.dims.dp, callback=bar, **self.network)
         self.fabric.print(f"step {step}: {FIGURE[self.cfg.validation.fid.features]} {value:.4f} of {self.plan.num} "
                           f"samples against {self.reference.n} images of {self.cfg.data.path}")
         return {self.key: value}

@@ -6,6 +6,10 @@ Fabric's loggers (CSV, TensorBoard, any other) as
     heldout/ema/sigma_00=0.002   the loss at level 0 (σ_min), ... up to sigma_07=80 (σ_max) with 8 levels
     heldout/raw/...              the same for the raw (not averaged) weights
 
+A flow run (objective: flow) is scored alike at fixed times t instead (ditcore.eval.heldout.t_buckets: heldout/ema/
+t_00=0.05 ... t_07=0.95), its velocity loss weighted by the training distribution of t (flow.t_dist and its shift).
+The two objectives' per-level losses measure different quantities and are not compared with each other.
+
 and kept in the run's state (checkpointed, so a resumed run plots its whole curve: RUN_DIR/heldout.png).
 
 The held-out samples (the first validation.heldout.samples of data.val_path, by key) are read, patchified, given
@@ -44,7 +48,14 @@ from ditcore.data.schema import (
 )
 from ditcore.diffusion import EDMLoss
 from ditcore.errors import ConfigError
-from ditcore.eval.heldout import bucket_weights, heldout_batches, heldout_totals, sigma_buckets
+from ditcore.eval.heldout import (
+    bucket_weights,
+    heldout_batches,
+    heldout_totals,
+    sigma_buckets,
+    t_bucket_weights,
+    t_buckets,
+)
 from ditcore.models import inputs_of
 from ditcore.parallel.pipeline import PipelinedModel
 
@@ -140,17 +151,34 @@ def _read_val(root: Path, key: str) -> DatasetInfo:
         raise ConfigError(key, str(root), f"a held-out dataset written by dit-prepare ({e})") from None
 
 
+def heldout_loss(recipe):
+    """The loss the held-out sets are scored with: the run's flow loss, or its EDM loss (under edm.loss=ddpm too, its
+    levels rounded to the network's under VP)."""
+    if recipe.flow:
+        return recipe.loss()
+    e = recipe.cfg.edm
+    return EDMLoss(e.p_mean, e.p_std, max_weight=e.max_weight, vp=recipe.vp)
+
+
+def levels(recipe, loss) -> tuple[torch.Tensor, torch.Tensor, list[str]]:
+    """(the fixed levels, their weights in the total, their logged names): σ for EDM, t for flow."""
+    h = recipe.cfg.validation.heldout
+    if recipe.flow:
+        buckets = t_buckets(h.buckets)
+        return buckets, t_bucket_weights(buckets, loss), [f"t_{k:02d}={t:.3g}" for k, t in enumerate(buckets.tolist())]
+    buckets = sigma_buckets(h.buckets, h.sigma_min, h.sigma_max)
+    weights = bucket_weights(buckets, recipe.cfg.edm.p_mean, recipe.cfg.edm.p_std)
+    return buckets, weights, [f"sigma_{k:02d}={s:.3g}" for k, s in enumerate(buckets.tolist())]
+
+
 class HeldOutLoss:
     """The held-out losses of a run (`build` says whether it has any): `due(step)`, `run(...)` → the logged values."""
 
     def __init__(self, run, sets: dict[str | None, list], loss: EDMLoss):
         """sets: each held-out set's batches on this rank, by its name (HeldOutSet.name)."""
-        h = run.cfg.validation.heldout
         self.run, self.sets, self.loss = run, sets, loss
         self.latent_map = run.recipe.latent_map(run.fabric.device)  # dataset units → the network's, if they differ
-        self.buckets = sigma_buckets(h.buckets, h.sigma_min, h.sigma_max)
-        self.weights = bucket_weights(self.buckets, run.cfg.edm.p_mean, run.cfg.edm.p_std)
-        self.names = [f"sigma_{k:02d}={s:.3g}" for k, s in enumerate(self.buckets.tolist())]
+        self.buckets, self.weights, self.names = levels(run.recipe, loss)
 
     @classmethod
     def build(cls, run) -> HeldOutLoss | None:
@@ -177,10 +205,12 @@ class HeldOutLoss:
                                               inputs=inputs_of(m))
             counts.append(f"{len(samples)} samples of {s.root}" if s.name is None else
                           f"{len(samples)} samples of dataset {s.name}")
-        fabric.print(f"held-out loss: {', '.join(counts)} at {h.buckets} noise levels ({h.sigma_min:g} to "
-                     f"{h.sigma_max:g}), EMA and raw weights")
-        e = cfg.edm  # the run's EDM loss; under edm.loss=ddpm too (its levels rounded to the network's under VP)
-        return cls(run, batches, EDMLoss(e.p_mean, e.p_std, max_weight=e.max_weight, vp=run.recipe.vp))
+        loss = heldout_loss(run.recipe)
+        buckets = levels(run.recipe, loss)[0].tolist()
+        what = "times t" if run.recipe.flow else "noise levels σ"
+        fabric.print(f"held-out loss: {', '.join(counts)} at {h.buckets} {what} ({buckets[0]:.3g} to "
+                     f"{buckets[-1]:.3g}), EMA and raw weights")
+        return cls(run, batches, loss)
 
     def due(self, step: int) -> bool:
         """Every validation.heldout.every steps, else at every validation (validation.every); the end is `export`'s."""

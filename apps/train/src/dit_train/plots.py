@@ -36,15 +36,18 @@ def plot_heldout(history: list, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     steps = [step for step, _ in history]
-    names = sorted(name for name in history[-1][1] if name.startswith("heldout/ema/sigma_"))
+    # EDM's noise levels (heldout/ema/sigma_00=0.002, ...) or flow's times (heldout/ema/t_00=0.05, ...)
+    names = sorted(name for name in history[-1][1] if name.startswith(("heldout/ema/sigma_", "heldout/ema/t_")))
+    flow = any(name.startswith("heldout/ema/t_") for name in names)
     fig, ax = plt.subplots(figsize=(7, 4.5))
     colours = plt.cm.viridis([k / max(1, len(names) - 1) for k in range(len(names))])
     for name, colour in zip(names, colours, strict=True):
         ax.plot(steps, [values.get(name, float("nan")) for _, values in history], marker=".", color=colour,
-                label="σ = " + name.split("=", 1)[1])
+                label=("t = " if flow else "σ = ") + name.split("=", 1)[1])
     ax.plot(steps, [values.get("heldout/ema/total", float("nan")) for _, values in history], "k--", lw=2,
             label="weighted total")
-    ax.set(xlabel="step", ylabel="held-out EDM loss (EMA)", yscale="log", title="held-out loss per noise level")
+    ax.set(xlabel="step", ylabel=f"held-out {'flow' if flow else 'EDM'} loss (EMA)", yscale="log",
+           title="held-out loss per noise level")
     ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
     fig.savefig(path, dpi=120)

@@ -25,6 +25,7 @@ from ditcore.codecs import LatentStats
 from ditcore.data.schema import INFO_FILE
 from ditcore.diffusion import EDMLoss, EDMPrecond
 from ditcore.diffusion.ddpm import DDPMLoss
+from ditcore.diffusion.flow import FlowLoss, FlowPrecond
 from ditcore.diffusion.vp import DiscreteVP
 from ditcore.errors import ConfigError
 from ditcore.models import PRESETS, DiTConfig, preset
@@ -50,14 +51,35 @@ class Recipe:
     def foreign(self) -> bool:
         return self.source is not None and self.source.cfg is not None
 
-    def denoiser(self, model) -> EDMPrecond:
+    @property
+    def flow(self) -> bool:
+        return self.cfg.objective == "flow"
+
+    def denoiser(self, model) -> EDMPrecond | FlowPrecond:
+        if self.flow:
+            return FlowPrecond(model)
         return EDMPrecond(model, prediction=self.cfg.edm.prediction, vp=self.vp)
 
-    def loss(self) -> EDMLoss | DDPMLoss:
-        e = self.cfg.edm
+    def loss(self) -> EDMLoss | DDPMLoss | FlowLoss:
+        e, f = self.cfg.edm, self.cfg.flow
+        if self.flow:
+            return FlowLoss(f.t_dist, float(f.t_mean), float(f.t_std), f.time_shift())
         if e.loss == "ddpm":
             return DDPMLoss(self.vp, self.model_cfg.learn_sigma)
         return EDMLoss(e.p_mean, e.p_std, max_weight=e.max_weight, vp=self.vp)
+
+    def foreign_line(self) -> str:
+        """What a run started from one of the field's networks takes from it, in one line."""
+        m, cfg, src = self.model_cfg, self.cfg, self.source
+        line = (f"model.init_from: {src.kind} {src.path} — its architecture (width {m.hidden_size}, depth {m.depth}, "
+                f"{m.num_heads} heads, patch {m.patch_size}{', learned Σ' if m.learn_sigma else ''}), ")
+        if self.flow:
+            f = cfg.flow
+            shift = "by length" if f.dynamic_shift else f"{f.shift:g}"
+            return line + f"objective=flow (timestep shift {shift}), latents scaled as it was trained"
+        return line + (f"edm.precond={cfg.edm.precond} ({self.vp.timesteps} {self.vp.beta_schedule} timesteps), "
+                       f"edm.loss={cfg.edm.loss}, latents scaled as it was trained (std "
+                       f"{self.latent_stats.std[0]:.4g})")
 
     @property
     def own_units(self) -> bool:
@@ -73,8 +95,16 @@ class Recipe:
         return LatentMap.between(self.data_stats, self.latent_stats, m.patch_size_t * m.patch_size**2, device)
 
     def recorded(self) -> dict:
-        """What an export's model.json and a checkpoint's values say of the network's preconditioning and units."""
-        return init_from.recorded(self.vp, self.latent_stats)
+        """What an export's model.json and a checkpoint's values say of the network's objective, preconditioning and
+        units."""
+        units = self.latent_stats if self.own_units or self.vp is not None else None  # under VP: DiT's, always
+        return init_from.recorded(self.vp, units, self.cfg.objective,
+                                  self.cfg.flow.time_shift() if self.flow else None)
+
+    def sampling(self) -> dict:
+        """What ditcore.sampling.sample needs to know of the network (as ditcore.export.Exported.sampling says it)."""
+        return {"objective": self.cfg.objective, "prediction": self.cfg.edm.prediction, "vp": self.vp,
+                "shift": self.cfg.flow.time_shift() if self.flow else None}
 
 
 def resolve(cfg: TrainConfig, info) -> Recipe:
@@ -84,6 +114,11 @@ def resolve(cfg: TrainConfig, info) -> Recipe:
     # a dataset records the statistics it normalised by; tests' hand-written ones may not (validation then skips)
     data_stats = LatentStats.from_dict(info.latent_stats) if info.latent_stats else None
     model_cfg = model_config(cfg, info, source)
+    objective = _objective(cfg, source)
+    if objective == "flow":
+        update = {"objective": objective, "flow": _flow_shift(cfg, source)}
+        return Recipe(cfg.model_copy(update=update), model_cfg, None, data_stats, _latent_stats(cfg, source,
+                                                                                                 data_stats), source)
     e = cfg.edm
     precond = _precond(e, source)
     vp = _vp(cfg, source) if precond == "vp" else None
@@ -97,7 +132,33 @@ def resolve(cfg: TrainConfig, info) -> Recipe:
                                # the schedule trained on (the export records DDIM's steps through it too: vp)
                                "vp": VPSchedule(**{k: getattr(vp, k) for k in VPSchedule.model_fields})
                                if vp is not None else e.vp})
-    return Recipe(cfg.model_copy(update={"edm": edm}), model_cfg, vp, data_stats, latent_stats, source)
+    return Recipe(cfg.model_copy(update={"edm": edm, "objective": objective}), model_cfg, vp, data_stats,
+                  latent_stats, source)
+
+
+def _objective(cfg: TrainConfig, source: init_from.Source | None) -> str:
+    """objective, auto resolved: what model.init_from's network was trained with (flow for a Wan model or a flow run),
+    else edm. A DDPM-trained network is not trained with flow (its timesteps and ε-output are VP's)."""
+    theirs = source.objective if source is not None else "edm"
+    objective = cfg.objective if cfg.objective != "auto" else theirs
+    if objective == "flow" and source is not None and source.vp is not None:
+        raise ConfigError("objective", "flow", f"auto or edm for {_named(source)}, a DDPM-trained network: it "
+                                               "predicts the noise on its own timesteps (edm.precond=vp)")
+    if objective == "edm" and cfg.validation.solver == "unipc":
+        raise ConfigError("validation.solver", "unipc", "heun or euler under objective=edm: UniPC samples flow "
+                                                        "networks (objective=flow)")
+    return objective
+
+
+def _flow_shift(cfg: TrainConfig, source: init_from.Source | None):
+    """The flow section, its timestep shift the source network's (Wan 2.1 1.3B's 3) where the config sets none."""
+    f = cfg.flow
+    if source is None or source.shift is None or {"shift", "dynamic_shift"} & f.model_fields_set:
+        return f
+    s = source.shift
+    return f.model_copy(update={"shift": s.shift, "dynamic_shift": s.dynamic, "base_shift": s.base_shift,
+                                "max_shift": s.max_shift, "base_seq_len": s.base_seq_len,
+                                "max_seq_len": s.max_seq_len})
 
 
 def _precond(e, source: init_from.Source | None) -> str:
@@ -126,8 +187,9 @@ def _vp(cfg: TrainConfig, source: init_from.Source | None) -> DiscreteVP:
 
 def _latent_stats(cfg: TrainConfig, source: init_from.Source | None,
                   data_stats: LatentStats | None) -> LatentStats | None:
-    """The units the network works in: a DDPM-trained source's (DiT's 0.18215 z), else the dataset's."""
-    if source is None or source.vp is None or source.latent_stats is None:
+    """The units the network works in: those a source records (a DDPM-trained DiT's 0.18215 z, Wan's per-channel
+    normalisation of its VAE's latents, or a run fine-tuned from one), else the dataset's."""
+    if source is None or source.latent_stats is None:
         return data_stats
     if data_stats is None:
         raise ConfigError("data.path", cfg.data.path, f"a dataset that records its latent statistics (its "

@@ -33,6 +33,9 @@ from dit_train.config import Section, TrainConfig
 APPLY, LOADER, DATA, MODEL, RUN, PLACE = "apply", "loader", "data", "model", "run", "place"
 
 RULES: dict[str, str] = {
+    # as saved, resolved (auto → what the run used): the network's output is a velocity under flow, a denoised
+    # estimate under EDM, so loading one as the other misreads every weight's purpose
+    "objective": MODEL,
     "model.arch": MODEL,
     "model.preset": MODEL,
     "model.patch_size": MODEL,
@@ -93,6 +96,17 @@ RULES: dict[str, str] = {
     "edm.max_weight": APPLY,
     "edm.cfg_dropout": APPLY,
     "edm.ema_decay": APPLY,
+    # flow's training t: its distribution and shift, like EDM's noise levels (the export records the shift the run
+    # ends with, which sampling uses)
+    "flow.t_dist": APPLY,
+    "flow.t_mean": APPLY,
+    "flow.t_std": APPLY,
+    "flow.shift": APPLY,
+    "flow.dynamic_shift": APPLY,
+    "flow.base_shift": APPLY,
+    "flow.max_shift": APPLY,
+    "flow.base_seq_len": APPLY,
+    "flow.max_seq_len": APPLY,
     "train.run_dir": PLACE,
     "train.steps": APPLY,  # the cosine schedule stretches to the new length from the restored step
     "train.global_batch": RUN,

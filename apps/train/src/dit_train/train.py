@@ -145,9 +145,9 @@ def train(cfg: TrainConfig, resume: str = "auto", overwrite: bool = False) -> di
         start_from(run, trainee)
     if run.recipe.source is not None:
         run.recipe.source.tensors.clear()  # the host copy of model.init_from's weights is not read again
-    validator = Validator(run.cfg, run.info, run.model_cfg, run.fabric, run.groups, vp=run.recipe.vp,
+    validator = Validator(run.cfg, run.info, run.model_cfg, run.fabric, run.groups, network=run.recipe.sampling(),
                           stats=run.recipe.latent_stats)
-    scorer = FIDScorer(run.cfg, run.info, run.model_cfg, run.fabric, run.groups, vp=run.recipe.vp,
+    scorer = FIDScorer(run.cfg, run.info, run.model_cfg, run.fabric, run.groups, network=run.recipe.sampling(),
                        stats=run.recipe.latent_stats)  # the reference statistics: computed here once, or read
     preempted = Preempted(run.fabric.world_size, run.on_gpu, run.fabric.global_rank)  # until the export is written
     try:
@@ -192,11 +192,7 @@ def setup(cfg: TrainConfig, resume: str = "auto", overwrite: bool = False) -> Se
         fabric.print(queues_warning)
     groups = strategy.groups
     if recipe.foreign:
-        fabric.print(f"model.init_from: {recipe.source.kind} {recipe.source.path} — its architecture "
-                     f"(width {model_cfg.hidden_size}, depth {model_cfg.depth}, {model_cfg.num_heads} heads, patch "
-                     f"{model_cfg.patch_size}{', learned Σ' if model_cfg.learn_sigma else ''}), edm.precond="
-                     f"{cfg.edm.precond} ({recipe.vp.timesteps} {recipe.vp.beta_schedule} timesteps), edm.loss="
-                     f"{cfg.edm.loss}, latents scaled as it was trained (std {recipe.latent_stats.std[0]:.4g})")
+        fabric.print(recipe.foreign_line())
     dims.check_model(model_cfg.num_heads, cfg.data.seq_length, model_cfg.depth, model_cfg.kv_heads,
                      moe=model_cfg.moe)
     if cfg.parallel.fsdp:

@@ -13,7 +13,6 @@ from dit_train.config import TrainConfig
 from ditcore import runs
 from ditcore.codecs import LatentStats, load_codec
 from ditcore.codecs.text import load_text_encoder
-from ditcore.diffusion.vp import DiscreteVP
 from ditcore.errors import ConfigError
 from ditcore.media import contact_sheet, write_sample
 from ditcore.models import DiTConfig
@@ -44,14 +43,14 @@ class Samples:
 
 
 class Validator:
-    """Samples the validation prompts with the EMA weights and writes mp4/png under RUN_DIR/samples/: under VP
-    preconditioning on the schedule `vp`, decoding latents normalised by `stats` (the network's: default, the
-    dataset's)."""
+    """Samples the validation prompts with the EMA weights and writes mp4/png under RUN_DIR/samples/: as `network`
+    says the network samples (its objective, prediction, DDPM schedule under VP, flow's shift: Recipe.sampling),
+    decoding latents normalised by `stats` (the network's: default, the dataset's)."""
 
-    def __init__(self, cfg: TrainConfig, info, model_cfg, fabric, groups: ParallelGroups, vp: DiscreteVP | None = None,
+    def __init__(self, cfg: TrainConfig, info, model_cfg, fabric, groups: ParallelGroups, network: dict | None = None,
                  stats: LatentStats | None = None):
         self.cfg, self.fabric, self.run_dir = cfg.validation, fabric, Path(cfg.train.run_dir)
-        self.prediction, self.vp = cfg.edm.prediction, vp
+        self.network = network or {}  # what ditcore.sampling.sample needs to know of the network (Recipe.sampling)
         self.groups = groups
         self.enabled = info.codec.get("kind") != "none"  # mock data has nothing to decode
         if not self.enabled:
@@ -87,7 +86,7 @@ class Validator:
                 result = sample(model, self.codec, self.stats, text_states=self.states, class_labels=self.labels,
                                 num=len(v.prompts), frames=frames, height=v.size, width=v.size, steps=v.steps,
                                 guidance=v.guidance, solver=v.solver, seed=v.seed + k, fps=v.fps,
-                                prediction=self.prediction, vp=self.vp, callback=bar)
+                                callback=bar, **self.network)
                 if self.fabric.global_rank != 0:
                     continue
                 if frames == v.frames:

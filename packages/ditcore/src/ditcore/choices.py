@@ -3,10 +3,14 @@ read by the code that implements the choices and by the CLIs, whose --help lists
 A new solver, feature network, objective or codec is named here and implemented where its list is checked."""
 
 SOLVERS = ("heun", "euler")  # ditcore.diffusion.sampler.edm_sampler: Algorithm 2's second-order step, or its Euler part
+# what a sample is drawn with: SOLVERS, and for flow networks diffusers' UniPC multistep scheduler (ditcore.sampling)
+SAMPLE_SOLVERS = (*SOLVERS, "unipc")
 FEATURES = ("inception", "dinov2")  # ditcore.eval.features.feature_net: the network FID's statistics are taken with
 
 # The objective: preconditioning (ditcore.diffusion: EDMPrecond, or vp.VPPrecond around a DDPM ε-network), the loss
 # (EDMLoss, or ddpm.DDPMLoss), what the network outputs (EDMPrecond's prediction) and DDPM's beta schedules.
+OBJECTIVES = ("edm", "flow")  # EDM (ditcore.diffusion.edm) or rectified flow (ditcore.diffusion.flow)
+T_DISTS = ("logit_normal", "uniform")  # how flow matching draws its training t (ditcore.diffusion.flow.FlowLoss)
 PRECONDS = ("edm", "vp")
 LOSSES = ("edm", "ddpm")
 PREDICTIONS = ("edm", "x")

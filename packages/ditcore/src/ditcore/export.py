@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from ditcore import disk, durable, tensorfile
-from ditcore.choices import PRECONDS, PREDICTIONS
+from ditcore.choices import OBJECTIVES, PRECONDS, PREDICTIONS
 from ditcore.codecs import Codec, LatentStats, load_codec
 from ditcore.data.schema import INFO_FILE, DatasetInfo, parse_info
 from ditcore.diffusion.vp import DiscreteVP
@@ -91,6 +91,21 @@ class Exported:
         """The DDPM schedule of a network sampled under VP preconditioning (extra "precond": "vp", its "vp" the
         schedule's fields: ditcore.diffusion.vp.DiscreteVP); None for EDM's, and for exports from before."""
         return vp_of(self.extra)
+
+    @property
+    def objective(self) -> str:
+        """What the network was trained with (ditcore.choices.OBJECTIVES); exports from before it was recorded: edm."""
+        return self.extra.get("objective", "edm")
+
+    @property
+    def shift(self):
+        """A flow network's timestep shift (ditcore.diffusion.flow.TimeShift), sampled as it was trained; None under
+        EDM."""
+        return shift_of(self.extra)
+
+    def sampling(self) -> dict:
+        """What ditcore.sampling.sample needs to know of the network: its objective and what goes with it."""
+        return {"objective": self.objective, "prediction": self.prediction, "vp": self.vp, "shift": self.shift}
 
     @property
     def guidance(self) -> float:
@@ -166,6 +181,22 @@ def vp_of(meta: dict) -> DiscreteVP | None:
     return DiscreteVP(**meta.get("vp", {}))
 
 
+def shift_of(meta: dict):
+    """The timestep shift an export's CONFIG fields (or a checkpoint's values) record for a flow network ("objective":
+    "flow", "shift": TimeShift's fields), or None for an EDM network."""
+    if meta.get("objective", "edm") != "flow":
+        return None
+    from ditcore.diffusion.flow import TimeShift
+
+    return TimeShift.from_dict(meta.get("shift", {}))
+
+
+def recorded_objective(objective: str, shift) -> dict:
+    """What model.json and a checkpoint's values record of a flow network ({} for EDM's, which exports from before
+    the objective was recorded also mean): read back by `shift_of` and Exported.objective."""
+    return {} if objective == "edm" else {"objective": objective, "shift": shift.to_dict()}
+
+
 def load_network(path: str | Path) -> tuple[DiTConfig, dict[str, torch.Tensor], dict]:
     """An export's model config, its one-device weights (checked to fit the config and finite) and its CONFIG file's
     other fields — without its codec, which may be a VAE from the hub (dit-sample export needs none)."""
@@ -183,6 +214,9 @@ def load_network(path: str | Path) -> tuple[DiTConfig, dict[str, torch.Tensor], 
     if meta.get("precond", "edm") not in PRECONDS:
         raise ValueError(f"'{path / CONFIG}' says precond={meta['precond']!r}: this ditcore knows "
                          f"{', '.join(PRECONDS)} — sample it with the ditcore version that trained it")
+    if meta.get("objective", "edm") not in OBJECTIVES:
+        raise ValueError(f"'{path / CONFIG}' says objective={meta['objective']!r}: this ditcore knows "
+                         f"{', '.join(OBJECTIVES)} — sample it with the ditcore version that trained it")
     if meta.get("prediction", "edm") not in PREDICTIONS:
         raise ValueError(f"'{path / CONFIG}' says prediction={meta['prediction']!r}: this ditcore knows "
                          f"{', '.join(PREDICTIONS)} — sample it with the ditcore version that trained it")
@@ -206,4 +240,5 @@ def load_export(path: str | Path, device: str | torch.device = "cpu") -> Exporte
                     {"model": t1 - t0, "codec": time.perf_counter() - t1})
 
 
-__all__ = ["CONFIG", "DEFAULT_GUIDANCE", "WEIGHTS", "Exported", "export_model", "load_export", "load_network", "vp_of"]
+__all__ = ["CONFIG", "DEFAULT_GUIDANCE", "WEIGHTS", "Exported", "export_model", "load_export", "load_network",
+           "recorded_objective", "shift_of", "vp_of"]

@@ -33,7 +33,7 @@ from ditcore.codecs import LatentStats
 from ditcore.data.schema import INFO_FILE
 from ditcore.diffusion.vp import DiscreteVP
 from ditcore.errors import ConfigError
-from ditcore.export import CONFIG, WEIGHTS, vp_of
+from ditcore.export import CONFIG, WEIGHTS, recorded_objective, shift_of, vp_of
 from ditcore.models import DiTConfig, build, plan_for
 from ditcore.parallel.consolidate import without_extra_state
 from ditcore.parallel.dims import ParallelGroups
@@ -58,19 +58,21 @@ class Source:
     vp: DiscreteVP | None = None  # the DDPM schedule the network was trained with: VP preconditioning; None: EDM's
     latent_stats: LatentStats | None = None  # what its latents were normalised by (its units); None: the dataset's
     kind: str = "ditcore"  # or ditcore.interop.Imported.kind
+    objective: str = "edm"  # what it was trained with (ditcore.choices.OBJECTIVES)
+    shift: object = None  # a flow network's timestep shift (ditcore.diffusion.flow.TimeShift); None under EDM
 
     def recorded(self) -> dict:
         """How the network is preconditioned, as an export's model.json and a checkpoint's values record it (and
-        `read_source` reads it back): {"precond": "vp", "vp": {...}, "latent_stats": {...}}, or {} under EDM's."""
-        return recorded(self.vp, self.latent_stats)
+        `read_source` reads it back): {"precond": "vp", "vp": {...}} under VP, {"objective": "flow", "shift": {...}}
+        under flow, "latent_stats" where the network works in units of its own; {} for EDM in the dataset's."""
+        return recorded(self.vp, self.latent_stats, self.objective, self.shift)
 
 
-def recorded(vp: DiscreteVP | None, latent_stats: LatentStats | None) -> dict:
+def recorded(vp: DiscreteVP | None, latent_stats: LatentStats | None, objective: str = "edm", shift=None) -> dict:
     """See Source.recorded."""
-    if vp is None:
-        return {}
-    return {"precond": "vp", "vp": vp.to_dict()} | ({} if latent_stats is None else
-                                                   {"latent_stats": latent_stats.to_dict()})
+    stats = {} if latent_stats is None else {"latent_stats": latent_stats.to_dict()}
+    precond = {} if vp is None else {"precond": "vp", "vp": vp.to_dict()}
+    return recorded_objective(objective, shift) | precond | stats
 
 
 def read_source(path: str | Path, num_heads: int | None = None) -> Source:
@@ -106,10 +108,11 @@ def read_source(path: str | Path, num_heads: int | None = None) -> Source:
                                            f"{bad[0]}), its run had diverged — take an earlier checkpoint of it "
                                            f"({runs.CHECKPOINTS}/step-XXXXXXX)")
     vp = vp_of(meta)  # a checkpoint's values and an export's model.json record it alike
-    if vp is None:  # EDM's: the network works in the dataset's units, whatever they are
-        return Source(folder, tensors)
+    objective = {"objective": meta.get("objective", "edm"), "shift": shift_of(meta)}
     stats = meta.get("latent_stats")
-    return Source(folder, tensors, vp=vp, latent_stats=LatentStats.from_dict(stats) if stats else None)
+    if vp is None and objective["shift"] is None:  # EDM's: the network works in the dataset's units, whatever they are
+        return Source(folder, tensors)
+    return Source(folder, tensors, vp=vp, latent_stats=LatentStats.from_dict(stats) if stats else None, **objective)
 
 
 def read_foreign(path: Path, num_heads: int | None = None) -> Source:
@@ -119,7 +122,8 @@ def read_foreign(path: Path, num_heads: int | None = None) -> Source:
     except interop.ConversionError as e:
         raise ConfigError(KEY, str(path), f"a checkpoint that converts: {e}") from None
     stats = got.latent_stats or trained_units(got.vae, got.cfg.in_channels)  # a ditcore export's recorded units
-    return Source(path, got.tensors, cfg=got.cfg, vp=got.vp, latent_stats=stats, kind=got.kind)
+    return Source(path, got.tensors, cfg=got.cfg, vp=got.vp, latent_stats=stats, kind=got.kind,
+                  objective=got.objective, shift=got.shift)
 
 
 def trained_units(vae: Path | None, channels: int) -> LatentStats:

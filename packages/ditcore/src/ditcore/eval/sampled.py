@@ -40,10 +40,11 @@ class SamplePlan:
 
 
 def score_samples(model, codec, stats, distance, plan: SamplePlan, *, text_states: list[torch.Tensor] | None = None,
-                  rank: int = 0, world: int = 1, prediction: str = "edm", vp=None,
-                  callback: Callable[[int, int], None] | None = None) -> float:
+                  rank: int = 0, world: int = 1, callback: Callable[[int, int], None] | None = None,
+                  **network) -> float:
     """Sample this rank's share of plan.num images, add them to `distance` (a FrechetDistance) and return the
-    distance over all ranks (collective: every rank of the distance's group calls it)."""
+    distance over all ranks (collective: every rank of the distance's group calls it). network: what
+    ditcore.sampling.sample needs to know of the network (objective, prediction, vp, shift: Exported.sampling)."""
     cfg = model.cfg
     labels = plan.classes(cfg.num_classes) if cfg.num_classes else None
     for seed, items in plan.batches(rank, world):
@@ -53,7 +54,7 @@ def score_samples(model, codec, stats, distance, plan: SamplePlan, *, text_state
         elif cfg.text_dim and text_states:
             kwargs = {"text_states": [text_states[i % len(text_states)] for i in items]}
         result = sample(model, codec, stats, frames=1, height=plan.height, width=plan.width, steps=plan.steps,
-                        guidance=plan.guidance, solver=plan.solver, seed=seed, prediction=prediction, vp=vp,
-                        callback=callback, **kwargs)
+                        guidance=plan.guidance, solver=plan.solver, seed=seed, callback=callback, **network,
+                        **kwargs)
         distance.add(result.pixels[:, 0])  # (B, H, W, 3) uint8
     return distance.compute()

@@ -48,6 +48,8 @@ class Imported:
     vp: DiscreteVP | None  # the DDPM schedule it was trained with; None: an EDM-preconditioned ditcore export
     vae: Path | None = None  # a diffusers pipeline's vae/ folder, if it has one
     latent_stats: LatentStats | None = None  # the latent units it was trained in, when a ditcore export recorded them
+    objective: str = "edm"  # what it was trained with: flow for Wan (ditcore.choices.OBJECTIVES)
+    shift: object = None  # a flow network's timestep shift (ditcore.diffusion.flow.TimeShift), None under EDM
 
     def summary(self) -> str:
         c = self.cfg
@@ -55,6 +57,8 @@ class Imported:
                 f"{c.patch_size}, {c.in_channels} channels, {c.num_classes} classes, grid {c.max_grid[1]}x"
                 f"{c.max_grid[2]}" + (", learned Σ" if c.learn_sigma else "") +
                 (", each block's own embedders" if c.block_embedders else ""))
+        if self.objective == "flow":
+            return what + f", flow matching (timestep shift {self.shift.shift:g})"
         if self.vp is None:
             return what + ", EDM preconditioning"
         return what + f", DDPM ({self.vp.timesteps} {self.vp.beta_schedule} timesteps, VP preconditioning)"
