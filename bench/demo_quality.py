@@ -71,7 +71,7 @@ def judge_run(checkpoint: str | Path, seeds: int = DEMO["seeds"], clip_frames: i
     for frames, n_seeds in ((1, seeds), (clip_frames, clip_seeds if clip_frames > 1 else 0)):
         for seed in range(n_seeds):
             result = sample(model, codec, stats, text_states=states, frames=frames, height=size, width=size,
-                            steps=steps, guidance=guidance, seed=seed, prediction=exported.prediction)
+                            steps=steps, guidance=guidance, seed=seed, **exported.sampling())
             for i, clip in enumerate(result.pixels.numpy()):
                 verdicts = [judge(frame, colours[i]) for frame in clip]
                 colour, butterfly = all(v.colour for v in verdicts), all(v.butterfly for v in verdicts)
