@@ -697,3 +697,45 @@ def test_an_interrupted_prepare_leaves_no_val_that_passes_for_complete(tmp_path,
         pipeline.prepare(MockSource(8, (4, 1, 4, 4), (4, 2, 4, 4), 0.5, 3, 8, 0), tmp_path / "o", progress=False,
                          val_samples=2)
     assert not (tmp_path / "o").exists()
+
+
+def test_a_wan_ready_dataset_with_the_wan_vae_and_umt5(cli_in_process, tmp_path):
+    """`synthetic --codec vae --vae-class AutoencoderKLWan --text-encoder umt5:DIR` on tiny random models saved as their
+    hub repositories are: ditcore.json records both, a sample's text states are UMT5's for its caption (stored in
+    float16), and a 5-frame clip is 3 latent frames (Wan's causal 1 + 4/2)."""
+    diffusers = pytest.importorskip("diffusers")
+    transformers = pytest.importorskip("transformers")
+    from ditcore.codecs.text import load_text_encoder
+    from ditcore.data.schema import shard_samples
+    from ditcore.testing import fp32_tolerance
+
+    torch.manual_seed(0)
+    diffusers.AutoencoderKLWan(base_dim=8, z_dim=4, dim_mult=[1, 2], num_res_blocks=1, temperal_downsample=[True],
+                               latents_mean=[0.0] * 4, latents_std=[1.0] * 4).save_pretrained(tmp_path / "wan-vae")
+    vocab = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("▁", -2.0)]  # a real (Unigram) T5 tokenizer, as UMT5's
+    vocab += [(c, -3.0) for c in "abcdefghijklmnopqrstuvwxyz"] + [("▁" + w, -1.0) for w in ("a", "butterfly", "with")]
+    transformers.T5Tokenizer(vocab=vocab, extra_ids=0).save_pretrained(tmp_path / "umt5")
+    config = transformers.UMT5Config(vocab_size=len(vocab), d_model=32, d_ff=64, d_kv=8, num_heads=4, num_layers=2)
+    transformers.UMT5EncoderModel(config).save_pretrained(tmp_path / "umt5")
+    out = tmp_path / "wan"
+    proc = cli_in_process("prepare", "synthetic", "--out", out, "--num", 4, "--size", 16, "--frames", 5,
+                          "--fit-samples", 4, "--codec", "vae", "--vae", tmp_path / "wan-vae", "--vae-class",
+                          "AutoencoderKLWan", "--text-encoder", f"umt5:{tmp_path / 'umt5'}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    info = read_info(out)
+    assert info.codec == {"kind": "diffusers", "class": "AutoencoderKLWan", "source": str(tmp_path / "wan-vae"),
+                          "subfolder": None, "dtype": "float32"}
+    assert info.text_encoder == {"name": f"umt5:{tmp_path / 'umt5'}", "dim": config.d_model}
+    assert (info.latent_channels, info.spatial_factor, info.temporal_factor) == (4, 2, 2)
+    encoder = load_text_encoder(info.text_encoder["name"])
+    samples = [read_sample(s) for shard in sorted(out.glob("*.tar")) for s in shard_samples(shard)]
+    assert len(samples) == 4 and {s[0].shape[1] for s in samples} == {1, 3}  # images and 5-frame clips: 1 + 4/2
+    for _, text, meta in samples:
+        expected = encoder.encode([meta["caption"]])[0]
+        assert text.dtype == torch.float16 and text.shape == expected.shape
+        # float32 rounding (the caption was encoded in a batch, padded: work as tests/ditcore/codecs'
+        # encoder_work counts it) and the float16 of storage, which rounds to within half its ε
+        D, tokens = config.d_model, max(len(s[1]) for s in samples)
+        work = D + config.num_layers * (4 * D + 2 * tokens + config.d_kv * (1 + config.num_heads) + config.d_ff)
+        atol = 2 * fp32_tolerance(work, expected.abs().max().item())
+        torch.testing.assert_close(text.float(), expected, rtol=torch.finfo(torch.float16).eps / 2, atol=atol)

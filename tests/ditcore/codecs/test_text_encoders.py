@@ -1,9 +1,13 @@
+import re
+import types
+
 import huggingface_hub.constants
 import pytest
 import torch
 
+from ditcore.choices import TEXT_ENCODER_FAMILIES
 from ditcore.codecs import HubLoadError
-from ditcore.codecs.text import NullTextEncoder, load_text_encoder
+from ditcore.codecs.text import FAMILIES, NullTextEncoder, load_text_encoder, locate_parts, wan_prompt_clean
 from ditcore.testing import assert_close_fp32
 
 transformers = pytest.importorskip("transformers")
@@ -116,10 +120,13 @@ def test_t5_hub_id_offline_is_one_clear_error(monkeypatch):
 
 
 def test_bad_names_and_arguments():
-    with pytest.raises(ValueError, match=r"text encoder 'clip' is unknown: expected 'minilm', 'null' or 't5:<hub id"):
+    with pytest.raises(ValueError, match=r"text encoder 'clip' is unknown: expected 'minilm', 'null', 't5:<hub id or "
+                                         r"local folder>' or 'umt5:<hub id or local folder>' \(e.g. 't5:google-t5"):
         load_text_encoder("clip")
-    with pytest.raises(ValueError, match="text encoder 't5:' is unknown"):
-        load_text_encoder("t5:")
+    for name in ("t5:", "umt5:", "umt5", "mt5:google/mt5-xxl"):
+        with pytest.raises(ValueError, match=f"text encoder '{name}' is unknown"):
+            load_text_encoder(name)
+    assert tuple(FAMILIES) == TEXT_ENCODER_FAMILIES  # each family ditcore.choices names (dit-prepare's) is built
     with pytest.raises(TypeError, match="wrap it in a list"):
         load_text_encoder("t5:x").encode("a caption")
 
@@ -144,3 +151,122 @@ def test_minilm_loads_no_t5_code(tmp_path):
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip() == "[]"
+
+
+@pytest.fixture(scope="module")
+def tiny_umt5(tmp_path_factory):
+    """A randomly initialised 2-layer UMT5 encoder with a real (Unigram) T5 tokenizer, saved as google/umt5-xxl is; and
+    the same files laid out as a diffusers Wan pipeline (tokenizer/ and text_encoder/ beside model_index.json)."""
+    root = tmp_path_factory.mktemp("umt5")
+    words = ["a", "red", "blue", "butterfly", "with", "spots", "over", "grass"]
+    vocab = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("▁", -2.0)]
+    vocab += [(c, -3.0) for c in "abcdefghijklmnopqrstuvwxyz&;"] + [("▁" + w, -1.0) for w in words]
+    tokenizer = transformers.T5Tokenizer(vocab=vocab, extra_ids=0)
+    torch.manual_seed(0)
+    config = transformers.UMT5Config(vocab_size=len(vocab), d_model=32, d_ff=64, d_kv=8, num_heads=4, num_layers=2)
+    model = transformers.UMT5EncoderModel(config)
+    for folder, model_at, tokenizer_at in (("model", "", ""), ("pipeline", "text_encoder", "tokenizer")):
+        model.save_pretrained(root / folder / model_at)
+        tokenizer.save_pretrained(root / folder / tokenizer_at)
+    (root / "pipeline" / "model_index.json").write_text('{"_class_name": "WanPipeline"}')
+    return root
+
+
+def test_umt5_from_a_local_folder(tiny_umt5):
+    folder = tiny_umt5 / "model"
+    encoder = load_text_encoder(f"umt5:{folder}")
+    assert encoder.name == f"umt5:{folder}" and encoder.dim == 32 and encoder.max_tokens == 512
+    captions = ["a red butterfly", "a blue butterfly with spots over grass"]
+    states = encoder.encode(captions)
+    # parity with running the saved model directly on each caption alone (cleaning leaves these captions as they are)
+    model = transformers.UMT5EncoderModel.from_pretrained(folder).eval()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
+    for caption, h in zip(captions, states, strict=True):
+        ids = tokenizer(caption, return_tensors="pt")["input_ids"]
+        assert ids[0, -1] == tokenizer.eos_token_id and h.shape == (ids.shape[1], 32)
+        with torch.no_grad():
+            expected = model(input_ids=ids).last_hidden_state[0]
+        assert_close_fp32(h, expected, work=encoder_work(model.config, max(len(s) for s in states)))
+
+
+def test_umt5_states_are_wan_pipeline_prompt_embeddings_without_the_padding(tiny_umt5):
+    """WanPipeline's own prompt encoding (cleaning, 512 tokens, attention mask, zeros after the real tokens), run on
+    the same model and tokenizer: ditcore's states are its rows up to each prompt's length, and zeros follow."""
+    from diffusers.pipelines.wan.pipeline_wan import WanPipeline
+
+    folder = tiny_umt5 / "model"
+    captions = ["a red butterfly", "  a blue &amp;amp; butterfly\twith\n spots ", "a  red butterfly " * 60]
+    states = load_text_encoder(f"umt5:{folder}").encode(captions)
+    wan = types.SimpleNamespace(text_encoder=transformers.UMT5EncoderModel.from_pretrained(folder).eval(),
+                                tokenizer=transformers.AutoTokenizer.from_pretrained(folder))
+    with torch.no_grad():
+        expected = WanPipeline._get_t5_prompt_embeds(wan, captions, max_sequence_length=512, device=torch.device("cpu"),
+                                                     dtype=torch.float32)
+    assert expected.shape == (3, 512, 32)
+    lengths = [len(s) for s in states]
+    assert lengths[0] < lengths[1] < 128 < lengths[2] < 512  # the third is longer than the general MAX_TOKENS
+    for h, row in zip(states, expected, strict=True):
+        assert_close_fp32(h, row[:len(h)], work=encoder_work(wan.text_encoder.config, 512))
+        assert row[len(h):].count_nonzero() == 0
+    # the cleaning matters: T5's encoder of the same files (no cleaning) reads other tokens for the second caption
+    assert len(load_text_encoder(f"t5:{folder}").encode(captions[1:2])[0]) != lengths[1]
+
+
+@pytest.mark.parametrize("layout", ["pipeline", "pipeline/text_encoder"])
+def test_umt5_from_a_wan_pipeline_folder(tiny_umt5, layout):
+    """A diffusers Wan pipeline's folder, or its text_encoder/ whose tokenizer is the pipeline's tokenizer/: the model's
+    own states."""
+    captions = ["a red butterfly", "a blue butterfly with spots"]
+    expected = load_text_encoder(f"umt5:{tiny_umt5 / 'model'}").encode(captions)
+    encoder = load_text_encoder(f"umt5:{tiny_umt5 / layout}")
+    assert encoder.name == f"umt5:{tiny_umt5 / layout}" and encoder.dim == 32
+    assert all(torch.equal(x, y) for x, y in zip(encoder.encode(captions), expected, strict=True))
+
+
+def test_umt5_folder_is_recorded_absolute_and_truncates_at_max_tokens(tiny_umt5, monkeypatch):
+    monkeypatch.chdir(tiny_umt5)
+    encoder = load_text_encoder("umt5:model", max_tokens=16)
+    assert encoder.name == f"umt5:{tiny_umt5 / 'model'}"
+    assert encoder.encode(["butterfly " * 50])[0].shape == (16, 32)
+
+
+def test_wan_prompt_clean_is_diffusers_prompt_clean():
+    """Every character either Python's re or the `regex` module (which WanPipeline uses) calls whitespace, HTML
+    entities (escaped twice), and ends: cleaned as diffusers' Wan prompt_clean cleans them (ftfy or not, the same
+    module decides)."""
+    import sys
+
+    regex = pytest.importorskip("regex")
+    from diffusers.pipelines.wan.pipeline_wan import prompt_clean
+
+    every = "".join(chr(c) for c in range(sys.maxunicode + 1) if not 0xD800 <= c <= 0xDFFF)
+    spaces = "".join(sorted(set(re.findall(r"\s", every)) | set(regex.findall(r"\s", every))))
+    assert len(spaces) > 25  # the separators U+001C..U+001F are whitespace to re only
+    texts = [f"a{c}{c}red{c}" for c in spaces] + [
+        spaces + "a red butterfly" + spaces, "a &amp;lt;b&amp;gt; &quot;tag&quot;", "a&nbsp;red", "\x1c a \x1f",
+        "café “quoted” ﬁne", ""]
+    assert [wan_prompt_clean(t) for t in texts] == [prompt_clean(t) for t in texts]
+
+
+def test_umt5_hub_layout_and_offline_error(monkeypatch, tiny_umt5):
+    """A hub id is a pipeline when the hub (or its cache) has its model_index.json; offline, one clear line."""
+    import huggingface_hub
+
+    pipelines = {"Wan-AI/Wan2.1-T2V-1.3B-Diffusers"}
+
+    def download(repo, filename):
+        if repo in pipelines and filename == "model_index.json":
+            return str(tiny_umt5 / "pipeline" / filename)
+        raise huggingface_hub.errors.EntryNotFoundError(f"{repo} has no {filename}")
+
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", download)
+    assert locate_parts("Wan-AI/Wan2.1-T2V-1.3B-Diffusers") == (
+        ("Wan-AI/Wan2.1-T2V-1.3B-Diffusers", "tokenizer"), ("Wan-AI/Wan2.1-T2V-1.3B-Diffusers", "text_encoder"))
+    assert locate_parts("google/umt5-xxl") == (("google/umt5-xxl", ""), ("google/umt5-xxl", ""))
+    monkeypatch.undo()
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    encoder = load_text_encoder("umt5:google/umt5-xxl")  # lazy: nothing is loaded yet
+    with pytest.raises(HubLoadError, match=r"^could not load umt5 tokenizer 'google/umt5-xxl' from the Hugging Face "
+                       r"hub \(offline\?\) — pass a local folder") as info:
+        encoder.encode(["a red butterfly"])
+    assert "\n" not in str(info.value)

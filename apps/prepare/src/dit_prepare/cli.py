@@ -13,7 +13,7 @@ from pathlib import Path
 
 import typer
 
-from ditcore.choices import CODEC_NAMES, VAE_CLASSES
+from ditcore.choices import CODEC_NAMES, TEXT_ENCODER_FAMILIES, TEXT_ENCODERS, VAE_CLASSES
 from ditcore.cli import entry_point, fail, stop_on_signal, version_option
 
 app = typer.Typer(
@@ -57,10 +57,12 @@ VaeClass = enum.StrEnum("VaeClass", [(name, name) for name in VAE_CLASSES])
 
 def _text_encoder_name(name: str) -> str:
     """A name that ditcore.codecs.text.load_text_encoder takes, checked before any work starts."""
-    if name in ("minilm", "null") or (name.startswith("t5:") and len(name) > 3):
+    family, _, source = name.partition(":")
+    if name in TEXT_ENCODERS or (family in TEXT_ENCODER_FAMILIES and source):
         return name
-    raise typer.BadParameter(f"text encoder {name!r} is unknown: expected minilm, null or t5:<hub id or folder>, "
-                             "e.g. t5:google-t5/t5-11b")
+    choices = [*TEXT_ENCODERS, *(f"{f}:<hub id or folder>" for f in TEXT_ENCODER_FAMILIES)]
+    raise typer.BadParameter(f"text encoder {name!r} is unknown: expected {', '.join(choices[:-1])} or "
+                             f"{choices[-1]}, e.g. t5:google-t5/t5-11b or umt5:Wan-AI/Wan2.1-T2V-1.3B-Diffusers")
 
 
 # Options every source shares. Typer reads these defaults as the option definitions.
@@ -76,8 +78,11 @@ PIXEL_FACTOR = typer.Option(2, min=1, help="Spatial factor of the pixel codec.")
 VAE = typer.Option(None, help="With --codec vae: a diffusers VAE hub id or local folder.")
 VAE_CLASS = typer.Option(VaeClass.AutoencoderKL, help="With --codec vae: the diffusers class (AutoencoderKLWan is "
                                                       "a video VAE).")
-TEXT = typer.Option("minilm", "--text-encoder", metavar="<minilm|null|t5:ID>", callback=_text_encoder_name,
-                    help="minilm (offline default), null (no text), or t5:<hub id or folder>.")
+TEXT = typer.Option("minilm", "--text-encoder", metavar="<minilm|null|t5:ID|umt5:ID>", callback=_text_encoder_name,
+                    help="minilm (offline default), null (no text), t5:<hub id or folder>, or umt5:<hub id or "
+                         "folder>: Wan 2.1's encoder (a model's folder, a diffusers Wan pipeline's or its "
+                         "text_encoder/, e.g. umt5:Wan-AI/Wan2.1-T2V-1.3B-Diffusers), captions cleaned as Wan "
+                         "cleans prompts and up to 512 tokens long.")
 FIT = typer.Option(256, min=1, help="Samples to fit the codec and measure latent statistics on.")
 WORKERS = typer.Option(0, min=0, help="Processes that load/render samples (0: in this process).")
 SHARD = typer.Option(1000, min=1, help="Samples per shard.")

@@ -20,6 +20,10 @@ BETA_SCHEDULES = ("linear", "scaled_linear", "squaredcos_cap_v2")
 # its own kind in a dataset's ditcore.json), and the diffusers VAE classes that ditcore.codecs.vae loads.
 CODEC_NAMES = ("pca", "pixel", "vae")
 VAE_CLASSES = ("AutoencoderKL", "AutoencoderTiny", "AutoencoderKLWan")
+# dit-prepare's text encoders (ditcore.codecs.text.load_text_encoder, whose name a dataset records): the ones named
+# alone, and the families named "<family>:<hub id or folder>" (T5, as in the reference recipe; UMT5, Wan 2.1's).
+TEXT_ENCODERS = ("minilm", "null")
+TEXT_ENCODER_FAMILIES = ("t5", "umt5")
 
 # The job's layout: the choices of ditcore.job.Layout's fields that are not numbers, which Layout checks and
 # dit-train's config offers (with `auto` where dit-train decides): activation checkpointing
