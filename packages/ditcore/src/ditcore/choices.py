@@ -3,6 +3,9 @@ read by the code that implements the choices and by the CLIs, whose --help lists
 A new solver, feature network, objective or codec is named here and implemented where its list is checked."""
 
 SOLVERS = ("heun", "euler")  # ditcore.diffusion.sampler.edm_sampler: Algorithm 2's second-order step, or its Euler part
+# ditcore.diffusion.flow: flow_sampler's Euler and Heun steps on the flow ODE, or diffusers' UniPCMultistepScheduler
+# with flow sigmas (Wan's sampler) through scheduler_sampler
+FLOW_SOLVERS = ("euler", "heun", "unipc")
 FEATURES = ("inception", "dinov2")  # ditcore.eval.features.feature_net: the network FID's statistics are taken with
 
 # The objective: preconditioning (ditcore.diffusion: EDMPrecond, or vp.VPPrecond around a DDPM ε-network), the loss
@@ -10,6 +13,10 @@ FEATURES = ("inception", "dinov2")  # ditcore.eval.features.feature_net: the net
 PRECONDS = ("edm", "vp")
 LOSSES = ("edm", "ddpm")
 PREDICTIONS = ("edm", "x")
+# The training objective: EDM's denoiser (above), or flow matching (ditcore.diffusion.flow: rectified flow, the network
+# predicts the velocity) with its distributions of t before the time shift (logit-normal as SD3, or uniform)
+OBJECTIVES = ("edm", "flow")
+T_DISTRIBUTIONS = ("logit_normal", "uniform")
 BETA_SCHEDULES = ("linear", "scaled_linear", "squaredcos_cap_v2")
 
 # dit-prepare's latent codecs (PatchPCACodec, PixelCodec, DiffusersVAECodec of ditcore.codecs, each of which records
