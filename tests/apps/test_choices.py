@@ -18,7 +18,7 @@ from ditcore.choices import (
     PREDICTIONS,
     SAMPLE_SOLVERS,
     SOLVERS,
-    T_DISTS,
+    T_DISTRIBUTIONS,
     VAE_CLASSES,
 )
 from ditcore.diffusion import edm, sampler, vp
@@ -43,7 +43,7 @@ def test_dit_train_offers_the_library_s_objectives():
     assert edm.PREDICTIONS is PREDICTIONS and export.PRECONDS is PRECONDS  # what an export is checked against
     assert get_args(TrainConfig.model_fields["objective"].annotation) == ("auto", *OBJECTIVES)
     assert export.OBJECTIVES is OBJECTIVES
-    assert get_args(Flow.model_fields["t_dist"].annotation) == T_DISTS
+    assert get_args(Flow.model_fields["t_dist"].annotation) == T_DISTRIBUTIONS
 
 
 def test_dit_prepare_offers_the_library_s_codecs():

@@ -4,9 +4,10 @@ import pytest
 import torch
 
 from ditcore.data.packing import PackedRow, TokenSample, collate
-from ditcore.diffusion import EDMLoss
+from ditcore.diffusion import EDMLoss, FlowLoss, TimeShift
 from ditcore.layout import grid_positions
 from ditcore.models import preset
+from ditcore.testing import EPS32, HostReads
 from ditcore.training import WithLoss, aux_loss, draw, drop_conditions, step_generator
 
 CFG = preset("DiT-Tiny", num_classes=9)  # null class 9
@@ -51,6 +52,30 @@ def test_draws_are_made_on_the_batch_s_device_and_repeat(device):
     a1, a2 = (draw(b, step_generator(0, 5, 1, 0, device), loss, 0.5, CFG) for _ in range(2))
     for f in ("text_seg", "class_labels", "sigma", "noise"):
         assert drawn(a1, f).device.type == device and torch.equal(drawn(a1, f), drawn(a2, f)), f
+
+
+def test_a_dynamic_shift_gives_each_packed_sample_the_shift_of_its_own_length():
+    """draw() hands FlowLoss each sample's token count, counted on the device without a host read: two samples packed
+    in one row (4 and 8 tokens) are shifted by their own mu, logit t' = logit t + mu(length)."""
+    def smp(grid):
+        n = grid[0] * grid[1] * grid[2]
+        return TokenSample("k", torch.randn(n, 6), grid_positions(grid), grid, torch.zeros(0, 8), {"fps": 8.0}, "")
+
+    b = collate([PackedRow([smp((1, 2, 2)), smp((1, 2, 4))]), PackedRow([smp((1, 4, 4))])], seq_length=16)
+    shift = TimeShift(dynamic=True, base_seq_len=4, max_seq_len=16, base_shift=0.0, max_shift=3.0)  # mu = (n − 4)/4
+    with HostReads("cpu"):
+        d = draw(b, step_generator(0, 5, 1, 0), FlowLoss(shift=shift), 0.5, CFG)
+    g = step_generator(0, 5, 1, 0)  # replayed: CFG dropout's draw, then t's logit-normal one
+    torch.rand((2, 2), generator=g)
+    raw = torch.sigmoid(torch.randn((2, 2), generator=g))
+    logit = lambda t: (t.double() / (1 - t.double())).log()
+    mu = torch.tensor([[0.0, 1.0], [3.0, -1.0]], dtype=torch.float64)  # 4 and 8 tokens; 16; the empty slot: 0
+    # float32 t and t' (sigmoid; exp and three roundings) read through a logit, which turns a rounding of t into
+    # Δt/(t(1 − t)): a few ε over the smallest t(1 − t) of either
+    bound = 8 * EPS32 / min((raw * (1 - raw)).min().item(), (d.sigma * (1 - d.sigma)).min().item())
+    torch.testing.assert_close(logit(d.sigma) - logit(raw), mu, rtol=0, atol=bound)
+    plain = draw(b, step_generator(0, 5, 1, 0), FlowLoss(), 0.5, CFG)  # no shift: the same draw unshifted
+    assert torch.equal(plain.sigma, raw) and torch.equal(plain.noise, d.noise)
 
 
 def test_a_batch_mapped_to_the_model_s_latent_stats_is_the_scaled_raw_latents():

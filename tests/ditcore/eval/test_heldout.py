@@ -3,10 +3,11 @@ any split of the held-out set to the loss of the whole."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from ditcore.data.packing import TokenSample
-from ditcore.diffusion import EDMLoss, EDMPrecond
+from ditcore.diffusion import EDMLoss, EDMPrecond, FlowLoss, FlowPrecond, TimeShift
 from ditcore.eval.heldout import (
     bucket_weights,
     heldout_batches,
@@ -15,6 +16,8 @@ from ditcore.eval.heldout import (
     heldout_totals,
     sigma_buckets,
     split_noise,
+    t_bucket_weights,
+    t_buckets,
 )
 from ditcore.inputs import Inputs
 from ditcore.layout import grid_positions
@@ -58,6 +61,61 @@ def test_each_level_is_edms_loss_at_that_sigma_and_splits_reduce_to_the_whole():
                              inputs=inputs.replace(class_labels=inputs.class_labels[i:i + 3])) for i in (0, 3)]
     split = (halves[0][0] + halves[1][0]) / (halves[0][1] + halves[1][1])
     assert_close_fp32(split.float(), (sums / counts).float(), work=work)
+
+
+FLOW_LOSSES = {  # SD3's logit-normal t, shifted as Wan (3) shifts it; uniform t; a dynamic shift at 1024 tokens
+    "logit_normal, shift 3": (FlowLoss(t_mean=0.2, t_std=0.9, shift=TimeShift(3.0)), None),
+    "uniform": (FlowLoss(t_dist="uniform"), None),
+    "uniform, shift 0.5": (FlowLoss(t_dist="uniform", shift=TimeShift(0.5)), None),
+    "logit_normal, dynamic": (FlowLoss(shift=TimeShift(dynamic=True)), 1024),
+}
+
+
+@pytest.mark.parametrize("name", FLOW_LOSSES)
+def test_t_buckets_are_evenly_spaced_and_weighted_by_the_shifted_training_distribution(name):
+    loss, seq_len = FLOW_LOSSES[name]
+    b = t_buckets(8)
+    assert b[0].item() == 0.05 and b[-1].item() == 0.95
+    torch.testing.assert_close(b[1:] - b[:-1], torch.full((7,), 0.9 / 7, dtype=torch.float64), rtol=0, atol=1e-15)
+    w = t_bucket_weights(b, loss, seq_len)
+    assert abs(w.sum().item() - 1) < 1e-12 and (w > 0).all()
+    # Monte Carlo: the share of the loss's own training draws (shifted) nearest each level (in t)
+    n = 400_000
+    lengths = None if seq_len is None else torch.full((n,), float(seq_len))
+    draws = loss.sample_sigma((n,), generator=torch.Generator().manual_seed(0), lengths=lengths).double()
+    share = torch.bincount((draws[:, None] - b).abs().argmin(1), minlength=8).double() / n
+    assert (share - w).abs().max() < 4 * (0.25 / n) ** 0.5  # 4 standard errors of a share
+
+
+def test_t_bucket_refusals_and_a_single_level():
+    assert t_buckets(1).tolist() == [0.5] and t_bucket_weights(t_buckets(1), FlowLoss()).tolist() == [1.0]
+    with pytest.raises(ValueError, match="0 < t_min < t_max < 1"):
+        t_buckets(4, 0.0, 0.9)
+
+
+def test_each_level_is_the_flow_loss_at_that_t():
+    """heldout_losses is generic over the loss: with FlowLoss each level is ‖v̂(x_t; t_k) − (n − x)‖², FlowLoss's own
+    value at that t and noise."""
+    cfg = preset("DiT-Tiny", num_classes=3, in_channels=4, max_grid=(1, 4, 4))
+    model = DiT(cfg).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(1)) * 0.1)
+    g = torch.Generator().manual_seed(3)
+    B, N = 4, 16
+    x, noise = torch.randn(B, N, cfg.patch_dim, generator=g) * 0.5, torch.randn(B, N, cfg.patch_dim, generator=g)
+    inputs = Inputs(grid_positions((1, 4, 4)), class_labels=torch.randint(0, 3, (B, 1), generator=g))
+    den, loss, buckets = FlowPrecond(model), FlowLoss(shift=TimeShift(3.0)), t_buckets(4)
+    sums, counts = heldout_losses(den, x, noise, buckets, loss=loss, inputs=inputs)
+    assert counts.tolist() == [B * N * cfg.patch_dim] * 4
+    work = dit_forward_work(cfg, N)
+    with torch.no_grad():
+        for k, t in enumerate(buckets.tolist()):
+            expected = loss(den, x, inputs, sigma=torch.full((B, 1), t), noise=noise)
+            assert_close_fp32((sums[k] / counts[k]).float(), expected, work=work)
+            # and written out: the velocity's squared error, no weight
+            v = den(FlowLoss.noisy(x, torch.full((B, 1), t), noise), torch.full((B, 1), t), inputs)
+            assert_close_fp32((sums[k] / counts[k]).float(), ((v - (noise - x)) ** 2).mean(), work=work)
 
 
 def _heldout_set(n: int, patch_dim: int) -> list[TokenSample]:

@@ -27,7 +27,7 @@ from ditcore.choices import (
     PRECONDS,
     PREDICTIONS,
     SAMPLE_SOLVERS,
-    T_DISTS,
+    T_DISTRIBUTIONS,
 )
 from ditcore.errors import ConfigError
 
@@ -280,7 +280,7 @@ class Flow(Section):
     trained on its plain mean squared error (ditcore.diffusion.flow). edm.cfg_dropout and edm.ema_decay apply to it
     as to EDM."""
 
-    t_dist: Literal[T_DISTS] = Field("logit_normal", description="training t per sample: logit_normal (SD3: "
+    t_dist: Literal[T_DISTRIBUTIONS] = Field("logit_normal", description="training t per sample: logit_normal (SD3: "
                                                                   "t = sigmoid(N(t_mean, t_std²))) or uniform")
     t_mean: Number = Field(0.0, description="logit_normal's mean")
     t_std: Number = Field(1.0, gt=0, description="logit_normal's std")

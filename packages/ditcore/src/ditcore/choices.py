@@ -3,17 +3,22 @@ read by the code that implements the choices and by the CLIs, whose --help lists
 A new solver, feature network, objective or codec is named here and implemented where its list is checked."""
 
 SOLVERS = ("heun", "euler")  # ditcore.diffusion.sampler.edm_sampler: Algorithm 2's second-order step, or its Euler part
-# what a sample is drawn with: SOLVERS, and for flow networks diffusers' UniPC multistep scheduler (ditcore.sampling)
-SAMPLE_SOLVERS = (*SOLVERS, "unipc")
+# ditcore.diffusion.flow: flow_sampler's Euler and Heun steps on the flow ODE, or diffusers' UniPCMultistepScheduler
+# with flow sigmas (Wan's sampler) through scheduler_sampler
+FLOW_SOLVERS = ("euler", "heun", "unipc")
+# what dit-sample and validation offer: either objective's (ditcore.sampling.sample refuses unipc for EDM)
+SAMPLE_SOLVERS = tuple(dict.fromkeys((*SOLVERS, *FLOW_SOLVERS)))
 FEATURES = ("inception", "dinov2")  # ditcore.eval.features.feature_net: the network FID's statistics are taken with
 
 # The objective: preconditioning (ditcore.diffusion: EDMPrecond, or vp.VPPrecond around a DDPM ε-network), the loss
 # (EDMLoss, or ddpm.DDPMLoss), what the network outputs (EDMPrecond's prediction) and DDPM's beta schedules.
-OBJECTIVES = ("edm", "flow")  # EDM (ditcore.diffusion.edm) or rectified flow (ditcore.diffusion.flow)
-T_DISTS = ("logit_normal", "uniform")  # how flow matching draws its training t (ditcore.diffusion.flow.FlowLoss)
 PRECONDS = ("edm", "vp")
 LOSSES = ("edm", "ddpm")
 PREDICTIONS = ("edm", "x")
+# The training objective: EDM's denoiser (above), or flow matching (ditcore.diffusion.flow: rectified flow, the network
+# predicts the velocity) with its distributions of t before the time shift (logit-normal as SD3, or uniform)
+OBJECTIVES = ("edm", "flow")
+T_DISTRIBUTIONS = ("logit_normal", "uniform")
 BETA_SCHEDULES = ("linear", "scaled_linear", "squaredcos_cap_v2")
 
 # dit-prepare's latent codecs (PatchPCACodec, PixelCodec, DiffusersVAECodec of ditcore.codecs, each of which records

@@ -2,7 +2,8 @@
 
 Classifier-free guidance runs as one batched forward over [conditional rows; unconditional rows]. The
 unconditional text is the negative prompt, or no text at all (the same "null text" the model was trained
-with under CFG dropout); for class-conditional models it is the null class.
+with under CFG dropout); for class-conditional models it is the null class. Guidance is linear in the network's
+output, so it guides a flow network's velocities as it guides EDM's denoised estimates.
 """
 
 from __future__ import annotations
@@ -14,11 +15,13 @@ from dataclasses import dataclass
 import torch
 from tqdm import tqdm
 
+from ditcore.choices import FLOW_SOLVERS, OBJECTIVES, SOLVERS
 from ditcore.codecs import Codec, LatentStats
 from ditcore.diffusion import EDMPrecond, ddim_sampler, edm_sampler, guided
+from ditcore.diffusion.flow import FlowPrecond, TimeShift, flow_sampler, scheduler_sampler, unipc_scheduler
 from ditcore.diffusion.vp import DiscreteVP
 from ditcore.inputs import Inputs
-from ditcore.layout import grid_positions, unpatchify
+from ditcore.layout import grid_positions, patchify, unpatchify
 from ditcore.models.dit import DiT, DiTConfig
 from ditcore.models.registry import inputs_of
 
@@ -91,6 +94,44 @@ def _inputs(model: DiT, B: int, pos: torch.Tensor, grid, use_cfg: bool, text_sta
     return inputs_of(cfg).for_sampling(cfg, B, pos, grid, text, text_seg, values, unconditional=B if use_cfg else 0)
 
 
+def _check_objective(objective: str, solver: str, schedule: str, vp: DiscreteVP | None, prediction: str) -> None:
+    """The combinations a flow network cannot take (EDM's are checked by _check_schedule and the samplers)."""
+    if objective not in OBJECTIVES:
+        raise ValueError(f"objective={objective!r} is unknown: expected one of {', '.join(OBJECTIVES)}")
+    if objective == "edm":
+        if solver not in SOLVERS:
+            raise ValueError(f"solver={solver!r} is invalid for an EDM network: expected one of {', '.join(SOLVERS)} "
+                             "(unipc samples flow networks)")
+        return
+    if solver not in FLOW_SOLVERS:
+        raise ValueError(f"solver={solver!r} is invalid for a flow network: expected one of {', '.join(FLOW_SOLVERS)}")
+    if schedule != "karras":
+        raise ValueError(f"schedule {schedule} steps through a DDPM network's timesteps: a flow network steps through "
+                         "its own levels of t (diffusion.flow.flow_timesteps, set by the shift): leave schedule out")
+    if vp is not None:
+        raise ValueError("a DDPM schedule (vp) was given for a flow network: flow matching has no DDPM timesteps, and "
+                         "its network is not VP-preconditioned — leave vp out")
+    if prediction not in ("edm", "velocity"):
+        raise ValueError(f"prediction={prediction!r} with objective flow: a flow network predicts the velocity "
+                         "ε − x₀ — leave prediction at its default")
+
+
+def _flow_tokens(velocity, cfg: DiTConfig, B: int, grid: tuple[int, int, int], *, steps: int, solver: str, seed: int,
+                 shift: TimeShift, callback, device) -> torch.Tensor:
+    """A flow network's samples (B, N, patch_dim) from noise drawn in the latents' layout (B, C, T, H, W) by a CPU
+    generator seeded with `seed`, then cut into tokens: the noise diffusers' WanPipeline draws for that seed, so the
+    two sample the same latents. A dynamic shift is taken at the sample's token count N."""
+    pt, p = cfg.patch_size_t, cfg.patch_size
+    shape = (B, cfg.in_channels, grid[0] * pt, grid[1] * p, grid[2] * p)
+    latents = torch.randn(shape, generator=torch.Generator(device="cpu").manual_seed(seed))
+    noise = patchify(latents, p, pt).to(device)
+    N = noise.shape[1]
+    if solver == "unipc":
+        return scheduler_sampler(velocity, noise, unipc_scheduler(shift), steps, callback=callback,
+                                 mu=shift.mu(N) if shift.dynamic else None)
+    return flow_sampler(velocity, noise, steps=steps, shift=shift, solver=solver, seq_len=N, callback=callback)
+
+
 def _check_schedule(schedule: str, vp: DiscreteVP | None, steps: int, solver: str) -> None:
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule={schedule!r} is unknown: expected one of {', '.join(SCHEDULES)}")
@@ -124,15 +165,22 @@ def sample(
     schedule: str = "karras",
     callback: Callable[[int, int], None] | None = None,
     conditions: dict | None = None,
+    objective: str = "edm",
+    shift: TimeShift | None = None,
 ) -> SampleResult:
-    """Sample B = len(text_states) (or len(class_labels), or num) items with the EDM sampler.
+    """Sample B = len(text_states) (or len(class_labels), or num) items with the EDM sampler, or a flow network's.
 
     prediction: what the network was trained to output (ditcore.diffusion.edm; an export records it).
     vp: a DDPM network's schedule (VP preconditioning, ditcore.diffusion.vp), None for EDM's.
     schedule: karras (EDM's noise levels, Eq. 5) or ddim (a DDPM network's: DDIM's timesteps, as vp says; with solver
     euler DDIM itself, ditcore.diffusion.sampler.ddim_sampler).
     conditions: values of the architecture's other per-sample conditions (ditcore.inputs), by field name: one for
-    every sample or a list of one each; one not given has its default."""
+    every sample or a list of one each; one not given has its default.
+    objective: edm, or flow (a velocity network, ditcore.diffusion.flow: FlowPrecond), sampled with solver euler or
+    heun (flow_sampler on flow_timesteps) or unipc (diffusers' UniPCMultistepScheduler with flow sigmas, Wan's
+    sampler); its start noise is drawn in the latents' layout, as WanPipeline draws it (`_flow_tokens`).
+    shift: a flow network's time shift (None: no shift); a dynamic one is taken at the sample's token count. schedule,
+    vp and prediction are EDM's."""
     cfg = model.cfg
     B = len(text_states) if text_states is not None else len(class_labels) if class_labels is not None else num
     if not B:
@@ -144,16 +192,28 @@ def sample(
 
     values = {"class_labels": class_labels, "fps": float(fps)} | (conditions or {})
     inputs = _inputs(model, B, pos, grid, use_cfg, text_states, negative_states, values)
+    _check_objective(objective, solver, schedule, vp, prediction)
+    nfe = 0
+
+    def counted(precond: torch.nn.Module):
+        """The network's output as the samplers call it (x, 0-dim σ or t), each call counted."""
+
+        def evaluate(x: torch.Tensor, level: torch.Tensor) -> torch.Tensor:
+            nonlocal nfe
+            nfe += 1
+            return precond(x, level.expand(x.shape[0], 1), inputs)
+
+        return evaluate
+
+    if objective == "flow":
+        velocity = counted(FlowPrecond(model).eval())
+        tokens = _flow_tokens(guided(velocity, guidance) if use_cfg else velocity, cfg, B, grid, steps=steps,
+                              solver=solver, seed=seed, shift=shift or TimeShift(), callback=callback, device=device)
+        return _decoded(tokens, grid, cfg, codec, stats, nfe)
     _check_schedule(schedule, vp, steps, solver)
     precond = EDMPrecond(model, prediction=prediction, vp=vp).eval()
     sigma_min, sigma_max = precond.sigma_range(SIGMA_MIN, SIGMA_MAX)
-    nfe = 0
-
-    def denoise(x: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
-        nonlocal nfe
-        nfe += 1
-        return precond(x, sigma.expand(x.shape[0], 1), inputs)
-
+    denoise = counted(precond)
     g = torch.Generator(device="cpu").manual_seed(seed)
     noise = torch.randn(B, pos.shape[0], cfg.patch_dim, generator=g).to(device)
     D = guided(denoise, guidance) if use_cfg else denoise
@@ -164,6 +224,10 @@ def sample(
                              sigmas=vp.ddim_sigmas(steps) if schedule == "ddim" else None,
                              round_sigma=None if vp is None else precond.round_sigma, prior_std=precond.prior_std,
                              callback=callback)
+    return _decoded(tokens, grid, cfg, codec, stats, nfe)
+
+
+def _decoded(tokens: torch.Tensor, grid, cfg: DiTConfig, codec: Codec, stats: LatentStats, nfe: int) -> SampleResult:
     latents = unpatchify(tokens, grid, cfg.patch_size, cfg.patch_size_t)  # (B, C, T', H', W')
     pixels = codec.decode(stats.denormalize(latents.float().cpu()))  # (B, 3, F, H, W) in [-1, 1]
     return SampleResult(pixels=to_uint8(pixels).permute(0, 2, 3, 4, 1), latents=latents, nfe=nfe)

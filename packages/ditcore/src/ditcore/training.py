@@ -16,11 +16,12 @@ from ditcore.codecs import LatentStats
 from ditcore.data.packing import PackedBatch
 from ditcore.diffusion import EDMLoss, EDMPrecond
 from ditcore.diffusion.ddpm import DDPMLoss
+from ditcore.diffusion.flow import FlowLoss, token_counts
 from ditcore.inputs import Inputs
 from ditcore.layout import SIGMA_DATA
 from ditcore.models.moe import Routing
 
-Loss = EDMLoss | DDPMLoss
+Loss = EDMLoss | DDPMLoss | FlowLoss
 
 
 def step_generator(seed: int, step: int, micro: int, dp_rank: int, device="cpu") -> torch.Generator:
@@ -47,9 +48,12 @@ class StepDraw:
 
 def draw(batch: PackedBatch, g: torch.Generator, loss: Loss, cfg_dropout: float, cfg) -> StepDraw:
     """One micro-batch's random choices, in a fixed order from one generator on the batch's device. cfg: the
-    model's config (the null values of CFG dropout)."""
+    model's config (the null values of CFG dropout). A loss whose noise levels depend on each sample's token count
+    (FlowLoss with a dynamic time shift: `needs_lengths`) is given them, counted on the device from seg."""
     inputs = drop_conditions(batch, cfg_dropout, cfg, g)
-    sigma = loss.sample_sigma(batch.per_sample_shape, device=g.device, generator=g)
+    shape = batch.per_sample_shape
+    lengths = {"lengths": token_counts(batch.seg, shape[1])} if getattr(loss, "needs_lengths", False) else {}
+    sigma = loss.sample_sigma(shape, device=g.device, generator=g, **lengths)
     noise = torch.randn(batch.x.shape, generator=g, device=g.device)
     return StepDraw(inputs, sigma, noise)
 

@@ -165,6 +165,12 @@ class EDMLoss:
         """x + σ n, each token with its sample's σ."""
         return x + noise * per_token(sigma.reshape(x.shape[0], -1), seg)[..., None]
 
+    @staticmethod
+    def target(x: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+        """What the denoiser is trained to output: the clean x (flow.FlowLoss's is the velocity; held-out code reads
+        either through this)."""
+        return x
+
     def __call__(self, denoiser, x, inputs: Inputs | None = None, *, mask=None, sigma=None, noise=None,
                  generator=None, **model_kw):
         """The loss of denoiser on clean tokens x (B, N, F) with `inputs` (their seg says each token's sample); sigma

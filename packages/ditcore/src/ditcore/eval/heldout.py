@@ -1,11 +1,13 @@
 """The loss on held-out data at fixed noise levels: a curve that can be compared between windows, runs and resumes.
 
 The training loss mixes σ drawn at random, so two windows of it differ by the draw as much as by the model. Here
-every held-out sample is noised with the same noise at each of K fixed levels (log-spaced from σ_min to σ_max), and
-the EDM loss is kept per level. Each level's result is a (sum, count) pair in float64: summed over data-parallel
+every held-out sample is noised with the same noise at each of K fixed levels (EDM: σ log-spaced from σ_min to σ_max,
+`sigma_buckets`; flow matching: t evenly spaced inside (0, 1), `t_buckets`, as SD3 reports its validation loss), and
+the training loss is kept per level. Each level's result is a (sum, count) pair in float64: summed over data-parallel
 ranks and then divided, it is the mean over the whole held-out set whatever the batching or the number of ranks.
-The weighted total weighs the levels by how much of the training distribution of σ (log-normal) falls nearest each,
-so it estimates the training objective without its sampling noise.
+The weighted total weighs the levels by how much of the training distribution of the level (EDM's log-normal σ,
+`bucket_weights`; flow's shifted t, `t_bucket_weights`) falls nearest each, so it estimates the training objective
+without its sampling noise.
 
 Each held-out sample's noise is drawn from its own generator, seeded by (seed, its index in the held-out set), and
 packed with it (`heldout_batches`): which rank, row or batch holds a sample never changes its noise, so any split of
@@ -23,7 +25,10 @@ import torch.distributed as dist
 
 from ditcore.data.packing import PackedBatch, PackedRow, TokenSample, collate, first_fit_decreasing
 from ditcore.diffusion.edm import EDMLoss
+from ditcore.diffusion.flow import FlowLoss
 from ditcore.inputs import Inputs
+
+Loss = EDMLoss | FlowLoss
 
 
 def sigma_buckets(n: int = 8, sigma_min: float = 0.002, sigma_max: float = 80.0) -> torch.Tensor:
@@ -44,14 +49,45 @@ def bucket_weights(buckets: torch.Tensor, P_mean: float = -1.2, P_std: float = 1
     return cdf[1:] - cdf[:-1]
 
 
-def heldout_losses(denoiser, x: torch.Tensor, noise: torch.Tensor, buckets: torch.Tensor, *, loss: EDMLoss,
+def t_buckets(n: int = 8, t_min: float = 0.05, t_max: float = 0.95) -> torch.Tensor:
+    """n levels of flow matching's t, evenly spaced from t_min to t_max (float64), as SD3 reports its validation loss
+    (§5.3.3: levels equidistant in t ∈ (0, 1)). The ends stay away from 0 and 1, where the loss measures the data
+    rather than the model: at t → 0 the input is the clean x₀ and the target ε − x₀ keeps all of ε's variance (no
+    network can predict the noise), at t → 1 the input is the noise and the target keeps all of x₀'s; and the
+    logit-normal training distribution has no mass there (its density vanishes at both ends, SD3 Eq. 19)."""
+    if n < 1 or not 0 < t_min < t_max < 1:
+        raise ValueError(f"t buckets n={n}, t_min={t_min}, t_max={t_max}: expected n >= 1 and 0 < t_min < t_max < 1")
+    if n == 1:
+        return torch.tensor([(t_min + t_max) / 2], dtype=torch.float64)
+    return torch.linspace(t_min, t_max, n, dtype=torch.float64)
+
+
+def t_bucket_weights(buckets: torch.Tensor, loss: FlowLoss, seq_len: int | None = None) -> torch.Tensor:
+    """The probability that the training t of `loss` (drawn, then shifted) falls nearest each level (in t); they sum
+    to 1. The shift adds log s to logit(t) (ditcore.diffusion.flow), so logit(t') is N(t_mean + log s, t_std²) for
+    logit-normal t and logistic, shifted by log s, for uniform t. A dynamic shift is taken at seq_len tokens (default
+    its base_seq_len, where log s = base_shift): a run's samples of other lengths train at other shifts."""
+    log_s = loss.shift.log_shift(loss.shift.base_seq_len if seq_len is None else seq_len)
+    mid = (buckets[1:] + buckets[:-1]) / 2
+    logit = (mid / (1 - mid)).log() - log_s  # the edges' logit before the shift
+    if loss.t_dist == "logit_normal":
+        inner = 0.5 * (1 + torch.erf((logit - loss.t_mean) / (loss.t_std * math.sqrt(2))))
+    else:
+        inner = torch.sigmoid(logit)
+    cdf = torch.cat([inner.new_zeros(1), inner, inner.new_ones(1)])
+    return cdf[1:] - cdf[:-1]
+
+
+def heldout_losses(denoiser, x: torch.Tensor, noise: torch.Tensor, buckets: torch.Tensor, *, loss: Loss,
                    inputs: Inputs | None = None, mask: torch.Tensor | None = None, S: int | None = None
                    ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per level k: (Σ λ(σ_k)‖D(x + σ_k n; σ_k) − x‖² over real tokens' features, how many there are), float64.
+    """Per level k: (Σ w(k)‖out(noisy(x, n, k); k) − target(x, n)‖² over real tokens' features, how many there are),
+    float64: the loss's own noising, target and weight (EDM: λ(σ_k)‖D(x + σ_k n; σ_k) − x‖²; flow: ‖v̂(x_t; t_k) −
+    (n − x)‖²).
 
-    x, noise: (B, N, F), the noise fixed per held-out sample; inputs/mask as EDMLoss takes them; S: samples per row
-    (default: read from seg, which waits for the device). Every sample of the batch is noised to the same σ_k (rounded
-    to a DDPM network's own level under VP, as its training is)."""
+    x, noise: (B, N, F), the noise fixed per held-out sample; inputs/mask as the loss takes them; S: samples per row
+    (default: read from seg, which waits for the device). Every sample of the batch is noised to the same level k
+    (rounded to a DDPM network's own level under VP, as its training is)."""
     B, seg = x.shape[0], None if inputs is None else inputs.seg
     if S is None:
         S = 1 if seg is None else int(seg.max()) + 1
@@ -62,9 +98,9 @@ def heldout_losses(denoiser, x: torch.Tensor, noise: torch.Tensor, buckets: torc
             sigma = torch.full((B, S), s, device=x.device)
             if loss.vp is not None:
                 sigma = loss.vp.round_sigma(sigma)
-            D = denoiser(loss.noisy(x, sigma, noise, seg), sigma, inputs)
-            weight = loss.weight(sigma[:, :1].double())[..., None]  # one σ for every sample
-            err = ((D.double() - x.double()) ** 2).sum(-1)  # (B, N)
+            out = denoiser(loss.noisy(x, sigma, noise, seg), sigma, inputs)
+            weight = loss.weight(sigma[:, :1].double())[..., None]  # one level for every sample
+            err = ((out.double() - loss.target(x, noise).double()) ** 2).sum(-1)  # (B, N)
             sums.append((weight[..., 0] * err * keep).sum())
             counts.append(keep.sum().double() * x.shape[-1])
     return torch.stack(sums), torch.stack(counts)
@@ -91,7 +127,7 @@ def split_noise(batch: PackedBatch) -> tuple[torch.Tensor, torch.Tensor]:
     return batch.x.chunk(2, dim=-1)
 
 
-def heldout_totals(denoiser, batches: list[PackedBatch], buckets: torch.Tensor, loss: EDMLoss, *, device, cfg,
+def heldout_totals(denoiser, batches: list[PackedBatch], buckets: torch.Tensor, loss: Loss, *, device, cfg,
                    latent_map=None, group=None, autocast=contextlib.nullcontext
                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """Collective over `group` (the data-parallel ranks, each with its own batches): the (sum, count) pairs of every
