@@ -3,20 +3,28 @@ what it was trained with (so dit-sample samples it without flags), resumes exact
 objective in one line (issue 45)."""
 
 import csv
+import importlib.util
 import json
 import math
+from pathlib import Path
 
 import imageio.v3 as iio
 import pytest
 import torch
-from test_train import TINY, assert_same_training, dit_train, heldout_args, heldout_logged
 
 from ditcore import runs
 from ditcore.diffusion.flow import TimeShift
 from ditcore.export import load_export
 from ditcore.sampling import sample
 
-FLOW = ["objective=flow", "flow.shift=2"]
+# test_train.py's helpers (tests are no package: pytest imports them by path)
+_spec = importlib.util.spec_from_file_location("train_helpers", Path(__file__).with_name("test_train.py"))
+train_helpers = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(train_helpers)
+TINY, dit_train, heldout_args = train_helpers.TINY, train_helpers.dit_train, train_helpers.heldout_args
+heldout_logged, assert_same_training = train_helpers.heldout_logged, train_helpers.assert_same_training
+
+FLOW = ["flow.shift=2"]  # on demo-flow: the demo's recipe under objective flow
 
 
 @pytest.fixture(scope="module")
@@ -29,7 +37,7 @@ def dataset(cli_in_process, tmp_path_factory):
 
 
 def run_args(dataset, run_dir, steps, *extra):
-    return ["--config", "demo", *TINY, *FLOW, f"data.path={dataset}", f"train.run_dir={run_dir}",
+    return ["--config", "demo-flow", *TINY, *FLOW, f"data.path={dataset}", f"train.run_dir={run_dir}",
             f"train.steps={steps}", *extra]
 
 
@@ -54,7 +62,7 @@ def test_a_flow_run_scores_its_held_out_set_per_time_and_exports_its_objective(s
     assert meta["objective"] == "flow" and TimeShift.from_dict(meta["shift"]) == TimeShift(shift=2.0)
     assert "precond" not in meta  # no VP schedule: a flow network has none
     values = runs.read_values(runs.step_dir(straight, 6))
-    assert values["network"]["objective"] == "flow"  # what model.init_from=this checkpoint reads back
+    assert values["objective"] == "flow"  # what model.init_from=this checkpoint reads back (init_from.read_source)
     assert (straight / "heldout.png").stat().st_size > 1000
 
 
@@ -72,11 +80,11 @@ def test_resuming_a_flow_run_as_edm_is_refused_in_one_line(dataset, straight, tm
     copy = tmp_path / "copy"
     copy.mkdir()
     ckpt = runs.step_dir(straight, 6)
-    proc = dit_train("--config", "demo", *TINY, "objective=edm", f"data.path={dataset}", f"train.run_dir={copy}",
-                     "train.steps=8", "--resume", str(ckpt))
+    proc = dit_train(*run_args(dataset, copy, 8, "objective=edm"), "--resume", str(ckpt))
     assert proc.returncode == 2, proc.stderr[-3000:]
     line = next(ln for ln in proc.stderr.splitlines() if ln.startswith("error:"))
-    assert "was trained with objective=flow, this config has objective=edm" in line, line
+    assert f"checkpoint {ckpt} was trained with objective=flow, this config has objective=edm — the model cannot " \
+           "change within a run" in line, line
 
 
 def test_dit_sample_samples_a_flow_export_as_it_was_trained(cli_in_process, straight, tmp_path):
@@ -105,16 +113,16 @@ def exported_states(exported, prompts):
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["objective=flow", "edm.prediction=x"], "edm.prediction='x' is invalid: expected unset with objective=flow"),
-        (["objective=flow", "edm.precond=vp"], "edm.precond='vp' is invalid: expected unset with objective=flow"),
+        (["edm.prediction=x"], "edm.prediction='x' is invalid: expected unset with objective=flow"),
+        (["edm.precond=vp"], "edm.precond='vp' is invalid: expected unset with objective=flow"),
         (["objective=flowz"], "objective='flowz' is invalid: expected one of"),
-        (["flow.shift=0"], "flow.shift=0 is invalid: expected a number > 0"),
+        (["flow.shift=0"], "flow.shift=0.0 is invalid: expected a number > 0"),
         (["flow.t_dist=beta"], "flow.t_dist='beta' is invalid: expected one of"),
         (["flow.base_seq_len=5000"], "flow.base_seq_len=5000 is invalid: expected less than flow.max_seq_len=4096"),
     ],
 )
 def test_bad_flow_settings_give_one_clear_line(cli_in_process, args, message):
-    proc = cli_in_process("train", "--config", "demo", *args, "--print-config")
+    proc = cli_in_process("train", "--config", "demo-flow", *args, "--print-config")
     assert proc.returncode == 2, proc.stderr[-2000:]
     lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
     assert len(lines) == 1 and message in lines[0], proc.stderr[-2000:]

@@ -296,6 +296,10 @@ class Flow(Section):
 
     @model_validator(mode="after")
     def _lengths_in_order(self) -> Flow:
+        if self.dynamic_shift and self.shift != 1:
+            raise ConfigError("flow.shift", self.shift, "1 (unset) with flow.dynamic_shift=true: the shift is then "
+                                                        "each sample's, from its token count (diffusers ignores a "
+                                                        "constant shift beside it)")
         if self.base_seq_len >= self.max_seq_len:
             raise ConfigError("flow.base_seq_len", self.base_seq_len,
                               f"less than flow.max_seq_len={self.max_seq_len}")

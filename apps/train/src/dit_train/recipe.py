@@ -116,7 +116,10 @@ def resolve(cfg: TrainConfig, info) -> Recipe:
     model_cfg = model_config(cfg, info, source)
     objective = _objective(cfg, source)
     if objective == "flow":
-        update = {"objective": objective, "flow": _flow_shift(cfg, source)}
+        # edm.precond and edm.loss resolved as an EDM run's are (flow refuses vp and ddpm), so that a resume under the
+        # other objective is refused for the objective alone
+        update = {"objective": objective, "flow": _flow_shift(cfg, source),
+                  "edm": cfg.edm.model_copy(update={"precond": "edm", "loss": "edm"})}
         return Recipe(cfg.model_copy(update=update), model_cfg, None, data_stats, _latent_stats(cfg, source,
                                                                                                  data_stats), source)
     e = cfg.edm
