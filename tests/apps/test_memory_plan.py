@@ -198,9 +198,9 @@ def test_a_run_is_checked_against_the_same_headroom_as_plan(tmp_path):
     rows = lambda n: [f"data.path={tmp_path / 'absent'}", "model.preset=DiT-XL/2", "data.seq_length=4096",
                       f"train.micro_batch={n}", f"train.global_batch={n}"]
     six, eight = (load_config(CONFIGS / "mock.yaml", rows(n)) for n in (6, 8))
-    check_memory_plan(six, model_config(six, info), 1, 79 * GiB)
+    check_memory_plan(six, model_config(six, info), 1, 79 * GiB, 0)
     with pytest.raises(ConfigError) as refused:
-        check_memory_plan(eight, model_config(eight, info), 1, 79 * GiB)
+        check_memory_plan(eight, model_config(eight, info), 1, 79 * GiB, 0)
     assert str(refused.value) == (
         "parallel='world 1 = tp 1 x cp 1 x pp 1 x dp 1; DDP, no FSDP' is invalid: expected a layout that fits 79.0 GiB "
         "per GPU: this one needs 75.3 GiB, more than the 71.0 GiB usable after headroom 4.0 GiB + 5% of the card for "

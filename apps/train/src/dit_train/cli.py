@@ -166,7 +166,7 @@ def print_plan(cfg, world_size: int, gpu_memory: float, text_len: int | None, te
     """
     from dit_train.config import memory_layout, overrides
     from dit_train.train import model_config
-    from ditcore.codecs.text import MAX_TOKENS
+    from ditcore.codecs.text import max_text_tokens
     from ditcore.data.schema import DatasetInfo, read_info
     from ditcore.interop import is_foreign
     from ditcore.memory import HEADROOM, GiB, advise, choose_fsdp_sync, plan_from
@@ -186,7 +186,8 @@ def print_plan(cfg, world_size: int, gpu_memory: float, text_len: int | None, te
         name, model_cfg = init_from, model_config(cfg, info, read_source(init_from, cfg.model.num_heads))
     else:
         model_cfg = model_config(cfg, info)
-    layout = memory_layout(cfg, world_size, (MAX_TOKENS if text_len is None else text_len) if model_cfg.text_dim else 0)
+    longest = max_text_tokens(info.text_encoder["name"])  # one longest caption: 512 for UMT5 (Wan), else 128
+    layout = memory_layout(cfg, world_size, (longest if text_len is None else text_len) if model_cfg.text_dim else 0)
     gpu = gpu_memory * GiB
     if cfg.parallel.fsdp_sync == "auto":  # as dit-train chooses on a GPU of gpu_memory
         layout = choose_fsdp_sync(model_cfg, layout, gpu)

@@ -207,7 +207,7 @@ class HeldOutLoss:
                           f"{len(samples)} samples of dataset {s.name}")
         loss = heldout_loss(run.recipe)
         buckets = levels(run.recipe, loss)[0].tolist()
-        what = "times t" if run.recipe.flow else "noise levels σ"
+        what = "times t" if run.recipe.flow else "noise levels"
         fabric.print(f"held-out loss: {', '.join(counts)} at {h.buckets} {what} ({buckets[0]:.3g} to "
                      f"{buckets[-1]:.3g}), EMA and raw weights")
         return cls(run, batches, loss)

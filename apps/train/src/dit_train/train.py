@@ -27,6 +27,7 @@ from dit_train.preemption import Preempted
 from dit_train.recipe import Recipe, model_config, resolve  # noqa: F401 (model_config: where it was before)
 from dit_train.validation import Validator
 from ditcore import durable, init_from, runs
+from ditcore.codecs.text import max_text_tokens
 from ditcore.data import blend
 from ditcore.data.fit import fit_report
 from ditcore.data.loader import build_loader, check_samples_fit, next_batch
@@ -198,9 +199,10 @@ def setup(cfg: TrainConfig, resume: str = "auto", overwrite: bool = False) -> Se
     if cfg.parallel.fsdp:
         groups.dims.check_fsdp_shard(cfg.parallel.fsdp_shard)
     gpu = torch.cuda.get_device_properties(fabric.device).total_memory if on_gpu else None
-    fsdp_sync = choose_fsdp_sync(cfg, model_cfg, fabric, gpu)
+    text_len = max_text_tokens(info.text_encoder["name"]) if model_cfg.text_dim else 0  # one longest caption a row
+    fsdp_sync = choose_fsdp_sync(cfg, model_cfg, fabric, gpu, text_len)
     if on_gpu:
-        check_memory_plan(cfg, model_cfg, fabric.world_size, gpu, fsdp_sync)
+        check_memory_plan(cfg, model_cfg, fabric.world_size, gpu, text_len, fsdp_sync)
     for name, root, data_info in blend.datasets(cfg.data.path, info):  # the dataset, or each one of a blend
         check_samples_fit(data_info, root, patch_size=model_cfg.patch_size, patch_size_t=model_cfg.patch_size_t,
                           seq_length=cfg.data.seq_length)  # refuses a dataset none of whose samples fits
@@ -239,16 +241,15 @@ def make_loggers(cfg: TrainConfig, run_dir: Path, segment: str, resume: str = "a
     return loggers
 
 
-def choose_fsdp_sync(cfg: TrainConfig, model_cfg: DiTConfig, fabric: Fabric, gpu: int | None) -> str:
+def choose_fsdp_sync(cfg: TrainConfig, model_cfg: DiTConfig, fabric: Fabric, gpu: int | None, text_len: int) -> str:
     """parallel.fsdp_sync, with auto resolved (ditcore.memory.choose_fsdp_sync: once per step where the memory plan
-    with it fits the GPU's `gpu` bytes; on a CPU, None, always) and said once."""
-    from ditcore.codecs.text import MAX_TOKENS
+    with it fits the GPU's `gpu` bytes; on a CPU, None, always) and said once. text_len: text tokens a row."""
     from ditcore.memory import GiB
     from ditcore.memory import choose_fsdp_sync as choose
 
     if not cfg.parallel.fsdp or cfg.parallel.fsdp_sync != "auto":
         return "micro_batch" if cfg.parallel.fsdp_sync == "auto" else cfg.parallel.fsdp_sync
-    layout = memory_layout(cfg, fabric.world_size, MAX_TOKENS if model_cfg.text_dim else 0)
+    layout = memory_layout(cfg, fabric.world_size, text_len)
     sync = choose(model_cfg, layout, gpu).fsdp_sync
     why = (f"the memory plan with step sync {'fits' if sync == 'step' else 'does not fit'} {gpu / GiB:.1f} GiB"
            if gpu is not None else "on a CPU")
@@ -257,14 +258,13 @@ def choose_fsdp_sync(cfg: TrainConfig, model_cfg: DiTConfig, fabric: Fabric, gpu
     return sync
 
 
-def check_memory_plan(cfg: TrainConfig, model_cfg: DiTConfig, world_size: int, gpu: int,
+def check_memory_plan(cfg: TrainConfig, model_cfg: DiTConfig, world_size: int, gpu: int, text_len: int,
                       fsdp_sync: str | None = None) -> None:
     """Refuse, before any weight is allocated, a layout whose memory plan (ditcore.memory) exceeds a GPU of `gpu` bytes
     after the headroom that `dit-train --plan` keeps (ditcore.memory.HEADROOM)."""
-    from ditcore.codecs.text import MAX_TOKENS
     from ditcore.memory import HEADROOM, GiB, plan_from
 
-    layout = memory_layout(cfg, world_size, MAX_TOKENS if model_cfg.text_dim else 0, fsdp_sync)
+    layout = memory_layout(cfg, world_size, text_len, fsdp_sync)
     plan = plan_from(model_cfg, layout)
     if not plan.fits(gpu, HEADROOM):
         raise ConfigError("parallel", layout.describe(),

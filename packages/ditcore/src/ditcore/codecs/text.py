@@ -226,6 +226,14 @@ class UMT5TextEncoder(T5TextEncoder):
 FAMILIES = {"t5": T5TextEncoder, "umt5": UMT5TextEncoder}  # ditcore.choices.TEXT_ENCODER_FAMILIES, built
 
 
+def max_text_tokens(name: str) -> int:
+    """The most tokens the encoder a dataset names (its ditcore.json text_encoder name) gives one caption: what the
+    memory plan counts per sample. Nothing is loaded."""
+    if name == "null":
+        return 0
+    return UMT5_MAX_TOKENS if name.startswith("umt5:") else MAX_TOKENS
+
+
 def load_text_encoder(name: str = "minilm", **kwargs) -> TextEncoder:
     """"minilm" (default, offline), "null", "t5:<hub id or local folder>" or "umt5:<hub id or local folder>".
 
