@@ -231,6 +231,79 @@ def test_a_tensor_without_a_place_is_refused_naming_it():
         state_from_diffusers(state | {"blocks.0.attn1.norm_added_k.weight": torch.ones(64)}, CFG)
 
 
+# ---------------------------------------------------------------- what the planner learns from it
+
+
+def test_wan_14b_training_flops_per_token_are_its_dimensions():
+    """ditcore.flops reads the weights off the model (its probe); written out from Wan-14B's dimensions for a sample
+    of 37,440 tokens attending Wan's 512 text tokens: 6 FLOPs a weight applied to every token (the patch embedding
+    and the output linear, 64 x D each; per block q, k, v, the output projection, the cross-attention's query and
+    output projections, 6 D², and the FFN's 2 D·F), 12 L·D a key for attention's scores and weighted values over the
+    sample's tokens and its text, and the text's weights (the text embedder, 4096·D + D², and each block's key and
+    value projections, 2 D²) applied to its 512 tokens, spread over the sample's."""
+    from ditcore.flops import training_flops_per_token
+
+    D, F, L, S, T = 5120, 13824, 40, 37_440, 512
+    per_token = 2 * 64 * D + L * (6 * D * D + 2 * D * F)
+    per_text_token = 4096 * D + D * D + L * 2 * D * D
+    by_hand = 6 * per_token + 12 * L * D * S + 12 * L * D * T + 6 * per_text_token * T / S
+    assert training_flops_per_token(preset("Wan-14B"), S, T) == pytest.approx(by_hand, rel=0.01)
+
+
+def test_memory_plan_and_traffic_of_wan_14b_split_it_as_its_plan_says():
+    """The memory plan and the traffic model run Wan-14B (on fake tensors, at 37,440 tokens a row) under TP=2 + SP and
+    FSDP over 4: its 14.3 B parameters counted off the model, each rank holding the shares its plan gives it (QK
+    norms' scales split by heads, the time projection whole), and the TP traffic includes the norms' sums."""
+    from ditcore.job import Layout
+    from ditcore.memory import plan_from
+    from ditcore.models.wan import WAN_PLAN
+    from ditcore.traffic import traffic
+
+    cfg = preset("Wan-14B")
+    with torch.device("meta"):
+        model = Wan(cfg)
+    layout = Layout(world_size=8, tp=2, sequence_parallel=True, fsdp=True, seq_length=37_440, text_len=512,
+                    precision="bf16", activation_checkpointing="block")
+    plan = plan_from(cfg, layout)
+    assert plan.params == sum(p.numel() for p in model.parameters()) == 14_288_491_584
+    assert plan.params_local == sum(p.numel() // (1 if WAN_PLAN.partition_dim(n) is None else 2)
+                                    for n, p in model.named_parameters())
+    assert (WAN_PLAN.partition_dim("blocks.0.attn.q_norm.weight"), WAN_PLAN.partition_dim("time_proj.1.weight")) == \
+        (0, None)
+    without_norms = traffic(cfg.replace(qk_norm=False), layout).bytes("tp", "micro_batch")
+    # per block the float32 sums of 3 norms over the row's 37,440 tokens (gathered under SP), of the text's 512 keys'
+    # and of the zero state's, all-reduced over 2 ranks (each sends 2(n - 1)/n of the buffer): in forward, in the
+    # forward that block checkpointing reruns, and their gradients in backward
+    forward = cfg.depth * (3 * 37_440 + 512 + 1) * 4
+    assert traffic(cfg, layout).bytes("tp", "micro_batch") - without_norms == 3 * forward
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["whole_rows", "packed"])
+def test_a_training_step_reads_no_value_back(monkeypatch, packed):
+    """HostReads treats the CPU as the device (ditcore.testing): the forward and backward of Wan's EDM loss, the zero
+    states' counts and masks included, read no value back (but the check of CPU positions, by design)."""
+    from ditcore.diffusion import EDMLoss, EDMPrecond
+    from ditcore.layout import grid_rows
+    from ditcore.models import dit
+    from ditcore.testing import HostReads
+
+    model = randomize(Wan(CFG, attention="sdpa"))
+    if packed:
+        grids = [[(1, 2, 4), (2, 2, 3)], [(1, 3, 3)]]
+        seg, pos = grid_rows(grids, 24)
+        text_seg = torch.tensor([[0, 0, 1, -1, -1], [0, 0, 0, 0, -1]])
+    else:
+        grids, seg, pos, text_seg = [[(2, 3, 4)]] * 2, None, grid_positions((2, 3, 4)), None
+    x, noise = torch.randn(2, 24, CFG.patch_dim), torch.randn(2, 24, CFG.patch_dim)
+    inputs = Inputs(pos, seg=seg, text=torch.randn(2, 5, CFG.text_dim), text_seg=text_seg, grids=grids)
+    watch = HostReads("cpu")
+    monkeypatch.setattr(dit, "check_positions", watch.unwatched(dit.check_positions))
+    with watch:
+        loss = EDMLoss()(EDMPrecond(model), x, inputs, sigma=torch.rand(2, 2 if packed else 1) + 0.5, noise=noise)
+        loss.backward()
+    assert loss.isfinite() and all(p.grad is not None for p in model.parameters())
+
+
 # ---------------------------------------------------------------- config and initialisation
 
 
