@@ -41,10 +41,12 @@ def main(
                                                                      "parallel.devices)."),
     gpu_memory: float = typer.Option(80.0, "--gpu-memory", min=1, help="With --plan: GiB of memory per GPU."),
     text_len: int = typer.Option(None, "--text-len", min=0, help="With --plan: text tokens per packed row (default: "
-                                                                 "128, the longest caption dit-prepare encodes)."),
-    text_dim: int = typer.Option(384, "--text-dim", min=0, help="With --plan, when data.path does not exist yet: "
-                                                                "width of the text states (384: MiniLM, dit-prepare's "
-                                                                "default; 4096: T5-XXL; 0: no text)."),
+                                                                 "the longest caption of the dataset's text encoder: 128, UMT5's 512)."),
+    text_dim: int = typer.Option(None, "--text-dim", min=0, help="With --plan, when data.path does not exist yet: "
+                                                                 "width of the text states (default: the preset's "
+                                                                 "where it has one, as Wan's 4096 of UMT5; else 384, "
+                                                                 "MiniLM, dit-prepare's default; 4096: T5-XXL; 0: no "
+                                                                 "text)."),
     gpus_per_node: int = typer.Option(None, "--gpus-per-node", help="With --plan: GPUs in a node, joined by NVLink "
                                                                     "(default 8: H100 SXM nodes)."),
     nvlink_gbps: float = typer.Option(None, "--nvlink-gbps", help="With --plan: GB/s each GPU sends within a node "
@@ -166,7 +168,7 @@ def print_plan(cfg, world_size: int, gpu_memory: float, text_len: int | None, te
     """
     from dit_train.config import memory_layout, overrides
     from dit_train.train import model_config
-    from ditcore.codecs.text import max_text_tokens
+    from ditcore.codecs.text import UMT5_MAX_TOKENS, max_text_tokens
     from ditcore.data.schema import DatasetInfo, read_info
     from ditcore.interop import is_foreign
     from ditcore.memory import HEADROOM, GiB, advise, choose_fsdp_sync, plan_from
@@ -176,8 +178,11 @@ def print_plan(cfg, world_size: int, gpu_memory: float, text_len: int | None, te
     else:
         from ditcore.models import preset
 
-        info = DatasetInfo(codec={}, latent_stats={}, text_encoder={"name": "assumed", "dim": text_dim},
-                           latent_channels=preset(cfg.model.preset).in_channels, spatial_factor=1, temporal_factor=1)
+        ours = preset(cfg.model.preset)
+        dim = text_dim if text_dim is not None else ours.text_dim or 384
+        encoder = "umt5:assumed" if dim and getattr(ours, "text_len", 0) == UMT5_MAX_TOKENS else "assumed"  # Wan's
+        info = DatasetInfo(codec={}, latent_stats={}, text_encoder={"name": encoder, "dim": dim},
+                           latent_channels=ours.in_channels, spatial_factor=1, temporal_factor=1)
         source = f"data.path {cfg.data.path} does not exist yet: assumed"
     name, init_from = cfg.model.preset, cfg.model.init_from
     if init_from and is_foreign(init_from):  # the architecture is the checkpoint's
