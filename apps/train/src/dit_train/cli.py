@@ -41,7 +41,8 @@ def main(
                                                                      "parallel.devices)."),
     gpu_memory: float = typer.Option(80.0, "--gpu-memory", min=1, help="With --plan: GiB of memory per GPU."),
     text_len: int = typer.Option(None, "--text-len", min=0, help="With --plan: text tokens per packed row (default: "
-                                                                 "the longest caption of the dataset's text encoder: 128, UMT5's 512)."),
+                                                                 "one longest caption of the dataset's text encoder: "
+                                                                 "128, UMT5's 512)."),
     text_dim: int = typer.Option(None, "--text-dim", min=0, help="With --plan, when data.path does not exist yet: "
                                                                  "width of the text states (default: the preset's "
                                                                  "where it has one, as Wan's 4096 of UMT5; else 384, "
