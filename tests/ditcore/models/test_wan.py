@@ -156,6 +156,38 @@ def test_packed_rows_equal_samples_run_alone(attention):
     assert (packed[0, :16] - x[0, :16]).abs().mean() > 0.1  # not vacuous: far from identity
 
 
+@pytest.mark.parametrize("compiled_blocks", [False, pytest.param(True, marks=pytest.mark.slow)],
+                         ids=["eager_blocks", "compiled_blocks"])
+def test_compiled_flex_with_the_zero_states_score_term_equals_sdpa_over_text_lengths(monkeypatch, compiled_blocks):
+    """The kernels a GPU runs (create_block_mask and flex_attention compiled as for CUDA, with aot_eager: no CPU code
+    generation; forward only) over 15 batches of new text lengths and packings: the BlockMask and the zero state's score
+    term (Mask.bias) give sdpa's float mask's result, with no graph break and a few graphs, the text length symbolic."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    from ditcore.models import apply_compile
+
+    from .test_attention import cuda_style_kernels, varied_batches
+
+    cuda_style_kernels(monkeypatch)
+    cfg = preset("Wan-Tiny", text_dim=8, max_grid=(1, 1, 32))
+    model = randomize(Wan(cfg, attention="flex")).eval()
+    reference = Wan(cfg, attention="sdpa").eval()
+    reference.load_state_dict(model.state_dict())
+    if compiled_blocks:
+        apply_compile(model, backend="aot_eager")
+    torch._dynamo.reset()
+    counters.clear()
+    with torch.no_grad(), torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
+        for batch in varied_batches(cfg, 15, torch.Generator().manual_seed(0)):
+            x, c_noise, inputs = batch.pop("x"), batch.pop("c_noise"), Inputs(**batch)
+            real = (inputs.seg >= 0)[..., None]  # padding's outputs are no sample's
+            expected = reference(x, c_noise, inputs) * real
+            assert_close_fp32(model(x, c_noise, inputs) * real, expected, work=wan_work(cfg, 24, 16))
+    assert not counters["graph_break"]
+    assert counters["stats"]["unique_graphs"] <= 6  # measured: 6 (eager blocks), 5 (compiled), as the DiT's
+
+
 # ---------------------------------------------------------------- conversion
 
 
