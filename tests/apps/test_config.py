@@ -148,7 +148,8 @@ def test_model_arch_is_the_preset_s_unless_given():
     e = error("model.arch=moviegen", "model.preset=ST-DiT-Tiny")
     assert (e.key, e.allowed) == ("model.preset", "a size of model.arch=moviegen: one of MovieGen-1B, MovieGen-5B, "
                                                   "MovieGen-30B, MovieGen-Tiny")
-    assert error("model.arch=llama").allowed.startswith("one of 'dit', 'stdit', 'moviegen' (dit: the DiT (adaLN-Zero);")
+    assert error("model.arch=llama").allowed.startswith("one of 'dit', 'stdit', 'moviegen', 'wan' (dit: the DiT "
+                                                        "(adaLN-Zero);")
 
 
 def test_model_depth_overrides_the_preset_s_number_of_blocks():

@@ -13,10 +13,24 @@ from ditcore.models.layers import apply_rope, rope_angles
 from ditcore.testing import assert_close_fp32, dit_forward_work, dit_grad_work
 
 TINY = {name: arch.tiny for name, arch in ARCHS.items()}  # the tests below take `arch`: every registered one
+# Wan starts as Wan does, its blocks' modulation tables random: not the identity (tests/ditcore/models/test_wan.py)
+ADALN_ZERO = [arch for arch in TINY if arch != "wan"]
 
 
 def tiny(arch: str = "dit", **changes) -> DiTConfig:
     return preset(TINY[arch], **changes)
+
+
+def accepting(**changes) -> list[str]:
+    """The registered architectures whose tiny preset takes these changes (Wan refuses block_embedders)."""
+    def accepts(arch: str) -> bool:
+        try:
+            tiny(arch, **changes)
+        except ConfigError:
+            return False
+        return True
+
+    return [arch for arch in TINY if accepts(arch)]
 
 
 def randomize(model: nn.Module, std: float = 0.2) -> nn.Module:
@@ -31,7 +45,7 @@ def randomize(model: nn.Module, std: float = 0.2) -> nn.Module:
 # ---------------------------------------------------------------- adaLN-Zero
 
 
-@pytest.mark.parametrize("arch", TINY)
+@pytest.mark.parametrize("arch", ADALN_ZERO)
 @pytest.mark.parametrize("text_dim", [0, 24])
 def test_each_block_is_identity_at_init(arch, text_dim):
     cfg = tiny(arch, text_dim=text_dim)
@@ -122,7 +136,7 @@ def test_packed_rows_equal_samples_run_alone(arch, pos_embed, attention, moe):
     assert (packed[0, :16] - x[0, :16]).abs().mean() > 0.1
 
 
-@pytest.mark.parametrize("arch", TINY)
+@pytest.mark.parametrize("arch", accepting(block_embedders=True))
 def test_blocks_with_their_own_embedders_condition_on_them(arch):
     """block_embedders: block 0 and the final layer read the model's embedders, every later block its own. With
     copies of the model's in every block it is the shared model exactly (the same operations); a change to one
@@ -182,7 +196,8 @@ def test_a_batch_without_text_gives_every_weight_a_gradient(arch):
     out.square().sum().backward()
     no_grad = [name for name, p in model.named_parameters() if p.grad is None]
     assert not no_grad, no_grad
-    assert all(not p.grad.any() for name, p in model.named_parameters() if name.startswith("text_embedder"))
+    if arch != "wan":  # without text Wan attends its zero states (ditcore.models.wan), the text embedder's output
+        assert all(not p.grad.any() for name, p in model.named_parameters() if name.startswith("text_embedder"))
     with torch.no_grad():
         hidden = model(x, torch.zeros(1, 1), Inputs(pos, text=torch.randn(1, 3, 24), text_seg=torch.full((1, 3), -1)))
     torch.testing.assert_close(out.detach(), hidden, rtol=0, atol=0)

@@ -78,7 +78,8 @@ def check_plan(plan: Plan, model: nn.Module) -> None:
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_every_registered_architecture_is_covered_by_its_plan(arch):
-    model = build(preset(ARCHS[arch].tiny, **FULL))
+    full = FULL if arch != "wan" else {k: v for k, v in FULL.items() if k != "block_embedders"}  # Wan refuses them
+    model = build(preset(ARCHS[arch].tiny, **full))
     assert plan_for(model) is ARCHS[arch].plan
     check_plan(ARCHS[arch].plan, model)
 

@@ -28,6 +28,7 @@ from ditcore.training import stage_forward
 
 DATA = dict(in_channels=4, num_classes=5, text_dim=16, fps_cond=True)
 CONFIGS = {"dit": preset("DiT-Tiny", **DATA), "moviegen": preset("MovieGen-Tiny", **DATA),
+           "wan": preset("Wan-Tiny", **DATA),  # QK norms summed over TP ranks, zero-padded text's masks
            # "moe:CASE": the second block a mixture of 4 experts, top-2; under EP no slot overflows (capacity 2 = ep)
            "moe": preset("DiT-Tiny", moe=MoEConfig(experts=4, top_k=2, every=2, capacity_factor=2.0), **DATA)}
 ROWS, N, BATCHES = 2, 32, 20  # rows of 32 tokens: divisible by cp·tp = 4

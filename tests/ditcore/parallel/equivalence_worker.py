@@ -52,6 +52,9 @@ CFG = preset("DiT-Tiny", hidden_size=64, depth=2, num_heads=4, in_channels=4, nu
 DATA = dict(in_channels=4, num_classes=5, text_dim=16, fps_cond=True)
 # ("stdit_cut": ST-DiT on the DiT's packed rows, whose halves cut a 3x3-token image: its CP gathers instead)
 CONFIGS = {"dit": CFG, "moviegen": preset("MovieGen-Tiny", **DATA), "stdit": preset("ST-DiT-Tiny", **DATA)}
+# "wan:CASE": Wan's blocks (ditcore.models.wan: QK norms over both heads, summed over TP ranks; one time projection;
+# zero-padded text), its 2 heads one a rank under TP
+CONFIGS["wan"] = preset("Wan-Tiny", **DATA)
 CONFIGS["stdit_cut"] = CONFIGS["stdit"]
 CONFIGS["embedders"] = CFG.replace(block_embedders=True)  # "embedders:CASE": each later block its own embedders
 # "moe:CASE": every other block a mixture of 4 experts, top 2, with a capacity that drops nothing under ep=2

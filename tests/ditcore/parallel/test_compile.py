@@ -22,10 +22,11 @@ GRAPHS_PER_BLOCK = 2
 # The default run keeps one torchrun of two cases (the suite's time on 2 cores): TP + SP under selective
 # checkpointing (the layout Megatron's linears lost entirely) and CP on MovieGen's blocks. `make test-slow` runs
 # every other family, FSDP with TP + SP under block checkpointing (the shipped large configs') among them.
-CASES_2 = ["tp2_sp_selective", "moviegen:cp2", "moe:ep2_selective"]
+# Wan's blocks under TP + SP with selective checkpointing: their QK norms' sums over the ranks recomputed in backward.
+CASES_2 = ["tp2_sp_selective", "moviegen:cp2", "moe:ep2_selective", "wan:tp2_sp_selective"]
 CASES_2_SLOW = ["tp2", "tp2_sp", "tp2_sp_block", "fsdp_tp2_sp", "fsdp_tp2_sp_block", "fsdp_tp2_sp_selective", "cp2",
                 "cp2_selective", "moviegen:fsdp_cp2_selective",
-                "fsdp_dp2_selective", "pp2", "moviegen:tp2_sp_selective"]
+                "fsdp_dp2_selective", "pp2", "moviegen:tp2_sp_selective", "wan:cp2", "wan:fsdp_tp2_sp_block"]
 CASES_4 = []
 CASES_4_SLOW = ["fsdp_tp2_sp_dp2_selective", "cp2_tp2_sp_block", "pp2_tp2_sp_selective", "fsdp_pp2_dp2_selective"]
 

@@ -26,6 +26,10 @@ CASES = ["tp2", "tp2_sp", "cp2", "dp2", "tp2_packed", "tp2_sp_packed", "cp2_pack
          "stdit:cp2", "stdit:cp2_packed", "stdit:tp2_packed", "stdit:tp2_sp_packed", "stdit:fsdp_dp2",
          "stdit:cp2_packed_selective", "stdit:pp2_packed",  # the all-to-all outside the checkpoints; two stages
          "stdit_cut:cp2_packed",  # rows whose halves cut a frame: gathered instead
+         # Wan's (ditcore.models.wan): its QK norms over every head summed over the TP ranks (TP, TP + SP, recomputed
+         # under selective checkpointing), its one time projection's partial gradients; CP, FSDP, two stages
+         "wan:tp2", "wan:tp2_sp_packed", "wan:tp2_packed_selective", "wan:cp2_packed", "wan:fsdp_dp2",
+         "wan:pp2_packed",
          # an architecture registered outside ditcore (fourth_arch.py, test_registry.py): its own TP plan, with SP
          "reglu:tp2_sp_packed",
          # the DiT with each later block's own embedders (block_embedders): replicated under TP, inside each block's
@@ -41,6 +45,7 @@ CASES_4 = ["fsdp_tp2_sp_dp2",  # 4 processes: TP=2 × FSDP over DP=2
            "hsdp_dp4",  # HSDP: sharded over 2 ranks, replicated twice
            "pp2_tp2_sp_packed",  # two stages of TP=2 + SP
            "stdit:cp2_tp2_sp_packed",  # ST-DiT: the all-to-all over CP=2 with each CP rank's slice split by SP
+           "wan:pp2_tp2_sp_packed",  # Wan: two stages of TP=2 + SP
            "deep:pp2_fsdp_dp2",  # two stages of two blocks, each stage sharded over its DP=2 ranks with FSDP2
            "moe:ep2_dp4",  # experts over 2 of DP=4: their gradients averaged over the 2 ranks holding the same ones
            "moe:ep2_pp2",  # two stages, the second's experts over its 2 data-parallel ranks
@@ -51,12 +56,13 @@ CASES_4_SLOW = ["pp2_dp2_selective", "pp2_cp2_packed",  # two stages × DP=2, tw
                 "pp2_fsdp_dp2", "pp2_fsdp_dp2_step", "pp2_fsdp_cp2_packed",
                 "moe:ep2_tp2_sp",  # experts over 2 data-parallel ranks of each TP rank, TP=2 + SP
                 # EP + HSDP (the experts plain FSDP over their 2 ranks), EP + FSDP gathered once per step
-                "moe:ep2_hsdp_dp4", "moe:ep2_fsdp_dp4_step"]
+                "moe:ep2_hsdp_dp4", "moe:ep2_fsdp_dp4_step",
+                "wan:hsdp_dp4"]  # Wan sharded over 2 ranks, replicated twice
 CASES_8_SLOW = ["pp2_tp2_sp_fsdp_dp2_packed",  # 8 processes: two stages of TP=2 + SP, each TP shard over DP=2
                 "pp2_hsdp_dp4"]  # two stages, each HSDP: sharded over 2, replicated twice
 # only their traffic (test_traffic_model_matches_the_counted_step), under bf16 autocast: SP's gathers in bf16, FSDP
 # gathering in bf16
-BF16 = ["tp2_packed@bf16", "tp2_sp_packed@bf16", "fsdp_dp2@bf16"]
+BF16 = ["tp2_packed@bf16", "tp2_sp_packed@bf16", "fsdp_dp2@bf16", "wan:tp2_sp_packed@bf16"]
 
 # Float32 work of each compared value (ditcore.testing): rows of 32 tokens with at most 12 text tokens (the packed
 # batch's); EDMPrecond adds c_skip·x + c_out·F (+2) and the layouts split reductions over 2 ranks, then add the

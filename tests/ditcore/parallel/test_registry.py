@@ -64,7 +64,7 @@ def test_dit_train_s_config_takes_its_preset_and_name(fourth):
     assert load_config(demo, ["model.arch=reglu", "model.preset=ReGLU-DiT-Tiny"]).model.arch == "reglu"
     with pytest.raises(ConfigError, match=r"expected a size of model\.arch=reglu: one of ReGLU-DiT-Tiny$"):
         load_config(demo, ["model.arch=reglu"])  # the demo's preset is a DiT's
-    with pytest.raises(ConfigError, match=r"'moviegen', 'reglu' \(.*reglu: the DiT with a ReGLU MLP"):
+    with pytest.raises(ConfigError, match=r"'moviegen', 'wan', 'reglu' \(.*reglu: the DiT with a ReGLU MLP"):
         load_config(demo, ["model.arch=regul"])
 
 

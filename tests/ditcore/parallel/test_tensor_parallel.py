@@ -104,3 +104,22 @@ def test_adaln_is_split_by_columns_and_its_modulations_gathered(fake_world, sp):
     assert gathers == modulations
     scatters = [shape for op, _, shape in seen if op == "reduce_scatter_tensor" and shape[1:] == (2, 2)]
     assert scatters == ([(2 * D, 2, 2)] + [(6 * D, 2, 2)] * model.cfg.depth if sp else [])
+
+
+@pytest.mark.parametrize("sp", [False, True])
+def test_wan_norms_over_heads_sum_one_float32_a_token_over_tp(fake_world, sp):
+    """Wan's QK norms (ditcore.models.wan): each rank holds its heads' scales, (heads/tp, head_dim), and sums each
+    token's float32 square sum over the ranks, in forward and again for its gradient in backward: per block the self-
+    attention's queries and keys and the cross-attention's queries (of all N tokens of the rank's rows, gathered
+    under SP), the text's L keys and the zero state's one. No other collective moves float32; nothing gathers
+    modulations (the time projection is whole on every rank)."""
+    model = rank_model("Wan-Tiny", ParallelDims(tp=2, sequence_parallel=sp), fake_world)
+    H, hd, depth = model.cfg.num_heads, model.cfg.head_dim, model.cfg.depth
+    assert model.blocks[0].attn.q_norm.weight.shape == model.blocks[1].cross.k_norm.weight.shape == (H // 2, hd)
+    seen = bf16_step(model).seen
+    fp32 = sorted(shape for op, dtype, shape in seen if dtype != torch.bfloat16)
+    N, B, L = 32, 2, 6  # bf16_step's rows
+    per_block = [(N, B, 1, 1)] * 3 + [(L, B, 1, 1), (1, 1, 1, 1)]  # forward; backward the same again
+    assert fp32 == sorted(per_block * 2 * depth)
+    assert all(op == "all_reduce" for op, dtype, _ in seen if dtype != torch.bfloat16)
+    assert not [s for op, _, s in seen if op == "all_gather_into_tensor" and s[1:] == (B, 2)]  # (features, B, S)

@@ -73,7 +73,7 @@ def flex_keeps(compiled: bool):
 
     # The kernels attend() calls for a device type are ditcore.models.attention's to choose; the record swaps the
     # CPU's while it runs (fake tensors are CPU tensors), and puts them back.
-    def flex(q, k, v, block_mask, enable_gqa):
+    def flex(q, k, v, block_mask, enable_gqa, score_mod=None):  # a score term keeps nothing more than its inputs
         if compiled:
             return F.scaled_dot_product_attention(q, k, v, enable_gqa=enable_gqa)
         return _EagerFlex.apply(q, k, v)

@@ -12,7 +12,8 @@ tests/ditcore/parallel/test_equivalence.py). Learned from the model, not written
   an all-reduce of the input's gradient (under SP, where each rank applies the gathered features to its own tokens,
   their gradient reduce-scattered too). RowParallel: with SP a reduce-scatter of the output in forward and an all-
   gather of its gradient in backward; without SP an all-reduce in forward. Under bf16 every gather of activations runs
-  in the autocast dtype;
+  in the autocast dtype. A norm over every head's features (NormOverHeads, Wan's QK norms): each token's float32 sum
+  of squares all-reduced in forward, and its gradient in backward;
 - context parallelism: each attention's key/value all-gather (a reduce-scatter in backward), and the all-to-alls of
   an architecture that regroups tokens between blocks (ST-DiT: between frames and lines order), as many tokens as
   leave the rank, which its registration counts for the planned rows (`Architecture.token_moves`), with the SP
@@ -55,7 +56,7 @@ from ditcore.memory import fit_grid, on_stage, planned_batch
 from ditcore.models import ARCHS, arch_of, plan_for
 from ditcore.models.dit import DiTConfig
 from ditcore.models.moe import GroupedExperts
-from ditcore.models.plan import ColumnParallel, RowParallel
+from ditcore.models.plan import ColumnParallel, NormOverHeads, RowParallel
 from ditcore.parallel.counting import Collective, Group, Op, Traffic, When, sent_bytes
 from ditcore.parallel.pipeline import is_shared, stage_blocks
 from ditcore.probe import Hooks, Rank, RankShapes, block_period, meta_model, run, watch_every_run
@@ -286,6 +287,8 @@ class _Meter(Hooks):
             style = plan.module_style(name) if name and key.tp > 1 else None
             if isinstance(style, ColumnParallel | RowParallel):
                 module.register_forward_hook(lambda m, args, out, s=style: self.linear(s, m, args[0], out))
+            elif isinstance(style, NormOverHeads) and next(module.parameters(), None) is not None:
+                module.register_forward_hook(lambda m, args, out: self.norm_over_heads(args[0]))
         for i, block in enumerate(model.blocks):
             block.register_forward_pre_hook(lambda *_, i=i: setattr(self, "region", i))
         if key.ep > 1:
@@ -314,6 +317,14 @@ class _Meter(Hooks):
 
     def activation(self, t: torch.Tensor) -> int:  # gathered in the autocast dtype under bf16
         return 2 if self.bf16 else t.element_size()
+
+    def norm_over_heads(self, x: torch.Tensor) -> None:
+        """A norm over every head's features (x: (..., heads, head_dim)): each token's float32 sum of squares
+        all-reduced in forward, its gradient in backward."""
+        sums = x.numel() // (x.shape[-2] * x.shape[-1]) * FP32
+        self.move("tp", "all_reduce", "forward", sums, self.key.tp)
+        if x.requires_grad:
+            self.move("tp", "all_reduce", "backward", sums, self.key.tp)
 
     def linear(self, style, layer: nn.Module, x: torch.Tensor, y: torch.Tensor) -> None:
         move, tp, sp, rows = self.move, self.key.tp, self.sp, x.numel() // x.shape[-1]

@@ -53,6 +53,10 @@ class Mask:
     attn: torch.Tensor | object | None  # dense bool (B, 1, Nq, Nk), a flex BlockMask, or None: every key
     has_keys: torch.Tensor | None = None  # (B, Nq, 1) for sdpa: queries whose sample has keys; None: all do
     run: int = 0  # > 0 (attn None): every `run` consecutive tokens attend among themselves, as rows of their own
+    # flex: (q_term (B, Nq), k_weight (B, Nk)), q_term[b, q]·k_weight[b, kv] added to each score: a key that
+    # stands for m equal keys scores log m more (Wan's zero-padded text, ditcore.models.wan); sdpa takes such terms
+    # in a float `attn`
+    bias: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 def segments(backend: str, seg_q: torch.Tensor | None, seg_k: torch.Tensor | None) -> Mask:
@@ -73,7 +77,13 @@ def _block_mask(seg_q: torch.Tensor, seg_k: torch.Tensor):
         return (seg_q[b, q] == seg_k[b, kv]) & (seg_k[b, kv] >= 0)
 
     (B, Nq), device = seg_q.shape, seg_q.device
-    return _kernels(device.type).create_block_mask(same_sample, B, None, Nq, seg_k.shape[1], device=device)
+    return block_mask(same_sample, B, Nq, seg_k.shape[1], device)
+
+
+def block_mask(mask_mod: Callable, B: int, Nq: int, Nk: int, device: torch.device):
+    """FlexAttention's BlockMask of mask_mod(b, h, q, kv) → bool for B rows of Nq queries over Nk keys, made by the
+    device's kernels (compiled on CUDA): for an architecture whose keys are not only samples' tokens."""
+    return _kernels(device.type).create_block_mask(mask_mod, B, None, Nq, Nk, device=device)
 
 
 @dataclass(frozen=True)
@@ -141,8 +151,15 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask, enable
         return out if mask.has_keys is None else out * mask.has_keys[:, None]
     if on_host(q):  # torch 2.13's compiled CPU flex kernel misreads strided views: give it dense ones
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    score_mod = None
+    if mask.bias is not None:  # made here, inside a compiled block: a closure from outside would be guarded on
+        q_term, k_weight = mask.bias
+
+        def score_mod(score, b, h, i, j):
+            return score + q_term[b, i] * k_weight[b, j]
+
     return _kernels(q.device.type).flex_attention(q, k, v, block_mask=mask.attn,  # CUDA: strided views, no copies
-                                                  enable_gqa=enable_gqa)
+                                                  score_mod=score_mod, enable_gqa=enable_gqa)
 
 
 class RowSplit:

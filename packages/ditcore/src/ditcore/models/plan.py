@@ -13,6 +13,9 @@ Styles, as Megatron-Core lays them out:
 - `ColumnParallel`: output features split (weight rows and bias); heads and MLP columns are divided. With
   `gather_output` the ranks' output features are all-gathered after the matmul (adaLN's per-sample modulations).
 - `RowParallel`: input features split (weight columns); the bias is replicated and added after the reduction.
+- `NormOverHeads`: an RMS norm over the features of every head together (Wan's QK norm): its scale, shaped (heads,
+  head_dim), split by heads as the column-parallel projection before it is, each rank normalising its heads by the
+  mean square of all of them, whose sums ditcore.parallel adds up over the ranks.
 - `Replicated`: every TP rank holds the whole parameter. Its gradient on one rank may be only a part of the
   whole, and must then be summed over TP: `partial_grad="tp"` when it is computed from this rank's heads only
   (shared QK-norm weights), `"sp"` when it sees this rank's share of the tokens only, i.e. under sequence
@@ -40,11 +43,16 @@ class RowParallel:
 
 
 @dataclass(frozen=True)
+class NormOverHeads:
+    pass
+
+
+@dataclass(frozen=True)
 class Replicated:
     partial_grad: Literal["never", "sp", "tp"] = "sp"
 
 
-Style = ColumnParallel | RowParallel | Replicated
+Style = ColumnParallel | RowParallel | NormOverHeads | Replicated
 
 
 @dataclass(frozen=True)
@@ -86,7 +94,7 @@ class Plan:
     def partition_dim(self, param: str) -> int | None:
         """Dimension along which a parameter is split over TP ranks; None if every rank holds all of it."""
         style = self.style(param)
-        if isinstance(style, ColumnParallel):
+        if isinstance(style, ColumnParallel | NormOverHeads):
             return 0
         if isinstance(style, RowParallel) and param.endswith("weight"):
             return 1

@@ -17,7 +17,7 @@ from torch import nn
 from ditcore.layout import reorder
 from ditcore.models import plan_for
 from ditcore.models.attention import RowSplit
-from ditcore.models.plan import ColumnParallel, RowParallel
+from ditcore.models.plan import ColumnParallel, NormOverHeads, RowParallel
 from ditcore.parallel.tensor_parallel import in_compute_dtype
 
 
@@ -78,6 +78,10 @@ def rank_share(model: nn.Module, tp: int, sp: int, cp: int) -> None:
                 layer = _RankLinear(module, column, tp, gathers, gather=column and style.gather_output)
                 parent, _, child = name.rpartition(".")
                 model.get_submodule(parent).register_module(child, layer)
+            elif isinstance(style, NormOverHeads) and isinstance(module, nn.RMSNorm):  # its heads' share; the
+                heads, head_dim = module.normalized_shape  # summed statistics are one value a token
+                module.normalized_shape = (heads // tp, head_dim)
+                module.weight = nn.Parameter(torch.empty(heads // tp, head_dim, device=module.weight.device))
     if sp * cp > 1:
         model.rows = _RankRows(sp, cp)
 

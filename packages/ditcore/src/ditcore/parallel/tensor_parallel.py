@@ -1,7 +1,8 @@
 """Tensor (and sequence) parallelism: swap a model's linears for column- and row-parallel ones, as its plan says.
 
 Column-parallel layers split output features (heads, MLP columns, adaLN's modulations, which every rank then
-gathers whole), row-parallel ones input features; the weights
+gathers whole), row-parallel ones input features, a norm over every head's features (Wan's QK norm) the heads' scales,
+summing its statistics over the ranks; the weights
 are laid out as Megatron-Core lays them and tagged as it tags them (`tensor_model_parallel`, `partition_dim`,
 `partition_stride`), so gradient finalisation, consolidation, materialisation and checkpoints read them alike.
 With sequence parallelism a column-parallel layer all-gathers the tokens before its matmul and a row-parallel one
@@ -26,7 +27,7 @@ import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from torch import nn
 
-from ditcore.models.plan import ColumnParallel, Plan, RowParallel
+from ditcore.models.plan import ColumnParallel, NormOverHeads, Plan, RowParallel
 from ditcore.parallel.dims import ParallelGroups
 
 
@@ -245,6 +246,41 @@ class RowParallelLinear(nn.Module):
                f"sequence_parallel={self.sequence_parallel}"
 
 
+class RMSNormOverRanks(nn.Module):
+    """An RMS norm over (heads, head_dim) whose heads are split over the TP ranks (plan style NormOverHeads: Wan's QK
+    norm): each rank holds its heads' scales and features, and normalises them by the mean square over every head,
+    its sum of squares summed over the ranks in float32. That sum is used alike by every rank, each for its own
+    features, so its gradient on a rank is a part: all-reduced in backward as in forward."""
+
+    def __init__(self, norm: nn.RMSNorm, groups: ParallelGroups):
+        super().__init__()
+        heads, head_dim = norm.normalized_shape
+        tp = groups.dims.tp
+        self.group, self.features = groups.tp_group, heads * head_dim
+        self.eps = torch.finfo(torch.float32).eps if norm.eps is None else norm.eps  # nn.RMSNorm's default
+        self.weight = _tag(nn.Parameter(torch.empty(heads // tp, head_dim, device=norm.weight.device,
+                                                    dtype=norm.weight.dtype)), 0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., this rank's heads, head_dim), in x's dtype
+        squares = x.float().square().sum((-2, -1), keepdim=True)
+        mean = _SumOverRanks.apply(_CopyToRanks.apply(squares, self.group), self.group) / self.features
+        return x * torch.rsqrt(mean + self.eps).to(x.dtype) * self.weight.to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"heads={self.weight.shape[0]} (this rank's), head_dim={self.weight.shape[1]}, eps={self.eps}"
+
+
+def _parallel_norm(norm: nn.Module, groups: ParallelGroups) -> nn.Module:
+    if not isinstance(norm, nn.RMSNorm) or len(norm.normalized_shape) != 2:
+        raise TypeError(f"the plan makes a {type(norm).__name__} NormOverHeads: expected an RMS norm over (heads, "
+                        "head_dim)")
+    layer = RMSNormOverRanks(norm, groups)
+    if not norm.weight.is_meta:
+        with torch.no_grad():
+            layer.weight.copy_(shard(norm.weight, layer.weight, groups.tp_rank, groups.dims.tp))
+    return layer
+
+
 def _parallel_linear(style: ColumnParallel | RowParallel, linear: nn.Linear, groups: ParallelGroups,
                      sequence_parallel: bool) -> nn.Module:
     out_f, in_f = linear.weight.shape
@@ -267,7 +303,8 @@ def _parallel_linear(style: ColumnParallel | RowParallel, linear: nn.Linear, gro
 
 
 def apply_tensor_parallel(model: nn.Module, plan: Plan, groups: ParallelGroups, sequence_parallel: bool) -> None:
-    """Replace the plan's column/row-parallel linears in place and give attention modules their share of heads."""
+    """Replace the plan's column/row-parallel linears and norms over heads in place and give attention modules their
+    share of heads."""
     tp = groups.dims.tp
     for name, module in list(model.named_modules()):
         if any(fnmatch.fnmatchcase(name, pattern) for pattern in plan.heads):
@@ -282,3 +319,6 @@ def apply_tensor_parallel(model: nn.Module, plan: Plan, groups: ParallelGroups, 
             parent_name, _, child = name.rpartition(".")
             layer = _parallel_linear(style, module, groups, sequence_parallel)
             model.get_submodule(parent_name).register_module(child, layer)
+        elif isinstance(style, NormOverHeads) and next(module.parameters(), None) is not None:  # (not qk_norm's
+            parent_name, _, child = name.rpartition(".")  # Identity)
+            model.get_submodule(parent_name).register_module(child, _parallel_norm(module, groups))
