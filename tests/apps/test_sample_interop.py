@@ -344,7 +344,7 @@ def test_export_of_an_original_checkpoint_needs_approximate(original, tmp_path):
     (["generate", "--prompt", "a grey stone", "--schedule", "ddim"],
      "error: schedule ddim steps through a DDPM network's timesteps, and this model is EDM-preconditioned"),
     (["generate", "--prompt", "a grey stone", "--vae", "stabilityai/sd-vae-ft-ema"],
-     "error: --vae and --num-heads are for the field's DiT checkpoints"),
+     "error: --vae, --num-heads and --text-encoder are for the field's checkpoints"),
 ])
 def test_refusals_are_one_line(checkpoint, tmp_path, args, message):
     args = [str(tmp_path / "out") if a == "OUT" else a for a in args]

@@ -98,9 +98,10 @@ class Checkpoints:
     """
 
     def __init__(self, path: Path, keep: int = KEEP_CHECKPOINTS, vae: str | None = None,
-                 num_heads: int | None = None):
+                 num_heads: int | None = None, text_encoder: str | None = None):
         self.folders = checkpoint_choices(path)
-        self.base = Sampler.load(self.folders[EXPORT], vae, num_heads)  # the last two: the field's checkpoints only
+        # the last three: the field's checkpoints only
+        self.base = Sampler.load(self.folders[EXPORT], vae, num_heads, text_encoder)
         self.keep = keep
         self.loaded: OrderedDict[str, Sampler] = OrderedDict()  # least recently used first
         self._lock = threading.Lock()  # concurrent requests must not load the same checkpoint twice
@@ -215,11 +216,11 @@ def _whole(value):
 
 
 def build_app(checkpoint: str | Path, concurrency: int = 1, queue_size: int = 64,
-              max_token_steps: int = MAX_TOKEN_STEPS, vae: str | None = None, num_heads: int | None = None
-              ) -> gr.Blocks:
-    """vae, num_heads: for one of the field's DiT checkpoints (Sampler.load)."""
+              max_token_steps: int = MAX_TOKEN_STEPS, vae: str | None = None, num_heads: int | None = None,
+              text_encoder: str | None = None) -> gr.Blocks:
+    """vae, num_heads, text_encoder: for one of the field's checkpoints (Sampler.load)."""
     checkpoint = Path(checkpoint)
-    models = Checkpoints(checkpoint, vae=vae, num_heads=num_heads)
+    models = Checkpoints(checkpoint, vae=vae, num_heads=num_heads, text_encoder=text_encoder)
     base = models.base
     base.load_text()  # at start, not in the first request
     cfg = base.exported.model.cfg
@@ -350,7 +351,10 @@ def build_app(checkpoint: str | Path, concurrency: int = 1, queue_size: int = 64
                     seed = gr.Number(value=0, precision=0, label="seed", elem_id="seed")
                     shuffle = gr.Button("random seed", elem_id="random-seed")
                 video_model = cfg.max_grid[0] > 1  # an image model (DiT's) samples one frame: no slider to trip on
-                frames = gr.Slider(1, MAX_FRAMES, value=8 if video_model else 1, step=1, precision=0, label="frames",
+                # a video VAE that compresses time k-fold decodes 1 + n·k frames (Wan's: 1 + 4n): 1 + 2k of them
+                factor = base.exported.codec.temporal_factor
+                clip = 8 if factor == 1 else 1 + 2 * factor
+                frames = gr.Slider(1, MAX_FRAMES, value=clip if video_model else 1, step=1, precision=0, label="frames",
                                    elem_id="frames", visible=video_model)
                 with gr.Row():
                     height = gr.Number(height0, precision=0, minimum=heights[0], maximum=heights[-1], step=stride,
@@ -362,7 +366,7 @@ def build_app(checkpoint: str | Path, concurrency: int = 1, queue_size: int = 64
                 if trained:
                     gr.Examples([list(s) for s in trained], [height, width],
                                 label="resolutions the run trained at (height, width)", api_visibility="private")
-                solver = gr.Radio(list(SOLVERS), value="heun", label="solver", elem_id="solver")
+                solver = gr.Radio(list(SOLVERS), value=base.exported.solver, label="solver", elem_id="solver")
                 go = gr.Button("Generate", variant="primary", elem_id="generate")
             with gr.Column():
                 video = gr.Video(label="sample", elem_id="vid", autoplay=True, loop=True)

@@ -36,11 +36,17 @@ class Format(enum.StrEnum):
     diffusers = "diffusers"
 
 
-CHECKPOINT_HELP = ("An export folder (RUN_DIR/export), a run directory, or one of the field's DiT checkpoints: an "
+CHECKPOINT_HELP = ("An export folder (RUN_DIR/export), a run directory, or one of the field's checkpoints: an "
                    "original DiT file (DiT-XL-2-256x256.pt, .safetensors), a diffusers DiTTransformer2DModel folder or "
-                   "DiT pipeline folder (transformer/, scheduler/, vae/).")
+                   "DiT pipeline folder (transformer/, scheduler/, vae/), a WanTransformer3DModel folder or "
+                   "WanPipeline folder (Wan 2.1 text-to-video: transformer/, vae/, text_encoder/, tokenizer/, "
+                   "scheduler/).")
 VAE_HELP = ("The field's checkpoints only: the VAE that decodes its latents, a local folder (save_pretrained) or hub "
-            "id. Default: a pipeline's own vae/, else stabilityai/sd-vae-ft-ema (DiT's).")
+            "id. Default: a pipeline's own vae/, else stabilityai/sd-vae-ft-ema (DiT's); a bare "
+            "WanTransformer3DModel folder needs one (an AutoencoderKLWan).")
+TEXT_ENCODER_HELP = ("The field's text-conditioned checkpoints only: the text encoder, by ditcore's name (umt5:<hub id "
+                     "or folder>, e.g. umt5:google/umt5-xxl). Default: a WanPipeline folder's own (its text_encoder/ "
+                     "and tokenizer/); a bare WanTransformer3DModel folder needs one.")
 HEADS_HELP = ("The field's checkpoints only: attention heads of an original DiT file whose width is none of the "
               "paper's (S/B/L/XL: its state dict does not record them).")
 
@@ -77,15 +83,18 @@ def generate(
     height: int = typer.Option(None, help="Height in pixels. Default: the height (and width) the run trained at most; "
                                           "else the size it validated at; else 64.", show_default=False),
     width: int = typer.Option(None, help="Width in pixels. Default: see --height.", show_default=False),
-    solver: Solver = typer.Option("heun", help="heun (2nd order) or euler; unipc for flow-matching networks "
-                                               "(diffusers' UniPC multistep scheduler, as Wan samples). A flow "
-                                               "network samples with the timestep shift it was trained with."),
+    solver: Solver = typer.Option(None, help="heun (2nd order) or euler; unipc for flow-matching networks "
+                                             "(diffusers' UniPC multistep scheduler, as Wan samples). A flow network "
+                                             "samples with the timestep shift it was trained with. Default: the solver "
+                                             "the run validated with; an imported pipeline's scheduler's (Wan 2.1: "
+                                             "unipc); else heun.", show_default=False),
     schedule: Schedule = typer.Option("karras", help="Noise levels: karras (EDM's, rho 7) or ddim (a DDPM network's "
                                                      "own timesteps, spaced as DDIM spaces them; with --solver euler "
                                                      "this is DDIM). ddim: VP-preconditioned networks only. A flow "
                                                      "network steps through its shifted times t whatever this says."),
     vae: str = typer.Option(None, help=VAE_HELP, show_default=False),
     num_heads: int = typer.Option(None, min=1, help=HEADS_HELP, show_default=False),
+    text_encoder: str = typer.Option(None, help=TEXT_ENCODER_HELP, show_default=False),
     fps: float = typer.Option(8.0, min=0.1, max=240.0,
                               help="Frame rate of the mp4 (and the model's fps condition, if it has one)."),
     out: Path = typer.Option(Path("sample.png"), help="Output file; several prompts add -0, -1, … to the name."),
@@ -103,13 +112,14 @@ def generate(
         fail(problem)
     with stop_on_signal():  # loading, each sampling step and the writing: Ctrl-C or SIGTERM stop it
         try:
-            sampler = Sampler.load(checkpoint, vae, num_heads)
+            sampler = Sampler.load(checkpoint, vae, num_heads, text_encoder)
             if "imported" in sampler.exported.extra:
                 typer.echo(f"sampling {sampler.exported.extra['imported']}")
             if not sampler.class_conditional and not prompt:
                 example = f", e.g. --prompt {shlex.quote(sampler.prompts()[0])}" if sampler.prompts() else ""
                 raise RequestError(f"--prompt is required: describe what to draw{example}")
             guidance = sampler.exported.guidance if guidance is None else guidance
+            solver = sampler.exported.solver if solver is None else solver
             trained_height, trained_width = sampler.default_size()
             height = trained_height if height is None else height
             width = trained_width if width is None else width
@@ -198,6 +208,7 @@ def serve(
                                                           "sampler steps; larger ones are refused with a message."),
     vae: str = typer.Option(None, help=VAE_HELP, show_default=False),
     num_heads: int = typer.Option(None, min=1, help=HEADS_HELP, show_default=False),
+    text_encoder: str = typer.Option(None, help=TEXT_ENCODER_HELP, show_default=False),
 ) -> None:
     """Run the Gradio app: prompt → video/image in the browser. Never opens a public share link."""
     from dit_sample.app import build_app, exposure_warning, launch_options, port_problem
@@ -215,7 +226,8 @@ def serve(
     with stopping.Signals() as signals:
         try:
             demo = build_app(checkpoint, concurrency=concurrency, queue_size=queue_size,
-                             max_token_steps=max_token_steps, vae=vae, num_heads=num_heads)
+                             max_token_steps=max_token_steps, vae=vae, num_heads=num_heads,
+                             text_encoder=text_encoder)
         except (FileNotFoundError, ValueError, KeyError, HubLoadError) as e:
             fail(str(e))
         typer.echo(f"serving {checkpoint} on http://{host}:{port}")
@@ -233,12 +245,14 @@ def serve(
 
 @app.command()
 def export(
-    out: Path = typer.Argument(..., metavar="OUT", help="The folder to write: a diffusers DiTTransformer2DModel "
-                                                        "(config.json, diffusion_pytorch_model.safetensors, and "
-                                                        "ditcore.json: how it is preconditioned)."),
+    out: Path = typer.Argument(..., metavar="OUT", help="The folder to write: a diffusers DiTTransformer2DModel, "
+                                                        "or WanTransformer3DModel for a Wan (config.json, "
+                                                        "diffusion_pytorch_model.safetensors, and ditcore.json: how "
+                                                        "it is preconditioned or what it was trained with)."),
     checkpoint: Path = typer.Option(..., help=CHECKPOINT_HELP),
-    format_: Format = typer.Option(..., "--format", help="diffusers: a DiTTransformer2DModel folder (the one format "
-                                                        "so far)."),
+    format_: Format = typer.Option(..., "--format", help="diffusers: a DiTTransformer2DModel or WanTransformer3DModel "
+                                                        "folder, by the model's architecture (the one format so "
+                                                        "far)."),
     approximate: bool = typer.Option(False, help="Export a network with the original DiT's timestep sinusoid anyway "
                                                  "(an original DiT checkpoint, or a run fine-tuned from one): "
                                                  "diffusers computes its own, 10000^(-k/(half-1)), as its conversion "
@@ -247,7 +261,8 @@ def export(
     force: bool = typer.Option(False, help="Replace OUT if it exists (it is replaced whole, once the new folder is "
                                            "complete)."),
 ) -> None:
-    """Write the model to another library's format: a folder `DiTTransformer2DModel.from_pretrained(OUT)` loads.
+    """Write the model to another library's format: a folder `DiTTransformer2DModel.from_pretrained(OUT)` (a DiT) or
+    `WanTransformer3DModel.from_pretrained(OUT)` (a Wan, model.arch=wan) loads.
 
     Refused, naming the first feature the format cannot hold (RoPE, QK-norm, text conditioning, video, ...)."""
     from dit_sample.export import to_diffusers

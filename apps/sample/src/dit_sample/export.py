@@ -1,4 +1,5 @@
-"""`dit-sample export`: a trained or imported DiT handed to diffusers as a `DiTTransformer2DModel` folder.
+"""`dit-sample export`: a trained or imported DiT handed to diffusers as a `DiTTransformer2DModel` folder, a Wan
+(model.arch=wan) as a `WanTransformer3DModel` folder.
 
 The conversion and its refusals are ditcore.interop's; here: which weights (an export, a run, or one of the field's
 checkpoints), what may be overwritten, and what a user must know to load and sample the folder.
@@ -6,6 +7,7 @@ checkpoints), what may be overwritten, and what a user must know to load and sam
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -13,11 +15,13 @@ import torch
 from ditcore import interop, runs
 from ditcore.codecs import LatentStats
 from ditcore.data.schema import INFO_FILE, parse_info
+from ditcore.diffusion.flow import TimeShift
 from ditcore.diffusion.vp import DiscreteVP
-from ditcore.export import exported_config, load_network, vp_of
-from ditcore.interop import diffusers_dit
+from ditcore.export import exported_config, load_network, shift_of, vp_of
+from ditcore.interop import diffusers_dit, diffusers_wan
 from ditcore.layout import SIGMA_DATA
 from ditcore.models.dit import DiTConfig
+from ditcore.models.wan import WanConfig
 
 
 class ExportError(ValueError):
@@ -37,18 +41,36 @@ def out_problem(out: Path, checkpoint: Path, force: bool) -> str | None:
     return None
 
 
-def network(checkpoint: Path, num_heads: int | None, approximate: bool
-            ) -> tuple[DiTConfig, dict[str, torch.Tensor], DiscreteVP | None, LatentStats | None]:
-    """(config, one-device weights, DDPM schedule or None, latent units or None: not recorded) of what `checkpoint`
-    names; a model that diffusers cannot hold is refused from its config alone, before its weights load."""
+@dataclass(frozen=True)
+class Network:
+    """What is exported: the architecture, the one-device weights, and what the network was trained with and in."""
+
+    cfg: DiTConfig
+    tensors: dict[str, torch.Tensor]
+    vp: DiscreteVP | None  # a DDPM schedule (VP preconditioning), or None
+    latent_stats: LatentStats | None  # None: not recorded
+    objective: str = "edm"
+    shift: TimeShift | None = None  # a flow network's
+
+
+def refusal(cfg: DiTConfig, approximate: bool) -> str | None:
+    """Why the diffusers class of cfg's architecture cannot hold it, or None."""
+    if isinstance(cfg, WanConfig):
+        return diffusers_wan.refusal(cfg)
+    return diffusers_dit.refusal(cfg, approximate)
+
+
+def network(checkpoint: Path, num_heads: int | None, approximate: bool) -> Network:
+    """What `checkpoint` names; a model that diffusers cannot hold is refused from its config alone, before its
+    weights load."""
     if interop.is_foreign(checkpoint):
-        imported = interop.read(checkpoint, num_heads)
-        return imported.cfg, imported.tensors, imported.vp, imported.latent_stats
+        got = interop.read(checkpoint, num_heads)
+        return Network(got.cfg, got.tensors, got.vp, got.latent_stats, got.objective, got.shift)
     if num_heads is not None:
         raise ExportError(f"--num-heads is for the field's DiT checkpoints ({interop.KINDS}); '{checkpoint}' is a "
                           "ditcore export or run, which records its heads — leave it out")
     path = runs.find_export(checkpoint)
-    why = diffusers_dit.refusal(exported_config(path), approximate)
+    why = refusal(exported_config(path), approximate)
     if why:
         raise ExportError(why)
     cfg, state, meta = load_network(path)
@@ -57,7 +79,8 @@ def network(checkpoint: Path, num_heads: int | None, approximate: bool
         raise ExportError(f"cannot export to diffusers: prediction={prediction} (the network predicts the clean "
                           "latents, D = σ_data·F): the folder records EDM's preconditioning (c_skip, c_out) only")
     info = parse_info(path / INFO_FILE, "export", "export the run again (dit-train writes RUN_DIR/export/)")
-    return cfg, state, vp_of(meta), LatentStats.from_dict(info.latent_stats)
+    return Network(cfg, state, vp_of(meta), LatentStats.from_dict(info.latent_stats), meta.get("objective", "edm"),
+                   shift_of(meta))
 
 
 def to_diffusers(checkpoint: str | Path, out: str | Path, *, approximate: bool = False, num_heads: int | None = None,
@@ -67,26 +90,50 @@ def to_diffusers(checkpoint: str | Path, out: str | Path, *, approximate: bool =
     problem = out_problem(out, checkpoint, force)
     if problem:
         raise ExportError(problem)
-    cfg, tensors, vp, stats = network(checkpoint, num_heads, approximate)
-    interop.export_diffusers(out, cfg, tensors, vp, approximate, latent_stats=stats)
-    c = cfg
-    lines = [f"wrote {out}: a diffusers {diffusers_dit.CLASS_NAME} (width {c.hidden_size}, depth {c.depth}, "
-             f"{c.num_heads} heads, patch {c.patch_size}, {c.in_channels} channels, {c.num_classes} classes, "
-             f"sample_size {c.max_grid[1] * c.patch_size}); it holds the network only, no VAE or scheduler "
-             f"({interop.SIDECAR} records its preconditioning and, when known, the latent units it was trained in)",
-             f"load it with: from diffusers import {diffusers_dit.CLASS_NAME}; "
-             f"{diffusers_dit.CLASS_NAME}.from_pretrained({str(out)!r})"]
-    if vp is not None:
-        lines.append(f"it is a DDPM ε-prediction network, as DiT ({vp.timesteps} {vp.beta_schedule} timesteps, β "
-                     f"{vp.beta_start:g}..{vp.beta_end:g}; {out / interop.SIDECAR} records them): sample it as DiT, "
-                     f"e.g. DiTPipeline with DDIMScheduler(num_train_timesteps={vp.timesteps}, "
-                     f"beta_schedule={vp.beta_schedule!r}, beta_start={vp.beta_start:g}, beta_end={vp.beta_end:g})")
+    net = network(checkpoint, num_heads, approximate)
+    interop.export_diffusers(out, net.cfg, net.tensors, net.vp, approximate, latent_stats=net.latent_stats,
+                             objective=net.objective, shift=net.shift)
+    c, wan = net.cfg, isinstance(net.cfg, WanConfig)
+    name = diffusers_wan.CLASS_NAME if wan else diffusers_dit.CLASS_NAME
+    if wan:
+        what = (f"width {c.hidden_size}, depth {c.depth}, {c.num_heads} heads, patch {c.patch_size_t}x{c.patch_size}x"
+                f"{c.patch_size}, {c.in_channels} channels, text {c.text_dim} wide")
     else:
-        lines.append(f"it is EDM-preconditioned, not a DDPM network ({out / interop.SIDECAR} says so): give it "
-                     "c_in·x with timestep = 1000·ln(σ)/4 and take D(x; σ) = c_skip·x + c_out·output, where "
-                     f"σ_data = {SIGMA_DATA}, c_in = 1/√(σ²+σ_data²), c_skip = σ_data²/(σ²+σ_data²), c_out = "
-                     "σ·σ_data/√(σ²+σ_data²) — diffusers' DDPM schedulers cannot sample it as it is")
-    if approximate and cfg.freq_shift == 0:
-        lines.append("approximate: diffusers computes the timestep sinusoid with frequencies 10000^(-k/(half-1)), "
-                     "the network was trained with 10000^(-k/half): close to its function, not equal")
-    return lines
+        what = (f"width {c.hidden_size}, depth {c.depth}, {c.num_heads} heads, patch {c.patch_size}, {c.in_channels} "
+                f"channels, {c.num_classes} classes, sample_size {c.max_grid[1] * c.patch_size}")
+    lines = [f"wrote {out}: a diffusers {name} ({what}); it holds the network only, no VAE or scheduler "
+             f"({interop.SIDECAR} records its preconditioning or objective and, when known, the latent units it was "
+             "trained in)",
+             f"load it with: from diffusers import {name}; {name}.from_pretrained({str(out)!r})"
+             + (" (diffusers needs accelerate installed to load it)" if wan else "")]
+    return lines + _how_to_sample(net, out, wan) + (
+        ["approximate: diffusers computes the timestep sinusoid with frequencies 10000^(-k/(half-1)), the network "
+         "was trained with 10000^(-k/half): close to its function, not equal"]
+        if approximate and c.freq_shift == 0 else [])
+
+
+def _how_to_sample(net: Network, out: Path, wan: bool) -> list[str]:
+    """What a user must know to sample the folder in diffusers: its objective and preconditioning."""
+    if net.objective == "flow":
+        s = net.shift
+        shift = (f"use_dynamic_shifting=True, base_shift={s.base_shift:g}, max_shift={s.max_shift:g}" if s.dynamic
+                 else f"shift={s.shift:g}")
+        line = (f"it is a flow-matching velocity network (timestep 1000·t, output ε − x₀; {out / interop.SIDECAR} "
+                f"records its time shift): sample it with FlowMatchEulerDiscreteScheduler({shift})")
+        if not s.dynamic:
+            line += (f" or UniPCMultistepScheduler(prediction_type='flow_prediction', use_flow_sigmas=True, "
+                     f"flow_shift={s.shift:g})")
+        if wan:
+            line += (f", as the transformer of a WanPipeline with the Wan VAE and UMT5 encoder it was trained with "
+                     f"(max_sequence_length={net.cfg.text_len})")
+        return [line]
+    vp = net.vp
+    if vp is not None:
+        return [f"it is a DDPM ε-prediction network, as DiT ({vp.timesteps} {vp.beta_schedule} timesteps, β "
+                f"{vp.beta_start:g}..{vp.beta_end:g}; {out / interop.SIDECAR} records them): sample it as DiT, "
+                f"e.g. DiTPipeline with DDIMScheduler(num_train_timesteps={vp.timesteps}, "
+                f"beta_schedule={vp.beta_schedule!r}, beta_start={vp.beta_start:g}, beta_end={vp.beta_end:g})"]
+    return [f"it is EDM-preconditioned, not a DDPM network ({out / interop.SIDECAR} says so): give it "
+            "c_in·x with timestep = 1000·ln(σ)/4 and take D(x; σ) = c_skip·x + c_out·output, where "
+            f"σ_data = {SIGMA_DATA}, c_in = 1/√(σ²+σ_data²), c_skip = σ_data²/(σ²+σ_data²), c_out = "
+            "σ·σ_data/√(σ²+σ_data²) — diffusers' DDPM schedulers cannot sample it as it is"]

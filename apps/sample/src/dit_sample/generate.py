@@ -1,9 +1,9 @@
 """Loading a checkpoint for sampling and checking a request: shared by the CLI and the Gradio app.
 
-A checkpoint is a ditcore export (or a run directory), or one of the field's DiT checkpoints (ditcore.interop: an
-original DiT file, a diffusers DiTTransformer2DModel or DiT pipeline folder), which becomes the same `Exported`: its
-network under the preconditioning it was trained with, a diffusers VAE, and the latent statistics that give the
-network the latents it saw in training.
+A checkpoint is a ditcore export (or a run directory), or one of the field's checkpoints (ditcore.interop: an
+original DiT file, a diffusers DiTTransformer2DModel or DiT pipeline folder, a WanTransformer3DModel or WanPipeline
+folder), which becomes the same `Exported`: its network under the preconditioning or objective it was trained with, a
+diffusers VAE, the latent statistics that give the network the latents it saw in training, and its text encoder.
 """
 
 from __future__ import annotations
@@ -23,8 +23,9 @@ from ditcore.codecs import DiffusersVAECodec, LatentStats
 from ditcore.codecs.text import MAX_TOKENS, TextEncoder, load_text_encoder
 from ditcore.data.fit import latent_shapes
 from ditcore.data.schema import DatasetInfo
-from ditcore.export import DEFAULT_GUIDANCE, Exported, load_export
-from ditcore.models import build
+from ditcore.export import DEFAULT_GUIDANCE, Exported, load_export, recorded_objective
+from ditcore.interop import diffusers_wan
+from ditcore.models import arch_of, build
 from ditcore.sampling import SCHEDULES, SampleResult, sample, token_grid
 
 # Inclusive ranges; seed: what torch.Generator.manual_seed accepts.
@@ -35,6 +36,11 @@ MAX_PROMPT_CHARS = 2000
 # The VAE DiT's authors sample their checkpoints with (their sample.py's default, --vae ema): the latent space every
 # DiT checkpoint of theirs, and diffusers' facebook/DiT-XL-2-* pipelines, were trained in
 DIT_VAE = "stabilityai/sd-vae-ft-ema"
+# What the field's checkpoints of each architecture are sampled with, as their pipelines sample them: the class of VAE
+# their latents are (a local folder of another class is refused), the VAE when none is given (Wan's has none: it is in
+# its pipeline folder) and the guidance weight (DiTPipeline's 4, WanPipeline's 5)
+FOREIGN = {"dit": ("AutoencoderKL", DIT_VAE, DEFAULT_GUIDANCE),
+           "wan": (diffusers_wan.VAE_CLASS, None, diffusers_wan.GUIDANCE)}
 
 
 class RequestError(ValueError):
@@ -49,17 +55,20 @@ class Sampler:
     load_seconds: dict[str, float] = field(default_factory=dict)  # model, codec, text encoder: apart from sampling
 
     @classmethod
-    def load(cls, checkpoint: str | Path, vae: str | None = None, num_heads: int | None = None) -> Sampler:
-        """vae, num_heads: for the field's checkpoints (see load_foreign); a ditcore export has its own codec."""
+    def load(cls, checkpoint: str | Path, vae: str | None = None, num_heads: int | None = None,
+             text_encoder: str | None = None) -> Sampler:
+        """vae, num_heads, text_encoder: for the field's checkpoints (see load_foreign); a ditcore export has its
+        own codec and text encoder."""
         if interop.is_foreign(checkpoint):
-            exported = load_foreign(checkpoint, vae, num_heads)
-            return cls(exported, None, Path(checkpoint), dict(exported.load_seconds))
-        if vae is not None or num_heads is not None:
-            raise RequestError(f"--vae and --num-heads are for the field's DiT checkpoints ({interop.KINDS}); "
-                               f"'{checkpoint}' is a ditcore export or run, which decodes with the codec it trained "
-                               "with and records its heads — leave them out")
-        path = runs.find_export(checkpoint)
-        exported = load_export(path)
+            exported, path = load_foreign(checkpoint, vae, num_heads, text_encoder), Path(checkpoint)
+        elif vae is not None or num_heads is not None or text_encoder is not None:
+            raise RequestError(f"--vae, --num-heads and --text-encoder are for the field's checkpoints "
+                               f"({interop.KINDS}); '{checkpoint}' is a ditcore export or run, which decodes with the "
+                               "codec it trained with, encodes text as its dataset did and records its heads — leave "
+                               "them out")
+        else:
+            path = runs.find_export(checkpoint)
+            exported = load_export(path)
         text = None
         if exported.model.cfg.text_dim:  # the encoder the dataset was made with; its model loads in load_text()
             text = load_text_encoder(exported.info.text_encoder["name"])
@@ -72,6 +81,10 @@ class Sampler:
             t0 = time.perf_counter()
             self.text.load()
             self.load_seconds["text encoder"] = time.perf_counter() - t0
+            if self.text.dim != self.exported.model.cfg.text_dim:  # e.g. --text-encoder of another model's width
+                raise RequestError(f"the text encoder {self.text.name!r} gives states {self.text.dim} wide, the "
+                                   f"network reads text {self.exported.model.cfg.text_dim} wide — pass the encoder it "
+                                   "was trained with")
 
     @property
     def class_conditional(self) -> bool:
@@ -197,8 +210,11 @@ class Sampler:
         states = negative = None
         if self.text is not None:
             states = self.text.encode(list(prompts))
-            if negative_prompt:
-                negative = self.text.encode([negative_prompt]) * len(prompts)
+            # no negative prompt: the unconditional text the network was trained with, no text at all (ditcore's
+            # runs) or the encoding of a caption (WanPipeline's "")
+            unconditional = negative_prompt or self.exported.negative_prompt
+            if unconditional is not None and guidance != 1.0:
+                negative = self.text.encode([unconditional]) * len(prompts)
         result = sample(self.exported.model, self.exported.codec, self.exported.stats, text_states=states,
                         negative_states=negative, class_labels=class_labels, frames=frames, height=height,
                         width=width, steps=steps, guidance=guidance, solver=solver, seed=seed, fps=fps,
@@ -209,41 +225,78 @@ class Sampler:
         return result, time.perf_counter() - t0
 
 
-def load_foreign(path: str | Path, vae: str | None = None, num_heads: int | None = None) -> Exported:
-    """One of the field's DiT checkpoints (ditcore.interop.read) as an export: the network (eval) under the
-    preconditioning it was trained with (a DDPM schedule: VP), DiT's guidance default, and a VAE codec — `vae` (a
-    local folder or hub id), else a pipeline's own vae/, else DiT's. num_heads: for an original checkpoint whose
-    width is none of the paper's (a state dict does not record its heads)."""
+def load_foreign(path: str | Path, vae: str | None = None, num_heads: int | None = None,
+                 text_encoder: str | None = None) -> Exported:
+    """One of the field's checkpoints (ditcore.interop.read) as an export: the network (eval) under the
+    preconditioning or objective it was trained with (a DDPM schedule: VP; Wan: flow, its scheduler's shift and
+    solver), its pipeline's guidance default, a VAE codec — `vae` (a local folder or hub id), else a pipeline's own
+    vae/, else DiT's — and a text encoder for a text-conditioned network: `text_encoder` (ditcore's name, e.g.
+    umt5:<folder>), else its pipeline's. num_heads: for an original checkpoint whose width is none of the paper's (a
+    state dict does not record its heads)."""
     t0 = time.perf_counter()
     imported = interop.read(path, num_heads)
     cfg = imported.cfg
+    vae_class, default_vae, guidance = FOREIGN[arch_of(cfg)]
+    text = _foreign_text(path, imported, text_encoder)
     model = build(cfg)
     model.load_state_dict(imported.tensors)  # strict: the import gives every weight its place
     model.eval()
     t1 = time.perf_counter()
-    source = vae or imported.vae or DIT_VAE
-    _check_vae_class(source)
-    codec = DiffusersVAECodec(source, "AutoencoderKL")
+    source = vae or imported.vae or default_vae
+    if source is None:
+        raise ValueError(f"'{path}' is a bare {imported.kind} folder, which holds no VAE: pass --vae <the "
+                         f"{vae_class} it was trained with, e.g. a WanPipeline folder's vae/> (or give the pipeline "
+                         "folder as --checkpoint)")
+    _check_vae_class(source, vae_class)
+    codec = DiffusersVAECodec(source, vae_class)
     if codec.latent_channels != cfg.in_channels:
         raise ValueError(f"the VAE {str(source)!r} has {codec.latent_channels} latent channels, the network takes "
                          f"{cfg.in_channels} — pass the VAE it was trained with (--vae)")
-    # The network was trained on (z − shift)·scaling_factor of the VAE's latents z (DiT: 0.18215·z), unless a ditcore
-    # export recorded the units it was fine-tuned in
-    C, config = cfg.in_channels, codec.vae.config
-    stats = imported.latent_stats or LatentStats.of_vae(C, config.scaling_factor,
-                                                        getattr(config, "shift_factor", None) or 0.0)
-    info = DatasetInfo(codec=codec.save(Path(path)), latent_stats=stats.to_dict(),
-                       text_encoder={"name": "null", "dim": 0}, latent_channels=C,
-                       spatial_factor=codec.spatial_factor, temporal_factor=1, num_classes=cfg.num_classes)
-    extra = {"imported": imported.summary(), "guidance": DEFAULT_GUIDANCE, "prompts": [],
-             "size": cfg.max_grid[1] * cfg.patch_size * codec.spatial_factor,  # its training size: the default
+    stats = imported.latent_stats or _vae_units(vae_class, codec, cfg.in_channels)
+    info = DatasetInfo(codec=codec.save(Path(path)), latent_stats=stats.to_dict(), text_encoder=text,
+                       latent_channels=cfg.in_channels, spatial_factor=codec.spatial_factor,
+                       temporal_factor=codec.temporal_factor, num_classes=cfg.num_classes)
+    extra = {"imported": imported.summary(), "guidance": guidance, "prompts": [],
+             **recorded_objective(imported.objective, imported.shift),
              "precond": "edm" if imported.vp is None else "vp", **({} if imported.vp is None else
                                                                    {"vp": imported.vp.to_dict()})}
+    if imported.solver is not None:  # its pipeline's scheduler's loop: dit-sample's default solver for it
+        extra["solver"] = imported.solver
+    if imported.negative_prompt is not None:
+        extra["negative_prompt"] = imported.negative_prompt
+    if arch_of(cfg) == "dit":  # its training size, the default: DiT's grid is its one size (Wan's bounds RoPE only)
+        extra["size"] = cfg.max_grid[1] * cfg.patch_size * codec.spatial_factor
     return Exported(model, codec, stats, info, extra, {"model": t1 - t0, "codec": time.perf_counter() - t1})
 
 
-def _check_vae_class(source: str | Path) -> None:
-    """A local VAE folder of another class would load as an AutoencoderKL with random weights (diffusers only
+def _foreign_text(path, imported: interop.Imported, text_encoder: str | None) -> dict:
+    """The dataset-info record of the text encoder an import is sampled with: `text_encoder`, else its pipeline's;
+    null for a network without text."""
+    if not imported.cfg.text_dim:
+        if text_encoder is not None:
+            raise ValueError(f"--text-encoder is for text-conditioned networks: '{path}' ({imported.kind}) reads no "
+                             "text (class labels: --class) — leave it out")
+        return {"name": "null", "dim": 0}
+    name = text_encoder or imported.text_encoder
+    if name is None:
+        raise ValueError(f"'{path}' is a bare {imported.kind} folder, which names no text encoder: pass "
+                         "--text-encoder umt5:<its WanPipeline folder, or google/umt5-xxl> (or give the pipeline "
+                         "folder as --checkpoint)")
+    load_text_encoder(name)  # the name checked now (nothing loads yet): an unknown one is refused before the model
+    return {"name": name, "dim": imported.cfg.text_dim}
+
+
+def _vae_units(vae_class: str, codec: DiffusersVAECodec, channels: int) -> LatentStats:
+    """The units a network is trained on of this VAE's latents z: DiT's (z − shift)·scaling_factor (0.18215·z), Wan's
+    (z − latents_mean)/latents_std per channel — read from the VAE's config."""
+    config = codec.vae.config
+    if vae_class == diffusers_wan.VAE_CLASS:
+        return diffusers_wan.latent_units(dict(config))
+    return LatentStats.of_vae(channels, config.scaling_factor, getattr(config, "shift_factor", None) or 0.0)
+
+
+def _check_vae_class(source: str | Path, expected: str) -> None:
+    """A local VAE folder of another class would load as the expected one with random weights (diffusers only
     warns): refused by the class its config.json names."""
     config = Path(source).expanduser() / "config.json"
     if not config.is_file():
@@ -252,9 +305,10 @@ def _check_vae_class(source: str | Path) -> None:
         name = json.loads(config.read_text()).get("_class_name")
     except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError):
         return  # the loader names what is wrong with it
-    if name not in (None, "AutoencoderKL"):
-        raise ValueError(f"the VAE folder '{source}' holds a {name}: DiT's latents are an AutoencoderKL's (as "
-                         f"{DIT_VAE}) — pass one with --vae")
+    if name not in (None, expected):
+        example = f" (as {DIT_VAE})" if expected == "AutoencoderKL" else " (a WanPipeline folder's vae/)"
+        raise ValueError(f"the VAE folder '{source}' holds a {name}: the network's latents are an {expected}'s"
+                         f"{example} — pass one with --vae")
 
 
 def _check_numbers(**values) -> None:

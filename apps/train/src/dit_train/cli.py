@@ -17,7 +17,7 @@ def find_config(name: str) -> Path:
     """A file, or the name of a shipped config (apps/train/configs/NAME.yaml). A folder of that name (a dataset
     called mock, say) does not hide the shipped config."""
     path = Path(name)
-    if path.is_file() or path.suffix:
+    if path.is_file():  # a name with a dot (wan-1.3b-finetune) is still a shipped config's
         return path
     return shipped_configs().get(name, path)
 

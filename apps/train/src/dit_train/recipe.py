@@ -9,6 +9,10 @@ error naming it), VP preconditioning on its schedule, DiT's objective, and its l
 0.18215 z, the dataset stores z normalised by its own statistics, so every batch is mapped to the network's units on
 the device (ditcore.training.LatentMap), and the export records the network's statistics, so that sampling decodes
 right. A run fine-tuned that way records the same beside its weights, so a run started from it continues alike.
+A Wan (a diffusers WanTransformer3DModel or WanPipeline folder) likewise brings its architecture (model.arch=wan),
+objective flow with its scheduler's time shift (flow.shift where the config sets none), and the per-channel latent
+units of its VAE (latents_mean, latents_std); its text cross-attention is taken where the dataset's text encoder is
+its UMT5 (the same width).
 
 Classes: a dataset with the checkpoint's classes (or none: every sample is then trained as the null class, the
 unconditional DiT) keeps its class embedding; one with another number of classes gets a fresh one (init_from's line
@@ -28,7 +32,7 @@ from ditcore.diffusion.ddpm import DDPMLoss
 from ditcore.diffusion.flow import FlowLoss, FlowPrecond
 from ditcore.diffusion.vp import DiscreteVP
 from ditcore.errors import ConfigError
-from ditcore.models import PRESETS, DiTConfig, preset
+from ditcore.models import PRESETS, DiTConfig, arch_of, preset
 from ditcore.models.moe import MoEConfig
 from ditcore.training import LatentMap
 
@@ -233,19 +237,7 @@ def foreign_config(cfg: TrainConfig, info, source: init_from.Source) -> DiTConfi
     """A foreign checkpoint's architecture; ConfigError naming every model key the user set that disagrees with it,
     and for a dataset of other latent channels."""
     m, theirs = cfg.model, source.cfg
-    differ = []  # (key, the user's value, the checkpoint's)
-    if m.arch != "dit":
-        differ.append(("model.arch", m.arch, "dit"))
-    for key in ARCH_KEYS:
-        if _set(m, key) and getattr(m, key) is not None and getattr(m, key) != getattr(theirs, key):
-            differ.append((f"model.{key}", getattr(m, key), getattr(theirs, key)))
-    if _set(m, "preset"):
-        ours = PRESETS[m.preset]
-        wrong = [k for k in PRESET_FIELDS  # a key given beside the preset is compared by itself above
-                 if getattr(ours, k) != getattr(theirs, k) and not (_set(m, k) and getattr(m, k) is not None)]
-        if wrong:
-            differ.insert(0, ("model.preset", m.preset, ", ".join(f"{k} {getattr(theirs, k)} (the preset's "
-                                                                    f"{getattr(ours, k)})" for k in wrong)))
+    differ = _disagreements(m, theirs)
     if differ:
         (key, value, ckpt), *rest = differ
         also = "; also " + ", ".join(f"{k}={v} (the checkpoint's: {c})" for k, v, c in rest) if rest else ""
@@ -264,6 +256,26 @@ def foreign_config(cfg: TrainConfig, info, source: init_from.Source) -> DiTConfi
     if m.max_grid is not None:
         changes["max_grid"] = tuple(m.max_grid)
     return theirs.replace(**changes)
+
+
+def _disagreements(m, theirs: DiTConfig) -> list[tuple[str, object, object]]:
+    """(key, the user's value, the checkpoint's) for every model key the config set that the checkpoint disagrees
+    with; the preset first."""
+    differ = []
+    # model.arch is the preset's (a config cannot set one without the other): given only where the preset is
+    if _set(m, "preset") and m.arch != arch_of(theirs):
+        differ.append(("model.arch", m.arch, arch_of(theirs)))
+    for key in ARCH_KEYS:
+        if _set(m, key) and getattr(m, key) is not None and getattr(m, key) != getattr(theirs, key):
+            differ.append((f"model.{key}", getattr(m, key), getattr(theirs, key)))
+    if _set(m, "preset"):
+        ours = PRESETS[m.preset]
+        wrong = [k for k in PRESET_FIELDS  # a key given beside the preset is compared by itself above
+                 if getattr(ours, k) != getattr(theirs, k) and not (_set(m, k) and getattr(m, k) is not None)]
+        if wrong:
+            differ.insert(0, ("model.preset", m.preset, ", ".join(f"{k} {getattr(theirs, k)} (the preset's "
+                                                                    f"{getattr(ours, k)})" for k in wrong)))
+    return differ
 
 
 def _set(section, key: str) -> bool:

@@ -616,10 +616,10 @@ def export(run: Setup, t: Trainee, validator: Validator, heldout: HeldOutLoss | 
                      extra={"step": step, "prediction": run.cfg.edm.prediction,
                             # under VP: precond vp and its schedule (ditcore.export.Exported.vp)
                             **{k: v for k, v in recipe.recorded().items() if k != "latent_stats"},
-                            # dit-sample's defaults and examples for this model: the guidance, prompts and size
-                            # it validated with
-                            "guidance": run.cfg.validation.guidance, "prompts": list(run.cfg.validation.prompts),
-                            "size": run.cfg.validation.size})
+                            # dit-sample's defaults and examples for this model: the guidance, solver, prompts and
+                            # size it validated with
+                            "guidance": run.cfg.validation.guidance, "solver": run.cfg.validation.solver,
+                            "prompts": list(run.cfg.validation.prompts), "size": run.cfg.validation.size})
         plot_losses(t.state["history"], run.run_dir / runs.LOSS_PLOT)
         if t.state.get("heldout"):
             plot_heldout(t.state["heldout"], run.run_dir / runs.HELDOUT_PLOT)

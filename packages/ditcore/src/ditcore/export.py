@@ -108,6 +108,19 @@ class Exported:
         return {"objective": self.objective, "prediction": self.prediction, "vp": self.vp, "shift": self.shift}
 
     @property
+    def solver(self) -> str:
+        """The solver the run validated with (or an imported pipeline's scheduler's), dit-sample's default for it;
+        older exports: heun."""
+        return self.extra.get("solver", "heun")
+
+    @property
+    def negative_prompt(self) -> str | None:
+        """The caption whose text states are the unconditional side of guidance when no negative prompt is given:
+        None (no text at all, the null text ditcore's runs drop captions to), or "" for an imported Wan (WanPipeline
+        encodes the empty caption, the unconditional text its network was trained with)."""
+        return self.extra.get("negative_prompt")
+
+    @property
     def guidance(self) -> float:
         """The guidance weight the run validated with, dit-sample's default for it; older exports: 4.0."""
         return float(self.extra.get("guidance", DEFAULT_GUIDANCE))

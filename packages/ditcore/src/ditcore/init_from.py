@@ -8,10 +8,13 @@ ditcore.runs.load_weights), a run directory (its newest complete checkpoint, els
 its architecture (`Source.cfg`), the DDPM schedule it was trained with (`Source.vp`: it is fine-tuned under VP
 preconditioning) and the latent scale it was trained on (`Source.latent_stats`: mean 0, std σ_data/scaling_factor,
 the VAE's scaling_factor, 0.18215 as DiT's); a ditcore run fine-tuned that way records the last two beside its
-weights, and a source read from it brings them too. Every rank reads the one-device tensors on the host
-and copies in the piece it holds — its tensor-parallel shard along the parameter's `partition_dim`, of that its
-FSDP piece (Shard(0) over DP×CP), a pipeline stage only its own blocks — exactly as `materialize` fills a fresh
-model, so every layout starts from the same weights and no collective is needed.
+weights, and a source read from it brings them too. A Wan (a WanTransformer3DModel or WanPipeline folder) brings its
+objective, flow, and time shift (`Source.objective`, `Source.shift`) and its VAE's per-channel latent units.
+
+Every rank reads the one-device tensors on the host and copies in the piece it holds — its tensor-parallel shard
+along the parameter's `partition_dim`, of that its FSDP piece (Shard(0) over DP×CP), a pipeline stage only its own
+blocks — exactly as `materialize` fills a fresh model, so every layout starts from the same weights and no collective
+is needed.
 
 Which tensors match is decided on the one-device model (built on the meta device), the same on every rank, so the
 line that says what was taken describes the whole model whatever the layout.
@@ -35,6 +38,7 @@ from ditcore.diffusion.vp import DiscreteVP
 from ditcore.errors import ConfigError
 from ditcore.export import CONFIG, WEIGHTS, recorded_objective, shift_of, vp_of
 from ditcore.models import DiTConfig, build, plan_for
+from ditcore.models.wan import WanConfig
 from ditcore.parallel.consolidate import without_extra_state
 from ditcore.parallel.dims import ParallelGroups
 from ditcore.parallel.fsdp import local, local_piece
@@ -121,7 +125,12 @@ def read_foreign(path: Path, num_heads: int | None = None) -> Source:
         got = interop.read(path, num_heads)
     except interop.ConversionError as e:
         raise ConfigError(KEY, str(path), f"a checkpoint that converts: {e}") from None
-    stats = got.latent_stats or trained_units(got.vae, got.cfg.in_channels)  # a ditcore export's recorded units
+    stats = got.latent_stats  # a Wan pipeline's VAE's, or a ditcore export's recorded units
+    if stats is None and isinstance(got.cfg, WanConfig):  # Wan's units are its VAE's per channel: nothing to assume
+        raise ConfigError(KEY, str(path), f"a Wan whose latent units are known: a bare {got.kind} folder does not "
+                                          "say them — give its WanPipeline folder (vae/config.json holds "
+                                          "latents_mean and latents_std)")
+    stats = stats or trained_units(got.vae, got.cfg.in_channels)
     return Source(path, got.tensors, cfg=got.cfg, vp=got.vp, latent_stats=stats, kind=got.kind,
                   objective=got.objective, shift=got.shift)
 

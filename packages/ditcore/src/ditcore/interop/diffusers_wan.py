@@ -1,5 +1,6 @@
 """diffusers' `WanTransformer3DModel` (Wan 2.1 text-to-video) ↔ ditcore's Wan (ditcore.models.wan): configs and state
-dicts, both ways, in memory (reading and writing folders is the caller's).
+dicts, both ways, and what a `WanPipeline` around it says of its latent units, text encoder and sampler — in memory
+(reading and writing folders is the caller's: ditcore.interop).
 
 The two hold the same tensors. Names map one to one, but for the attention projections, which ditcore fuses (q, k, v
 into qkv with rows (heads, 3, head_dim); the cross-attention's k, v into kv, (heads, 2, head_dim)), and the layouts:
@@ -19,11 +20,15 @@ max_sequence_length=text_len.
 
 from __future__ import annotations
 
+import math
 import re
 
 import torch
 
+from ditcore.codecs import LatentStats
+from ditcore.diffusion.flow import TimeShift, unipc_scheduler
 from ditcore.interop.original import ConversionError
+from ditcore.layout import SIGMA_DATA
 from ditcore.models.wan import WanConfig
 
 CLASS_NAME = "WanTransformer3DModel"
@@ -197,3 +202,136 @@ def _split_heads(fused: torch.Tensor, heads: int, n: int) -> list[torch.Tensor]:
     """ditcore's fused rows (heads, n, hd) → n tensors of (heads·hd) rows."""
     parts = fused.reshape(heads, n, -1, *fused.shape[1:]).unbind(1)
     return [p.reshape(-1, *fused.shape[1:]).contiguous() for p in parts]
+
+
+# ---------------------------------------------------------------- the pipeline around the model
+#
+# A WanPipeline folder (Wan-AI/Wan2.1-T2V-1.3B-Diffusers) holds, beside transformer/, what the network was trained and
+# is sampled with: the latent units of its VAE (vae/), its text encoder (text_encoder/, tokenizer/) and its sampler
+# (scheduler/). These read their configs (as dicts: the folders are the caller's).
+
+PIPELINE = "WanPipeline"
+VAE_CLASS = "AutoencoderKLWan"
+TEXT_ENCODER = "umt5"  # the config model_type of WanPipeline's UMT5EncoderModel: ditcore's umt5:<folder> encoder
+# WanPipeline's guidance_scale default (its __call__), dit-sample's default for an imported Wan
+GUIDANCE = 5.0
+# Where a folder has no scheduler to say: Wan 2.1's own text-to-video defaults (its generate.py: sample_shift 5.0,
+# 3.0 being its advice for 480p, and sample_solver 'unipc', which the 1.3B pipeline's scheduler/ also holds)
+DEFAULT_SHIFT, DEFAULT_SOLVER = 5.0, "unipc"
+# The flow schedulers whose loops ditcore samples with, and which of its solvers each is
+SOLVERS = {"FlowMatchEulerDiscreteScheduler": "euler", "UniPCMultistepScheduler": "unipc"}
+# UniPC settings that flow sigmas never read: the DDPM β table (ᾱ), the integer timestep spacing that the flow
+# timesteps replace, and dynamic thresholding's parameters (thresholding itself is compared)
+_UNREAD_BY_FLOW_SIGMAS = ("beta_start", "beta_end", "beta_schedule", "trained_betas", "rescale_betas_zero_snr",
+                          "timestep_spacing", "steps_offset", "sigma_min", "sigma_max", "dynamic_thresholding_ratio",
+                          "sample_max_value")
+
+
+def pipeline_refusal(index: dict) -> str | None:
+    """Why ditcore does not sample a pipeline of this model_index.json as WanPipeline samples it, or None: another
+    pipeline class (image-to-video, VACE, video-to-video), or Wan 2.2's second expert or per-token timesteps."""
+    name = index.get("_class_name")
+    if name != PIPELINE:
+        return (f"the pipeline is a {name!r} (model_index.json _class_name): ditcore samples text-to-video Wan as "
+                f"{PIPELINE} does — image-to-video and the other Wan pipelines are not ditcore's")
+    second = index.get("transformer_2")
+    if second not in (None, [None, None]) or index.get("boundary_ratio") is not None:
+        return ("the pipeline has a second transformer (transformer_2, boundary_ratio): Wan 2.2's two experts for "
+                "high and low noise are not ditcore's Wan, which is one network")
+    if index.get("expand_timesteps"):
+        return "the pipeline says expand_timesteps=true: Wan 2.2's per-token timesteps are not ditcore's Wan"
+    return None
+
+
+def latent_units(config: dict) -> LatentStats:
+    """The latent units WanPipeline's network works in, from its AutoencoderKLWan's config.json: (z − latents_mean) /
+    latents_std per channel of the VAE's latents z (WanPipeline decodes latents·latents_std + latents_mean), which is
+    ditcore's (z − mean)/std·σ_d for mean = latents_mean, std = latents_std·σ_d. ConversionError for a config that
+    does not give them."""
+    name = config.get("_class_name")
+    if name != VAE_CLASS:
+        raise ConversionError(f"the VAE is a {name!r}: Wan's latents are an {VAE_CLASS}'s")
+    channels = config.get("z_dim", 16)  # AutoencoderKLWan's default, as diffusers gives it
+    units = {}
+    for key in ("latents_mean", "latents_std"):
+        values = config.get(key)
+        if (not isinstance(values, list) or len(values) != channels or not all(
+                isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v) for v in values)):
+            raise ConversionError(f"the VAE config's {key} is {str(values)[:80]}: expected {channels} finite numbers "
+                                  f"(z_dim), the per-channel statistics WanPipeline normalises latents by")
+        units[key] = torch.tensor(values, dtype=torch.float64)
+    if not bool((units["latents_std"] > 0).all()):
+        raise ConversionError("the VAE config's latents_std has a value <= 0: expected positive per-channel stds")
+    return LatentStats(units["latents_mean"].float(), (units["latents_std"] * SIGMA_DATA).float())
+
+
+def text_encoder_refusal(config: dict, text_dim: int) -> str | None:
+    """Why the pipeline's text_encoder/config.json is not the encoder a network of text width text_dim reads, or
+    None."""
+    kind, width = config.get("model_type"), config.get("d_model")
+    if kind != TEXT_ENCODER:
+        return f"its text encoder is a {kind!r} model (model_type): WanPipeline's is a {TEXT_ENCODER} encoder"
+    if width != text_dim:
+        return f"its text encoder is {width} wide (d_model), the transformer reads text {text_dim} wide (text_dim)"
+    return None
+
+
+def sampling_from_scheduler(config: dict) -> tuple[TimeShift, str]:
+    """(the time shift, ditcore's solver) that sample a network as a WanPipeline with this scheduler_config.json does:
+    FlowMatchEulerDiscreteScheduler (its `shift`; use_dynamic_shifting: Flux's shift by token count, from its
+    base/max fields) is solver euler, UniPCMultistepScheduler with flow sigmas (its `flow_shift`) solver unipc.
+
+    The scheduler ditcore then samples with, built from the shift alone, must be the folder's: every setting it reads
+    is compared, and the first that differs is refused by name (ConversionError), as is any other scheduler class."""
+    name = config.get("_class_name")
+    if name not in SOLVERS:
+        raise ConversionError(f"the scheduler is a {name!r} (_class_name): ditcore samples Wan with the loops of "
+                              f"{' and '.join(SOLVERS)} — save the pipeline with one of them (Wan 2.1's: "
+                              "UniPCMultistepScheduler(prediction_type='flow_prediction', use_flow_sigmas=True, "
+                              "flow_shift=3.0))")
+    try:
+        shift = _time_shift(name, config)
+    except (TypeError, ValueError) as e:
+        raise ConversionError(f"the {name} config does not give a time shift: {e}") from None
+    ours = reference_scheduler(SOLVERS[name], shift).config
+    unread = _UNREAD_BY_FLOW_SIGMAS if name == "UniPCMultistepScheduler" else ("shift",) if shift.dynamic else ()
+    for key, value in config.items():
+        if key.startswith("_") or key in unread or key not in ours:  # a newer diffusers' field: this one ignores it
+            continue
+        if not _same(value, ours[key]):
+            raise ConversionError(f"the scheduler says {key}={value!r}: ditcore samples Wan with {name}'s loop at "
+                                  f"{key}={ours[key]!r} (set from the time shift alone), and follows no other")
+    return shift, SOLVERS[name]
+
+
+def reference_scheduler(solver: str, shift: TimeShift):
+    """The diffusers scheduler whose loop ditcore's solver follows for this shift: FlowMatchEulerDiscreteScheduler
+    (flow_sampler's euler: ditcore.diffusion.flow.flow_timesteps) or UniPC (its own object: unipc_scheduler)."""
+    if solver == "unipc":
+        return unipc_scheduler(shift)
+    from diffusers import FlowMatchEulerDiscreteScheduler  # deferred: importing diffusers takes seconds
+
+    return FlowMatchEulerDiscreteScheduler(shift=shift.shift, use_dynamic_shifting=shift.dynamic,
+                                           base_shift=shift.base_shift, max_shift=shift.max_shift,
+                                           base_image_seq_len=shift.base_seq_len, max_image_seq_len=shift.max_seq_len)
+
+
+def _time_shift(name: str, config: dict) -> TimeShift:
+    if name == "UniPCMultistepScheduler":
+        if config.get("use_dynamic_shifting", False):  # its mu's line in the token count is nowhere in the config
+            raise ConversionError("the UniPCMultistepScheduler says use_dynamic_shifting=true: WanPipeline passes it "
+                                  "no mu (it cannot sample so), and its config does not say how mu grows with the "
+                                  "tokens — save it with a flow_shift")
+        return TimeShift(shift=float(config.get("flow_shift", 1.0)))
+    if config.get("use_dynamic_shifting", False):
+        return TimeShift(dynamic=True, base_shift=config.get("base_shift", 0.5),
+                         max_shift=config.get("max_shift", 1.15), base_seq_len=config.get("base_image_seq_len", 256),
+                         max_seq_len=config.get("max_image_seq_len", 4096))
+    return TimeShift(shift=float(config.get("shift", 1.0)))
+
+
+def _same(a, b) -> bool:
+    """Config values equal as diffusers reads them: JSON's lists are its tuples, 1000 is 1000.0."""
+    if isinstance(a, list | tuple) and isinstance(b, list | tuple):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
+    return a == b and isinstance(a, bool) == isinstance(b, bool)
