@@ -91,7 +91,7 @@ def test_dit_sample_samples_a_flow_export_as_it_was_trained(cli_in_process, stra
     """No flag says flow: the export does. The CLI's picture is ditcore.sampling.sample's with the recorded shift,
     for Euler, Heun and UniPC, and UniPC is refused for an EDM network."""
     exported = load_export(straight / "export")
-    assert exported.sampling() == {"objective": "flow", "prediction": "edm", "vp": None, "shift": TimeShift(shift=2.0)}
+    assert exported.sampling() == {"objective": "flow", "prediction": "x", "vp": None, "shift": TimeShift(shift=2.0)}
     states = exported_states(exported, ["a red butterfly"])
     for solver in ("euler", "heun", "unipc"):
         out = tmp_path / f"{solver}.png"

@@ -85,6 +85,29 @@ def test_precond_gives_the_network_x_t_and_1000_t_and_returns_its_velocity():
     assert torch.equal(precond.model_inputs(x, t)[1], F.seen[1])
 
 
+def test_an_x_predicting_network_gives_the_velocity_its_x_implies_each_sample_with_its_own_t():
+    """prediction x (Li & He): v̂ = (x_t − x̂₀)/max(t, 0.05), per packed sample. With the exact x₀ as its output the
+    velocity is ε − x₀ wherever t ≥ 0.05 (within a few roundings), and at t below it the clipped one."""
+    g = torch.Generator().manual_seed(3)
+    x0, eps = torch.randn(1, 5, 4, generator=g), torch.randn(1, 5, 4, generator=g)
+    seg = torch.tensor([[0, 0, 0, 1, 1]])
+    t = torch.tensor([[0.6, 0.01]])
+    x_t = FlowLoss.noisy(x0, t, eps, seg)
+
+    class Exact(torch.nn.Module):
+        def forward(self, x, c_noise, inputs):
+            return x0
+
+    v = FlowPrecond(Exact(), prediction="x")(x_t, t, Inputs(None, seg=seg))
+    exact = eps - x0
+    assert torch.allclose(v[:, :3], exact[:, :3], rtol=0, atol=16 * EPS32 * (1 + exact.abs().max().item()))
+    clipped = (x_t[:, 3:] - x0[:, 3:]) / 0.05  # t = 0.01 < 0.05: the clip's velocity, 1/5 of the exact one
+    assert torch.allclose(v[:, 3:], clipped, rtol=8 * EPS32, atol=8 * EPS32) and torch.allclose(
+        v[:, 3:], exact[:, 3:] * 0.2, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="prediction='eps' is unknown for a flow network: expected one of velocity, x"):
+        FlowPrecond(Exact(), prediction="eps")
+
+
 def test_loss_equals_hand_computed_value():
     # one token, one feature: x = 1, ε = 0.5, t = 0.25, F ≡ 0.2: v = ε − x = −0.5, loss = (0.2 + 0.5)² = 0.49
     loss = FlowLoss()(FlowPrecond(Constant(0.2)), torch.ones(1, 1, 1), sigma=torch.full((1, 1), 0.25),

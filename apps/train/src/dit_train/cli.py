@@ -158,6 +158,20 @@ def _train(cfg, resume: str, overwrite: bool) -> None:
             typer.echo(f"sample    {path}")
 
 
+def _assumed_data(cfg, text_dim: int | None):
+    """The dataset --plan assumes where data.path does not exist yet: the preset's latent channels, text states of
+    width text_dim (default: the preset's, else MiniLM's 384) from UMT5 (512 tokens) for Wan's text_len, else 128."""
+    from ditcore.codecs.text import UMT5_MAX_TOKENS
+    from ditcore.data.schema import DatasetInfo
+    from ditcore.models import preset
+
+    ours = preset(cfg.model.preset)
+    dim = text_dim if text_dim is not None else ours.text_dim or 384
+    encoder = "umt5:assumed" if dim and getattr(ours, "text_len", 0) == UMT5_MAX_TOKENS else "assumed"
+    return DatasetInfo(codec={}, latent_stats={}, text_encoder={"name": encoder, "dim": dim},
+                       latent_channels=ours.in_channels, spatial_factor=1, temporal_factor=1)
+
+
 def print_plan(cfg, world_size: int, gpu_memory: float, text_len: int | None, text_dim: int, cluster=None,
                search: bool = False, top: int = 10) -> bool:
     """Print the memory plan of `cfg` per GPU; on stderr, if it does not fit, what to change. Returns whether it fits.
@@ -169,22 +183,15 @@ def print_plan(cfg, world_size: int, gpu_memory: float, text_len: int | None, te
     """
     from dit_train.config import memory_layout, overrides
     from dit_train.train import model_config
-    from ditcore.codecs.text import UMT5_MAX_TOKENS, max_text_tokens
-    from ditcore.data.schema import DatasetInfo, read_info
+    from ditcore.codecs.text import max_text_tokens
+    from ditcore.data.schema import read_info
     from ditcore.interop import is_foreign
     from ditcore.memory import HEADROOM, GiB, advise, choose_fsdp_sync, plan_from
 
     if Path(cfg.data.path).exists():
         info, source = read_info(cfg.data.path), f"dataset {cfg.data.path}"
     else:
-        from ditcore.models import preset
-
-        ours = preset(cfg.model.preset)
-        dim = text_dim if text_dim is not None else ours.text_dim or 384
-        encoder = "umt5:assumed" if dim and getattr(ours, "text_len", 0) == UMT5_MAX_TOKENS else "assumed"  # Wan's
-        info = DatasetInfo(codec={}, latent_stats={}, text_encoder={"name": encoder, "dim": dim},
-                           latent_channels=ours.in_channels, spatial_factor=1, temporal_factor=1)
-        source = f"data.path {cfg.data.path} does not exist yet: assumed"
+        info, source = _assumed_data(cfg, text_dim), f"data.path {cfg.data.path} does not exist yet: assumed"
     name, init_from = cfg.model.preset, cfg.model.init_from
     if init_from and is_foreign(init_from):  # the architecture is the checkpoint's
         from ditcore.init_from import read_source

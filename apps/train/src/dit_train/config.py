@@ -21,6 +21,7 @@ from pydantic.fields import FieldInfo
 from ditcore.choices import (
     BETA_SCHEDULES,
     FEATURES,
+    FLOW_PREDICTIONS,
     LAYOUT_CHOICES,
     LOSSES,
     OBJECTIVES,
@@ -280,6 +281,10 @@ class Flow(Section):
     trained on its plain mean squared error (ditcore.diffusion.flow). edm.cfg_dropout and edm.ema_decay apply to it
     as to EDM."""
 
+    prediction: Literal[FLOW_PREDICTIONS] = Field("velocity", description="what the network outputs: velocity "
+                                                                      "(ε − x₀, SD3's and Wan's) or x (the clean "
+                                                                      "latents, v = (x_t − x̂₀)/max(t, 0.05): Li & "
+                                                                      "He's, for pixels or small latents)")
     t_dist: Literal[T_DISTRIBUTIONS] = Field("logit_normal", description="training t per sample: logit_normal (SD3: "
                                                                   "t = sigmoid(N(t_mean, t_std²))) or uniform")
     t_mean: Number = Field(0.0, description="logit_normal's mean")

@@ -61,7 +61,7 @@ class Recipe:
 
     def denoiser(self, model) -> EDMPrecond | FlowPrecond:
         if self.flow:
-            return FlowPrecond(model)
+            return FlowPrecond(model, self.cfg.flow.prediction)
         return EDMPrecond(model, prediction=self.cfg.edm.prediction, vp=self.vp)
 
     def loss(self) -> EDMLoss | DDPMLoss | FlowLoss:
@@ -107,7 +107,8 @@ class Recipe:
 
     def sampling(self) -> dict:
         """What ditcore.sampling.sample needs to know of the network (as ditcore.export.Exported.sampling says it)."""
-        return {"objective": self.cfg.objective, "prediction": self.cfg.edm.prediction, "vp": self.vp,
+        prediction = self.cfg.flow.prediction if self.flow else self.cfg.edm.prediction
+        return {"objective": self.cfg.objective, "prediction": prediction, "vp": self.vp,
                 "shift": self.cfg.flow.time_shift() if self.flow else None}
 
 

@@ -98,6 +98,7 @@ RULES: dict[str, str] = {
     "edm.ema_decay": APPLY,
     # flow's training t: its distribution and shift, like EDM's noise levels (the export records the shift the run
     # ends with, which sampling uses)
+    "flow.prediction": MODEL,  # the network's output is read as another quantity
     "flow.t_dist": APPLY,
     "flow.t_mean": APPLY,
     "flow.t_std": APPLY,

@@ -613,7 +613,7 @@ def export(run: Setup, t: Trainee, validator: Validator, heldout: HeldOutLoss | 
         export_model(runs.export_dir(run.run_dir), full, run.model_cfg, run.cfg.data.path,
                      # its own latent statistics, where the network works in other units than the dataset's
                      latent_stats=recipe.latent_stats if recipe.own_units else None,
-                     extra={"step": step, "prediction": run.cfg.edm.prediction,
+                     extra={"step": step, "prediction": recipe.sampling()["prediction"],
                             # under VP: precond vp and its schedule (ditcore.export.Exported.vp)
                             **{k: v for k, v in recipe.recorded().items() if k != "latent_stats"},
                             # dit-sample's defaults and examples for this model: the guidance, solver, prompts and

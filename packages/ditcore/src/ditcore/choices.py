@@ -19,6 +19,7 @@ PREDICTIONS = ("edm", "x")
 # predicts the velocity) with its distributions of t before the time shift (logit-normal as SD3, or uniform)
 OBJECTIVES = ("edm", "flow")
 T_DISTRIBUTIONS = ("logit_normal", "uniform")
+FLOW_PREDICTIONS = ("velocity", "x")  # what a flow network outputs (ditcore.diffusion.flow.FlowPrecond)
 BETA_SCHEDULES = ("linear", "scaled_linear", "squaredcos_cap_v2")
 
 # dit-prepare's latent codecs (PatchPCACodec, PixelCodec, DiffusersVAECodec of ditcore.codecs, each of which records

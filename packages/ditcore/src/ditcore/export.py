@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from ditcore import disk, durable, tensorfile
-from ditcore.choices import OBJECTIVES, PRECONDS, PREDICTIONS
+from ditcore.choices import FLOW_PREDICTIONS, OBJECTIVES, PRECONDS, PREDICTIONS
 from ditcore.codecs import Codec, LatentStats, load_codec
 from ditcore.data.schema import INFO_FILE, DatasetInfo, parse_info
 from ditcore.diffusion.vp import DiscreteVP
@@ -230,9 +230,10 @@ def load_network(path: str | Path) -> tuple[DiTConfig, dict[str, torch.Tensor], 
     if meta.get("objective", "edm") not in OBJECTIVES:
         raise ValueError(f"'{path / CONFIG}' says objective={meta['objective']!r}: this ditcore knows "
                          f"{', '.join(OBJECTIVES)} — sample it with the ditcore version that trained it")
-    if meta.get("prediction", "edm") not in PREDICTIONS:
+    known = PREDICTIONS if meta.get("objective", "edm") == "edm" else ("edm", *FLOW_PREDICTIONS)
+    if meta.get("prediction", "edm") not in known:
         raise ValueError(f"'{path / CONFIG}' says prediction={meta['prediction']!r}: this ditcore knows "
-                         f"{', '.join(PREDICTIONS)} — sample it with the ditcore version that trained it")
+                         f"{', '.join(known)} — sample it with the ditcore version that trained it")
     return cfg, state, {k: v for k, v in meta.items() if k != "model"}
 
 

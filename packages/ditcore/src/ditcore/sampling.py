@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 from tqdm import tqdm
 
-from ditcore.choices import FLOW_SOLVERS, OBJECTIVES, SOLVERS
+from ditcore.choices import FLOW_PREDICTIONS, FLOW_SOLVERS, OBJECTIVES, SOLVERS
 from ditcore.codecs import Codec, LatentStats
 from ditcore.diffusion import EDMPrecond, ddim_sampler, edm_sampler, guided
 from ditcore.diffusion.flow import FlowPrecond, TimeShift, flow_sampler, scheduler_sampler, unipc_scheduler
@@ -111,9 +111,9 @@ def _check_objective(objective: str, solver: str, schedule: str, vp: DiscreteVP 
     if vp is not None:
         raise ValueError("a DDPM schedule (vp) was given for a flow network: flow matching has no DDPM timesteps, and "
                          "its network is not VP-preconditioned — leave vp out")
-    if prediction not in ("edm", "velocity"):
+    if prediction not in ("edm", *FLOW_PREDICTIONS):  # edm: the default, a velocity network
         raise ValueError(f"prediction={prediction!r} with objective flow: a flow network predicts the velocity "
-                         "ε − x₀ — leave prediction at its default")
+                         f"ε − x₀ or the data x₀ ({', '.join(FLOW_PREDICTIONS)})")
 
 
 def _flow_tokens(velocity, cfg: DiTConfig, B: int, grid: tuple[int, int, int], *, steps: int, solver: str, seed: int,
@@ -206,7 +206,7 @@ def sample(
         return evaluate
 
     if objective == "flow":
-        velocity = counted(FlowPrecond(model).eval())
+        velocity = counted(FlowPrecond(model, "velocity" if prediction == "edm" else prediction).eval())
         tokens = _flow_tokens(guided(velocity, guidance) if use_cfg else velocity, cfg, B, grid, steps=steps,
                               solver=solver, seed=seed, shift=shift or TimeShift(), callback=callback, device=device)
         return _decoded(tokens, grid, cfg, codec, stats, nfe)

@@ -32,12 +32,13 @@ import numpy as np
 import torch
 from torch import nn
 
-from ditcore.choices import FLOW_SOLVERS, T_DISTRIBUTIONS
+from ditcore.choices import FLOW_PREDICTIONS, FLOW_SOLVERS, T_DISTRIBUTIONS
 from ditcore.diffusion.edm import masked_mean, step_draws
 from ditcore.inputs import Inputs
 from ditcore.layout import per_token
 
 TRAIN_TIMESTEPS = 1000  # the network's timestep is 1000·t (diffusers' num_train_timesteps)
+T_MIN = 0.05  # an x-predicting flow network's velocity divides by t no smaller than this (Li & He's clip)
 STEPPERS = tuple(s for s in FLOW_SOLVERS if s != "unipc")  # flow_sampler's; unipc runs in diffusers' scheduler
 
 Velocity = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -198,14 +199,24 @@ class FlowPrecond(nn.Module):
     tokens, t (B, S) per sample (or (B,)), inputs the rest of what F reads (ditcore.inputs.Inputs). The network is
     given x_t as it is (for data of std σ_d ≤ 1 its variance (1 − t)²σ_d² + t² stays within [σ_d²/(1 + σ_d²), 1]:
     no input scaling) and the timestep 1000·t, as diffusers' Wan, SD3 and Flux pipelines give theirs. A backbone
-    whose output is wider than x gives v̂ from the first x.shape[-1] features; `forward_all` returns the rest too."""
+    whose output is wider than x gives v̂ from the first x.shape[-1] features; `forward_all` returns the rest too.
 
-    prediction = "velocity"
+    prediction "x": the network outputs the clean data x̂₀ and the velocity is v̂ = (x_t − x̂₀)/max(t, t_min), as Li & He
+    ("Back to Basics: Let Denoising Generative Models Denoise", 2025) train flow matching: where the data fill only a
+    small part of a token's dimensions (pixels, a PCA code whose later channels are small), a velocity network must
+    output the noise ε in every other direction, and its error there stays in the samples as grain; an x-network only
+    has to output the picture. The loss stays the velocity's (FlowLoss): on x̂₀ it weighs ‖x̂₀ − x₀‖² by 1/t², and
+    t_min (their 0.05) caps that weight at low noise, where the Euler step to t = 0 then leaves a t/t_min share of the
+    last level's residual noise (t ≤ 0.001 at the end of flow_timesteps)."""
+
     vp = None
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, prediction: str = "velocity", t_min: float = T_MIN):
         super().__init__()
-        self.model = model
+        if prediction not in FLOW_PREDICTIONS:
+            raise ValueError(f"prediction={prediction!r} is unknown for a flow network: expected one of "
+                             f"{', '.join(FLOW_PREDICTIONS)}")
+        self.model, self.prediction, self.t_min = model, prediction, t_min
 
     def forward(self, x: torch.Tensor, t: torch.Tensor, inputs: Inputs | None = None, **model_kw):
         return self.forward_all(x, t, inputs, **model_kw)[0]
@@ -215,7 +226,11 @@ class FlowPrecond(nn.Module):
         backbone (a pipeline stage's `hidden`)."""
         seg = None if inputs is None else inputs.seg
         out = self.model(*self.model_inputs(x, t, seg), inputs, **model_kw)
-        return out[..., :x.shape[-1]].to(x.dtype), out[..., x.shape[-1]:]
+        F_x, rest = out[..., :x.shape[-1]], out[..., x.shape[-1]:]
+        if self.prediction == "velocity":
+            return F_x.to(x.dtype), rest
+        t_tok = per_token(t.to(torch.float32).reshape(x.shape[0], -1), seg)[..., None].clamp(min=self.t_min)
+        return ((x.float() - F_x.float()) / t_tok).to(x.dtype), rest
 
     def model_inputs(self, x: torch.Tensor, t: torch.Tensor, seg: torch.Tensor | None = None):
         """What the backbone F is given: (x_t, 1000·t (B, S) float32) — alone, for a pipeline stage that ends before
