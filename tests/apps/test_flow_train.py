@@ -99,8 +99,7 @@ def test_dit_sample_samples_a_flow_export_as_it_was_trained(cli_in_process, stra
                               "--steps", 3, "--height", 32, "--width", 32, "--solver", solver, "--out", out)
         assert proc.returncode == 0, proc.stderr[-3000:]
         direct = sample(exported.model, exported.codec, exported.stats, text_states=states, height=32, width=32,
-                        steps=3, guidance=exported.guidance, solver=solver, objective="flow",
-                        shift=TimeShift(shift=2.0))
+                        steps=3, guidance=exported.guidance, solver=solver, **exported.sampling())
         assert torch.equal(torch.from_numpy(iio.imread(out)), direct.pixels[0, 0]), solver
 
 
