@@ -58,6 +58,7 @@ LONGEST_FILES = {
     "tests/apps/test_recipe.py": 25, "tests/ditcore/data/test_energon_cli.py": 25,
     # new since: their own runs' sums on 2 cores
     "tests/apps/test_blend_train.py": 190, "tests/ditcore/data/test_blend_loader.py": 22,
+    "tests/apps/test_flow_train.py": 100, "tests/apps/test_wan_finetune.py": 40, "tests/apps/test_wan_interop.py": 20,
 }
 
 
