@@ -297,7 +297,12 @@ class DiTBlock(nn.Module):
         if self.own_embedders:
             c = embed_conditioning(self, *a.conditioning)
         mods = per_token(self.adaLN(c), seg).transpose(0, 1)
-        shift_a, scale_a, gate_a, shift_m, scale_m, gate_m = mods.chunk(6, dim=-1)
+        return self.branches(x, mods.chunk(6, dim=-1), seg, a)
+
+    def branches(self, x: torch.Tensor, mods, seg: torch.Tensor | None, a: AttentionInputs):
+        """The block's gated self-attention, cross-attention and MLP residuals, given its six modulations (shift,
+        scale, gate of each), each (n or 1, B, D): what an architecture with other modulations (Wan's tables) shares."""
+        shift_a, scale_a, gate_a, shift_m, scale_m, gate_m = mods
         x = torch.addcmul(x, gate_a, self.attn(modulate(self.norm1(x), shift_a, scale_a), a))
         if a.text is not None:
             x = x + self.cross(self.norm_cross(x), a)

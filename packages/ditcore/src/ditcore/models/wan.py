@@ -271,15 +271,7 @@ class WanBlock(DiTBlock):
     def forward(self, x: torch.Tensor, c: torch.Tensor, seg: torch.Tensor | None, a: WanAttentionInputs):
         # x: (n, B, D) this rank's tokens; c: (B, S, 7, D) the time projection's 6 rows and temb (Wan.condition)
         mods = per_token(self.scale_shift(c[:, :, :6]).to(x.dtype), seg).transpose(0, 1)  # (n or 1, B, 6, D)
-        shift_a, scale_a, gate_a, shift_m, scale_m, gate_m = mods.unbind(2)
-        x = torch.addcmul(x, gate_a, self.attn(modulate(self.norm1(x), shift_a, scale_a), a))
-        if a.text is not None:
-            x = x + self.cross(self.norm_cross(x), a)
-        h = modulate(self.norm2(x), shift_m, scale_m)
-        if not self.moe:
-            return torch.addcmul(x, gate_m, self.mlp(h))
-        h, stats = self.mlp(h, None if seg is None else seg >= 0)  # padding does not count in the routing losses
-        return torch.addcmul(x, gate_m, h), stats
+        return self.branches(x, mods.unbind(2), seg, a)
 
 
 class WanHead(nn.Module):
