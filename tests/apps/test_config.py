@@ -33,7 +33,8 @@ def test_an_unknown_key_lists_the_known_ones():
     e = error("validation.heldout.sigma_min=80")
     assert (e.key, e.value) == ("validation.heldout.sigma_min", 80.0)
     e = error("trian.steps=3")
-    assert e.key == "trian" and e.allowed.startswith("one of the known keys: model, data, parallel, optim, edm")
+    assert e.key == "trian" and e.allowed.startswith("one of the known keys: objective, model, data, parallel, optim, "
+                                                     "edm, flow")
 
 
 @pytest.mark.parametrize("raw", ["inf", ".inf", "-.inf", ".nan", "nan", "1e999"])

@@ -136,7 +136,9 @@ def test_unipc_validation_of_an_edm_run_is_refused_before_training(dataset, tmp_
 
 def test_the_flow_training_loss_falls(dataset, tmp_path):
     run = tmp_path / "run"
-    proc = dit_train(*run_args(dataset, run, 30, "checkpoint.every=30", "validation.every=0"))
+    # velocity prediction: x-prediction's velocity loss weighs x̂₀'s error by 1/t², too noisy a curve for 30 steps
+    proc = dit_train(*run_args(dataset, run, 30, "checkpoint.every=30", "validation.every=0",
+                               "flow.prediction=velocity"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     losses = [float(r["loss"]) for r in csv.DictReader(next((run / "csv").glob("*/metrics.csv")).open())
               if r.get("loss")]

@@ -497,7 +497,7 @@ def test_flow_sampling_refuses_edm_s_settings_and_edm_refuses_unipc():
     model = tiny_flow_dit()
     run = lambda **kw: sample(model, CODEC, STATS, class_labels=[0], height=4, width=4, steps=2, **kw)
     for kw, message in (({"objective": "flow", "schedule": "ddim"}, "schedule ddim steps through a DDPM"),
-                        ({"objective": "flow", "prediction": "x"}, "prediction='x' with objective flow"),
+                        ({"objective": "flow", "prediction": "eps"}, "prediction='eps' with objective flow"),
                         ({"objective": "flow", "vp": object()}, "a DDPM schedule \\(vp\\) was given for a flow"),
                         ({"objective": "flow", "solver": "rk4"}, "solver='rk4' is invalid for a flow network"),
                         ({"solver": "unipc"}, "solver='unipc' is invalid for an EDM network"),

@@ -74,10 +74,13 @@ def network(checkpoint: Path, num_heads: int | None, approximate: bool) -> Netwo
     if why:
         raise ExportError(why)
     cfg, state, meta = load_network(path)
-    prediction = meta.get("prediction", "edm")
-    if prediction != "edm":  # the folder's ditcore.json records EDM's c_skip/c_out: followed, they give another D
+    prediction, objective = meta.get("prediction", "edm"), meta.get("objective", "edm")
+    # what a diffusers folder's reader follows: EDM's c_skip/c_out (its ditcore.json), or a flow network's velocity
+    # (WanPipeline's schedulers); a network that outputs the clean latents would be read as either
+    if prediction not in (("edm", "velocity") if objective == "flow" else ("edm",)):
         raise ExportError(f"cannot export to diffusers: prediction={prediction} (the network predicts the clean "
-                          "latents, D = σ_data·F): the folder records EDM's preconditioning (c_skip, c_out) only")
+                          "latents): the folder records EDM's preconditioning (c_skip, c_out) or a flow network's "
+                          "velocity only")
     info = parse_info(path / INFO_FILE, "export", "export the run again (dit-train writes RUN_DIR/export/)")
     return Network(cfg, state, vp_of(meta), LatentStats.from_dict(info.latent_stats), meta.get("objective", "edm"),
                    shift_of(meta))
