@@ -97,8 +97,8 @@ def _load(config: str | None, overrides: list[str]):
     try:
         return load_config(find_config(config) if config else None, overrides)
     except ConfigError as e:
-        if os.environ.get("LOCAL_RANK", "0") != "0":  # under torchrun each process reads the same file: the node's
-            raise typer.Exit(2) from None  # first says why, the others end with the same exit code, silently
+        if os.environ.get("RANK", "0") != "0":  # under torchrun each process reads the same file: the first process
+            raise typer.Exit(2) from None  # of the job says why, the others end with the same exit code, silently
         fail(str(e))
 
 

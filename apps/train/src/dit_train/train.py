@@ -94,6 +94,15 @@ def lr_lambda(cfg: TrainConfig):
     return factor
 
 
+class OneVoiceFabric(Fabric):
+    """Fabric whose `print` speaks from global rank 0 only. Fabric's own prints on every node's local rank 0: on
+    two nodes each line would appear twice in the job's log."""
+
+    def print(self, *args, **kwargs) -> None:
+        if self.is_global_zero:
+            print(*args, **kwargs)
+
+
 @dataclass
 class Setup:
     """What the run is: config, dataset, processes and layout. The same on every rank."""
@@ -185,8 +194,8 @@ def setup(cfg: TrainConfig, resume: str = "auto", overwrite: bool = False) -> Se
     loggers = make_loggers(cfg, run_dir, rundir.csv_version(run_dir), resume)
     strategy = MegatronStrategy(dims, fsdp=cfg.parallel.fsdp)
     num_nodes = int(os.environ.get("WORLD_SIZE", devices)) // devices  # torchrun on several nodes
-    fabric = Fabric(accelerator="cuda" if on_gpu else "cpu", devices=devices, num_nodes=num_nodes, strategy=strategy,
-                    precision="bf16-mixed" if bf16 else "32-true", loggers=loggers)
+    fabric = OneVoiceFabric(accelerator="cuda" if on_gpu else "cpu", devices=devices, num_nodes=num_nodes,
+                            strategy=strategy, precision="bf16-mixed" if bf16 else "32-true", loggers=loggers)
     fabric.launch()
     claim.agree(fabric)  # under torchrun, the other processes learn here whether the first one holds the run dir
     if queues_warning and on_gpu:
