@@ -16,7 +16,7 @@ help:
 	@echo "make test       create .venv if needed, install the four packages, run ruff and the fast tests"
 	@echo "make test-slow  the tests marked slow, which make test leaves out (~25 min on 2 cores; CI runs them)"
 	@echo "make test-demo  make demo in a fresh folder, its samples judged (~12 min on 2 cores)"
-	@echo "make test-slurm train.sbatch on a one-node Slurm cluster on localhost (needs: apt-get install slurm-wlm munge)"
+	@echo "make test-slurm train.sbatch on a two-node Slurm cluster on this machine (root; apt-get install slurm-wlm munge iproute2)"
 	@echo "make bench      benchmarks under bench/ against a peer implementation (diffusers, a ditcore dependency)"
 	@echo "make clean      remove .venv and caches"
 
@@ -57,9 +57,12 @@ test-slow: lint
 test-demo: install
 	$(BIN)/pytest -m demo -p no:randomly -s --durations=1
 
-# Starts slurmctld, slurmd and munged on localhost under pytest's tmp folder (own config, key, ports), runs
-# prepare.sbatch and train.sbatch (2 CPU processes, a SIGUSR1 preemption, requeue, resume) and selftest.sh. Skipped
-# where slurm-wlm is not installed, a failure where CI=true. Its own target: it takes minutes, not part of `make test`.
+# Starts a two-node Slurm cluster on this machine (tests/infra/conftest.py: each node a network namespace with its own
+# address, host name and slurmd; slurmctld and munged beside them; all under pytest's tmp folder, all removed at the
+# end) and runs prepare.sbatch and train.sbatch on it: one node and two, HSDP and TP x DP across the nodes, SIGUSR1
+# preemption, requeue and resume, a node killed mid-step, rendezvous failures; and selftest.sh. Skipped where
+# slurm-wlm is not installed or namespaces cannot be made (needs root), a failure where CI=true. Its own target:
+# it takes minutes, not part of `make test`.
 test-slurm: install
 	$(BIN)/pytest -m slurm -p no:randomly --durations=5
 

@@ -108,9 +108,10 @@ class Network:
             self.ip(self.ns(node), "addr", "add", f"{self.addr(node)}/24", "dev", IFNAME)
             self.ip(self.ns(node), "link", "set", IFNAME, "up")
 
-    def pids(self) -> list[int]:
+    def pids(self, *names: str) -> list[int]:
+        """The processes in the namespaces NAMES (default: all of the cluster's)."""
         out = []
-        for ns in self.made:
+        for ns in names or self.made:
             out += [int(p) for p in sh(which("ip"), "netns", "pids", ns, check=False).stdout.split()]
         return out
 
@@ -196,6 +197,18 @@ class Cluster:
         """Wait until the job has ended (sbatch --wait polls only every few seconds); its final state."""
         wait_for(f"job {job_id} ended", lambda: self.job(job_id).get("JobState") in ENDED, timeout, self, *logs)
         return self.job(job_id)
+
+    def wait_for(self, what: str, ready, timeout: float, *logs: Path):
+        """Poll `ready()` until true; a failure with the daemons' and the given logs' tails after `timeout` s."""
+        wait_for(what, ready, timeout, self, *logs)
+
+    def processes(self, node: str) -> dict[int, str]:
+        """What runs on NODE: pid -> command line."""
+        out = {}
+        for pid in self.net.pids(self.net.ns(node)):
+            with contextlib.suppress(OSError):
+                out[pid] = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        return out
 
     def idle(self) -> bool:
         return self.run("sinfo", "-h", "-o", "%t", check=False).stdout.split() == ["idle"]
