@@ -11,9 +11,9 @@ as a user submits it: `sbatch --nodes=2 infra/slurm/train.sbatch mock ...` with 
 - prepare.sbatch on two nodes writes one dataset with both nodes' shards."""
 
 import csv
+import errno
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -210,8 +210,14 @@ def test_prepare_sbatch_on_two_nodes_writes_one_dataset_with_both_nodes_shards(c
     assert len(summary) == 1 and summary[0].split()[1] == "24", report  # one summary, of both nodes' samples
 
 
-def test_addresses_are_the_namespaces_own():
-    """The host names the jobs use resolve to the bridge's addresses only inside the nodes (a sanity check of the
-    cluster itself: nothing here is reachable from this namespace)."""
-    with pytest.raises(OSError):
-        socket.getaddrinfo("node2", 0)
+def test_the_nodes_reach_each_other_and_nothing_else(cluster):
+    """The cluster's traffic stays on its bridge: a node's only route is the bridge's subnet (no default route), it
+    reaches the other node's slurmd, and an address outside is unreachable at once."""
+    subnet = cluster.net.subnet
+    routes = cluster.run("ip", "-4", "route", node="node1").stdout.split("\n")
+    assert [r.split()[:3] for r in routes if r] == [[f"{subnet}.0/24", "dev", "dcnet0"]], routes
+    probe = ("import socket, sys\nwith socket.socket() as s:\n    s.settimeout(5)\n"
+             "    print(s.connect_ex((sys.argv[1], 6818)))")  # 6818: slurmd's port on every node
+    assert cluster.run(sys.executable, "-c", probe, cluster.net.addr("node2"), node="node1").stdout.strip() == "0"
+    unreachable = cluster.run(sys.executable, "-c", probe, "198.51.100.1", node="node1").stdout.strip()
+    assert unreachable == str(errno.ENETUNREACH), unreachable
