@@ -57,7 +57,8 @@ LONGEST_FILES = {
     "tests/apps/test_memory_plan.py": 45, "tests/ditcore/test_init_from.py": 42, "tests/ditcore/test_interop.py": 25,
     "tests/apps/test_recipe.py": 25, "tests/ditcore/data/test_energon_cli.py": 25,
     # new since: their own runs' sums on 2 cores
-    "tests/apps/test_blend_train.py": 190, "tests/ditcore/data/test_blend_loader.py": 22,
+    "tests/apps/test_blend_train.py": 190, "tests/apps/test_train_lost_peer.py": 60,
+    "tests/ditcore/parallel/test_watchdog.py": 25, "tests/ditcore/data/test_blend_loader.py": 22,
     "tests/apps/test_flow_train.py": 100, "tests/apps/test_wan_finetune.py": 40, "tests/apps/test_wan_interop.py": 20,
 }
 

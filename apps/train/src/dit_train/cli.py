@@ -74,8 +74,10 @@ def main(
     Launch one process (or Fabric starts parallel.devices of them), or run under torchrun for several.
     Writes RUN_DIR (train.run_dir): checkpoints/, samples/, csv/ and tensorboard/ logs (wandb/ with logging.wandb),
     loss.png, export/; one run at a time (a second one on the same RUN_DIR is refused, naming the first).
-    SIGTERM, SIGUSR1, SIGHUP or Ctrl-C saves a checkpoint and exits 0 (a second Ctrl-C exits at once). --plan
-    checks a layout before any GPU is spent on it.
+    SIGTERM, SIGUSR1, SIGHUP or Ctrl-C saves a checkpoint and exits 0 (a second Ctrl-C exits at once). A peer lost
+    for parallel.timeout_s (a node that died or stopped answering) ends the run in one line, "error: lost contact
+    with rank R on host H ...", and exit code 75: relaunch with --resume auto. --plan checks a layout before any GPU
+    is spent on it.
     """
     cfg = _load(config, overrides or [])
     if print_config:

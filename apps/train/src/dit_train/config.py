@@ -218,6 +218,10 @@ class Parallel(Section):
     devices: int = Field(1, ge=1, description="processes per node when not launched by torchrun (Fabric starts "
                                               "them)")
     accelerator: Literal["auto", "cpu", "gpu"] = "auto"
+    timeout_s: Annotated[Number, Expect("seconds > 0")] = Field(
+        600.0, gt=0, description="every process group's collective timeout (NCCL's and Megatron's usual 10 "
+                                 "min); a lost peer ends the run in one line, exit code 75: relaunch with --resume "
+                                 "auto")
 
     @model_validator(mode="after")
     def _shard_with_fsdp(self) -> Parallel:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -24,7 +25,10 @@ class Preempted:
     .tmp-step-* folder, which never passes as complete and which the next save removes.
 
     Every rank must stop at the same step, so the ranks agree on such flags over a CPU (gloo) group: an
-    all-reduce of a host tensor, which never waits for the GPU's queue of work.
+    all-reduce of a host tensor, which never waits for the GPU's queue of work. A lost peer makes that all-reduce (or
+    the step's collectives) fail: the stop checkpoint, whose collectives could only fail or wait, is not attempted, and
+    the watchdog ends the process in one line (ditcore.parallel.watchdog, exit code 75); a signal that finds a rank
+    blocked on a peer whose heartbeat is stale ends it so too.
     """
 
     SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT, signal.SIGHUP)
@@ -32,10 +36,11 @@ class Preempted:
     # only a Ctrl-C this long after the first is a second one.
     REPEAT_S = 1.0
 
-    def __init__(self, world_size: int, on_gpu: bool, rank: int = 0):
+    def __init__(self, world_size: int, on_gpu: bool, rank: int = 0, timeout: timedelta | None = None):
         self.world_size, self.rank = world_size, rank
         self.interrupted_at: float | None = None  # the first Ctrl-C
-        self.group = dist.new_group(backend="gloo") if world_size > 1 and on_gpu else None  # CPU: the default is
+        # CPU: the default group is gloo already. timeout: the run's collective timeout (ditcore.parallel.watchdog)
+        self.group = dist.new_group(backend="gloo", timeout=timeout) if world_size > 1 and on_gpu else None
         self.flag = False
         self.signals = stopping.Signals(self.SIGNALS, then=self._handle).__enter__()
 

@@ -76,6 +76,7 @@ RULES: dict[str, str] = {
     "parallel.fsdp_sync": APPLY,
     "parallel.devices": APPLY,
     "parallel.accelerator": APPLY,
+    "parallel.timeout_s": APPLY,
     "optim.lr": APPLY,
     "optim.weight_decay": APPLY,
     "optim.betas": APPLY,

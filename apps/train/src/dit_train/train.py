@@ -8,6 +8,7 @@ import os
 import time
 from collections import Counter
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -53,6 +54,7 @@ from ditcore.parallel import (
 from ditcore.parallel.consolidate import without_extra_state
 from ditcore.parallel.fabric import MegatronStrategy
 from ditcore.parallel.pipeline import one_f_one_b, reduce_grads
+from ditcore.parallel.watchdog import Watchdog, raise_on_nccl_timeout
 from ditcore.training import (
     LatentMap,
     Loss,
@@ -142,34 +144,41 @@ class Trainee:
 
 def train(cfg: TrainConfig, resume: str = "auto", overwrite: bool = False) -> dict:
     run = setup(cfg, resume, overwrite)
-    heldout = HeldOutLoss.build(run)  # read and packed once, here; refused before anything is built
-    trainee = build(run, checkpoint.blend_order(run.run_dir, resume))
-    # compared, and saved with every checkpoint, resolved: a resume whose auto would resolve otherwise is refused
-    ckpt = checkpoint.resume(run.fabric, run.run_dir, resume, trainee.state, trainee.loader, run.cfg)  # verified
-    if ckpt is not None:
-        run.fabric.print(f"resumed from {ckpt} at step {trainee.state['step']}")
-        if cfg.model.init_from:
-            run.fabric.print(f"note: model.init_from={cfg.model.init_from} is ignored: the run continues from its own "
-                             "checkpoint (init_from gives a new run its first weights)")
-    elif cfg.model.init_from:
-        start_from(run, trainee)
-    if run.recipe.source is not None:
-        run.recipe.source.tensors.clear()  # the host copy of model.init_from's weights is not read again
-    validator = Validator(run.cfg, run.info, run.model_cfg, run.fabric, run.groups, network=run.recipe.sampling(),
-                          stats=run.recipe.latent_stats)
-    scorer = FIDScorer(run.cfg, run.info, run.model_cfg, run.fabric, run.groups, network=run.recipe.sampling(),
-                       stats=run.recipe.latent_stats)  # the reference statistics: computed here once, or read
-    preempted = Preempted(run.fabric.world_size, run.on_gpu, run.fabric.global_rank)  # until the export is written
-    try:
-        result = fit(run, trainee, validator, run.cfg.to_yaml(), preempted, heldout, scorer)
-        result["rank"] = run.fabric.global_rank
-        if not result["stopped"]:
-            result["samples"] = export(run, trainee, validator, heldout, scorer)
-        return result
-    finally:
-        for logger in run.loggers:  # whatever ended the run, every logged value is on disk
-            logger.finalize("success")
-        preempted.close()  # after: a signal meanwhile is recorded, not raised in the middle of a logger's writes
+    # from here on a lost peer ends this process in one line, exit code 75 (ditcore.parallel.watchdog)
+    with Watchdog(run.cfg.parallel.timeout_s, newest=lambda: runs.newest(run.run_dir), rank=run.fabric.global_rank,
+                  world_size=run.fabric.world_size) as watchdog:
+        heldout = HeldOutLoss.build(run)  # read and packed once, here; refused before anything is built
+        trainee = build(run, checkpoint.blend_order(run.run_dir, resume))
+        # compared, and saved with every checkpoint, resolved: a resume whose auto would resolve otherwise is refused
+        ckpt = checkpoint.resume(run.fabric, run.run_dir, resume, trainee.state, trainee.loader, run.cfg)  # verified
+        if ckpt is not None:
+            run.fabric.print(f"resumed from {ckpt} at step {trainee.state['step']}")
+            if cfg.model.init_from:
+                run.fabric.print(f"note: model.init_from={cfg.model.init_from} is ignored: the run continues from its "
+                                 "own checkpoint (init_from gives a new run its first weights)")
+        elif cfg.model.init_from:
+            start_from(run, trainee)
+        if run.recipe.source is not None:
+            run.recipe.source.tensors.clear()  # the host copy of model.init_from's weights is not read again
+        validator = Validator(run.cfg, run.info, run.model_cfg, run.fabric, run.groups, network=run.recipe.sampling(),
+                              stats=run.recipe.latent_stats)
+        scorer = FIDScorer(run.cfg, run.info, run.model_cfg, run.fabric, run.groups, network=run.recipe.sampling(),
+                           stats=run.recipe.latent_stats)  # the reference statistics: computed here once, or read
+        # until the export is written
+        preempted = Preempted(run.fabric.world_size, run.on_gpu, run.fabric.global_rank, run.groups.timeout)
+        try:
+            result = fit(run, trainee, validator, run.cfg.to_yaml(), preempted, heldout, scorer, watchdog)
+            result["rank"] = run.fabric.global_rank
+            if not result["stopped"]:
+                result["samples"] = export(run, trainee, validator, heldout, scorer)
+            return result
+        except BaseException as e:
+            watchdog.lost(e)  # a lost peer: the process ends here, before the loggers' last writes could delay it
+            raise
+        finally:
+            for logger in run.loggers:  # whatever ended the run, every logged value is on disk
+                logger.finalize("success")
+            preempted.close()  # after: a signal meanwhile is recorded, not raised in the middle of a logger's writes
 
 
 def setup(cfg: TrainConfig, resume: str = "auto", overwrite: bool = False) -> Setup:
@@ -192,7 +201,9 @@ def setup(cfg: TrainConfig, resume: str = "auto", overwrite: bool = False) -> Se
     prepare_run_dir(run_dir)
     claim = rundir.claim(run_dir, resume, overwrite)  # the lock, before anything is written into the run dir
     loggers = make_loggers(cfg, run_dir, rundir.csv_version(run_dir), resume)
-    strategy = MegatronStrategy(dims, fsdp=cfg.parallel.fsdp)
+    if on_gpu:
+        raise_on_nccl_timeout()  # so that a lost peer's timed-out collective is reported, not torn down
+    strategy = MegatronStrategy(dims, fsdp=cfg.parallel.fsdp, timeout=timedelta(seconds=cfg.parallel.timeout_s))
     num_nodes = int(os.environ.get("WORLD_SIZE", devices)) // devices  # torchrun on several nodes
     fabric = OneVoiceFabric(accelerator="cuda" if on_gpu else "cpu", devices=devices, num_nodes=num_nodes,
                             strategy=strategy, precision="bf16-mixed" if bf16 else "32-true", loggers=loggers)
@@ -343,8 +354,10 @@ def build_model(run: Setup, training: bool) -> torch.nn.Module:
 
 
 def fit(run: Setup, t: Trainee, validator: Validator, config_yaml: str, preempted: Preempted,
-        heldout: HeldOutLoss | None, scorer: FIDScorer) -> dict:
+        heldout: HeldOutLoss | None, scorer: FIDScorer, watchdog: Watchdog) -> dict:
     """Steps until train.steps (or a stop): log, checkpoint and validate on schedule. The state is updated in place.
+    Each step, up to the ranks' agreement on a stop, is under the watchdog's deadline (the checkpoints, validation and
+    scoring between steps are bounded by the collective timeout alone).
 
     Steps are queued on the device without waiting for it: their losses and other recorded values (dit_train.metrics)
     stay on the device until a step that logs, checkpoints or validates reads them back, all at once. That is where a
@@ -360,6 +373,7 @@ def fit(run: Setup, t: Trainee, validator: Validator, config_yaml: str, preempte
     if t.blend_window is not None:  # its first window starts here (after a resume: at the checkpoint's totals)
         t.blend_window.last = checkpoint.dp_total(fabric, t.state["drawn"])
     while step < cfg.train.steps:
+        watchdog.stepping(step + 1)
         t0 = time.perf_counter()
         micro = train_step(run, t, it, step, metrics)
         step += 1
@@ -373,6 +387,7 @@ def fit(run: Setup, t: Trainee, validator: Validator, config_yaml: str, preempte
                 fabric.print(f"warning: a compiled block has a graph break (slower, still right): {reason}")
 
         now = Due.at(cfg, step, preempted.signalled(), heldout)
+        watchdog.stepped(step)
         if not (now.log or now.save or now.validate or now.score):
             continue
         read = metrics.read_back()  # waits for the device

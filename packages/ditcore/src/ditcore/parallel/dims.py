@@ -13,6 +13,7 @@ hold the same experts: their expert-data-parallel group, over which the experts'
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -88,8 +89,9 @@ class ParallelDims:
             what = "cp*tp (sequence parallel)" if self.sequence_parallel and self.tp > 1 else "cp"
             raise ConfigError("seq_length", seq_len, f"a multiple of {what} = {parts}")
 
-    def initialize(self) -> ParallelGroups:
-        """Create the Megatron-Core process groups (torch.distributed must be initialised) and return them."""
+    def initialize(self, timeout: timedelta | None = None) -> ParallelGroups:
+        """Create the Megatron-Core process groups (torch.distributed must be initialised) and return them. timeout:
+        their collectives' (as the default group's: ditcore.parallel.watchdog); None: Megatron's default, 30 min."""
         from megatron.core import parallel_state as ps
 
         from ditcore.parallel.cpu import apply_cpu_shims, seed_model_parallel_rng
@@ -104,6 +106,8 @@ class ParallelDims:
             tensor_model_parallel_size=dims.tp,
             pipeline_model_parallel_size=dims.pp,
             context_parallel_size=dims.cp,
+            # int minutes by its signature; it only builds timedelta(minutes=...) of it, which takes a fraction
+            **({"distributed_timeout_minutes": timeout.total_seconds() / 60} if timeout is not None else {}),
         )
         groups = ParallelGroups(
             dims=dims,
@@ -118,7 +122,8 @@ class ParallelDims:
             pp_group=ps.get_pipeline_model_parallel_group(),
             pp_rank=ps.get_pipeline_model_parallel_rank(),
             pp_ranks=tuple(dist.get_process_group_ranks(ps.get_pipeline_model_parallel_group())),
-            **_expert_groups(dims),
+            timeout=timeout,
+            **_expert_groups(dims, timeout),
         )
         seed_model_parallel_rng(0, groups.tp_rank)
         return groups
@@ -143,6 +148,7 @@ class ParallelGroups:
     ep_group: dist.ProcessGroup | None = None  # ep > 1: the ranks this rank's tokens are dispatched over
     ep_rank: int = 0  # this rank's place in it: it holds experts ep_rank·E/ep to (ep_rank + 1)·E/ep − 1
     edp_group: dist.ProcessGroup | None = None  # ep > 1: the ranks holding the same experts (their gradients' peers)
+    timeout: timedelta | None = None  # the collective timeout of these groups, for those made later (None: torch's)
 
     @property
     def is_model_parallel_writer(self) -> bool:
@@ -158,7 +164,7 @@ class ParallelGroups:
         return self.pp_rank == self.dims.pp - 1
 
 
-def _expert_groups(dims: ParallelDims) -> dict:
+def _expert_groups(dims: ParallelDims, timeout: timedelta | None = None) -> dict:
     """The EP and expert-data-parallel groups of this rank (none when ep = 1). Every DP×CP group of the world (one per
     TP rank and pipeline stage), its ranks in Megatron's order (rank = tp_rank + tp·dp_cp_rank + tp·dp_cp·pp_rank), is
     cut into rows of ep consecutive ranks: the rows are EP groups, the columns expert-data-parallel ones. new_group is
@@ -172,7 +178,7 @@ def _expert_groups(dims: ParallelDims) -> dict:
         grid = dp_cp.reshape(-1, dims.ep)
         for role, lines in (("ep_group", grid), ("edp_group", grid.T)):
             for line in lines.tolist():
-                group = dist.new_group(line)
+                group = dist.new_group(line, timeout=timeout)
                 if me in line:
                     mine[role] = group
                     if role == "ep_group":

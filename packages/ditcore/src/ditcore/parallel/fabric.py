@@ -10,7 +10,8 @@ keeps Fabric's launching, device handling and precision and changes exactly that
   backward: FSDP2 reads it in backward) keeps them unsharded until the step's last micro-batch only for a model
   sharded with sync="step" (`fsdp.accumulating`: the unsharded parameters and gradients stay, which the memory plan
   counts); with sync="micro_batch" they are reduce-scattered after every micro-batch;
-- with pipeline stages (pp > 1) the module is not wrapped either: ditcore.parallel.pipeline reduces the gradients.
+- with pipeline stages (pp > 1) the module is not wrapped either: ditcore.parallel.pipeline reduces the gradients;
+- `timeout` bounds every collective of the default group and of Megatron's (ditcore.parallel.watchdog).
 
 Checkpoints do not go through Fabric: ditcore.runs writes them in a layout-free form (ditcore.parallel.dist_checkpoint's
 views of the live tensors).
@@ -19,6 +20,7 @@ views of the live tensors).
 from __future__ import annotations
 
 from contextlib import AbstractContextManager, nullcontext
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -31,8 +33,10 @@ from ditcore.parallel.dims import ParallelDims, ParallelGroups, default_backend
 
 
 class MegatronStrategy(DDPStrategy):
-    def __init__(self, dims: ParallelDims, fsdp: bool = False, **kwargs: Any):
+    def __init__(self, dims: ParallelDims, fsdp: bool = False, timeout: timedelta | None = None, **kwargs: Any):
         kwargs.setdefault("process_group_backend", default_backend())
+        if timeout is not None:  # init_process_group's; Fabric's default is torch's, 30 min
+            kwargs["timeout"] = timeout
         super().__init__(**kwargs)
         self.dims, self.fsdp = dims, fsdp
         self.groups: ParallelGroups | None = None
@@ -41,7 +45,7 @@ class MegatronStrategy(DDPStrategy):
 
     def setup_environment(self) -> None:
         super().setup_environment()  # initialises torch.distributed (torchrun or Fabric's launcher)
-        self.groups = self.dims.initialize()
+        self.groups = self.dims.initialize(self._timeout)  # Megatron's groups bounded as the default one
 
     def setup_module(self, module: torch.nn.Module) -> torch.nn.Module:
         if self.fsdp:

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -91,7 +92,7 @@ def _mesh(group: dist.ProcessGroup, device_type: str, name: str = "dp_cp"):
 
 def _hsdp_mesh(groups: ParallelGroups, device_type: str, shard: int):
     world, tp, pp = dist.get_world_size(), groups.dims.tp, groups.dims.pp
-    mesh = _hsdp_groups(world, tp, pp, shard, device_type)
+    mesh = _hsdp_groups(world, tp, pp, shard, device_type, groups.timeout)
     if mesh.mesh.reshape(-1).tolist() != dist.get_process_group_ranks(groups.dp_cp_group):
         raise RuntimeError(f"rank {dist.get_rank()}: HSDP's mesh {mesh.mesh.tolist()} is not Megatron's DP×CP group "
                            f"{dist.get_process_group_ranks(groups.dp_cp_group)}")
@@ -99,7 +100,7 @@ def _hsdp_mesh(groups: ParallelGroups, device_type: str, shard: int):
 
 
 @functools.cache
-def _hsdp_groups(world: int, tp: int, pp: int, shard: int, device_type: str):
+def _hsdp_groups(world: int, tp: int, pp: int, shard: int, device_type: str, timeout: timedelta | None = None):
     """Created once per layout of the world (new communicators; Megatron's groups may be created again meanwhile)."""
     from torch.distributed.device_mesh import DeviceMesh
 
@@ -110,8 +111,8 @@ def _hsdp_groups(world: int, tp: int, pp: int, shard: int, device_type: str):
     me = dist.get_rank()
     for dp_cp in everyone:
         grid = dp_cp.reshape(-1, shard)
-        shard_groups = {tuple(row.tolist()): dist.new_group(row.tolist()) for row in grid}
-        replicate_groups = {tuple(col.tolist()): dist.new_group(col.tolist()) for col in grid.T}
+        shard_groups = {tuple(row.tolist()): dist.new_group(row.tolist(), timeout=timeout) for row in grid}
+        replicate_groups = {tuple(col.tolist()): dist.new_group(col.tolist(), timeout=timeout) for col in grid.T}
         if me in dp_cp.tolist():
             mine = grid
             shard_group = next(g for ranks, g in shard_groups.items() if me in ranks)
