@@ -149,7 +149,9 @@ def test_a_killed_peer_ends_the_survivor_in_one_line_and_the_run_resumes(data, t
     assert runs.step_of(runs.newest(run)) == step + 2
 
 
-@pytest.mark.parametrize("then_term", [False, True], ids=["frozen", "frozen-then-sigterm"])
+# the signal's path without dit-train: test_watchdog's test_a_stop_signal_while_a_peer_is_stale_ends_the_first_step_too
+@pytest.mark.parametrize("then_term", [False, pytest.param(True, marks=pytest.mark.slow)],
+                         ids=["frozen", "frozen-then-sigterm"])
 def test_a_frozen_peer_ends_the_survivor_in_one_line_within_the_timeout(data, tmp_path, then_term):
     """SIGSTOP: the peer's sockets stay open, so the survivor's collective raises only at parallel.timeout_s. With a
     SIGTERM to the survivor a second later (srun ending the job step): the stop checkpoint, whose collectives could

@@ -8,6 +8,7 @@
 - materialize: initial weights for a model built on the meta device, each rank computing only its shards
 - grads: completing, measuring and clipping gradients; consolidate: one-device weights and back
 - fabric: the Lightning Fabric strategy for these layouts; connections: the CUDA_DEVICE_MAX_CONNECTIONS they need
+- watchdog: every group's collective timeout, heartbeats, and the one line that ends a run whose peer is lost
 
 Megatron-Core and Lightning are imported only when a layout is initialised or a strategy is built, so
 one-device use of ditcore does not pay for them.
