@@ -253,10 +253,13 @@ def export(
     format_: Format = typer.Option(..., "--format", help="diffusers: a DiTTransformer2DModel or WanTransformer3DModel "
                                                         "folder, by the model's architecture (the one format so "
                                                         "far)."),
-    approximate: bool = typer.Option(False, help="Export a network with the original DiT's timestep sinusoid anyway "
-                                                 "(an original DiT checkpoint, or a run fine-tuned from one): "
-                                                 "diffusers computes its own, 10000^(-k/(half-1)), as its conversion "
-                                                 "of DiT-XL/2 does — close to the network's function, not equal."),
+    approximate: bool = typer.Option(False, help="Export a DDPM-trained network with the original DiT's timestep "
+                                                 "sinusoid anyway (an original DiT checkpoint, or a run fine-tuned "
+                                                 "from one): diffusers computes its own, 10000^(-k/(half-1)), as its "
+                                                 "conversion of DiT-XL/2 does — close to the network's function, not "
+                                                 "equal. Refused for EDM and flow networks (their output moves far "
+                                                 "beyond float error); train with --config dit-xl-diffusers for an "
+                                                 "exact export."),
     num_heads: int = typer.Option(None, min=1, help=HEADS_HELP, show_default=False),
     force: bool = typer.Option(False, help="Replace OUT if it exists (it is replaced whole, once the new folder is "
                                            "complete)."),
