@@ -95,7 +95,7 @@ def run(block: Block, cwd: Path) -> subprocess.CompletedProcess:
 
 
 def failure(block: Block, proc: subprocess.CompletedProcess) -> str:
-    return f"{block.name} exited {proc.returncode}:\n{block.code}\n--- stdout\n{proc.stdout[-3000:]}\n" \
+    return f"{block.name} exited {proc.returncode}:\n{block.code}\n--- stdout\n{proc.stdout[-1500:]}\n" \
            f"--- stderr\n{proc.stderr[-3000:]}"
 
 
