@@ -121,6 +121,7 @@ RULES: dict[str, str] = {
     "checkpoint.keep": APPLY,
     "validation.every": APPLY,
     "validation.prompts": APPLY,
+    "validation.dataset_prompts": APPLY,
     "validation.steps": APPLY,
     "validation.guidance": APPLY,
     "validation.solver": APPLY,

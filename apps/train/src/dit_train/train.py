@@ -26,7 +26,7 @@ from dit_train.metrics import BlendWindow, Metrics, bar_postfix, drawn_counts
 from dit_train.plots import plot_heldout, plot_losses
 from dit_train.preemption import Preempted
 from dit_train.recipe import Recipe, model_config, resolve  # noqa: F401 (model_config: where it was before)
-from dit_train.validation import Validator
+from dit_train.validation import Validator, resolve_validation
 from ditcore import durable, init_from, runs
 from ditcore.codecs.text import max_text_tokens
 from ditcore.data import blend
@@ -188,6 +188,8 @@ def setup(cfg: TrainConfig, resume: str = "auto", overwrite: bool = False) -> Se
     info = read_info(cfg.data.path)  # fails early, on every rank, if the dataset is missing or unfinished
     recipe = resolve(cfg, info)  # the architecture too, where model.init_from is one of the field's DiTs
     cfg, model_cfg = recipe.cfg, recipe.model_cfg
+    # the prompts and size the dataset gives (its captions or classes): what is saved, sampled, scored and exported
+    cfg = resolve_validation(cfg, info, model_cfg)
     dims = ParallelDims(cfg.parallel.tp, cfg.parallel.cp, cfg.parallel.pp,
                         sequence_parallel=cfg.parallel.sequence_parallel, ep=cfg.parallel.ep)
     devices = int(os.environ.get("LOCAL_WORLD_SIZE", cfg.parallel.devices))
