@@ -11,14 +11,12 @@ from pathlib import Path
 import typer
 
 from ditcore.choices import FEATURES, SAMPLE_SOLVERS
-from ditcore.cli import entry_point, fail, stop_on_signal, version_option
+from ditcore.cli import entry_point, fail, new_app, stop_on_signal, version_option
 
-app = typer.Typer(
-    name="dit-sample",
+app = new_app(
+    "dit-sample",
     help="Sample a trained DiT checkpoint and decode latents to images and video (Gradio UI and CLI).",
     no_args_is_help=True,
-    add_completion=False,
-    pretty_exceptions_enable=False,
 )
 
 

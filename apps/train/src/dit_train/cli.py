@@ -8,9 +8,10 @@ from pathlib import Path
 import typer
 
 from dit_train.config import SHIPPED_NAMES, shipped_configs
-from ditcore.cli import entry_point, fail, version_option
+from ditcore.cli import entry_point, fail, new_app, version_option
+from ditcore.runs import OUTPUTS
 
-app = typer.Typer(name="dit-train", add_completion=False, pretty_exceptions_enable=False)
+app = new_app("dit-train")
 
 
 def find_config(name: str) -> Path:
@@ -22,6 +23,12 @@ def find_config(name: str) -> Path:
     return shipped_configs().get(name, path)
 
 
+def output_name(name: str) -> str:
+    """An entry of ditcore.runs.OUTPUTS as a person reads it: a folder with its slash (checkpoints/), a file
+    (loss.png) as it is."""
+    return name if Path(name).suffix else f"{name}/"
+
+
 @app.command()
 def main(
     overrides: list[str] = typer.Argument(None, help="Dotted overrides, e.g. train.steps=200 parallel.tp=2."),
@@ -31,8 +38,8 @@ def main(
                                             "if none); none: a new run (refused where checkpoints exist, unless "
                                             "--overwrite); or a checkpoint folder (an older one starts a branch)."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Start a new run in RUN_DIR, first removing what an "
-                                                              "earlier run wrote there: checkpoints/, export/, "
-                                                              "samples/, csv/, tensorboard/, loss.png."),
+                                                              "earlier run wrote there: " + ", ".join(
+                                                                  map(output_name, OUTPUTS)) + "."),
     print_config: bool = typer.Option(False, "--print-config", help="Print the resolved config and exit."),
     plan: bool = typer.Option(False, "--plan", help="Print the memory per GPU this config needs (weights, gradients, "
                                                     "optimizer, EMA, buffers, activations) and exit: 0 if it fits in "
