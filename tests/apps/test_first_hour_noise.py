@@ -3,6 +3,7 @@ columns, the --overwrite help that names what it removes, ..."""
 
 import importlib
 import os
+import shutil
 import subprocess
 import sys
 import warnings
@@ -128,3 +129,88 @@ def test_overwrite_help_names_everything_it_removes(cli_in_process, monkeypatch)
                        "heldout.png"]
     assert [name.rstrip("/") for name in removed] == list(runs.OUTPUTS)
 
+
+
+def snapshot(folder: Path) -> dict:
+    """Every path in `folder` with its time and size, but the lock file (whoever holds it writes their record)."""
+    return {p.relative_to(folder): (p.stat().st_mtime_ns, p.stat().st_size) for p in folder.rglob("*")
+            if p.name != ".lock"}
+
+
+@pytest.mark.parametrize("change", ["parallel.devices=1 optim.lr=1e-3", "validation.prompts=[a blue square]"])
+def test_a_finished_run_is_not_resumed_by_a_command_with_another_config(finished, dataset, cli_in_process, tmp_path,
+                                                                        change):
+    """The README's examples once shared runs/demo: `torchrun ... parallel.tp=2` "resumed" the finished demo, trained
+    nothing and rewrote its samples and export. Now: one line naming the run, what differs and both ways on, exit 2,
+    and nothing in the folder changed."""
+    run = tmp_path / "run"
+    shutil.copytree(finished[0], run)
+    before = snapshot(run)
+    proc = cli_in_process("train", *TINY, f"data.path={dataset}", f"train.run_dir={run}", "train.steps=2",
+                          *change.split())
+    assert proc.returncode == 2 and snapshot(run) == before, proc.stderr
+    (line,) = proc.stderr.splitlines()
+    differs = {"parallel.devices=1 optim.lr=1e-3": "optim.lr 0.0001 → 0.001",
+               "validation.prompts=[a blue square]": "validation.prompts [a red butterfly] → [a blue square]"}[change]
+    assert line == (f"error: train.run_dir {run} holds a finished run (its checkpoint step-0000002: step 2 of "
+                    f"train.steps=2), which this command would not train further (train.steps=2) but resume with "
+                    f"another config: {differs} — continue that run with --resume auto and its own config (raise "
+                    "train.steps to train it longer), or start a new run with --overwrite (removes the old run's "
+                    "outputs) or in another train.run_dir"), line
+
+
+def test_what_may_resume_a_run_with_nothing_left_to_train():
+    """Its own config (a requeued job whose run had ended: the export is written again, the same), its own config with
+    train.steps lowered (stop a run where it is) or raised (train it longer, with other settings too): resumed. Any
+    other change with nothing to train: refused, naming the changes."""
+    from dit_train.config import TrainConfig
+    from dit_train.resume_config import compare, nothing_to_train
+
+    saved = TrainConfig()
+    saved.train.steps = 400
+
+    def verdict(step: int, **changes) -> str | None:
+        ckpt = Path(f"runs/demo/checkpoints/step-{step:07d}")
+        cfg = TrainConfig.model_validate(saved.to_dict())
+        for key, value in changes.items():
+            section, name = key.split("__")
+            setattr(getattr(cfg, section), name, value)
+        return nothing_to_train(compare(saved.to_dict(), cfg, ckpt), step, saved.to_dict(), cfg)
+
+    assert verdict(400) is None
+    assert verdict(300, train__steps=300) is None  # a run stopped at 300 of 400, ended there: its export
+    assert verdict(400, train__steps=500, optim__lr=1e-3) is None  # trains 100 more steps at the new rate
+    assert verdict(300, optim__lr=1e-3) is None  # 100 steps left to train: the change applies (its own summary line)
+    refused = verdict(400, parallel__tp=2)
+    assert refused.startswith("train.run_dir runs/demo holds a finished run (its checkpoint step-0000400: step 400 of "
+                              "train.steps=400), which this command would not train further (train.steps=400) but "
+                              "resume with another config: parallel.tp 1 → 2 — "), refused
+    refused = verdict(300, train__steps=300, parallel__tp=2)  # not finished, but nothing left to train
+    assert refused.startswith("train.run_dir runs/demo holds a run whose checkpoint step-0000300 is at step 300, "
+                              "which this command would not train further (train.steps=300) but resume with another "
+                              "config: parallel.tp 1 → 2 — "), refused
+
+
+def test_prepare_names_the_images_it_enlarged_and_those_its_crop_cut(cli_in_process, tmp_path):
+    """dit-prepare folder at --size 64 --fit crop: a 20x20 image made 64x64 and non-square photos centre-cropped are
+    counted and named in the summary, the held-out split's too (c-wide.png, held out by --val-samples 1)."""
+    import imageio.v3 as iio
+    import numpy as np
+
+    src = tmp_path / "photos"
+    src.mkdir()
+    noise = np.random.default_rng(0)
+    sizes = {"a-square": (64, 64), "b-tiny": (20, 20), "c-wide": (96, 64), "d-tall": (64, 80), "e-small": (40, 48)}
+    for name, (w, h) in sizes.items():
+        iio.imwrite(src / f"{name}.png", noise.integers(0, 256, (h, w, 3), dtype=np.uint8))
+        (src / f"{name}.txt").write_text("a red square")
+    proc = cli_in_process("prepare", "folder", src, "--out", tmp_path / "data", "--size", 64, "--codec", "pixel",
+                          "--text-encoder", "null", "--val-samples", 1)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    reframed = [line for line in proc.stdout.splitlines() if line.startswith(("upscaled", "cropped"))]
+    # e-small: 40x48 scaled 1.6x to 64x77, of which 13 rows are cut: 1 - 64/77 = 17% < c-wide's 1 - 64/96 = 33%
+    assert reframed == [
+        "upscaled  2 samples smaller than their frame, enlarged up to 3.2x (20x20 → 64x64): b-tiny.png, e-small.png "
+        "— they train blurry: use larger images or a smaller --size",
+        "cropped   3 samples cut to their frame's shape by a centre crop, up to 33% of a side (96x64 → 64x64): "
+        "d-tall.png, e-small.png, c-wide.png — --fit resize or buckets keeps their aspect"], proc.stdout
