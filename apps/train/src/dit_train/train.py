@@ -219,7 +219,7 @@ def setup(cfg: TrainConfig, resume: str = "auto", overwrite: bool = False) -> Se
                                                      "(auto picks flex on a GPU)")
     bf16 = cfg.train.precision == "bf16" or (cfg.train.precision == "auto" and on_gpu)
     prepare_run_dir(run_dir)
-    claim = rundir.claim(run_dir, resume, overwrite)  # the lock, before anything is written into the run dir
+    claim = rundir.claim(run_dir, resume, overwrite, cfg)  # the lock, before anything is written into the run dir
     loggers = make_loggers(cfg, run_dir, rundir.csv_version(run_dir), resume)
     if on_gpu:
         raise_on_nccl_timeout()  # so that a lost peer's timed-out collective is reported, not torn down
