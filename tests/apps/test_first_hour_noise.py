@@ -137,21 +137,21 @@ def snapshot(folder: Path) -> dict:
             if p.name != ".lock"}
 
 
-@pytest.mark.parametrize("change", ["parallel.devices=1 optim.lr=1e-3", "validation.prompts=[a blue square]"])
+@pytest.mark.parametrize(("change", "differs"), [
+    ("optim.lr=3e-3", "optim.lr 0.001 → 0.003"),  # the demo's 1e-3
+    ("validation.prompts=[a blue square]", "validation.prompts [a red butterfly] → [a blue square]"),
+])
 def test_a_finished_run_is_not_resumed_by_a_command_with_another_config(finished, dataset, cli_in_process, tmp_path,
-                                                                        change):
+                                                                        change, differs):
     """The README's examples once shared runs/demo: `torchrun ... parallel.tp=2` "resumed" the finished demo, trained
     nothing and rewrote its samples and export. Now: one line naming the run, what differs and both ways on, exit 2,
     and nothing in the folder changed."""
     run = tmp_path / "run"
     shutil.copytree(finished[0], run)
     before = snapshot(run)
-    proc = cli_in_process("train", *TINY, f"data.path={dataset}", f"train.run_dir={run}", "train.steps=2",
-                          *change.split())
+    proc = cli_in_process("train", *TINY, f"data.path={dataset}", f"train.run_dir={run}", "train.steps=2", change)
     assert proc.returncode == 2 and snapshot(run) == before, proc.stderr
     (line,) = proc.stderr.splitlines()
-    differs = {"parallel.devices=1 optim.lr=1e-3": "optim.lr 0.0001 → 0.001",
-               "validation.prompts=[a blue square]": "validation.prompts [a red butterfly] → [a blue square]"}[change]
     assert line == (f"error: train.run_dir {run} holds a finished run (its checkpoint step-0000002: step 2 of "
                     f"train.steps=2), which this command would not train further (train.steps=2) but resume with "
                     f"another config: {differs} — continue that run with --resume auto and its own config (raise "
@@ -214,3 +214,41 @@ def test_prepare_names_the_images_it_enlarged_and_those_its_crop_cut(cli_in_proc
         "— they train blurry: use larger images or a smaller --size",
         "cropped   3 samples cut to their frame's shape by a centre crop, up to 33% of a side (96x64 → 64x64): "
         "d-tall.png, e-small.png, c-wide.png — --fit resize or buckets keeps their aspect"], proc.stdout
+
+
+def test_the_moviegen_plan_assumes_nemo_s_inputs_and_names_its_links_plainly(cli_in_process, tmp_path):
+    """Without a dataset --plan takes the latent channels and text width from the preset, which for MovieGen are
+    NeMo's DiTConfig's (16, 1024: the README's `preset("MovieGen-30B", in_channels=16, text_dim=1024)`), not the
+    DiTs' 4 and MiniLM's 384; the FSDP ring over whole nodes is labelled with its NICs, not "InfiniBand 360 GB/s"."""
+    from ditcore.models import preset
+    from ditcore.speed import Cluster
+
+    proc = cli_in_process("train", "--config", "moviegen-30b", f"data.path={tmp_path / 'absent'}", "--plan",
+                          "--world-size", 64)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert f"data   data.path {tmp_path / 'absent'} does not exist yet: assumed 16 latent channels, text states of " \
+           "width 1024, no classes" in lines
+    assert (preset("MovieGen-30B").in_channels, preset("MovieGen-30B").text_dim) == (16, 1024)
+    c = Cluster()
+    (fsdp,) = [line for line in lines if line.startswith("  fsdp ")]
+    assert fsdp.split()[1:4] == ["8×IB", f"{min(c.nvlink, 8 * c.infiniband) / 1e9:.0f}", "GB/s"], fsdp
+    assert "  8×IB: the group's ranks in a node send through their 8 InfiniBand NICs at once, 8 x 46 GB/s, capped at " \
+           "NVLink's 360 GB/s" in lines
+    assert not any("InfiniBand 360" in line for line in lines)
+
+
+def test_the_fid_install_line_is_a_command_that_works_in_this_repository(monkeypatch):
+    """ditcore is not on PyPI: the line installs the fid extra from the repository, as `make install` installed
+    ditcore, with the constraints that keep torch."""
+    import tomllib
+
+    from ditcore.eval.features import install_fid_command
+
+    repo = Path(__file__).resolve().parents[2]
+    monkeypatch.chdir(repo)
+    python = os.path.relpath(sys.executable) if not os.path.relpath(sys.executable).startswith("..") else \
+        sys.executable
+    assert install_fid_command() == f"{python} -m pip install -c constraints.txt -e 'packages/ditcore[fid]'"
+    extras = tomllib.loads((repo / "packages/ditcore/pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert any(r.startswith("torch-fidelity") for r in extras["fid"])

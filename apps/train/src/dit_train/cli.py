@@ -52,9 +52,11 @@ def main(
                                                                  "128, UMT5's 512)."),
     text_dim: int = typer.Option(None, "--text-dim", min=0, help="With --plan, when data.path does not exist yet: "
                                                                  "width of the text states (default: the preset's "
-                                                                 "where it has one, as Wan's 4096 of UMT5; else 384, "
-                                                                 "MiniLM, dit-prepare's default; 4096: T5-XXL; 0: no "
-                                                                 "text)."),
+                                                                 "where it has one, as Wan's 4096 of UMT5 or "
+                                                                 "MovieGen's 1024, NeMo's; else 384, MiniLM, "
+                                                                 "dit-prepare's default; 4096: T5-XXL; 0: no text). "
+                                                                 "The latent channels are the preset's likewise "
+                                                                 "(Wan's and MovieGen's 16; else 4)."),
     gpus_per_node: int = typer.Option(None, "--gpus-per-node", help="With --plan: GPUs in a node, joined by NVLink "
                                                                     "(default 8: H100 SXM nodes)."),
     nvlink_gbps: float = typer.Option(None, "--nvlink-gbps", help="With --plan: GB/s each GPU sends within a node "
@@ -168,8 +170,9 @@ def _train(cfg, resume: str, overwrite: bool) -> None:
 
 
 def _assumed_data(cfg, text_dim: int | None):
-    """The dataset --plan assumes where data.path does not exist yet: the preset's latent channels, text states of
-    width text_dim (default: the preset's, else MiniLM's 384) from UMT5 (512 tokens) for Wan's text_len, else 128."""
+    """The dataset --plan assumes where data.path does not exist yet: the preset's latent channels (Wan's and
+    MovieGen's 16, the DiTs' 4), text states of width text_dim (default: the preset's, as MovieGen's 1024, else
+    MiniLM's 384) from UMT5 (512 tokens) for Wan's text_len, else 128."""
     from ditcore.codecs.text import UMT5_MAX_TOKENS
     from ditcore.data.schema import DatasetInfo
     from ditcore.models import preset
