@@ -252,3 +252,61 @@ def test_the_fid_install_line_is_a_command_that_works_in_this_repository(monkeyp
     assert install_fid_command() == f"{python} -m pip install -c constraints.txt -e 'packages/ditcore[fid]'"
     extras = tomllib.loads((repo / "packages/ditcore/pyproject.toml").read_text())["project"]["optional-dependencies"]
     assert any(r.startswith("torch-fidelity") for r in extras["fid"])
+
+
+@pytest.fixture
+def no_hub(monkeypatch):
+    """A machine without the network, whatever this one has: the hub's endpoint a local port nothing listens on."""
+    import socket
+
+    import huggingface_hub
+
+    from ditcore.codecs import hub
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed again: a connection to it is refused at once
+    monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", f"http://127.0.0.1:{port}")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setenv("HF_HOME", "/nonexistent-hf-home")  # an empty cache
+    hub._unreachable.cache_clear()
+    yield port
+    hub._unreachable.cache_clear()
+
+
+HINT = ("pass a local folder that holds its files instead (one written by save_pretrained, or `hf download bogus/model "
+        "--local-dir DIR` on a machine with network), or pre-download it into the Hugging Face cache (`hf download "
+        "bogus/model`, HF_HOME) and set HF_HUB_OFFLINE=1 so that no look-up waits for the network")
+
+
+@pytest.mark.filterwarnings("ignore:The `local_dir_use_symlinks` argument is deprecated")  # diffusers 0.42 passes it
+def test_hub_look_ups_fail_at_once_offline_and_say_how_to_work_offline(no_hub, monkeypatch):
+    """huggingface_hub retries each request five times (25-45 s a file) before the one-line error; offline, the loaders
+    read the cache alone and fail in well under a second, with the HF_HUB_OFFLINE hint."""
+    import time
+
+    import diffusers
+    import transformers
+
+    from ditcore.codecs import DiffusersVAECodec, HubLoadError
+    from ditcore.codecs.text import load_text_encoder
+
+    for imported in (transformers.AutoTokenizer, transformers.T5EncoderModel, transformers.UMT5EncoderModel,
+                     diffusers.AutoencoderKL):  # their imports (seconds on a busy machine) before the clock starts
+        assert imported is not None
+    start = time.perf_counter()
+    with pytest.raises(HubLoadError) as info:
+        load_text_encoder("t5:bogus/model").load()
+    assert str(info.value) == (f"could not load t5 tokenizer 'bogus/model' from the Hugging Face hub (offline: the hub "
+                               f"(127.0.0.1) is unreachable: Connection refused; not in its local cache) — {HINT}")
+    with pytest.raises(HubLoadError) as info:
+        DiffusersVAECodec("bogus/model")
+    assert str(info.value).startswith("could not load VAE 'bogus/model' from the Hugging Face hub (offline: the hub "
+                                      "(127.0.0.1) is unreachable: Connection refused; not in its local cache) — ")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # set by the user: no probe at all
+    with pytest.raises(HubLoadError) as info:
+        load_text_encoder("umt5:bogus/model").load()
+    assert str(info.value) == (f"could not load umt5 tokenizer 'bogus/model' from the Hugging Face hub (offline: "
+                               f"HF_HUB_OFFLINE is set; not in its local cache) — {HINT}")
+    assert time.perf_counter() - start < 5  # three look-ups: 25-45 s each before, retried

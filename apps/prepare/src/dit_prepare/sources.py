@@ -12,7 +12,6 @@ import io
 import json
 import math
 import os
-import socket
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -259,26 +258,14 @@ class ButterflySource:
                     {"source": f"butterfly:{i}"})
 
 
-def _hub_reachable(timeout: float = 3.0) -> bool:
-    """A TCP connect to the hub endpoint: without it `datasets` retries for half a minute before failing."""
-    from urllib.parse import urlparse
-
-    from huggingface_hub import constants
-
-    url = urlparse(constants.ENDPOINT)
-    try:
-        socket.create_connection((url.hostname, url.port or (443 if url.scheme == "https" else 80)), timeout).close()
-        return True
-    except OSError:
-        return False
-
-
 def _load_hub(hub_id: str):
-    offline = os.environ.get("HF_HUB_OFFLINE") == "1" or os.environ.get("HF_DATASETS_OFFLINE") == "1"
-    error = None
-    if offline or not _hub_reachable():
-        error = "offline" if offline else "the hub is unreachable"
-    else:
+    from ditcore.codecs.hub import offline
+
+    # without a connection `datasets` retries for half a minute before failing: ditcore's probe says so at once
+    error = "offline: HF_DATASETS_OFFLINE is set" if os.environ.get("HF_DATASETS_OFFLINE") == "1" else None
+    if error is None and (why := offline()):
+        error = f"offline: {why}"
+    if error is None:
         try:
             import datasets
 
