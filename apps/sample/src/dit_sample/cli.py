@@ -11,14 +11,12 @@ from pathlib import Path
 import typer
 
 from ditcore.choices import FEATURES, SAMPLE_SOLVERS
-from ditcore.cli import entry_point, fail, stop_on_signal, version_option
+from ditcore.cli import entry_point, fail, new_app, stop_on_signal, version_option
 
-app = typer.Typer(
-    name="dit-sample",
+app = new_app(
+    "dit-sample",
     help="Sample a trained DiT checkpoint and decode latents to images and video (Gradio UI and CLI).",
     no_args_is_help=True,
-    add_completion=False,
-    pretty_exceptions_enable=False,
 )
 
 
@@ -158,7 +156,8 @@ def evaluate(
                                              "from there, or an ADM-style .npz with mu and sigma (Inception)."),
     num: int = typer.Option(..., help="Samples to score, over all ranks (FID-50K: 50000); at least 2."),
     features: Features = typer.Option("inception", help="inception: FID as papers report it (needs "
-                                                        "torch-fidelity: pip install 'ditcore\\[fid]'); dinov2: "
+                                                        "torch-fidelity, ditcore's fid extra: .venv/bin/pip install -c "
+                                                        "constraints.txt -e 'packages/ditcore[fid]'); dinov2: "
                                                         "FD_DINOv2."),
     weights: str = typer.Option(None, help="inception: a local copy of torch-fidelity's pt_inception-2015-12-05 "
                                            "weights; dinov2: a hub id or save_pretrained folder (default "
