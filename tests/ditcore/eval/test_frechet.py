@@ -86,7 +86,8 @@ def test_dinov2_features_load_from_a_folder_and_are_the_normalised_cls_token(tmp
 
 
 def test_a_dinov2_model_that_is_not_there_is_one_readable_line(tmp_path):
-    with pytest.raises(FeatureError, match=r"cannot load the DINOv2 model .* pass a local save_pretrained folder"):
+    with pytest.raises(FeatureError, match=r"cannot load the DINOv2 model: the folder '.*missing' does not exist — "
+                                           r"pass a folder written by save_pretrained, or a hub id"):
         DINOv2Features.load(tmp_path / "missing")
 
 
@@ -95,5 +96,6 @@ def test_inception_without_torch_fidelity_says_what_to_install():
 
     if importlib.util.find_spec("torch_fidelity") is not None:
         pytest.skip("torch-fidelity is installed here: the Inception network builds")
-    with pytest.raises(FeatureError, match=r"torch-fidelity's, which is not installed — pip install 'ditcore\[fid\]'"):
+    with pytest.raises(FeatureError, match=r"torch-fidelity's, which is not installed — \.venv/bin/python -m pip "
+                                           r"install -c constraints\.txt -e 'packages/ditcore\[fid\]'"):
         feature_net("inception")

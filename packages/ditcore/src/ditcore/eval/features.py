@@ -97,8 +97,11 @@ class DINOv2Features(nn.Module):
             from transformers import Dinov2Model
         except ImportError as e:
             raise FeatureError(f"dinov2 features need transformers ({e}) — pip install transformers") from None
-        from ditcore.codecs.hub import offline, offline_hint
+        from ditcore.codecs.hub import looks_like_path, offline, offline_hint
 
+        if not Path(name_or_path).expanduser().is_dir() and looks_like_path(str(name_or_path)):
+            raise FeatureError(f"cannot load the DINOv2 model: the folder '{name_or_path}' does not exist — pass a "
+                               f"folder written by save_pretrained, or a hub id ({DINOV2_DEFAULT})")
         why = None if Path(name_or_path).is_dir() else offline()  # offline: the cache alone, at once
         try:
             model = Dinov2Model.from_pretrained(str(name_or_path), use_safetensors=True, local_files_only=bool(why))
