@@ -3,6 +3,7 @@ reads that checkpoint's EMA weights, `--checkpoint RUN` for a run without an exp
 the samples are those of the export dit-train writes from the same step, bit for bit. Damaged or incomplete checkpoints
 are one line naming them and what to sample instead; dit-train's stop message names the command."""
 
+import json
 import os
 import shlex
 import shutil
@@ -191,3 +192,25 @@ def test_damaged_or_incomplete_checkpoints_are_one_line_naming_them_and_what_to_
         f"error: run directory '{run}' has no export/ and no complete checkpoint yet — dit-train writes one every "
         "checkpoint.every steps (and when stopped), and export/ at the end")
     assert not out.exists()
+
+
+def test_a_checkpoint_of_an_older_dit_train_takes_the_model_from_the_runs_export(cli_in_process, runs_of, tmp_path):
+    """Checkpoints written before they recorded model.json sample with the model of their run's export, as serve
+    sampled them; without an export, one line says how to get one."""
+    run, unexported, _ = runs_of
+    old = shutil.copytree(unexported, tmp_path / "old")
+    ckpt = runs.step_dir(old, 3)
+    manifest = json.loads((ckpt / runs.MARKER).read_text())
+    for name in ("model.json", "ditcore.json", "codec_pca.safetensors"):
+        (ckpt / name).unlink()
+        del manifest["files"][name]
+    (ckpt / runs.MARKER).write_text(json.dumps(manifest))
+    assert error_of(generate(cli_in_process, ckpt, tmp_path / "x.png")) == (
+        f"error: checkpoint {ckpt} was written by an older dit-train, which recorded no model.json beside its weights, "
+        f"and {old} has no export/ to take the model from — resume the run (dit-train --resume {ckpt}) to the end, "
+        "which exports it")
+    shutil.copytree(runs.export_dir(run), runs.export_dir(old))  # the export of step 3, as the run would write it
+    proc = generate(cli_in_process, ckpt, tmp_path / "old.png")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert generate(cli_in_process, run, tmp_path / "export.png").returncode == 0
+    assert (tmp_path / "old.png").read_bytes() == (tmp_path / "export.png").read_bytes()
