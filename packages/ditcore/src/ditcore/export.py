@@ -234,9 +234,9 @@ def load_network(path: str | Path, weights: dict[str, torch.Tensor] | None = Non
                                 "(dit-train writes them to RUN_DIR/export/)")
     meta = _meta(path)
     cfg = exported_config(path)
+    check_weights_fit(path, cfg, weights)  # before the model is built: model.json may promise any size
     with torch.device("meta"):
         upgrade = build(cfg).upgrade_state_dict
-    check_weights_fit(path, cfg, weights)  # before the model is allocated: model.json may promise any size
     state = upgrade(tensorfile.load(path / WEIGHTS, REDO) if weights is None else weights)
     check_finite(path, state)
     if meta.get("precond", "edm") not in PRECONDS:
