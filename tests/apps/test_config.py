@@ -123,7 +123,7 @@ def test_shipped_configs_are_the_files_in_the_configs_folder(cli_in_process, tmp
     (tmp_path / "mock").mkdir()  # a dataset folder of the same name, where dit-train runs
     (tmp_path / "demo").write_text("model: {}\n")  # a file of the same name is the user's config
     assert (find_config("mock"), find_config("demo")) == (CONFIGS / "mock.yaml", Path("demo"))
-    monkeypatch.setenv("COLUMNS", "300")
+    monkeypatch.setenv("COLUMNS", "1000")  # the whole list on one line
     help_text = cli_in_process("train", "--help").stdout
     assert "shipped config name: " + ", ".join(SHIPPED_NAMES) + "." in help_text
 

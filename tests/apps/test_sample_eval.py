@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from ditcore.eval import FrechetDistance, ReferenceStats, feature_net
+from ditcore.eval.features import install_fid_command
 from ditcore.export import load_export
 from ditcore.sampling import sample
 
@@ -58,7 +59,7 @@ def test_eval_scores_the_runs_samples_and_writes_the_result(cli_in_process, setu
         (["--num", 1], "--num 1: a Fréchet distance needs at least 2 samples"),
         (["--num", 4, "--height", 64], "--height/--width 64x32 differ from the reference"),
         # here without torch-fidelity, the install line; with it, the reference's other features
-        (["--num", 4, "--features", "inception"], "pip install 'ditcore[fid]'" if find_spec("torch_fidelity") is None
+        (["--num", 4, "--features", "inception"], install_fid_command() if find_spec("torch_fidelity") is None
          else "holds statistics of dinov2:dino features, and the score asked for inception"),
     ],
 )

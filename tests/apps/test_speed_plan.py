@@ -44,7 +44,7 @@ def test_the_plan_prints_the_predicted_step_after_the_memory_table(tmp_path):
     cluster = Cluster(gpus_per_node=4, infiniband=2e9, efficiency=0.25, memory=80 * GiB)
     p = predict(model_cfg, layout, cluster)
     assert [g.group for g in p.groups] == ["tp", "fsdp"] and p.groups[1].link.bandwidth == 4e9
-    assert re.search(r"^  fsdp +InfiniBand 4 GB/s ", out, re.M)
+    assert re.search(r"^  fsdp +2×IB 4 GB/s ", out, re.M)  # the ring through both NICs of each node
     assert lines[-2] == (f"predicted step {p.step:.3g} s: compute {p.compute_step:.3g} s + exposed {p.exposed:.3g} s "
                          f"({p.exposed / p.step:.0%}); {p.tokens_per_second_per_gpu:,.0f} tokens/s per GPU, MFU "
                          f"{p.mfu:.1%}; bound: {p.bound}")

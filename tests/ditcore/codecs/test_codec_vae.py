@@ -114,7 +114,8 @@ def test_hub_id_offline_is_one_clear_error(monkeypatch):
     with pytest.raises(HubLoadError) as info:
         DiffusersVAECodec("stabilityai/sd-vae-ft-mse")
     message = str(info.value)
-    assert message.startswith("could not load VAE 'stabilityai/sd-vae-ft-mse' from the Hugging Face hub (offline?)")
+    assert message.startswith("could not load VAE 'stabilityai/sd-vae-ft-mse' from the Hugging Face hub (offline: "
+                              "HF_HUB_OFFLINE is set; not in its local cache) — ")
     assert "pass a local folder" in message and "\n" not in message
     assert info.value.__cause__ is None and info.value.__suppress_context__
 

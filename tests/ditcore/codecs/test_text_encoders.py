@@ -114,7 +114,7 @@ def test_t5_hub_id_offline_is_one_clear_error(monkeypatch):
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     encoder = load_text_encoder("t5:google-t5/t5-11b")  # lazy: nothing is loaded yet
     with pytest.raises(HubLoadError, match=r"^could not load t5 tokenizer 'google-t5/t5-11b' from the Hugging Face "
-                       r"hub \(offline\?\) — pass a local folder") as info:
+                       r"hub \(offline: HF_HUB_OFFLINE is set; not in its local cache\) — pass a local folder") as info:
         encoder.encode(["a red butterfly"])
     assert "\n" not in str(info.value)
 
@@ -254,7 +254,7 @@ def test_umt5_hub_layout_and_offline_error(monkeypatch, tiny_umt5):
 
     pipelines = {"Wan-AI/Wan2.1-T2V-1.3B-Diffusers"}
 
-    def download(repo, filename):
+    def download(repo, filename, **kwargs):  # local_files_only: offline, ditcore reads the cache alone
         if repo in pipelines and filename == "model_index.json":
             return str(tiny_umt5 / "pipeline" / filename)
         raise huggingface_hub.errors.EntryNotFoundError(f"{repo} has no {filename}")
@@ -267,6 +267,6 @@ def test_umt5_hub_layout_and_offline_error(monkeypatch, tiny_umt5):
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     encoder = load_text_encoder("umt5:google/umt5-xxl")  # lazy: nothing is loaded yet
     with pytest.raises(HubLoadError, match=r"^could not load umt5 tokenizer 'google/umt5-xxl' from the Hugging Face "
-                       r"hub \(offline\?\) — pass a local folder") as info:
+                       r"hub \(offline: HF_HUB_OFFLINE is set; not in its local cache\) — pass a local folder") as info:
         encoder.encode(["a red butterfly"])
     assert "\n" not in str(info.value)

@@ -14,16 +14,14 @@ from pathlib import Path
 import typer
 
 from ditcore.choices import CODEC_NAMES, TEXT_ENCODER_FAMILIES, TEXT_ENCODERS, VAE_CLASSES
-from ditcore.cli import entry_point, fail, stop_on_signal, version_option
+from ditcore.cli import entry_point, fail, new_app, stop_on_signal, version_option
 
-app = typer.Typer(
-    name="dit-prepare",
+app = new_app(
+    "dit-prepare",
     help="Turn images/videos + captions into an Energon dataset of precomputed latents and text embeddings.\n\n"
          "Every source writes WebDataset shards, indexes them with Energon (CrudeWebdataset) and records the "
          "codec, latent statistics and text encoder in ditcore.json. Under torchrun each rank writes its own shards.",
     no_args_is_help=True,
-    add_completion=False,
-    pretty_exceptions_enable=False,
 )
 
 

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from dit_prepare.sources import Item, Latents, Skip, SourceError
+from dit_prepare.sources import Fitted, Item, Latents, Skip, SourceError
 from ditcore import stopping
 from ditcore.codecs import Codec, DiffusersVAECodec, LatentStats, PatchPCACodec, PixelCodec, psnr
 from ditcore.codecs.text import TextEncoder
@@ -68,6 +68,40 @@ class CodecChoice:
 
 
 @dataclass
+class Reframed:
+    """The samples that framing changed in one way (enlarged, or cut by the crop): how many, the first SHOWN_FILES
+    of them, and the one changed most (by `amount`: the scale, or the share cut)."""
+
+    amount: str  # "scale" or "cut", a field of Fitted
+    count: int = 0
+    files: list = field(default_factory=list)
+    most: Fitted | None = None
+
+    def note(self, file: str, fitted: Fitted) -> None:
+        self.count += 1
+        if len(self.files) < SHOWN_FILES:
+            self.files.append(file)
+        self._keep_most(fitted)
+
+    def add(self, other: Reframed) -> None:
+        """Another rank's (or split's) into these."""
+        self.count += other.count
+        self.files.extend(other.files[:SHOWN_FILES - len(self.files)])
+        if other.most is not None:
+            self._keep_most(other.most)
+
+    def _keep_most(self, fitted: Fitted) -> None:
+        if self.most is None or getattr(fitted, self.amount) > getattr(self.most, self.amount):
+            self.most = fitted
+
+    def listed(self) -> str:
+        """The files named, and how many more; the one changed most: WxH → WxH."""
+        more = f" and {self.count - len(self.files)} more" if self.count > len(self.files) else ""
+        (w, h), (w2, h2) = self.most.before, self.most.after
+        return f"{w}x{h} → {w2}x{h2}): {', '.join(self.files)}{more}"
+
+
+@dataclass
 class Summary:
     samples: int = 0
     images: int = 0
@@ -81,6 +115,9 @@ class Summary:
     seconds: float = 0.0
     fit_psnr: float | None = None
     heldout: int = 0  # samples written to the held-out split
+    # what framing did that a user would not expect of their own images (sources.Fitted): both splits'
+    upscaled: Reframed = field(default_factory=lambda: Reframed("scale"))
+    cropped: Reframed = field(default_factory=lambda: Reframed("cut"))
 
 
     def lines(self) -> list[str]:
@@ -93,6 +130,7 @@ class Summary:
                        "held-out loss)")
         if self.fit_psnr is not None:
             out.append(f"codec     round-trip PSNR {self.fit_psnr:.2f} dB on the fitting samples")
+        out += self.reframed_lines()
         if not self.skipped:
             out.append("skipped   none")
         for n, (reason, count) in enumerate(self.skipped.most_common()):
@@ -100,6 +138,30 @@ class Summary:
             more = f" and {count - len(files)} more" if count > len(files) else ""
             out.append(f"{'skipped' if n == 0 else '':9} {count} {reason}: {', '.join(files)}{more}")
         return out
+
+    def reframed_lines(self) -> list[str]:
+        """A line for the samples that were enlarged (they train blurry) and one for those the centre crop cut."""
+        out = []
+        if self.upscaled.count:
+            out.append(f"upscaled  {self.upscaled.count} samples smaller than their frame, enlarged up to "
+                       f"{self.upscaled.most.scale:.3g}x ({self.upscaled.listed()} — they train blurry: use larger "
+                       "images or a smaller --size")
+        if self.cropped.count:
+            hint = " — --fit resize or buckets keeps their aspect" if self.cropped.most.fit == "crop" else ""
+            out.append(f"cropped   {self.cropped.count} samples cut to their frame's shape by a centre crop, up to "
+                       f"{self.cropped.most.cut:.0%} of a side ({self.cropped.listed()}{hint}")
+        return out
+
+    def reframe(self, item: Item | Latents) -> None:
+        """Count what framing did to a sample about to be written (nothing, for a source of latents)."""
+        fitted = getattr(item, "fitted", None)
+        if fitted is None:
+            return
+        file = item.meta.get("source", item.key)
+        if fitted.scale > 1:
+            self.upscaled.note(file, fitted)
+        if fitted.cut > 0:
+            self.cropped.note(file, fitted)
 
     def skip(self, reason: str, file: str | None) -> None:
         self.skipped[reason] += 1
@@ -114,6 +176,8 @@ class Summary:
         self.videos += other.videos
         self.bytes += other.bytes
         self.latent_shapes += other.latent_shapes
+        self.upscaled.add(other.upscaled)
+        self.cropped.add(other.cropped)
         for reason, count in other.skipped.items():
             self.skipped[reason] += count
             shown = self.skipped_files.setdefault(reason, [])
@@ -299,6 +363,9 @@ def _prepare(source, out: Path, *, codec: CodecChoice | None, text_encoder: Text
     totals.seconds = time.perf_counter() - t0
     totals.fit_psnr = summary.fit_psnr
     totals.heldout = val_totals.samples
+    if heldout:  # the summary names the user's reframed images, in whichever split they are
+        totals.upscaled.add(val_totals.upscaled)
+        totals.cropped.add(val_totals.cropped)
     return totals
 
 
@@ -322,6 +389,7 @@ def _write_samples(source, mine: list[int], loaded: dict, encode, out: Path, ran
             if isinstance(item, Skip):
                 summary.skip(str(item), item.file)
                 continue
+            summary.reframe(item)
             pending.append(item)
             if len(pending) >= 32:
                 _write(encode(pending), writer, summary)

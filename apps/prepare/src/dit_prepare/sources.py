@@ -12,7 +12,6 @@ import io
 import json
 import math
 import os
-import socket
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,6 +39,18 @@ class SourceError(Exception):
     """The source as a whole cannot be read: one clear line for the user."""
 
 
+@dataclass(frozen=True)
+class Fitted:
+    """What framing did to a sample (Framing.fitted), for the summary: its frames' (width, height) before and after,
+    the resize's scale (> 1: enlarged, so the model learns blur) and the share of a side the centre crop cut away."""
+
+    fit: str  # the --fit that framed it
+    before: tuple[int, int]
+    after: tuple[int, int]
+    scale: float
+    cut: float
+
+
 @dataclass
 class Item:
     key: str
@@ -47,6 +58,7 @@ class Item:
     caption: str
     fps: float = 0.0
     meta: dict = field(default_factory=dict)  # extra JSON metadata (source id, label, ...)
+    fitted: Fitted | None = None  # how its frames were framed (the folder source); not written
 
 
 @dataclass
@@ -114,15 +126,25 @@ class Framing:
         """PIL image → (H, W, 3) uint8 of the target size: resized to cover it, aspect kept, then centre-cropped."""
         return cover(img, *self.target(*img.size))
 
+    def fitted(self, width: int, height: int) -> Fitted:
+        """What __call__ does to a width x height frame."""
+        target = self.target(width, height)
+        scale, (w2, h2) = covering(width, height, *target)
+        return Fitted(self.fit, (width, height), target, scale, max(1 - target[0] / w2, 1 - target[1] / h2))
+
+
+def covering(w: int, h: int, width: int, height: int) -> tuple[float, tuple[int, int]]:
+    """The scale (aspect kept) at which a w x h frame covers width x height, and its size then."""
+    scale = max(width / w, height / h)
+    return scale, (max(width, round(w * scale)), max(height, round(h * scale)))
+
 
 def cover(img, width: int, height: int) -> np.ndarray:
     """PIL image → (height, width, 3) uint8: scaled (aspect kept) to cover width x height, centre-cropped to it."""
     from PIL import Image
 
     img = img.convert("RGB")
-    w, h = img.size
-    scale = max(width / w, height / h)
-    w2, h2 = max(width, round(w * scale)), max(height, round(h * scale))
+    _, (w2, h2) = covering(*img.size, width, height)
     img = img.resize((w2, h2), Image.Resampling.BICUBIC)
     left, top = (w2 - width) // 2, (h2 - height) // 2
     return np.asarray(img.crop((left, top, left + width, top + height)))
@@ -236,26 +258,14 @@ class ButterflySource:
                     {"source": f"butterfly:{i}"})
 
 
-def _hub_reachable(timeout: float = 3.0) -> bool:
-    """A TCP connect to the hub endpoint: without it `datasets` retries for half a minute before failing."""
-    from urllib.parse import urlparse
-
-    from huggingface_hub import constants
-
-    url = urlparse(constants.ENDPOINT)
-    try:
-        socket.create_connection((url.hostname, url.port or (443 if url.scheme == "https" else 80)), timeout).close()
-        return True
-    except OSError:
-        return False
-
-
 def _load_hub(hub_id: str):
-    offline = os.environ.get("HF_HUB_OFFLINE") == "1" or os.environ.get("HF_DATASETS_OFFLINE") == "1"
-    error = None
-    if offline or not _hub_reachable():
-        error = "offline" if offline else "the hub is unreachable"
-    else:
+    from ditcore.codecs.hub import offline
+
+    # without a connection `datasets` retries for half a minute before failing: ditcore's probe says so at once
+    error = "offline: HF_DATASETS_OFFLINE is set" if os.environ.get("HF_DATASETS_OFFLINE") == "1" else None
+    if error is None and (why := offline()):
+        error = f"offline: {why}"
+    if error is None:
         try:
             import datasets
 
@@ -395,11 +405,12 @@ class FolderSource:
         if not caption:
             raise Skip("empty caption", rel)
         if path.suffix.lower() in IMAGE_EXTS:
-            return Item(f"{i:08d}", self._read_image(path, rel)[None], caption, 0.0, meta)
-        pixels, fps = self._read_video(path, rel)
-        return Item(f"{i:08d}", pixels, caption, fps, meta)
+            pixels, fitted = self._read_image(path, rel)
+            return Item(f"{i:08d}", pixels[None], caption, 0.0, meta, fitted)
+        pixels, fps, fitted = self._read_video(path, rel)
+        return Item(f"{i:08d}", pixels, caption, fps, meta, fitted)
 
-    def _read_image(self, path: Path, rel: str) -> np.ndarray:
+    def _read_image(self, path: Path, rel: str) -> tuple[np.ndarray, Fitted]:
         from PIL import Image, UnidentifiedImageError
 
         # Pillow warns between MAX_IMAGE_PIXELS and twice that, and raises above: both are a file to skip, not a
@@ -408,13 +419,13 @@ class FolderSource:
             warnings.simplefilter("error", Image.DecompressionBombWarning)
             try:
                 with Image.open(path) as img:
-                    return self.framing(img)
+                    return self.framing(img), self.framing.fitted(*img.size)
             except (Image.DecompressionBombError, Image.DecompressionBombWarning):
                 raise Skip(f"image over Pillow's limit of {Image.MAX_IMAGE_PIXELS} pixels", rel) from None
             except (UnidentifiedImageError, OSError) as e:
                 raise Skip(f"unreadable image ({type(e).__name__})", rel) from None
 
-    def _read_video(self, path: Path, rel: str) -> tuple[np.ndarray, float]:
+    def _read_video(self, path: Path, rel: str) -> tuple[np.ndarray, float, Fitted]:
         """`frames` frames sampled at `fps` (or every frame when fps is 0) from the start of the video.
 
         Frames are decoded one at a time and decoding stops at the last one needed: memory is a few frames whatever
@@ -423,7 +434,7 @@ class FolderSource:
         import imageio.v3 as iio
         from PIL import Image
 
-        picked, seen = [], 0
+        picked, seen, fitted = [], 0, None
         try:
             with iio.imopen(path, "r") as video:
                 meta = video.metadata()
@@ -432,6 +443,7 @@ class FolderSource:
                 for frame in video.iter():
                     if seen % step == 0:
                         picked.append(self.framing(Image.fromarray(frame[..., :3])))
+                        fitted = fitted or self.framing.fitted(frame.shape[1], frame.shape[0])
                     seen += 1
                     if len(picked) == self.frames:
                         break
@@ -439,7 +451,7 @@ class FolderSource:
             raise Skip(f"unreadable video ({type(e).__name__})", rel) from None
         if len(picked) < self.frames:
             raise Skip(f"video too short (need {self.frames} frames at step {step})", rel)
-        return np.stack(picked), (src_fps / step if src_fps else self.fps)
+        return np.stack(picked), (src_fps / step if src_fps else self.fps), fitted
 
 
 def _listed(names: list[str], shown: int = 5) -> str:

@@ -11,14 +11,12 @@ from pathlib import Path
 import typer
 
 from ditcore.choices import FEATURES, SAMPLE_SOLVERS
-from ditcore.cli import entry_point, fail, stop_on_signal, version_option
+from ditcore.cli import entry_point, fail, new_app, stop_on_signal, version_option
 
-app = typer.Typer(
-    name="dit-sample",
+app = new_app(
+    "dit-sample",
     help="Sample a trained DiT checkpoint and decode latents to images and video (Gradio UI and CLI).",
     no_args_is_help=True,
-    add_completion=False,
-    pretty_exceptions_enable=False,
 )
 
 
@@ -164,7 +162,8 @@ def evaluate(
                                              "from there, or an ADM-style .npz with mu and sigma (Inception)."),
     num: int = typer.Option(..., help="Samples to score, over all ranks (FID-50K: 50000); at least 2."),
     features: Features = typer.Option("inception", help="inception: FID as papers report it (needs "
-                                                        "torch-fidelity: pip install 'ditcore\\[fid]'); dinov2: "
+                                                        "torch-fidelity, ditcore's fid extra: .venv/bin/pip install -c "
+                                                        "constraints.txt -e 'packages/ditcore[fid]'); dinov2: "
                                                         "FD_DINOv2."),
     weights: str = typer.Option(None, help="inception: a local copy of torch-fidelity's pt_inception-2015-12-05 "
                                            "weights; dinov2: a hub id or save_pretrained folder (default "
@@ -262,10 +261,13 @@ def export(
     format_: Format = typer.Option(..., "--format", help="diffusers: a DiTTransformer2DModel or WanTransformer3DModel "
                                                         "folder, by the model's architecture (the one format so "
                                                         "far)."),
-    approximate: bool = typer.Option(False, help="Export a network with the original DiT's timestep sinusoid anyway "
-                                                 "(an original DiT checkpoint, or a run fine-tuned from one): "
-                                                 "diffusers computes its own, 10000^(-k/(half-1)), as its conversion "
-                                                 "of DiT-XL/2 does — close to the network's function, not equal."),
+    approximate: bool = typer.Option(False, help="Export a DDPM-trained network with the original DiT's timestep "
+                                                 "sinusoid anyway (an original DiT checkpoint, or a run fine-tuned "
+                                                 "from one): diffusers computes its own, 10000^(-k/(half-1)), as its "
+                                                 "conversion of DiT-XL/2 does — close to the network's function, not "
+                                                 "equal. Refused for EDM and flow networks (their output moves far "
+                                                 "beyond float error); train with --config dit-xl-diffusers for an "
+                                                 "exact export."),
     num_heads: int = typer.Option(None, min=1, help=HEADS_HELP, show_default=False),
     force: bool = typer.Option(False, help="Replace OUT if it exists (it is replaced whole, once the new folder is "
                                            "complete)."),

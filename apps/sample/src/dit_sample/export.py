@@ -7,6 +7,7 @@ checkpoints), what may be overwritten, and what a user must know to load and sam
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,7 +18,7 @@ from ditcore.codecs import LatentStats
 from ditcore.data.schema import INFO_FILE, parse_info
 from ditcore.diffusion.flow import TimeShift
 from ditcore.diffusion.vp import DiscreteVP
-from ditcore.export import exported_config, load_network, shift_of, vp_of
+from ditcore.export import CONFIG, exported_config, load_network, shift_of, vp_of
 from ditcore.interop import diffusers_dit, diffusers_wan
 from ditcore.layout import SIGMA_DATA
 from ditcore.models.dit import DiTConfig
@@ -53,11 +54,12 @@ class Network:
     shift: TimeShift | None = None  # a flow network's
 
 
-def refusal(cfg: DiTConfig, approximate: bool) -> str | None:
-    """Why the diffusers class of cfg's architecture cannot hold it, or None."""
+def refusal(cfg: DiTConfig, approximate: bool, ddpm: bool) -> str | None:
+    """Why the diffusers class of cfg's architecture cannot hold it, or None (ddpm: a DDPM-trained network, the only
+    kind --approximate takes)."""
     if isinstance(cfg, WanConfig):
         return diffusers_wan.refusal(cfg)
-    return diffusers_dit.refusal(cfg, approximate)
+    return diffusers_dit.refusal(cfg, approximate, ddpm)
 
 
 def network(checkpoint: Path, num_heads: int | None, approximate: bool) -> Network:
@@ -70,7 +72,8 @@ def network(checkpoint: Path, num_heads: int | None, approximate: bool) -> Netwo
         raise ExportError(f"--num-heads is for the field's DiT checkpoints ({interop.KINDS}); '{checkpoint}' is a "
                           "ditcore export or run, which records its heads — leave it out")
     path = runs.find_export(checkpoint)
-    why = refusal(exported_config(path), approximate)
+    cfg = exported_config(path)  # which also checks that its CONFIG file reads
+    why = refusal(cfg, approximate, ddpm=vp_of(json.loads((path / CONFIG).read_text())) is not None)
     if why:
         raise ExportError(why)
     cfg, state, meta = load_network(path)
@@ -132,11 +135,43 @@ def _how_to_sample(net: Network, out: Path, wan: bool) -> list[str]:
         return [line]
     vp = net.vp
     if vp is not None:
-        return [f"it is a DDPM ε-prediction network, as DiT ({vp.timesteps} {vp.beta_schedule} timesteps, β "
-                f"{vp.beta_start:g}..{vp.beta_end:g}; {out / interop.SIDECAR} records them): sample it as DiT, "
-                f"e.g. DiTPipeline with DDIMScheduler(num_train_timesteps={vp.timesteps}, "
-                f"beta_schedule={vp.beta_schedule!r}, beta_start={vp.beta_start:g}, beta_end={vp.beta_end:g})"]
+        return _dit_pipeline(net, out)
     return [f"it is EDM-preconditioned, not a DDPM network ({out / interop.SIDECAR} says so): give it "
             "c_in·x with timestep = 1000·ln(σ)/4 and take D(x; σ) = c_skip·x + c_out·output, where "
             f"σ_data = {SIGMA_DATA}, c_in = 1/√(σ²+σ_data²), c_skip = σ_data²/(σ²+σ_data²), c_out = "
             "σ·σ_data/√(σ²+σ_data²) — diffusers' DDPM schedulers cannot sample it as it is"]
+
+
+# DDIMScheduler's defaults for the DDIM settings a DiscreteVP records (diffusers' DDIMScheduler.__init__)
+_DDIM_DEFAULTS = {"timestep_spacing": "leading", "steps_offset": 0, "set_alpha_to_one": True, "clip_sample": True,
+                  "clip_sample_range": 1.0}
+
+
+def _dit_pipeline(net: Network, out: Path) -> list[str]:
+    """How DiTPipeline samples a DDPM network as ditcore does: its schedule and DDIM settings as DDIMScheduler's
+    arguments (those that differ from its defaults), the latent units its VAE must decode, and its null class."""
+    vp, stats, classes = net.vp, net.latent_stats, net.cfg.num_classes
+    ddim = {k: v for k, v in vp.to_dict().items() if k in _DDIM_DEFAULTS and v != _DDIM_DEFAULTS[k]}
+    args = ", ".join([f"num_train_timesteps={vp.timesteps}", f"beta_schedule={vp.beta_schedule!r}",
+                      f"beta_start={vp.beta_start:g}", f"beta_end={vp.beta_end:g}",
+                      *(f"{k}={v!r}" for k, v in ddim.items())])
+    lines = [f"it is a DDPM ε-prediction network, as DiT ({vp.timesteps} {vp.beta_schedule} timesteps, β "
+             f"{vp.beta_start:g}..{vp.beta_end:g}; {out / interop.SIDECAR} records them): sample it as DiT, e.g. "
+             f"DiTPipeline with DDIMScheduler({args})"]
+    # ditcore's latents are (z − mean)/std·σ_data of the VAE's z; DiTPipeline decodes latents / scaling_factor
+    if stats is not None and not (stats.mean == 0).all():
+        lines.append(f"its latents are the VAE's z per channel as (z − mean)/std·{SIGMA_DATA} ({interop.SIDECAR}'s "
+                     "latent_stats): decode z = latents·std/σ_data + mean yourself, as dit-sample generate does "
+                     "(DiTPipeline's vae.decode(latents / scaling_factor) has no mean to add)")
+    elif stats is not None and len(set(stats.std.tolist())) == 1:
+        lines.append(f"its latents are the VAE's z·{SIGMA_DATA / stats.std[0].item():.6g}: give DiTPipeline a VAE "
+                     f"with scaling_factor={SIGMA_DATA / stats.std[0].item():.6g}")
+    elif stats is not None:
+        lines.append(f"its latents are the VAE's z per channel as z/std·{SIGMA_DATA} ({interop.SIDECAR}'s "
+                     "latent_stats): decode z = latents·std/σ_data yourself, as dit-sample generate does "
+                     "(DiTPipeline divides all channels by one scaling_factor)")
+    if classes != 1000:  # DiTPipeline.__call__: class_null = 1000, ImageNet's
+        lines.append(f"DiTPipeline's guidance takes class 1000 as the null class, this network's is {classes} "
+                     f"(classes 0..{classes - 1}): call it with guidance_scale=1, or guide with class {classes} "
+                     "as the unconditional")
+    return lines

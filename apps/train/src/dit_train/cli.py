@@ -8,9 +8,10 @@ from pathlib import Path
 import typer
 
 from dit_train.config import SHIPPED_NAMES, shipped_configs
-from ditcore.cli import entry_point, fail, version_option
+from ditcore.cli import entry_point, fail, new_app, version_option
+from ditcore.runs import OUTPUTS
 
-app = typer.Typer(name="dit-train", add_completion=False, pretty_exceptions_enable=False)
+app = new_app("dit-train")
 
 
 def find_config(name: str) -> Path:
@@ -22,6 +23,12 @@ def find_config(name: str) -> Path:
     return shipped_configs().get(name, path)
 
 
+def output_name(name: str) -> str:
+    """An entry of ditcore.runs.OUTPUTS as a person reads it: a folder with its slash (checkpoints/), a file
+    (loss.png) as it is."""
+    return name if Path(name).suffix else f"{name}/"
+
+
 @app.command()
 def main(
     overrides: list[str] = typer.Argument(None, help="Dotted overrides, e.g. train.steps=200 parallel.tp=2."),
@@ -31,8 +38,8 @@ def main(
                                             "if none); none: a new run (refused where checkpoints exist, unless "
                                             "--overwrite); or a checkpoint folder (an older one starts a branch)."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Start a new run in RUN_DIR, first removing what an "
-                                                              "earlier run wrote there: checkpoints/, export/, "
-                                                              "samples/, csv/, tensorboard/, loss.png."),
+                                                              "earlier run wrote there: " + ", ".join(
+                                                                  map(output_name, OUTPUTS)) + "."),
     print_config: bool = typer.Option(False, "--print-config", help="Print the resolved config and exit."),
     plan: bool = typer.Option(False, "--plan", help="Print the memory per GPU this config needs (weights, gradients, "
                                                     "optimizer, EMA, buffers, activations) and exit: 0 if it fits in "
@@ -45,9 +52,11 @@ def main(
                                                                  "128, UMT5's 512)."),
     text_dim: int = typer.Option(None, "--text-dim", min=0, help="With --plan, when data.path does not exist yet: "
                                                                  "width of the text states (default: the preset's "
-                                                                 "where it has one, as Wan's 4096 of UMT5; else 384, "
-                                                                 "MiniLM, dit-prepare's default; 4096: T5-XXL; 0: no "
-                                                                 "text)."),
+                                                                 "where it has one, as Wan's 4096 of UMT5 or "
+                                                                 "MovieGen's 1024, NeMo's; else 384, MiniLM, "
+                                                                 "dit-prepare's default; 4096: T5-XXL; 0: no text). "
+                                                                 "The latent channels are the preset's likewise "
+                                                                 "(Wan's and MovieGen's 16; else 4)."),
     gpus_per_node: int = typer.Option(None, "--gpus-per-node", help="With --plan: GPUs in a node, joined by NVLink "
                                                                     "(default 8: H100 SXM nodes)."),
     nvlink_gbps: float = typer.Option(None, "--nvlink-gbps", help="With --plan: GB/s each GPU sends within a node "
@@ -161,8 +170,9 @@ def _train(cfg, resume: str, overwrite: bool) -> None:
 
 
 def _assumed_data(cfg, text_dim: int | None):
-    """The dataset --plan assumes where data.path does not exist yet: the preset's latent channels, text states of
-    width text_dim (default: the preset's, else MiniLM's 384) from UMT5 (512 tokens) for Wan's text_len, else 128."""
+    """The dataset --plan assumes where data.path does not exist yet: the preset's latent channels (Wan's and
+    MovieGen's 16, the DiTs' 4), text states of width text_dim (default: the preset's, as MovieGen's 1024, else
+    MiniLM's 384) from UMT5 (512 tokens) for Wan's text_len, else 128."""
     from ditcore.codecs.text import UMT5_MAX_TOKENS
     from ditcore.data.schema import DatasetInfo
     from ditcore.models import preset

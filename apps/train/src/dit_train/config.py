@@ -68,6 +68,7 @@ def _yaml_number(value):
 # optim.lr=.nan is reported as not finite (rather than as not > 0), and errors show inf or -1.0, not the text.
 Number = Annotated[float, Field(allow_inf_nan=False), BeforeValidator(_yaml_number)]
 Prompt = Annotated[str, Field(pattern=r"\S"), Expect("a non-empty prompt")]
+FROM_DATASET = "from_dataset"  # validation.prompts: the dataset's captions or classes (dit_train.validation)
 
 
 class Section(BaseModel):
@@ -379,8 +380,15 @@ class FID(Section):
 class Validation(Section):
     every: int = Field(0, ge=0, description="steps between sampling the prompts with the EMA weights; 0: only at "
                                             "the end")
-    prompts: Annotated[list[Prompt], Expect("a non-empty list of non-empty prompts")] = (
-        Field(["a red butterfly", "a blue butterfly"], min_length=1))
+    prompts: list[Prompt] | Literal[FROM_DATASET] = (  # checked by _prompts_or_from_dataset
+        Field(["a red butterfly", "a blue butterfly"], description=(
+            "what to sample: a list of prompts, or from_dataset: dataset_prompts distinct captions of data.path, "
+            "drawn with validation.seed from its first 2000 samples (shards in name order). A class-conditional "
+            "model samples classes instead, each named by the dataset's class name: the classes the prompts name, "
+            "else (and with from_dataset) classes 0, 1, ... up to 16. dit-train warns when the prompts share no word "
+            "with the dataset's captions")))
+    dataset_prompts: int = Field(8, ge=1, le=64, description="with prompts: from_dataset, the captions drawn (fewer "
+                                                             "when the dataset has fewer distinct ones)")
     steps: int = Field(18, ge=1)
     guidance: Number = 4.0
     solver: Literal[SAMPLE_SOLVERS] = Field("heun", description="heun or euler; unipc (flow only: diffusers' UniPC "
@@ -388,13 +396,33 @@ class Validation(Section):
     frames: int = Field(1, ge=1, description="pixel frames of each sample; 1: an image")
     clip_frames: int = Field(0, ge=0, description="> 0: also sample every prompt as a clip of this many frames "
                                                   "(mp4); 0: no clips")
-    size: int = Field(64, ge=8, description="pixel height and width")
+    size: int | None = Field(64, ge=8, description="pixel height and width; null: the dataset's, the shorter "
+                                                    "side of its most common image shape")
     fps: Number = Field(8.0, gt=0)
     seed: int = 0
     seeds: int = Field(1, ge=1, le=64, description="samples of every prompt, with seeds seed, seed + 1, ...: the "
                                                    "contact sheet samples/grid.png shows prompts x seeds")
     heldout: HeldOut = HeldOut()
     fid: FID = FID()
+
+    @field_validator("prompts", mode="before")
+    @classmethod
+    def _prompts_or_from_dataset(cls, value):
+        """The list, or the word from_dataset, checked here whole: pydantic's errors for a union of the two name
+        neither the item nor what is allowed."""
+        if value == FROM_DATASET:
+            return value
+        if isinstance(value, str):
+            raise ConfigError("validation.prompts", value, f"a list of str ([{value}] for one prompt), or "
+                                                           f"{FROM_DATASET}: captions of the dataset")
+        if not isinstance(value, list) or not value:
+            raise ConfigError("validation.prompts", value, f"a non-empty list of non-empty prompts, or {FROM_DATASET}")
+        for i, prompt in enumerate(value):
+            if not isinstance(prompt, str):
+                raise ConfigError(f"validation.prompts[{i}]", prompt, "a string")
+            if not prompt.strip():
+                raise ConfigError(f"validation.prompts[{i}]", prompt, "a non-empty prompt")
+        return value
 
 
 class WandB(Section):

@@ -19,6 +19,11 @@ line naming the key, both values and what to do:
           directory; model.init_from: read only when a run starts, a resume ignores it): not compared
 
 Every key of the schema is in RULES; tests/apps/test_resume_config.py fails when a new key is added without one.
+
+A resume that would train nothing (the checkpoint is at or past train.steps) with any other change is refused as
+well (`nothing_to_train`): such a command would not continue the run, only rewrite its samples and export with
+settings it never trained with — a command meant for a new run that found an old run's folder (the README's
+examples share runs/demo).
 """
 
 from __future__ import annotations
@@ -121,6 +126,7 @@ RULES: dict[str, str] = {
     "checkpoint.keep": APPLY,
     "validation.every": APPLY,
     "validation.prompts": APPLY,
+    "validation.dataset_prompts": APPLY,
     "validation.steps": APPLY,
     "validation.guidance": APPLY,
     "validation.solver": APPLY,
@@ -231,6 +237,23 @@ class Comparison:
             return None
         return f"resuming {self.ckpt.name} with changed settings (the new values apply): " + ", ".join(
             f"{c}" for c in self.applied)
+
+
+def nothing_to_train(comparison: Comparison, step: int, saved: dict | None, cfg: TrainConfig) -> str | None:
+    """One line refusing to resume a checkpoint of step `step` that this config would train no further (step >=
+    train.steps) while it differs from the checkpoint's in anything but train.steps (lowered to stop a run where it
+    is: its export is written); None where it may resume. Says how to continue the run and how to start a new one."""
+    changes = [c for c in comparison.changes if c.key != "train.steps"]
+    if step < cfg.train.steps or not changes:
+        return None
+    ckpt, planned = comparison.ckpt, flatten(saved or {}).get("train.steps")
+    finished = isinstance(planned, int) and step >= planned
+    held = (f"a finished run (its checkpoint {ckpt.name}: step {step} of train.steps={planned})" if finished else
+            f"a run whose checkpoint {ckpt.name} is at step {step}")
+    return (f"train.run_dir {ckpt.parent.parent} holds {held}, which this command would not train further "
+            f"(train.steps={cfg.train.steps}) but resume with another config: {', '.join(map(str, changes))} — "
+            "continue that run with --resume auto and its own config (raise train.steps to train it longer), or "
+            "start a new run with --overwrite (removes the old run's outputs) or in another train.run_dir")
 
 
 def init_from_hint(ckpt: Path) -> str:

@@ -9,7 +9,9 @@ implements them across hosts (v3 with lockd, v4); Lustre needs its `flock` mount
 drops its lock when it closes any descriptor of the file, so the holder never opens the file a second time.
 
 Starting over (`--resume none`) where checkpoints exist would mix two runs in one folder: it is refused unless
-`--overwrite` says to remove what the earlier run wrote.
+`--overwrite` says to remove what the earlier run wrote. Resuming a run that has nothing left to train with another
+config (a command meant for a new run, in a folder a finished run holds) is refused too
+(dit_train.resume_config.nothing_to_train), before anything is written.
 """
 
 from __future__ import annotations
@@ -26,6 +28,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import yaml
+
+from dit_train import resume_config
 from ditcore import durable, runs
 from ditcore.errors import ConfigError
 from ditcore.runs import CheckpointError
@@ -109,6 +114,22 @@ def start_over(run_dir: Path, resume: str, overwrite: bool) -> None:
                               "outputs")
 
 
+def check_continues(run_dir: Path, resume: str, cfg) -> None:
+    """Refuse (CheckpointError) to resume, with another config, a checkpoint this config trains no further
+    (resume_config.nothing_to_train); `cfg` resolved, as the checkpoint's config was saved. A checkpoint that cannot
+    be read is left to dit_train.checkpoint.resume, which says what is wrong with it."""
+    ckpt = None if resume == "none" else runs.newest(run_dir) if resume == "auto" else Path(resume)
+    if ckpt is None or not runs.is_complete(ckpt):
+        return
+    try:
+        saved = runs.read_config(ckpt)
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        return
+    refusal = resume_config.nothing_to_train(resume_config.compare(saved, cfg, ckpt), runs.step_of(ckpt), saved, cfg)
+    if refusal:
+        raise CheckpointError(refusal)
+
+
 def remove_outputs(run_dir: Path) -> list[str]:
     """Remove what dit-train writes in run_dir (runs.OUTPUTS; nothing else, the lock neither); returns what was
     there."""
@@ -170,9 +191,10 @@ class Claim:
         raise SystemExit(2)
 
 
-def claim(run_dir: Path, resume: str, overwrite: bool) -> Claim:
+def claim(run_dir: Path, resume: str, overwrite: bool, cfg) -> Claim:
     """Before anything is written into run_dir: on the job's first process take the lock, check that a new run over
-    old checkpoints was asked for and carry out --overwrite; elsewhere nothing. A refusal is raised at once where no
+    old checkpoints was asked for and carry out --overwrite, and that a resume of a run with nothing left to train
+    keeps its config (`check_continues`); elsewhere nothing. A refusal is raised at once where no
     other process of the job runs yet (one process, or Fabric's launcher before it starts the others); under torchrun
     the others are waiting for the first in the launch, so it is kept for Claim.agree."""
     if not first_process():
@@ -181,6 +203,7 @@ def claim(run_dir: Path, resume: str, overwrite: bool) -> Claim:
     try:
         lock = RunDirLock.acquire(run_dir)
         start_over(run_dir, resume, overwrite)
+        check_continues(run_dir, resume, cfg)
     except (RunDirInUse, CheckpointError) as e:
         if "RANK" not in os.environ:
             raise

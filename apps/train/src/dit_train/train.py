@@ -16,6 +16,12 @@ import torch
 import torch.distributed as dist
 from lightning_fabric import Fabric
 from lightning_fabric.loggers import CSVLogger
+from lightning_fabric.plugins.environments import (
+    ClusterEnvironment,
+    LightningEnvironment,
+    SLURMEnvironment,
+    TorchElasticEnvironment,
+)
 from tqdm import tqdm
 
 from dit_train import checkpoint, rundir
@@ -27,7 +33,7 @@ from dit_train.metrics import BlendWindow, Metrics, bar_postfix, drawn_counts
 from dit_train.plots import plot_heldout, plot_losses
 from dit_train.preemption import Preempted, sample_command
 from dit_train.recipe import Recipe, model_config, resolve  # noqa: F401 (model_config: where it was before)
-from dit_train.validation import Validator
+from dit_train.validation import Validator, resolve_validation
 from ditcore import durable, init_from, runs
 from ditcore.codecs.text import max_text_tokens
 from ditcore.data import blend
@@ -95,6 +101,20 @@ def lr_lambda(cfg: TrainConfig):
         return o.min_lr_ratio + (1 - o.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
 
     return factor
+
+
+def cluster_environment() -> ClusterEnvironment:
+    """Who started the processes, from the variables the launcher set: torchrun (train.sbatch runs one per node, under
+    Slurm too), srun starting every process itself (SLURM_NTASKS, outside an interactive allocation), or nobody
+    (Fabric starts parallel.devices). Fabric's own choice (less LSF and MPI, launchers dit-train has no use for),
+    without its SLURMEnvironment.detect(), which warns "The `srun` command is available ... prepend your python
+    command with srun" on every run started without srun or torchrun where Slurm is installed (a login node, a
+    workstation): wrong advice for dit-train, whose Slurm path is train.sbatch's torchrun."""
+    if TorchElasticEnvironment.detect():
+        return TorchElasticEnvironment()
+    if "SLURM_NTASKS" in os.environ and os.environ.get("SLURM_JOB_NAME") not in ("bash", "interactive"):
+        return SLURMEnvironment()  # srun was used, so it does not warn
+    return LightningEnvironment()
 
 
 class OneVoiceFabric(Fabric):
@@ -191,6 +211,8 @@ def setup(cfg: TrainConfig, resume: str = "auto", overwrite: bool = False) -> Se
     info = read_info(cfg.data.path)  # fails early, on every rank, if the dataset is missing or unfinished
     recipe = resolve(cfg, info)  # the architecture too, where model.init_from is one of the field's DiTs
     cfg, model_cfg = recipe.cfg, recipe.model_cfg
+    # the prompts and size the dataset gives (its captions or classes): what is saved, sampled, scored and exported
+    cfg = resolve_validation(cfg, info, model_cfg)
     dims = ParallelDims(cfg.parallel.tp, cfg.parallel.cp, cfg.parallel.pp,
                         sequence_parallel=cfg.parallel.sequence_parallel, ep=cfg.parallel.ep)
     devices = int(os.environ.get("LOCAL_WORLD_SIZE", cfg.parallel.devices))
@@ -202,11 +224,12 @@ def setup(cfg: TrainConfig, resume: str = "auto", overwrite: bool = False) -> Se
                                                      "(auto picks flex on a GPU)")
     bf16 = cfg.train.precision == "bf16" or (cfg.train.precision == "auto" and on_gpu)
     prepare_run_dir(run_dir)
-    claim = rundir.claim(run_dir, resume, overwrite)  # the lock, before anything is written into the run dir
+    claim = rundir.claim(run_dir, resume, overwrite, cfg)  # the lock, before anything is written into the run dir
     loggers = make_loggers(cfg, run_dir, rundir.csv_version(run_dir), resume)
     if on_gpu:
         raise_on_nccl_timeout()  # so that a lost peer's timed-out collective is reported, not torn down
-    strategy = MegatronStrategy(dims, fsdp=cfg.parallel.fsdp, timeout=timedelta(seconds=cfg.parallel.timeout_s))
+    strategy = MegatronStrategy(dims, fsdp=cfg.parallel.fsdp, timeout=timedelta(seconds=cfg.parallel.timeout_s),
+                                cluster_environment=cluster_environment())
     num_nodes = int(os.environ.get("WORLD_SIZE", devices)) // devices  # torchrun on several nodes
     fabric = OneVoiceFabric(accelerator="cuda" if on_gpu else "cpu", devices=devices, num_nodes=num_nodes,
                             strategy=strategy, precision="bf16-mixed" if bf16 else "32-true", loggers=loggers)

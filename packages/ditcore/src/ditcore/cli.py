@@ -24,6 +24,14 @@ def version_option(dist_name: str):
     return typer.Option(False, "--version", callback=show, is_eager=True, help="Print the version and exit.")
 
 
+def new_app(name: str, **kwargs) -> typer.Typer:
+    """A Typer app whose `--help` reads at any terminal width: click's plain layout, which wraps each option's help
+    in its own column as wide as the terminal allows (Rich's table, typer's default, squeezes it into ~20 characters
+    cut with "…" at 80 columns). No shell-completion commands; errors are ours (`entry_point`), not typer's."""
+    return typer.Typer(name=name, add_completion=False, pretty_exceptions_enable=False, rich_markup_mode=None,
+                       context_settings={"max_content_width": 1000}, **kwargs)  # click's cap: 80, whatever the width
+
+
 def fail(message: str):
     """A problem a command found in what it was given: `error: <message>` on stderr, exit code 2, no traceback."""
     typer.echo(f"error: {message}", err=True)

@@ -151,9 +151,26 @@ class Link:
     name: str  # NVLink or InfiniBand
     bandwidth: float  # bus bandwidth (bytes/s) a rank's collectives run at: β
     nodes: int = 1  # nodes a group of it spans, whose ring crosses between them
+    nics: int = 1  # InfiniBand: the NICs a node's ranks of the group send through, one ring channel each
 
     def __str__(self) -> str:
-        return f"{self.name} {self.bandwidth / GB:.0f} GB/s"
+        """NVLink 360 GB/s; InfiniBand 46 GB/s (one NIC); 8×IB 360 GB/s: 8 NICs' rings together, at most NVLink's
+        (one 400 Gb/s NIC carries 46 GB/s, so that "InfiniBand 360 GB/s" read as a typo)."""
+        return f"{self.nics}×IB {self.bandwidth / GB:.0f} GB/s" if self.several_nics else \
+            f"{self.name} {self.bandwidth / GB:.0f} GB/s"
+
+    @property
+    def several_nics(self) -> bool:
+        return self.name == "InfiniBand" and self.nics > 1
+
+    def legend(self, cluster: Cluster) -> str | None:
+        """What a k×IB label stands for, in one line; None for the other links."""
+        if not self.several_nics:
+            return None
+        capped = (f", capped at NVLink's {cluster.nvlink / GB:g} GB/s" if self.nics * cluster.infiniband >
+                  cluster.nvlink else "")
+        return (f"  {self.nics}×IB: the group's ranks in a node send through their {self.nics} InfiniBand NICs at "
+                f"once, {self.nics} x {cluster.infiniband / GB:g} GB/s{capped}")
 
 
 def link(group: str, lay: Layout, cluster: Cluster, op: str = "all_gather") -> Link:
@@ -167,7 +184,7 @@ def link(group: str, lay: Layout, cluster: Cluster, op: str = "all_gather") -> L
     if nodes == 1:
         return Link("NVLink", cluster.nvlink)
     per_node = 1 if op == "send" else math.ceil(size / nodes)
-    return Link("InfiniBand", min(cluster.nvlink, per_node * cluster.infiniband), nodes)
+    return Link("InfiniBand", min(cluster.nvlink, per_node * cluster.infiniband), nodes, per_node)
 
 
 def hops(op: str, size: int, nodes: int) -> tuple[int, int]:
@@ -277,6 +294,7 @@ class Prediction:
             lines.append(f"  {g.group:<10}{g.link!s:<18}{g.bytes_micro_batch / GB:15.3g}"
                          f"{(g.bytes_micro_batch * m + g.bytes_step) / GB:10.3g}{g.seconds:9.3g}{g.exposed:9.3g}  "
                          f"{g.overlaps}")
+        lines += dict.fromkeys(g.link.legend(self.cluster) for g in self.groups if g.link.several_nics)
         if lay.pp > 1:
             lines.append(f"  pipeline bubble: {lay.pp - 1} micro-batch times, {self.bubble:.3g} s")
         lines.append(f"predicted step {self.step:.3g} s: compute {self.compute_step:.3g} s + exposed "

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from ditcore.choices import TEXT_ENCODER_FAMILIES, TEXT_ENCODERS
-from ditcore.codecs.hub import from_pretrained, looks_like_path
+from ditcore.codecs.hub import from_pretrained, looks_like_path, offline
 
 MAX_TOKENS = 128  # longer captions are truncated (special tokens included); prepared captions are one sentence
 # UMT5's length is Wan 2.1's: WanPipeline tokenizes a prompt to max_sequence_length=512 and Wan's model reads 512 text
@@ -91,8 +91,8 @@ def _on_hub(repo: str, filename: str) -> bool:
     """Whether the hub repository `repo` has `filename` (read from the hub's cache when offline)."""
     import huggingface_hub
 
-    try:
-        huggingface_hub.hf_hub_download(repo, filename)
+    try:  # offline: from the cache, at once (huggingface_hub would retry for half a minute first)
+        huggingface_hub.hf_hub_download(repo, filename, local_files_only=offline() is not None)
     except Exception:  # offline and not cached, no network, no such repository or file: the loading that follows
         return False  # reports what is wrong, in one line (HubLoadError)
     return True

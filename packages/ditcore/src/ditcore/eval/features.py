@@ -10,6 +10,9 @@ Every network takes images as torchmetrics' Inception does, uint8 (B, 3, H, W), 
 
 from __future__ import annotations
 
+import os
+import shlex
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,7 +25,32 @@ FIGURE = {"inception": "FID", "dinov2": "FD_DINOv2"}  # what the distance is cal
 DINOV2_DEFAULT = "facebook/dinov2-large"  # FD_DINOv2's ViT-L/14
 DINOV2_SIZE = 224
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
-INSTALL_FID = ("pip install 'ditcore[fid]' (torch-fidelity) and the torchvision built for this torch "
+
+
+def install_fid_command() -> str:
+    """The command that adds the `fid` extra (torch-fidelity) to this ditcore. ditcore is not on PyPI, so `pip install
+    'ditcore[fid]'` finds nothing: pip installs the extra from the repository this ditcore was installed from (`make
+    install`: editable, from packages/ditcore), with its constraints file, which keeps pip from replacing torch; a
+    ditcore installed from elsewhere gets the extra's requirements by name, as its metadata lists them."""
+    from importlib.metadata import requires
+
+    python = _shown(Path(sys.executable))
+    package = Path(__file__).resolve().parents[3]  # src/ditcore/eval/features.py → packages/ditcore
+    if not (package / "pyproject.toml").is_file():
+        extra = [r.split(";")[0].strip() for r in requires("ditcore") or [] if "extra == \"fid\"" in r]
+        return f"{python} -m pip install {' '.join(map(shlex.quote, extra or ['torch-fidelity']))}"
+    constraints = package.parent.parent / "constraints.txt"
+    given = f" -c {_shown(constraints)}" if constraints.is_file() else ""
+    return f"{python} -m pip install{given} -e {shlex.quote(f'{_shown(package)}[fid]')}"
+
+
+def _shown(path: Path) -> str:
+    """A path as short as it is exact: relative to the working folder where it lies inside it."""
+    relative = os.path.relpath(path)
+    return shlex.quote(relative if not relative.startswith("..") else str(path))
+
+
+INSTALL_FID = (f"{install_fid_command()} (torch-fidelity, the fid extra) and the torchvision built for this torch "
                f"{torch.__version__.split('+')[0]} (PyPI's torchvision does not import beside the CPU wheel: install "
                "it from the index torch came from)")
 
@@ -69,13 +97,16 @@ class DINOv2Features(nn.Module):
             from transformers import Dinov2Model
         except ImportError as e:
             raise FeatureError(f"dinov2 features need transformers ({e}) — pip install transformers") from None
+        from ditcore.codecs.hub import offline, offline_hint
+
+        why = None if Path(name_or_path).is_dir() else offline()  # offline: the cache alone, at once
         try:
-            model = Dinov2Model.from_pretrained(str(name_or_path), use_safetensors=True)
+            model = Dinov2Model.from_pretrained(str(name_or_path), use_safetensors=True, local_files_only=bool(why))
         except (OSError, ValueError) as e:
-            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise FeatureError(f"cannot load the DINOv2 model '{name_or_path}': {first} — pass a local "
-                               "save_pretrained folder of a Dinov2Model (safetensors), or go online for the hub"
-                               ) from None
+            first = f"offline ({why}) and not in the Hugging Face cache" if why else (
+                str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__)
+            raise FeatureError(f"cannot load the DINOv2 model '{name_or_path}': {first} — "
+                               f"{offline_hint(str(name_or_path))}") from None
         return cls(model)
 
 

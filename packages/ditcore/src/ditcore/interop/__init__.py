@@ -229,7 +229,7 @@ def export_diffusers(out: str | Path, cfg: DiTConfig, tensors: dict[str, torch.T
     if isinstance(cfg, WanConfig):
         config, weights = diffusers_wan.state_to_diffusers(tensors, cfg)
     else:
-        config, weights = diffusers_dit.to_diffusers(cfg, tensors, approximate)
+        config, weights = diffusers_dit.to_diffusers(cfg, tensors, approximate, ddpm=vp is not None)
     out = Path(out)
     tmp = out.with_name(f".{out.name}.tmp")
     what = f"could not write the diffusers export {out}"

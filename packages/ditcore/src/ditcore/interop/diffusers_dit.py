@@ -116,11 +116,14 @@ def to_ditcore(config: dict, state: dict[str, torch.Tensor]) -> tuple[DiTConfig,
     return cfg, out
 
 
-def refusal(cfg: DiTConfig, approximate: bool = False) -> str | None:
+def refusal(cfg: DiTConfig, approximate: bool = False, ddpm: bool = True) -> str | None:
     """Why DiTTransformer2DModel cannot hold this model (the first feature it lacks), or None.
 
     approximate: accept the two numerical differences of diffusers' port (timestep sinusoid, pre-MLP eps), as
-    diffusers' own conversion of the original DiT does."""
+    diffusers' own conversion of the original DiT does — for a DDPM-trained network (ddpm) only, the kind that
+    conversion accepted them for. Any other (EDM-preconditioned, flow) is refused: nothing measured says what the other
+    sinusoid does to it, and on random weights it moves EDM's D(x; σ) by a quarter to a third of its range
+    (tests/apps/test_diffusers_config.py); train it with freq_shift=1 instead (apps/train/configs/dit-xl-diffusers)."""
     from ditcore.models.registry import arch_of
 
     arch = arch_of(cfg)
@@ -141,14 +144,20 @@ def refusal(cfg: DiTConfig, approximate: bool = False) -> str | None:
                                              "conversion of the original DiT does"),
         (approximate or (cfg.mlp_norm_eps in (1e-5, 1e-6) and cfg.freq_shift == 1),
          f"mlp_norm_eps={cfg.mlp_norm_eps}"),
+        (ddpm or not approximate or cfg.freq_shift == 1,
+         "--approximate is for DDPM-trained DiTs (as diffusers' own conversion of DiT-XL/2), and this network is not: "
+         "its timestep sinusoid 10000^(-k/half) replaced by diffusers' moves its output far beyond float error "
+         "(EDM's D by a quarter to a third of its range on random weights) — train with model.freq_shift=1 (dit-train "
+         "--config dit-xl-diffusers) for an exact export"),
     ]
     return next((f"cannot export to diffusers: {why}" for ok, why in checks if not ok), None)
 
 
-def to_diffusers(cfg: DiTConfig, state: dict[str, torch.Tensor], approximate: bool = False
+def to_diffusers(cfg: DiTConfig, state: dict[str, torch.Tensor], approximate: bool = False, ddpm: bool = True
                  ) -> tuple[dict, dict[str, torch.Tensor]]:
-    """(config.json, weights) of a DiTTransformer2DModel holding ditcore's `state`; ConversionError when it cannot."""
-    why = refusal(cfg, approximate)
+    """(config.json, weights) of a DiTTransformer2DModel holding ditcore's `state`; ConversionError when it cannot
+    (ddpm: whether the network is DDPM-trained, which `refusal`'s approximate needs)."""
+    why = refusal(cfg, approximate, ddpm)
     if why:
         raise ConversionError(why)
     p, D = cfg.patch_size, cfg.hidden_size

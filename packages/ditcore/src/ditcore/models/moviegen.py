@@ -174,11 +174,16 @@ class MovieGen(DiT):
 
 # Sizes of NeMo's DiTLlama{1B,5B,30B}Config (DiTLlama30BConfig: 48 layers, 6144 wide, 48 heads, FFN 16384 and 8
 # query groups, which the 5B and 1B inherit; the MovieGen paper's 30B has the same width, depth and heads), patch
-# 2 x 2 x 1 as there. A tiny one for tests.
+# 2 x 2 x 1 as there, and the inputs of NeMo's DiTConfig: 16 latent channels (its video tokenizer's) and text states
+# 1024 wide (crossattn_emb_size), which a dataset's replace and `--plan` assumes without one. A tiny one for tests.
+_NEMO = dict(in_channels=16, text_dim=1024)
 PRESETS: dict[str, MovieGenConfig] = {
-    "MovieGen-1B": MovieGenConfig(hidden_size=2048, depth=16, num_heads=32, num_kv_heads=8, ffn_hidden_size=8192),
-    "MovieGen-5B": MovieGenConfig(hidden_size=3072, depth=32, num_heads=24, num_kv_heads=8, ffn_hidden_size=8192),
-    "MovieGen-30B": MovieGenConfig(hidden_size=6144, depth=48, num_heads=48, num_kv_heads=8, ffn_hidden_size=16384),
+    "MovieGen-1B": MovieGenConfig(hidden_size=2048, depth=16, num_heads=32, num_kv_heads=8, ffn_hidden_size=8192,
+                                  **_NEMO),
+    "MovieGen-5B": MovieGenConfig(hidden_size=3072, depth=32, num_heads=24, num_kv_heads=8, ffn_hidden_size=8192,
+                                  **_NEMO),
+    "MovieGen-30B": MovieGenConfig(hidden_size=6144, depth=48, num_heads=48, num_kv_heads=8, ffn_hidden_size=16384,
+                                   **_NEMO),
     "MovieGen-Tiny": MovieGenConfig(hidden_size=64, depth=2, num_heads=4, num_kv_heads=2, ffn_hidden_size=128),
 }
 
