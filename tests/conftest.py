@@ -60,6 +60,8 @@ LONGEST_FILES = {
     "tests/apps/test_blend_train.py": 190, "tests/apps/test_train_lost_peer.py": 60,
     "tests/ditcore/parallel/test_watchdog.py": 25, "tests/ditcore/data/test_blend_loader.py": 22,
     "tests/apps/test_flow_train.py": 100, "tests/apps/test_wan_finetune.py": 40, "tests/apps/test_wan_interop.py": 20,
+    "tests/test_readme.py": 90, "tests/apps/test_sample_from_checkpoint.py": 30, "tests/apps/test_own_folder.py": 25,
+    "tests/apps/test_first_hour_noise.py": 24,
 }
 
 

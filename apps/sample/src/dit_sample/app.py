@@ -1,7 +1,7 @@
 """The Gradio app: prompt → sampled video and first frame, with the run's validation samples alongside.
 
-Given a run directory, a picker offers its export and every complete training checkpoint (whose EMA
-shards are consolidated on load, so a TP>1 run samples on one device). Every request, from the page or the
+Given a run directory, a picker offers its export (if it has one yet) and every complete training checkpoint (whose
+EMA shards are consolidated on load, so a TP>1 run samples on one device). Every request, from the page or the
 API, is checked before anything large is allocated; a bad one gets a message naming the value and what is
 allowed, and the server keeps serving. Memory, time and disk stay bounded: a few checkpoints loaded, a bounded
 queue, requests of at most `max_token_steps` (tokens × steps), a cancelled request stopped at its next step, the
@@ -31,13 +31,11 @@ from pathlib import Path
 import gradio as gr
 import torch
 
-from dit_sample.generate import LIMITS, SOLVERS, RequestError, Sampler
+from dit_sample.generate import LIMITS, SOLVERS, RequestError, Sampler, load_checkpoint
 from ditcore import interop, runs
 from ditcore.disk import DiskFull
-from ditcore.export import load_export
 from ditcore.media import write_sample
 from ditcore.sampling import token_grid
-from ditcore.tensorfile import non_finite
 
 EXPORT = "export (final EMA weights)"
 KEEP_CHECKPOINTS = 2  # training checkpoints kept loaded besides the export: each one is a full copy of the model
@@ -54,14 +52,22 @@ class Cancelled(Exception):
 
 
 def checkpoint_choices(path: Path) -> dict[str, Path]:
-    """Label → folder: the export, then training checkpoints newest first (run directories only); one of the field's
-    DiT checkpoints (ditcore.interop) is offered alone, in the export's place."""
+    """Label → folder, the default first: a run directory's export, then its training checkpoints newest first (a
+    run without an export yet: its newest checkpoint first, the one written last); an export folder or a training
+    checkpoint alone; one of the field's DiT checkpoints (ditcore.interop) alone, in the export's place."""
     if interop.is_foreign(path):
         return {EXPORT: path}
-    choices = {EXPORT: runs.find_export(path)}
-    for d in reversed(runs.complete_checkpoints(path)):
-        choices[d.name] = d
+    found = runs.find_sampleable(path)
+    choices = {found.name: found} if runs.is_complete(found) else {EXPORT: found}
+    if not runs.is_complete(path):  # a run directory (an export folder has no checkpoints)
+        for d in reversed(runs.complete_checkpoints(path)):
+            choices.setdefault(d.name, d)
     return choices
+
+
+def run_dir_of(path: Path) -> Path:
+    """The run directory of a training checkpoint; else `path` itself."""
+    return path.parent.parent if runs.is_complete(path) else path
 
 
 def contact_sheet_of(run_dir: Path) -> Path | None:
@@ -79,29 +85,25 @@ def validation_gallery(run_dir: Path, newest: int = 24) -> list[Path]:
 
 
 def load_sampler(base: Sampler, folder: Path) -> Sampler:
-    """The base (export) sampler with the EMA weights of a training checkpoint folder swapped in."""
-    state = runs.load_weights(folder, runs.EMA)
-    bad = non_finite(state)
-    if bad:  # sampled, NaN weights give an all-black picture
-        raise RequestError(f"checkpoint {folder.name} holds non-finite weights in {len(bad)} tensors, e.g. {bad[0]}: "
-                           "the run had diverged by then — pick an earlier checkpoint")
-    exported = load_export(base.path)
-    exported.model.load_state_dict(state)
-    return Sampler(exported, base.text, base.path)
+    """A training checkpoint's EMA weights (generate.load_checkpoint), sampled with the base's text encoder (one
+    copy of its model)."""
+    return Sampler(load_checkpoint(folder, picked=True), base.text, folder)
 
 
 class Checkpoints:
     """The checkpoints offered in the picker, by label, loaded on first use.
 
-    Only labels offered at start-up load: a request names a label, never a path. The export stays loaded; of the
-    training checkpoints the `keep` most recently used do, so clicking through a long run does not grow memory.
+    Only labels offered at start-up load: a request names a label, never a path. The default (the export, else the
+    newest checkpoint) stays loaded; of the other checkpoints the `keep` most recently used do, so clicking through a
+    long run does not grow memory.
     """
 
     def __init__(self, path: Path, keep: int = KEEP_CHECKPOINTS, vae: str | None = None,
                  num_heads: int | None = None, text_encoder: str | None = None):
         self.folders = checkpoint_choices(path)
+        self.default = next(iter(self.folders))
         # the last three: the field's checkpoints only
-        self.base = Sampler.load(self.folders[EXPORT], vae, num_heads, text_encoder)
+        self.base = Sampler.load(self.folders[self.default], vae, num_heads, text_encoder)
         self.keep = keep
         self.loaded: OrderedDict[str, Sampler] = OrderedDict()  # least recently used first
         self._lock = threading.Lock()  # concurrent requests must not load the same checkpoint twice
@@ -113,7 +115,7 @@ class Checkpoints:
 
     def get(self, label: str) -> Sampler:
         self.check(label)
-        if label == EXPORT:
+        if label == self.default:
             return self.base
         with self._lock:
             if label in self.loaded:
@@ -126,11 +128,10 @@ class Checkpoints:
                 self.loaded.popitem(last=False)
             try:
                 self.loaded[label] = load_sampler(self.base, folder)
-            except (runs.CheckpointError, OSError) as e:  # damaged or deleted since start-up: keep serving the others
+            except (runs.CheckpointError, RequestError) as e:  # damaged since start-up, diverged, of another model:
+                raise RequestError(str(e)) from None  # it says what to pick
+            except (OSError, ValueError) as e:  # deleted meanwhile; weights that do not fit their model.json
                 raise RequestError(f"{e} — pick another checkpoint") from None
-            except RuntimeError as e:  # load_state_dict: weights of another architecture than the export's
-                raise RequestError(f"checkpoint {label} does not fit the export's model ({str(e).splitlines()[0]})"
-                                   " — pick another checkpoint") from None
             return self.loaded[label]
 
 
@@ -233,7 +234,7 @@ def build_app(checkpoint: str | Path, concurrency: int = 1, queue_size: int = 64
     # Grad mode is per thread, so it is switched off in each of them.
     sampling = ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="dit-sample",
                                   initializer=torch.set_grad_enabled, initargs=(False,))
-    sheet, gallery = contact_sheet_of(checkpoint), validation_gallery(checkpoint)
+    sheet, gallery = contact_sheet_of(run_dir_of(checkpoint)), validation_gallery(run_dir_of(checkpoint))
 
     def check(choice, prompt, negative, class_label, steps, guidance, seed, frames, height, width, solver) -> dict:
         """The request's sampler arguments; RequestError naming the first bad value. Nothing is allocated."""
@@ -325,8 +326,8 @@ def build_app(checkpoint: str | Path, concurrency: int = 1, queue_size: int = 64
                     + (f"\n\n{imported}" if imported else ""))
         with gr.Row():
             with gr.Column():
-                choice = gr.Dropdown(list(models.folders), value=EXPORT, label="checkpoint", elem_id="checkpoint",
-                                     visible=len(models.folders) > 1)
+                choice = gr.Dropdown(list(models.folders), value=models.default, label="checkpoint",
+                                     elem_id="checkpoint", visible=len(models.folders) > 1)
                 # the run's first validation prompt, or nothing: a default that names one subject would be wrong
                 # for every other model
                 prompt = gr.Textbox(label="prompt", value=prompts[0] if prompts else "", elem_id="prompt",

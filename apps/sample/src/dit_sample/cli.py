@@ -34,7 +34,9 @@ class Format(enum.StrEnum):
     diffusers = "diffusers"
 
 
-CHECKPOINT_HELP = ("An export folder (RUN_DIR/export), a run directory, or one of the field's checkpoints: an "
+CHECKPOINT_HELP = ("An export folder (RUN_DIR/export), a training checkpoint (RUN_DIR/checkpoints/step-N: its EMA "
+                   "weights), a run directory (its export, else its newest complete checkpoint), or one of the "
+                   "field's checkpoints: an "
                    "original DiT file (DiT-XL-2-256x256.pt, .safetensors), a diffusers DiTTransformer2DModel folder or "
                    "DiT pipeline folder (transformer/, scheduler/, vae/), a WanTransformer3DModel folder or "
                    "WanPipeline folder (Wan 2.1 text-to-video: transformer/, vae/, text_encoder/, tokenizer/, "
@@ -99,7 +101,7 @@ def generate(
 ) -> None:
     """Sample prompts and write an mp4 (frames > 1) or png (frames = 1) for each."""
     from dit_sample.generate import RequestError, Sampler
-    from ditcore import stopping
+    from ditcore import runs, stopping
     from ditcore.codecs import HubLoadError
     from ditcore.disk import DiskFull
     from ditcore.media import write_sample
@@ -111,6 +113,8 @@ def generate(
     with stop_on_signal():  # loading, each sampling step and the writing: Ctrl-C or SIGTERM stop it
         try:
             sampler = Sampler.load(checkpoint, vae, num_heads, text_encoder)
+            if sampler.chosen(checkpoint):
+                typer.echo(sampler.chosen(checkpoint))
             if "imported" in sampler.exported.extra:
                 typer.echo(f"sampling {sampler.exported.extra['imported']}")
             if not sampler.class_conditional and not prompt:
@@ -128,7 +132,7 @@ def generate(
             sampler.load_text()  # before the bar starts: the bar counts sampling steps only
             with step_bar(steps, "sampling") as bar:  # a signal stops it at the next step: nothing is written
                 result, seconds = sampler.run(**request, fps=fps, callback=stopping.checked(bar))
-        except (RequestError, FileNotFoundError, ValueError, KeyError, HubLoadError) as e:
+        except (RequestError, FileNotFoundError, ValueError, KeyError, HubLoadError, runs.CheckpointError) as e:
             fail(str(e))
         except stopping.Stopped as e:
             e.add_note(f"no sample was written to {out}")
@@ -150,7 +154,9 @@ def generate(
 
 @app.command("eval")
 def evaluate(
-    checkpoint: Path = typer.Option(..., help="A run directory or its export folder (ditcore's own runs)."),
+    checkpoint: Path = typer.Option(..., help="A run directory (its export, else its newest complete checkpoint), its "
+                                              "export folder, or one of its training checkpoints "
+                                              "(RUN_DIR/checkpoints/step-N: its EMA weights)."),
     reference: Path = typer.Option(..., help="The real images: a ditcore dataset folder (its statistics are "
                                              "computed once and cached in DATA/eval/), a statistics .safetensors "
                                              "from there, or an ADM-style .npz with mu and sigma (Inception)."),
@@ -177,6 +183,7 @@ def evaluate(
     ... (the `--` keeps torchrun from reading --num as its own --numa-binding)."""
     from dit_sample.evaluate import evaluate as run_eval
     from dit_sample.generate import RequestError
+    from ditcore import runs
     from ditcore.codecs import HubLoadError
     from ditcore.data.schema import DatasetError
     from ditcore.eval import FeatureError, ReferenceError
@@ -185,8 +192,9 @@ def evaluate(
         try:
             result, written = run_eval(checkpoint, reference, num, features=str(features), weights=weights,
                                        steps=steps, guidance=guidance, seed=seed, batch=batch, height=height,
-                                       width=width)
-        except (RequestError, ReferenceError, FeatureError, DatasetError, FileNotFoundError, HubLoadError) as e:
+                                       width=width, say=typer.echo)
+        except (RequestError, ReferenceError, FeatureError, DatasetError, FileNotFoundError, HubLoadError,
+                runs.CheckpointError) as e:
             fail(str(e))
     if written is not None:
         typer.echo(f"{result['what']} {result['value']:.4f} of {num} samples (step {result['step']}, "
@@ -196,8 +204,9 @@ def evaluate(
 
 @app.command()
 def serve(
-    checkpoint: Path = typer.Option(..., help="An export folder, a run directory (pick among its checkpoints), or "
-                                              "one of the field's DiT checkpoints (see generate --help)."),
+    checkpoint: Path = typer.Option(..., help="An export folder, a run directory (pick among its export and "
+                                              "checkpoints), a training checkpoint, or one of the field's DiT "
+                                              "checkpoints (see generate --help)."),
     host: str = typer.Option("127.0.0.1", help="Address to bind; 127.0.0.1 keeps it on this machine."),
     port: int = typer.Option(7860, min=1, max=65535, help="Port to listen on; it must be free."),
     concurrency: int = typer.Option(1, min=1, help="Requests sampled at the same time; the rest wait in a queue."),
@@ -211,7 +220,7 @@ def serve(
 ) -> None:
     """Run the Gradio app: prompt → video/image in the browser. Never opens a public share link."""
     from dit_sample.app import build_app, exposure_warning, launch_options, port_problem
-    from ditcore import stopping
+    from ditcore import runs, stopping
     from ditcore.codecs import HubLoadError
 
     problem = port_problem(host, port)  # before the model loads: a taken port should fail in seconds
@@ -227,7 +236,7 @@ def serve(
             demo = build_app(checkpoint, concurrency=concurrency, queue_size=queue_size,
                              max_token_steps=max_token_steps, vae=vae, num_heads=num_heads,
                              text_encoder=text_encoder)
-        except (FileNotFoundError, ValueError, KeyError, HubLoadError) as e:
+        except (FileNotFoundError, ValueError, KeyError, HubLoadError, runs.CheckpointError) as e:
             fail(str(e))
         typer.echo(f"serving {checkpoint} on http://{host}:{port}")
         try:

@@ -1,4 +1,5 @@
-"""`dit-sample eval`: the FID (or FD_DINOv2) of a run's EMA export against a reference, written under RUN/eval/.
+"""`dit-sample eval`: the FID (or FD_DINOv2) of a run's EMA weights (its export, or a training checkpoint's) against a
+reference, written under RUN/eval/.
 
 Samples decode with the run's own codec; a dataset reference decodes its latents with the dataset's codec, the same
 decoder (ditcore.eval.reference). Class-conditional models sample classes drawn uniformly with the seed;
@@ -13,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -29,8 +31,10 @@ EVAL = "eval"
 
 def evaluate(checkpoint: str | Path, reference: str | Path, num: int, *, features: str = "inception",
              weights: str | None = None, steps: int = 18, guidance: float | None = None, seed: int = 0,
-             batch: int = 16, height: int | None = None, width: int | None = None) -> tuple[dict, Path | None]:
-    """Score `num` samples; returns the result and the JSON file written (rank 0; None on the other ranks)."""
+             batch: int = 16, height: int | None = None, width: int | None = None,
+             say: Callable[[str], None] | None = None) -> tuple[dict, Path | None]:
+    """Score `num` samples; returns the result and the JSON file written (rank 0; None on the other ranks). `say`
+    (rank 0): told which checkpoint a run directory without an export is scored from."""
     if num < 2:
         raise RequestError(f"--num {num}: a Fréchet distance needs at least 2 samples (a covariance); FID is "
                            "usually reported for 50000 (FID-50K), 10000 for a quicker figure")
@@ -41,6 +45,8 @@ def evaluate(checkpoint: str | Path, reference: str | Path, num: int, *, feature
     device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if torch.cuda.is_available() else "cpu")
     try:
         sampler = Sampler.load(checkpoint)
+        if say is not None and rank == 0 and sampler.chosen(checkpoint):
+            say(sampler.chosen(checkpoint))
         model = sampler.exported.model.to(device)
         net = feature_net(features, weights)
         ref = _reference(reference, net, height, width, device, rank)
@@ -113,8 +119,12 @@ def _prompt_states(sampler: Sampler) -> list[torch.Tensor] | None:
 
 
 def _write(export: Path, result: dict) -> Path:
-    """RUN/eval/<what>-<features>-step<step>-n<num>.json (beside the export folder), written atomically."""
-    folder = (export.parent if export.name == runs.EXPORT or export.is_file() else export) / EVAL
+    """RUN/eval/<what>-<features>-step<step>-n<num>.json (beside the export folder, or the checkpoints/ folder of a
+    training checkpoint), written atomically."""
+    if runs.is_complete(export):
+        folder = export.parent.parent / EVAL
+    else:
+        folder = (export.parent if export.name == runs.EXPORT or export.is_file() else export) / EVAL
     durable.make_writable_dir(folder)
     slug = "".join(c if c.isalnum() or c in "-_." else "-" for c in result["features"])
     path = folder / f"{result['what'].lower()}-{slug}-step{result['step']}-n{result['num']}.json"

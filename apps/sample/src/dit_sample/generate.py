@@ -1,6 +1,7 @@
 """Loading a checkpoint for sampling and checking a request: shared by the CLI and the Gradio app.
 
-A checkpoint is a ditcore export (or a run directory), or one of the field's checkpoints (ditcore.interop: an
+A checkpoint is a ditcore export, a training checkpoint (its EMA weights: a run sampled before it is exported), a run
+directory (its export, else its newest complete checkpoint), or one of the field's checkpoints (ditcore.interop: an
 original DiT file, a diffusers DiTTransformer2DModel or DiT pipeline folder, a WanTransformer3DModel or WanPipeline
 folder), which becomes the same `Exported`: its network under the preconditioning or objective it was trained with, a
 diffusers VAE, the latent statistics that give the network the latents it saw in training, and its text encoder.
@@ -23,10 +24,11 @@ from ditcore.codecs import DiffusersVAECodec, LatentStats
 from ditcore.codecs.text import MAX_TOKENS, TextEncoder, load_text_encoder
 from ditcore.data.fit import latent_shapes
 from ditcore.data.schema import DatasetInfo
-from ditcore.export import DEFAULT_GUIDANCE, Exported, load_export, recorded_objective
+from ditcore.export import CONFIG, DEFAULT_GUIDANCE, WEIGHTS, Exported, load_export, recorded_objective
 from ditcore.interop import diffusers_wan
 from ditcore.models import arch_of, build
 from ditcore.sampling import SCHEDULES, SampleResult, sample, token_grid
+from ditcore.tensorfile import non_finite
 
 # Inclusive ranges; seed: what torch.Generator.manual_seed accepts.
 LIMITS = {"steps": (1, 500), "guidance": (0.0, 30.0), "frames": (1, 128), "size": (8, 1024), "seed": (0, 2**64 - 1)}
@@ -67,12 +69,19 @@ class Sampler:
                                "codec it trained with, encodes text as its dataset did and records its heads — leave "
                                "them out")
         else:
-            path = runs.find_export(checkpoint)
-            exported = load_export(path)
+            path = runs.find_sampleable(checkpoint)
+            exported = load_checkpoint(path) if runs.is_complete(path) else load_export(path)
         text = None
         if exported.model.cfg.text_dim:  # the encoder the dataset was made with; its model loads in load_text()
             text = load_text_encoder(exported.info.text_encoder["name"])
         return cls(exported, text, path, dict(exported.load_seconds))
+
+    def chosen(self, checkpoint: str | Path) -> str | None:
+        """The line that says which checkpoint a run directory without an export is sampled from, else None."""
+        if runs.is_complete(self.path) and Path(checkpoint) != self.path:
+            return (f"sampling {self.path} (step {self.exported.extra.get('step')}): the newest complete checkpoint "
+                    f"of {checkpoint}, which has no {runs.EXPORT}/ yet")
+        return None
 
     def load_text(self) -> None:
         """Load the text encoder's model (seconds: it imports transformers), timed as loading. run() calls it after
@@ -100,8 +109,9 @@ class Sampler:
         labels of its contact sheet). The export records them; older exports: the run's config beside export/."""
         recorded = self.exported.extra.get("prompts")
         if recorded is None:
+            folder = self.path if runs.is_complete(self.path) else self.path.parent  # a checkpoint holds its config
             try:
-                config = yaml.safe_load((self.path.parent / runs.CONFIG_FILE).read_text())
+                config = yaml.safe_load((folder / runs.CONFIG_FILE).read_text())
                 recorded = config["validation"]["prompts"]
             except (OSError, yaml.YAMLError, UnicodeDecodeError, TypeError, KeyError):
                 return []  # an export on its own, or a config this version cannot read: no examples
@@ -223,6 +233,45 @@ class Sampler:
             raise RequestError("the sample came out non-finite (NaN/Inf) although the weights are finite: the model's "
                                "output overflowed — try a lower guidance, other steps, or another checkpoint")
         return result, time.perf_counter() - t0
+
+
+def load_checkpoint(folder: Path, picked: bool = False) -> Exported:
+    """A complete training checkpoint's EMA weights (verified against its manifest, consolidated from any layout) as
+    an export: the checkpoint records what the export will beside them (ditcore.export.describe); one written by an
+    older dit-train, which did not, takes the rest from its run's export. Errors name the checkpoint and what to
+    sample instead (picked: the app's picker, where another is picked by name)."""
+    run = folder.parent.parent
+    instead = "pick an earlier checkpoint" if picked else _instead(run, folder)
+    try:
+        state = runs.load_weights(folder, runs.EMA)
+    except runs.CheckpointError as e:  # damaged since it was written (its manifest says how), or unreadable
+        raise runs.CheckpointError(f"{e} — {'pick another checkpoint' if picked else instead}") from None
+    bad = non_finite(state)
+    if bad:  # sampled, NaN weights give an all-black picture
+        raise RequestError(f"checkpoint {folder.name if picked else folder} holds non-finite weights in {len(bad)} "
+                           f"tensors, e.g. {bad[0]}: the run had diverged by then — {instead}")
+    if (folder / CONFIG).is_file():
+        return load_export(folder, weights=state)
+    export = runs.export_dir(run)
+    if not (export / WEIGHTS).is_file():
+        raise runs.CheckpointError(f"checkpoint {folder} was written by an older dit-train, which recorded no {CONFIG} "
+                                   f"beside its weights, and {run} has no {runs.EXPORT}/ to take the model from — "
+                                   f"resume the run (dit-train --resume {folder}) to the end, which exports it")
+    exported = load_export(export)
+    try:
+        exported.model.load_state_dict(state)
+    except RuntimeError as e:  # weights of another architecture than the export's
+        raise runs.CheckpointError(f"checkpoint {folder} does not fit {export}'s model "
+                                   f"({str(e).splitlines()[0]}) — sample {export} or another checkpoint") from None
+    exported.extra["step"] = runs.step_of(folder)
+    return exported
+
+
+def _instead(run: Path, ckpt: Path) -> str:
+    """What to sample instead of a checkpoint that cannot be: the one its trajectory continued from, if any."""
+    earlier = runs.trajectory(run, ckpt)[1:] if runs.is_complete(ckpt) else runs.complete_checkpoints(run)[-1:]
+    return (f"sample an earlier checkpoint: --checkpoint {earlier[0]}" if earlier else
+            f"{run} has no earlier complete checkpoint to sample")
 
 
 def load_foreign(path: str | Path, vae: str | None = None, num_heads: int | None = None,

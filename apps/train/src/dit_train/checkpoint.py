@@ -33,6 +33,7 @@ from __future__ import annotations
 import shutil
 import sys
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -85,8 +86,11 @@ def layout(fabric) -> dict:
             "fsdp": bool(fabric.strategy.fsdp)}
 
 
-def save(fabric, run_dir: Path, step: int, state: dict, loader, config_yaml: str, keep: int) -> Path:
-    """Collective: every rank calls it. Returns the final checkpoint folder."""
+def save(fabric, run_dir: Path, step: int, state: dict, loader, config_yaml: str, keep: int,
+         describe: Callable[[Path], list[str]] | None = None) -> Path:
+    """Collective: every rank calls it. Returns the final checkpoint folder. `describe` (rank 0): writes what the
+    export would record beside the weights into the folder (ditcore.export.describe), so that dit-sample samples the
+    checkpoint's EMA weights before the run has an export."""
     rank = fabric.global_rank
     name = None
     if rank == 0:
@@ -111,7 +115,7 @@ def save(fabric, run_dir: Path, step: int, state: dict, loader, config_yaml: str
         raise CheckpointError(f"{problem} — nothing was published; the newest complete checkpoint is kept")
     files = {k: v for part in parts for k, v in part.items()}
     if rank == 0:
-        files |= runs.seal(tmp, [runs.write_config(tmp, config_yaml)])
+        files |= runs.seal(tmp, [runs.write_config(tmp, config_yaml), *(describe(tmp) if describe else [])])
         # state["lineage"] is current on rank 0 only, the one rank that writes it
         state["lineage"] = runs.publish(tmp, final, step, layout(fabric), files, state.get("lineage"))
         rotate(run_dir, final, keep)

@@ -4,14 +4,24 @@ and the training loop asks after every step whether any rank saw one."""
 from __future__ import annotations
 
 import os
+import shlex
 import signal
 import time
+from collections.abc import Callable, Sequence
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from ditcore import stopping
+from ditcore import runs, stopping
+
+
+def sample_command(ckpt: Path, prompts: Sequence[str] = (), num_classes: int = 0) -> str:
+    """The command that samples a checkpoint's EMA weights before the run is exported, to copy from a stop message:
+    with the run's first validation prompt, or class 0 for a class-conditional model."""
+    what = "--class 0" if num_classes else f"--prompt {shlex.quote(prompts[0] if prompts else 'describe what to draw')}"
+    return f"dit-sample generate --checkpoint {shlex.quote(str(ckpt))} {what}"
 
 
 class Interrupted(KeyboardInterrupt):
@@ -36,8 +46,12 @@ class Preempted:
     # only a Ctrl-C this long after the first is a second one.
     REPEAT_S = 1.0
 
-    def __init__(self, world_size: int, on_gpu: bool, rank: int = 0, timeout: timedelta | None = None):
+    def __init__(self, world_size: int, on_gpu: bool, rank: int = 0, timeout: timedelta | None = None,
+                 run_dir: Path | None = None, sample: Callable[[Path], str] | None = None):
+        """run_dir, sample: a second Ctrl-C's message names the run's newest complete checkpoint and `sample(it)`,
+        the command that samples it (`sample_command`)."""
         self.world_size, self.rank = world_size, rank
+        self.run_dir, self.sample = run_dir, sample
         self.interrupted_at: float | None = None  # the first Ctrl-C
         # CPU: the default group is gloo already. timeout: the run's collective timeout (ditcore.parallel.watchdog)
         self.group = dist.new_group(backend="gloo", timeout=timeout) if world_size > 1 and on_gpu else None
@@ -52,13 +66,23 @@ class Preempted:
         if signum == signal.SIGINT:
             now = time.monotonic()
             if self.interrupted_at is not None and now - self.interrupted_at > self.REPEAT_S:
-                raise Interrupted("interrupted by a second Ctrl-C: nothing half-written was published; the newest "
-                                  "complete checkpoint is kept for --resume auto")
+                raise Interrupted(self.interrupted_line())
             if self.interrupted_at is None and self.rank == 0:
                 # os.write, not print: the handler may run in the middle of a print (tqdm's) to the same stream
                 os.write(2, b"\nCtrl-C: stopping after this step with a checkpoint (press it again to exit at once)\n")
             self.interrupted_at = self.interrupted_at or now
         self.flag = True
+
+    def interrupted_line(self) -> str:
+        """What a second Ctrl-C leaves: the newest complete checkpoint, to continue from or sample."""
+        line = "interrupted by a second Ctrl-C: nothing half-written was published"
+        if self.run_dir is None:
+            return f"{line}; the newest complete checkpoint is kept for --resume auto"
+        newest = runs.newest(self.run_dir)
+        if newest is None:
+            return f"{line}; no checkpoint of {self.run_dir} is complete yet (--resume auto starts the run again)"
+        how = f", or sample it: {self.sample(newest)}" if self.sample is not None else ""
+        return f"{line}; the newest complete checkpoint, {newest}, is kept for --resume auto{how}"
 
     def signalled(self) -> bool:
         return self.any_rank(self.flag)

@@ -9,6 +9,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass
 from datetime import timedelta
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -30,7 +31,7 @@ from dit_train.heldout import HeldOutLoss
 from dit_train.media_log import TensorBoard, log_samples
 from dit_train.metrics import BlendWindow, Metrics, bar_postfix, drawn_counts
 from dit_train.plots import plot_heldout, plot_losses
-from dit_train.preemption import Preempted
+from dit_train.preemption import Preempted, sample_command
 from dit_train.recipe import Recipe, model_config, resolve  # noqa: F401 (model_config: where it was before)
 from dit_train.validation import Validator, resolve_validation
 from ditcore import durable, init_from, runs
@@ -42,7 +43,7 @@ from ditcore.data.packing import PackedBatch
 from ditcore.data.schema import DatasetInfo, read_info
 from ditcore.diffusion import EMA, EDMPrecond
 from ditcore.errors import ConfigError
-from ditcore.export import export_model
+from ditcore.export import describe, export_model
 from ditcore.flops import batch_flops, gpu_peak_flops, measure_cpu_peak_flops
 from ditcore.models import DiTConfig, check_compiled, inputs_of
 from ditcore.models.layers import check_positions
@@ -185,7 +186,9 @@ def train(cfg: TrainConfig, resume: str = "auto", overwrite: bool = False) -> di
         scorer = FIDScorer(run.cfg, run.info, run.model_cfg, run.fabric, run.groups, network=run.recipe.sampling(),
                            stats=run.recipe.latent_stats)  # the reference statistics: computed here once, or read
         # until the export is written
-        preempted = Preempted(run.fabric.world_size, run.on_gpu, run.fabric.global_rank, run.groups.timeout)
+        preempted = Preempted(run.fabric.world_size, run.on_gpu, run.fabric.global_rank, run.groups.timeout,
+                              run.run_dir, partial(sample_command, prompts=run.cfg.validation.prompts,
+                                                   num_classes=run.model_cfg.num_classes))
         try:
             result = fit(run, trainee, validator, run.cfg.to_yaml(), preempted, heldout, scorer, watchdog)
             result["rank"] = run.fabric.global_rank
@@ -422,14 +425,16 @@ def fit(run: Setup, t: Trainee, validator: Validator, config_yaml: str, preempte
         if figures:
             fabric.log_dict(figures, step=step)
         if now.save:
-            checkpoint.save(fabric, run.run_dir, step, t.state, t.loader, config_yaml, cfg.checkpoint.keep)
+            saved = checkpoint.save(fabric, run.run_dir, step, t.state, t.loader, config_yaml, cfg.checkpoint.keep,
+                                    describe=partial(describe, **description(run, step)))
         if now.validate:
             log_samples(run.loggers, validator.run(t.ema.module, step))
         if now.stop:
             bar.close()
             report_skipped(run, t)
             why = "by signal" if step != cfg.train.stop_at else "at train.stop_at"
-            fabric.print(f"stopped {why} at step {step}; checkpoint saved — continue with --resume auto")
+            fabric.print(f"stopped {why} at step {step}; checkpoint saved — continue with --resume auto, or sample "
+                         f"it: {sample_command(saved, cfg.validation.prompts, run.model_cfg.num_classes)}")
             return {"step": step, "stopped": True, "history": t.state["history"]}
     bar.close()
     skipped = report_skipped(run, t)
@@ -639,6 +644,23 @@ class MicroBatch:
     draw: StepDraw  # its noise levels, noise and the model's inputs after CFG dropout
 
 
+def description(run: Setup, step: int) -> dict:
+    """What the export records beside the EMA weights, and every checkpoint beside its own (ditcore.export.describe,
+    so that dit-sample samples a run before it is exported): the model config, the dataset's codec and latent
+    statistics, and model.json's fields."""
+    recipe = run.recipe
+    # its own latent statistics, where the network works in other units than the dataset's
+    return dict(cfg=run.model_cfg, dataset=run.cfg.data.path, latent_stats=recipe.latent_stats if recipe.own_units
+                else None,
+                extra={"step": step, "prediction": recipe.sampling()["prediction"],
+                       # under VP: precond vp and its schedule (ditcore.export.Exported.vp)
+                       **{k: v for k, v in recipe.recorded().items() if k != "latent_stats"},
+                       # dit-sample's defaults and examples for this model: the guidance, solver, prompts and size it
+                       # validated with
+                       "guidance": run.cfg.validation.guidance, "solver": run.cfg.validation.solver,
+                       "prompts": list(run.cfg.validation.prompts), "size": run.cfg.validation.size})
+
+
 def scored(t: Trainee) -> dict[str, torch.nn.Module]:
     """The weights the held-out loss is computed for (dit_train.heldout), by the name it is logged under."""
     return {"ema": t.ema.module, "raw": t.model.module}
@@ -656,17 +678,7 @@ def export(run: Setup, t: Trainee, validator: Validator, heldout: HeldOutLoss | 
     log_samples(run.loggers, samples)
     full = gather_full(t.model.module, without_extra_state(t.ema.module.state_dict()), run.groups)
     if fabric.global_rank == 0:
-        recipe = run.recipe
-        export_model(runs.export_dir(run.run_dir), full, run.model_cfg, run.cfg.data.path,
-                     # its own latent statistics, where the network works in other units than the dataset's
-                     latent_stats=recipe.latent_stats if recipe.own_units else None,
-                     extra={"step": step, "prediction": recipe.sampling()["prediction"],
-                            # under VP: precond vp and its schedule (ditcore.export.Exported.vp)
-                            **{k: v for k, v in recipe.recorded().items() if k != "latent_stats"},
-                            # dit-sample's defaults and examples for this model: the guidance, solver, prompts and
-                            # size it validated with
-                            "guidance": run.cfg.validation.guidance, "solver": run.cfg.validation.solver,
-                            "prompts": list(run.cfg.validation.prompts), "size": run.cfg.validation.size})
+        export_model(runs.export_dir(run.run_dir), full, **description(run, step))
         plot_losses(t.state["history"], run.run_dir / runs.LOSS_PLOT)
         if t.state.get("heldout"):
             plot_heldout(t.state["heldout"], run.run_dir / runs.HELDOUT_PLOT)

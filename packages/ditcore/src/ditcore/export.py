@@ -49,18 +49,7 @@ def export_model(out: str | Path, state_dict: dict[str, torch.Tensor], cfg: DiTC
     try:
         tmp.mkdir(parents=True)
         tensorfile.save(state_dict, tmp / WEIGHTS)
-        meta = {"model": dataclasses.asdict(cfg), "arch": arch_of(cfg), **(extra or {})}
-        (tmp / CONFIG).write_text(json.dumps(meta, indent=1))
-        # contents only: the copies' modes come from the umask (a codec an older dit-prepare wrote 0600 included)
-        shutil.copyfile(dataset / INFO_FILE, tmp / INFO_FILE)
-        info = json.loads((tmp / INFO_FILE).read_text())
-        # a blend's list of datasets names folders relative to the blend's: the export keeps only what its latents are
-        if latent_stats is not None or "blend" in info:
-            info |= {"latent_stats": latent_stats.to_dict()} if latent_stats is not None else {}
-            info.pop("blend", None)
-            (tmp / INFO_FILE).write_text(json.dumps(info, indent=1))
-        for codec_file in codec_files:
-            shutil.copyfile(codec_file, tmp / codec_file.name)
+        describe(tmp, cfg, dataset, extra, latent_stats)
         for f in tmp.iterdir():
             durable.fsync_file(f)
         durable.publish_dir(tmp, out)
@@ -70,6 +59,28 @@ def export_model(out: str | Path, state_dict: dict[str, torch.Tensor], cfg: DiTC
             raise disk.disk_full(what, tmp) from None
         raise
     return out
+
+
+def describe(folder: str | Path, cfg: DiTConfig, dataset: str | Path, extra: dict | None = None,
+             latent_stats: LatentStats | None = None) -> list[str]:
+    """Write what an export holds besides its weights into `folder` — CONFIG (the model config and `extra`), the
+    dataset's INFO_FILE and codec files — and return their names. A training checkpoint holds them too, so that its
+    EMA weights sample alone (`load_export(ckpt, weights=...)`), before the run has an export."""
+    folder, dataset = Path(folder), Path(dataset)
+    meta = {"model": dataclasses.asdict(cfg), "arch": arch_of(cfg), **(extra or {})}
+    (folder / CONFIG).write_text(json.dumps(meta, indent=1))
+    # contents only: the copies' modes come from the umask (a codec an older dit-prepare wrote 0600 included)
+    shutil.copyfile(dataset / INFO_FILE, folder / INFO_FILE)
+    info = json.loads((folder / INFO_FILE).read_text())
+    # a blend's list of datasets names folders relative to the blend's: the export keeps only what its latents are
+    if latent_stats is not None or "blend" in info:
+        info |= {"latent_stats": latent_stats.to_dict()} if latent_stats is not None else {}
+        info.pop("blend", None)
+        (folder / INFO_FILE).write_text(json.dumps(info, indent=1))
+    codec_files = sorted(dataset.glob("codec_*"))
+    for codec_file in codec_files:
+        shutil.copyfile(codec_file, folder / codec_file.name)
+    return [CONFIG, INFO_FILE, *(f.name for f in codec_files)]
 
 
 @dataclass
@@ -155,12 +166,13 @@ def _meta(path: str | Path) -> dict:
     return meta
 
 
-def check_weights_fit(path: Path, cfg: DiTConfig) -> None:
-    """ValueError naming the first tensor whose name or shape in WEIGHTS differs from the model that `cfg` builds.
+def check_weights_fit(path: Path, cfg: DiTConfig, stored: dict[str, torch.Tensor] | None = None) -> None:
+    """ValueError naming the first tensor whose name or shape in WEIGHTS (or `stored`, weights read elsewhere)
+    differs from the model that `cfg` builds.
 
     Reads the file's header only and builds the model on the meta device, so nothing is allocated: a model.json
     edited to a width of 10^6 is refused here, not after asking for terabytes."""
-    stored = tensorfile.header(path / WEIGHTS, REDO)
+    stored = tensorfile.header(path / WEIGHTS, REDO) if stored is None else stored
     if cfg.depth > len(stored):  # every layer holds weights; also keeps a depth of 10^6 from building for minutes
         raise ValueError(f"'{path / CONFIG}' says depth={cfg.depth}, but {WEIGHTS} holds only {len(stored)} tensors "
                          f"— model.json and the weights come from different models; {REDO}")
@@ -210,19 +222,22 @@ def recorded_objective(objective: str, shift) -> dict:
     return {} if objective == "edm" else {"objective": objective, "shift": shift.to_dict()}
 
 
-def load_network(path: str | Path) -> tuple[DiTConfig, dict[str, torch.Tensor], dict]:
+def load_network(path: str | Path, weights: dict[str, torch.Tensor] | None = None
+                 ) -> tuple[DiTConfig, dict[str, torch.Tensor], dict]:
     """An export's model config, its one-device weights (checked to fit the config and finite) and its CONFIG file's
-    other fields — without its codec, which may be a VAE from the hub (dit-sample export needs none)."""
+    other fields — without its codec, which may be a VAE from the hub (dit-sample export needs none). `weights`: a
+    training checkpoint's (ditcore.runs.load_weights), for the checkpoint folder that records CONFIG beside them
+    (`describe`) in place of WEIGHTS."""
     path = Path(path)
-    if not (path / WEIGHTS).is_file() or not (path / CONFIG).is_file():
+    if (weights is None and not (path / WEIGHTS).is_file()) or not (path / CONFIG).is_file():
         raise FileNotFoundError(f"'{path}' is not a ditcore export: it needs {WEIGHTS} and {CONFIG} "
                                 "(dit-train writes them to RUN_DIR/export/)")
     meta = _meta(path)
     cfg = exported_config(path)
-    check_weights_fit(path, cfg)  # before the model is allocated: model.json may promise any size
+    check_weights_fit(path, cfg, weights)  # before the model is built: model.json may promise any size
     with torch.device("meta"):
         upgrade = build(cfg).upgrade_state_dict
-    state = upgrade(tensorfile.load(path / WEIGHTS, REDO))
+    state = upgrade(tensorfile.load(path / WEIGHTS, REDO) if weights is None else weights)
     check_finite(path, state)
     if meta.get("precond", "edm") not in PRECONDS:
         raise ValueError(f"'{path / CONFIG}' says precond={meta['precond']!r}: this ditcore knows "
@@ -237,11 +252,13 @@ def load_network(path: str | Path) -> tuple[DiTConfig, dict[str, torch.Tensor], 
     return cfg, state, {k: v for k, v in meta.items() if k != "model"}
 
 
-def load_export(path: str | Path, device: str | torch.device = "cpu") -> Exported:
-    """Load an export folder; errors say what is missing or which architecture does not fit."""
+def load_export(path: str | Path, device: str | torch.device = "cpu",
+                weights: dict[str, torch.Tensor] | None = None) -> Exported:
+    """Load an export folder (or a training checkpoint's `weights` with the folder that describes them: see
+    load_network); errors say what is missing or which architecture does not fit."""
     path = Path(path)
     t0 = time.perf_counter()
-    cfg, state, meta = load_network(path)
+    cfg, state, meta = load_network(path, weights)
     model = build(cfg)
     model.load_state_dict(state)
     if not (path / INFO_FILE).is_file():
@@ -254,5 +271,5 @@ def load_export(path: str | Path, device: str | torch.device = "cpu") -> Exporte
                     {"model": t1 - t0, "codec": time.perf_counter() - t1})
 
 
-__all__ = ["CONFIG", "DEFAULT_GUIDANCE", "WEIGHTS", "Exported", "export_model", "load_export", "load_network",
-           "recorded_objective", "shift_of", "vp_of"]
+__all__ = ["CONFIG", "DEFAULT_GUIDANCE", "WEIGHTS", "Exported", "describe", "export_model", "load_export",
+           "load_network", "recorded_objective", "shift_of", "vp_of"]

@@ -10,6 +10,8 @@
         loader-dpXXXXX.json        one per data-parallel rank: its data loader's position (older: .pkl, pickled)
         rng-XXXXX.pt               one per process: its RNG states
         config.yaml                the resolved training config                                      (step_files)
+        model.json  ditcore.json   what the export records beside the weights (ditcore.export.describe): a
+        codec_*                    checkpoint's EMA weights sample before the run is exported
         COMPLETE                   JSON manifest, written last: step, layout, lineage, {file: {bytes, crc32}}
                                                                                                        (manifest)
       export/                      consolidated EMA weights for sampling on one device (ditcore.export)
@@ -43,6 +45,7 @@ from ditcore.runs.folders import (
     complete_checkpoints,
     export_dir,
     find_export,
+    find_sampleable,
     free_step_dir,
     is_complete,
     samples_dir,
@@ -102,10 +105,10 @@ __all__ = [
     "METADATA", "MODEL", "OPTIM", "OUTPUTS", "SAMPLES", "SHEET", "TENSORBOARD", "TMP_PREFIX", "VALUES", "WANDB",
     "CheckpointError", "SafeReader",
     "begin_step", "by_write_order", "checkpoint_error", "checkpoint_tensors", "complete_checkpoints", "export_dir",
-    "files_of_rank", "find_export", "free_step_dir", "is_complete", "lineage", "load_optimizer_hyperparameters",
-    "load_tensors", "load_weights", "loader_file", "model_mismatch", "new_run_id", "newest", "next_lineage",
-    "next_seq", "optimizer_hyperparameters", "parent_ref", "publish", "read_config", "read_full", "read_loader_state",
-    "read_manifest", "read_values", "restore_rng", "rng_file", "samples_dir", "save_tensors", "seal", "step_dir",
-    "step_of", "stored_shapes", "tmp_dir", "trajectory", "verify", "write_config", "write_loader_state",
-    "write_manifest", "write_rng",
+    "files_of_rank", "find_export", "find_sampleable", "free_step_dir", "is_complete", "lineage",
+    "load_optimizer_hyperparameters", "load_tensors", "load_weights", "loader_file", "model_mismatch", "new_run_id",
+    "newest", "next_lineage", "next_seq", "optimizer_hyperparameters", "parent_ref", "publish", "read_config",
+    "read_full", "read_loader_state", "read_manifest", "read_values", "restore_rng", "rng_file", "samples_dir",
+    "save_tensors", "seal", "step_dir", "step_of", "stored_shapes", "tmp_dir", "trajectory", "verify", "write_config",
+    "write_loader_state", "write_manifest", "write_rng",
 ]

@@ -100,3 +100,35 @@ def find_export(path: str | Path) -> Path:
         raise FileNotFoundError(f"checkpoint '{path}' does not exist")
     raise FileNotFoundError(f"'{path}' is neither an export ({WEIGHTS}) nor a run directory with "
                             f"{EXPORT}/ — dit-train writes RUN_DIR/{EXPORT}/ at the end of training")
+
+
+def find_sampleable(path: str | Path) -> Path:
+    """What dit-sample samples for `path`: an export folder; a complete training checkpoint (its EMA weights); a run
+    directory's export/, else its newest complete checkpoint (the one written last, which --resume auto continues).
+    FileNotFoundError says what `path` is not; CheckpointError names an incomplete checkpoint and what to sample."""
+    from ditcore.runs.manifest import newest  # manifest builds on this module's names
+
+    path = Path(path)
+    if (path / WEIGHTS).is_file() or (export_dir(path) / WEIGHTS).is_file():
+        return find_export(path)
+    if is_complete(path):
+        return path
+    if not path.exists():
+        raise FileNotFoundError(f"checkpoint '{path}' does not exist")
+    if step_of(path) is not None or path.name.startswith(TMP_PREFIX):
+        run = path.parent.parent
+        latest = newest(run)
+        instead = (f"sample a complete one: --checkpoint {latest} (or --checkpoint {run}, the newest)" if latest else
+                   f"no checkpoint of {run} is complete yet: wait for the next one (checkpoint.every steps)")
+        raise CheckpointError(f"checkpoint '{path}' is incomplete (no {MARKER} manifest: its save was interrupted or "
+                              f"is still under way) — {instead}")
+    latest = newest(path)
+    if latest is not None:
+        return latest
+    if (path / CHECKPOINTS).is_dir():
+        raise FileNotFoundError(f"run directory '{path}' has no {EXPORT}/ and no complete checkpoint yet — dit-train "
+                                "writes one every checkpoint.every steps (and when stopped), and export/ at the end")
+    raise FileNotFoundError(f"'{path}' is neither an export ({WEIGHTS}), a training checkpoint ({CHECKPOINTS}/"
+                            f"step-XXXXXXX with its {MARKER} manifest) nor a run directory with {EXPORT}/ or one of "
+                            f"those — dit-train writes a checkpoint every checkpoint.every steps and RUN_DIR/{EXPORT}/ "
+                            "at the end of training")
