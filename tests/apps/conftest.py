@@ -2,6 +2,7 @@
 
 import contextlib
 import importlib
+import importlib.util
 import io
 import json
 import os
@@ -24,6 +25,10 @@ import torch
 from ditcore.data.schema import DatasetInfo
 from ditcore.export import export_model
 from ditcore.models import DiT, preset
+
+_spec = importlib.util.spec_from_file_location("inprocess", Path(__file__).with_name("inprocess.py"))
+inprocess = importlib.util.module_from_spec(_spec)  # tests are no package: loaded by path
+_spec.loader.exec_module(inprocess)
 
 BIN = Path(sys.executable).parent
 
@@ -271,13 +276,8 @@ def signalled():
 def restored_process():
     """For a test that runs dit-train's setup in this process: afterwards its process group and Fabric's environment
     variables (MASTER_PORT & co., which later dit-train processes would inherit) are gone again."""
-    from ditcore.parallel.dims import destroy
-
-    environ = dict(os.environ)
-    yield
-    destroy()
-    os.environ.clear()
-    os.environ.update(environ)
+    with inprocess.process_restored(signals=()):
+        yield
 
 
 @pytest.fixture(scope="session")

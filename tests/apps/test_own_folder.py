@@ -6,6 +6,7 @@ classes, named as its class folders are), a prompt list that shares no word with
 import colorsys
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -15,6 +16,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from dit_train import validation
 from dit_train.config import CONFIGS, load_config
 from dit_train.validation import (
     MAX_CLASSES,
@@ -24,7 +26,7 @@ from dit_train.validation import (
     resolve_validation,
     unshared_words,
 )
-from ditcore.data.schema import read_info
+from ditcore.data.schema import read_info, shard_metas
 from ditcore.models import preset
 
 BIN = Path(sys.executable).parent
@@ -148,6 +150,21 @@ def test_the_folder_config_draws_its_prompts_from_the_captions_at_the_dataset_si
     other = resolved(data, "validation.dataset_prompts=3", "validation.seed=1")
     assert few.validation.prompts == again.validation.prompts and set(few.validation.prompts) < set(captions)
     assert other.validation.prompts != few.validation.prompts  # the seed draws them
+
+
+def test_captions_are_read_once_per_process_and_again_when_a_shard_changes(captioned, tmp_path, monkeypatch):
+    """resolve_validation draws the prompts from the captions and the Validator checks them against the captions:
+    one read of the shards' json members; a shard rewritten since is read again."""
+    data = tmp_path / "data"
+    shutil.copytree(captioned[0], data)
+    reads = []
+    monkeypatch.setattr(validation, "shard_metas", lambda path: reads.append(path) or shard_metas(path))
+    first = read_captions(str(data), read_info(data))
+    assert read_captions(str(data), read_info(data)) == first and len(reads) == len(list(data.glob("rank*-*.tar")))
+    shard = sorted(data.glob("rank*-*.tar"))[0]
+    os.utime(shard, ns=(shard.stat().st_atime_ns, shard.stat().st_mtime_ns + 10**9))  # as a rewrite leaves it
+    reads.clear()
+    assert read_captions(str(data), read_info(data)) == first and len(reads) == len(list(data.glob("rank*-*.tar")))
 
 
 def test_prompts_that_share_no_word_with_the_captions_are_warned_about_in_one_line(captioned):

@@ -6,10 +6,9 @@ The runs are dit-train's own `train()` in this process (a tiny DiT on a mock dat
 validation sampling): one run stopped at step 3, copied for each resume variant."""
 
 import contextlib
+import importlib.util
 import io
-import os
 import shutil
-import signal
 import traceback
 from pathlib import Path
 
@@ -25,8 +24,11 @@ from ditcore.data.loader import compare_fingerprints, dataset_fingerprint
 from ditcore.data.schema import DatasetInfo
 from ditcore.data.writer import ShardWriter, finish_dataset, start_dataset
 from ditcore.models import DiT, preset
-from ditcore.parallel.dims import destroy
 from ditcore.runs import CheckpointError
+
+_spec = importlib.util.spec_from_file_location("inprocess", Path(__file__).with_name("inprocess.py"))
+inprocess = importlib.util.module_from_spec(_spec)  # tests are no package: loaded by path
+_spec.loader.exec_module(inprocess)
 
 TINY = ["model.preset=DiT-Tiny", "model.patch_size=2", "data.seq_length=32", "data.num_workers=0",
         "train.micro_batch=2", "train.global_batch=4", "optim.lr=3e-3", "optim.warmup_steps=0", "checkpoint.every=3",
@@ -51,16 +53,8 @@ def train_here(data: Path, run: Path, *overrides: str) -> dict:
     """dit-train's train() with --resume auto in this process; afterwards the process group, the environment
     (Fabric's MASTER_PORT & co.) and the signal handlers are as they were."""
     cfg = load_config(find_config("demo"), [*TINY, f"data.path={data}", f"train.run_dir={run}", *overrides])
-    environ = dict(os.environ)
-    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGUSR1)}
-    try:
+    with inprocess.process_restored():
         return train.train(cfg, resume="auto")
-    finally:
-        destroy()
-        os.environ.clear()
-        os.environ.update(environ)
-        for sig, handler in handlers.items():
-            signal.signal(sig, handler)
 
 
 @pytest.fixture(scope="module")

@@ -3,11 +3,10 @@ reads that checkpoint's EMA weights, `--checkpoint RUN` for a run without an exp
 the samples are those of the export dit-train writes from the same step, bit for bit. Damaged or incomplete checkpoints
 are one line naming them and what to sample instead; dit-train's stop message names the command."""
 
+import importlib.util
 import json
-import os
 import shlex
 import shutil
-import signal
 import subprocess
 from functools import partial
 from pathlib import Path
@@ -20,7 +19,10 @@ from dit_sample.generate import Sampler, load_checkpoint
 from dit_train.preemption import Preempted, sample_command
 from ditcore import runs
 from ditcore.eval import FrechetDistance, ReferenceStats, feature_net
-from ditcore.parallel.dims import destroy
+
+_spec = importlib.util.spec_from_file_location("inprocess", Path(__file__).with_name("inprocess.py"))
+inprocess = importlib.util.module_from_spec(_spec)  # tests are no package: loaded by path
+_spec.loader.exec_module(inprocess)
 
 PROMPT = "a red butterfly"
 # test_train.py's tiny run, stopped at step 3 (train.stop_at) with checkpoints at steps 2 and 3, not validated
@@ -34,16 +36,8 @@ SAMPLE = ["--prompt", PROMPT, "--steps", 2, "--seed", 1]
 def dit_train(cli_in_process, *args) -> subprocess.CompletedProcess:
     """`dit-train TINY ARGS` in this process (a subprocess spends seconds importing torch); afterwards the process
     group, the environment (Fabric's MASTER_PORT & co.) and the signal handlers are as they were."""
-    environ = dict(os.environ)
-    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGUSR1)}
-    try:
+    with inprocess.process_restored():
         proc = cli_in_process("train", *TINY, *args)
-    finally:
-        destroy()
-        os.environ.clear()
-        os.environ.update(environ)
-        for sig, handler in handlers.items():
-            signal.signal(sig, handler)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc
 

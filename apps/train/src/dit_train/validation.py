@@ -5,10 +5,9 @@ step, that the model can sample the validation sizes at all and that the prompts
 
 from __future__ import annotations
 
-import json
+import functools
 import random
 import re
-import tarfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -20,7 +19,7 @@ from ditcore.codecs import LatentStats, load_codec
 from ditcore.codecs.text import load_text_encoder
 from ditcore.data import blend
 from ditcore.data.fit import latent_shapes
-from ditcore.data.schema import META, DatasetInfo
+from ditcore.data.schema import DatasetInfo, shard_metas
 from ditcore.errors import ConfigError
 from ditcore.media import contact_sheet, write_sample
 from ditcore.models import DiTConfig
@@ -205,26 +204,27 @@ def class_labels(prompts: list[str], names: list[str], num_classes: int) -> list
 def read_captions(data: str, info: DatasetInfo, limit: int = CAPTIONS_READ) -> list[str]:
     """Captions of the first `limit` samples of the dataset (of each dataset of a blend), shards in name order: only
     their json members are read, the latents and text states seeked over. A sample whose json is unreadable has none
-    here (the loader skips it as it trains)."""
+    here (the loader skips it as it trains). Read once per process and set of shards (resolve_validation draws the
+    prompts from them, the Validator checks the prompts against them)."""
     captions = []
     for _, root, _ in blend.datasets(data, info):
-        metas = (member for shard in sorted(Path(root).glob("rank*-*.tar")) for member in _metas(shard))
-        for _, meta in zip(range(limit), metas, strict=False):
-            caption = meta.get("caption") if isinstance(meta, dict) else None
-            if isinstance(caption, str) and caption.strip():
-                captions.append(caption.strip())
+        shards = tuple((str(shard), shard.stat().st_mtime_ns, shard.stat().st_size)
+                       for shard in sorted(Path(root).glob("rank*-*.tar")))
+        captions += _shard_captions(shards, limit)
     return captions
 
 
-def _metas(shard: Path):
-    """The decoded json member of each sample of a shard, in its order (None where it is not JSON)."""
-    with tarfile.open(shard, mode="r:") as tar:
-        for member in tar:
-            if member.isfile() and member.name.partition(".")[2] == META:
-                try:
-                    yield json.loads(tar.extractfile(member).read())
-                except ValueError:
-                    yield None
+@functools.lru_cache(maxsize=8)
+def _shard_captions(shards: tuple[tuple[str, int, int], ...], limit: int) -> tuple[str, ...]:
+    """The captions of the first `limit` samples of these shards (path, mtime, size: a rewritten shard is read
+    again)."""
+    metas = (meta for path, _, _ in shards for meta in shard_metas(Path(path)))
+    captions = []
+    for _, meta in zip(range(limit), metas, strict=False):
+        caption = meta.get("caption") if isinstance(meta, dict) else None
+        if isinstance(caption, str) and caption.strip():
+            captions.append(caption.strip())
+    return tuple(captions)
 
 
 def draw_captions(captions: list[str], n: int, seed: int, data: str) -> list[str]:

@@ -163,6 +163,18 @@ def shard_keys(path: Path) -> set[str]:
         return {m.name.partition(".")[0] for m in tar if m.isfile()}
 
 
+def shard_metas(path: Path) -> Iterator[dict | None]:
+    """The decoded json member of each sample of a shard, in the shard's order (None where it is not JSON): only
+    those members are read, the latents and text states seeked over. For reading captions before training."""
+    with tarfile.open(path, mode="r:") as tar:
+        for member in tar:
+            if member.isfile() and member.name.partition(".")[2] == META:
+                try:
+                    yield json.loads(tar.extractfile(member).read())
+                except ValueError:
+                    yield None
+
+
 def shard_samples(path: Path, keys: Container[str] | None = None) -> Iterator[dict]:
     """A shard's crude samples ({member name: raw bytes, '__key__': key}, for read_sample) in the shard's order,
     members grouped by the name before the first dot as WebDataset groups them; with `keys`, only those samples (the
