@@ -52,8 +52,8 @@ test-slow: lint
 	$(BIN)/pytest -m "slow and not slurm and not demo" -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder \
 		--durations=10
 
-# `make demo` from scratch with its samples judged (tests/apps/test_demo_quality.py). Not in .ci/run while the rates
-# it asserts do not hold for the current recipe (issue 47: one butterfly in 27/32 images and 1/16 clips measured).
+# `make demo` from scratch with its samples judged (tests/apps/test_demo_quality.py): the rates the README states,
+# asserted with a margin. .ci/run runs it last.
 test-demo: install
 	$(BIN)/pytest -m demo -p no:randomly -s --durations=1
 
@@ -74,8 +74,12 @@ bench: install
 # the finished run (--resume auto finds its last checkpoint) and only samples again.
 DEMO_DATA := data/butterflies
 DEMO_RUN  := runs/demo
-# 2064 samples: 2000 to train on and 64 held out (evenly spread) at $(DEMO_DATA)/val for the held-out loss
-DEMO_PREPARE := --num 2064 --val-samples 64 --simple --video-ratio 0.25 --pca-patch 4 --pca-channels 16 \
+# 2064 samples: 2000 to train on and 64 held out (evenly spread) at $(DEMO_DATA)/val for the held-out loss. One in
+# ten is a clip (an 8-frame clip is 128 tokens, an image 16: clips are still 47% of the tokens trained on). With
+# one in four, 72% of the tokens were clips, whose flight the model had no time to learn; its images and
+# clips then broke into 16-pixel tiles (bench/demo_quality.py: frames passing every shape test 72/128 against
+# 118/128 with one in ten, same steps).
+DEMO_PREPARE := --num 2064 --val-samples 64 --simple --video-ratio 0.1 --pca-patch 4 --pca-channels 16 \
 	--latent-norm global
 demo: install
 	@test -f $(DEMO_DATA)/ditcore.json || $(BIN)/dit-prepare synthetic --out $(DEMO_DATA) $(DEMO_PREPARE) --overwrite
