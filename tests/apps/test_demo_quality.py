@@ -39,7 +39,7 @@ HELDOUT_DROP = 4  # the last at most a quarter of the first (measured 1/13.6)
 HELDOUT_RISE = 1.05  # no point more than 5% above the one before (measured: each below it)
 
 
-@pytest.mark.slow  # the whole demo: about 20 minutes on 2 cores
+@pytest.mark.slow  # the whole demo: about 17 minutes on 2 cores
 @pytest.mark.demo  # its own target, make test-demo (not in make test-slow), which .ci/run runs
 @pytest.mark.skipif(not shutil.which("make"), reason="make is not installed")
 def test_make_demo_draws_butterflies_of_the_prompted_colour(tmp_path):
