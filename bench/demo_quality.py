@@ -32,6 +32,28 @@ PROMPTS = [f"{'an' if c[0] in 'aeiou' else 'a'} {c} butterfly" for c in COLOURS]
 DEMO = yaml.safe_load((Path(__file__).resolve().parents[1] / "apps/train/configs/demo.yaml").read_text())["validation"]
 
 
+TOKEN_PIXELS = 16  # the demo's tokens: patch 4 over a PCA code of 4x4-pixel patches
+
+
+def box_contrast(image: np.ndarray, period: int = TOKEN_PIXELS) -> float:
+    """The faint box around a butterfly, in grey levels: the RGB distance between the mean background of the
+    period x period tokens that hold any of the butterfly and that of the other tokens (background: 4 px and more
+    from any wing or body pixel). NaN where either side has too few background pixels."""
+    x = image.astype(np.float32)
+    subject = (x.max(-1) - x.min(-1) > 60) | (x.mean(-1) < 80)  # saturated wing or dark body
+    H, W = subject.shape
+    if H % period or W % period:
+        return float("nan")
+    padded, near = np.pad(subject, 4), np.zeros_like(subject)
+    for dy in range(9):
+        for dx in range(9):
+            near |= padded[dy:dy + H, dx:dx + W]
+    held = subject.reshape(H // period, period, W // period, period).any((1, 3))
+    inside = np.kron(held, np.ones((period, period), bool))
+    a, b = x[~near & inside], x[~near & ~inside]
+    return float(np.linalg.norm(a.mean(0) - b.mean(0))) if min(len(a), len(b)) > 20 else float("nan")
+
+
 @dataclass
 class Rates:
     images: int = 0
@@ -46,6 +68,7 @@ class Rates:
     frame_butterfly: int = 0  # clip frames that pass every shape test
     failed: collections.Counter = field(default_factory=collections.Counter)  # test name → images failing it
     pictures: list = field(default_factory=list)  # (seed, prompt index, image, passed)
+    boxes: dict = field(default_factory=lambda: {"images": [], "frames": []})  # box_contrast of each
 
     def lines(self) -> list[str]:
         out = [f"images  colour {self.image_colour}/{self.images} = {self.image_colour / self.images:.0%}   "
@@ -57,6 +80,10 @@ class Rates:
                        f"one butterfly {self.clip_butterfly}/{self.clips} = {self.clip_butterfly / self.clips:.0%}"
                        f"   (every frame; frames passing every shape test {self.frame_butterfly}/{self.frames})")
         out.append("failed  " + (", ".join(f"{k} {n}" for k, n in self.failed.most_common()) or "nothing"))
+        box = {k: np.nanmean(v) for k, v in self.boxes.items() if v and not np.isnan(v).all()}
+        if box:
+            out.append("box     background off in the tokens that hold the butterfly, mean RGB distance: "
+                       + ", ".join(f"{k} {v:.1f}" for k, v in box.items()) + " grey levels")
         return out
 
 
@@ -74,6 +101,7 @@ def judge_run(checkpoint: str | Path, seeds: int = DEMO["seeds"], clip_frames: i
                             steps=steps, guidance=guidance, seed=seed, **exported.sampling())
             for i, clip in enumerate(result.pixels.numpy()):
                 verdicts = [judge(frame, colours[i]) for frame in clip]
+                rates.boxes["images" if frames == 1 else "frames"] += [box_contrast(f) for f in clip]
                 colour, butterfly = all(v.colour for v in verdicts), all(v.butterfly for v in verdicts)
                 if frames == 1:
                     rates.images += 1
