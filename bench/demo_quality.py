@@ -23,7 +23,7 @@ import yaml
 
 from ditcore import runs
 from ditcore.codecs.text import load_text_encoder
-from ditcore.data.judge import judge
+from ditcore.data.judge import _dilate, judge
 from ditcore.data.synthetic import COLOURS
 from ditcore.export import load_export
 from ditcore.sampling import sample
@@ -44,10 +44,7 @@ def box_contrast(image: np.ndarray, period: int = TOKEN_PIXELS) -> float:
     H, W = subject.shape
     if H % period or W % period:
         return float("nan")
-    padded, near = np.pad(subject, 4), np.zeros_like(subject)
-    for dy in range(9):
-        for dx in range(9):
-            near |= padded[dy:dy + H, dx:dx + W]
+    near = _dilate(subject, 4)  # the judge's square dilation
     held = subject.reshape(H // period, period, W // period, period).any((1, 3))
     inside = np.kron(held, np.ones((period, period), bool))
     a, b = x[~near & inside], x[~near & ~inside]
