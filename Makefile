@@ -12,7 +12,7 @@ EDITABLE := -e 'packages/ditcore[test]' -e 'apps/prepare[test]' -e 'apps/train[t
 .PHONY: help install test test-slow test-demo test-slurm lint bench demo clean
 
 help:
-	@echo "make demo       synthetic butterflies -> train a small DiT on the CPU -> sample prompts (~17 min on 2 cores after set-up)"
+	@echo "make demo       synthetic butterflies -> train a small DiT on the CPU -> sample prompts (~14 min on 2 cores after set-up)"
 	@echo "make test       create .venv if needed, install the four packages, run ruff and the fast tests"
 	@echo "make test-slow  the tests marked slow, which make test leaves out (~25 min on 2 cores; CI runs them)"
 	@echo "make test-demo  make demo in a fresh folder, its samples judged (~18 min on 2 cores; .ci/run runs it)"
@@ -75,10 +75,10 @@ bench: install
 DEMO_DATA := data/butterflies
 DEMO_RUN  := runs/demo
 # 2064 samples: 2000 to train on and 64 held out (evenly spread) at $(DEMO_DATA)/val for the held-out loss. One in
-# ten is a clip (an 8-frame clip is 128 tokens, an image 16: clips are still 47% of the tokens trained on). With
-# one in four, 72% of the tokens were clips, whose flight the model had no time to learn; its images and
-# clips then broke into 16-pixel tiles (bench/demo_quality.py: frames passing every shape test 72/128 against
-# 118/128 with one in ten, same steps).
+# ten is a clip (an 8-frame clip is 128 tokens, an image 16: clips are still 47% of the tokens trained on), of a
+# butterfly hovering in the middle (--simple). With one in four, 72% of the tokens were clips, whose flight the
+# model had no time to learn; its images and clips then broke into 16-pixel tiles (bench/demo_quality.py: frames
+# passing every shape test 72/128 against 118/128 with one in ten, same steps).
 DEMO_PREPARE := --num 2064 --val-samples 64 --simple --video-ratio 0.1 --pca-patch 4 --pca-channels 16 \
 	--latent-norm global
 demo: install

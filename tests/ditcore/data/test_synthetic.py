@@ -68,6 +68,7 @@ def test_captions_are_exact_sentences():
     assert caption(spec, video=True) == "a red butterfly with white spots flying left"
     plain = replace(spec, colour="orange", pattern="plain", spot_colour=None, direction="up")
     assert caption(plain, video=True) == "an orange butterfly flying up"
+    assert caption(replace(plain, direction=None, travel=0.0), video=True) == "an orange butterfly hovering"
     assert caption(replace(spec, pattern="stripes", spot_colour="black"), False) == "a red butterfly with black stripes"
 
 
@@ -217,8 +218,8 @@ def test_errors_say_what_to_do():
         generate(0, 0, 32, 1, 0.5)
     with pytest.raises(ConfigError, match=r"video_ratio=1.5 is invalid"):
         generate(0, 0, 32, 8, 1.5)
-    with pytest.raises(ConfigError, match=r"direction=None is invalid: expected one of left"):
-        caption(sample_spec(np.random.default_rng(0), False), video=True)
+    with pytest.raises(ConfigError, match=r"direction='sideways' is invalid: expected None \(a still or a hovering"):
+        replace(sample_spec(np.random.default_rng(0), True), direction="sideways")
     with pytest.raises(ConfigError, match=r"size=4 is invalid: expected an image side of at least 8"):
         render(sample_spec(np.random.default_rng(0), False), 4)
 
@@ -228,9 +229,14 @@ def test_simple_butterflies_are_plain_of_one_size_in_the_middle_and_differ_in_no
         pixels, caption, meta = generate(i, 0, 64, 8, 0.5, simple=True)
         _, caption_full, meta_full = generate(i, 0, 64, 8, 0.5)
         plain = caption_full.split(" with ")[0].split(" flying ")[0]
-        assert caption == plain + (" flying " + meta["direction"] if meta["video"] else "")
-        assert " with " not in caption
-        differ = ("x", "y", "size", "pattern", "spot_colour", "background", "background_kind", "background_bottom")
+        assert caption == plain + (" hovering" if meta["video"] else "")  # a clip stays in the middle
+        assert " with " not in caption and meta["direction"] is None and meta["travel"] == 0
+        if meta["video"]:  # every frame in place: the wings' mean column is the middle in each
+            for frame in pixels.astype(int):
+                columns = np.nonzero(frame.max(-1) - frame.min(-1) > 100)[1]
+                assert abs(columns.mean() - 31.5) < 0.5
+        differ = ("x", "y", "size", "pattern", "spot_colour", "background", "background_kind", "background_bottom",
+                  "direction", "travel")
         assert {k: v for k, v in meta.items() if k not in differ} == \
             {k: v for k, v in meta_full.items() if k not in differ}
         assert (meta["x"], meta["size"], meta["pattern"], meta["spot_colour"]) == (0.5, SIMPLE_SIZE, "plain", None)
@@ -241,6 +247,6 @@ def test_simple_butterflies_are_plain_of_one_size_in_the_middle_and_differ_in_no
         middle = pixels[len(pixels) // 2].astype(int)
         coloured = np.nonzero(middle.max(-1) - middle.min(-1) > 100)  # wing pixels
         # mirror-symmetric about the middle column, so the wing pixels' mean column is the middle: 31.5
-        assert abs(coloured[1].mean() - 31.5) < 0.5 or meta["video"]  # a clip drifts: mid-clip is between frames
+        assert abs(coloured[1].mean() - 31.5) < 0.5
         rows = coloured[0]
         assert abs((rows.min() + rows.max()) / 2 - 31.5) < 0.15 * 64  # the drawing's extent is about centred

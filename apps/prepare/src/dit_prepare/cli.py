@@ -218,9 +218,9 @@ def synthetic(
     video_ratio: float = typer.Option(0.5, min=0.0, max=1.0, help="Fraction of samples that are clips."),
     fps: float = typer.Option(8.0, min=0.1, help="Frame rate recorded for clips."),
     simple: bool = typer.Option(False, help="The variety a small model learns in minutes (make demo's data): "
-                                            "plain wings of one wingspan, in the middle of the frame (a clip's at "
-                                            "mid-clip), on a plain light background; wing colours, background "
-                                            "tints, flapping and drift still vary."),
+                                            "plain wings of one wingspan, in the middle of the frame, on a plain "
+                                            "light background; clips hover there, flapping; wing colours, "
+                                            "background tints and flapping still vary."),
     seed: int = SEED,
     *, encode: EncodeOptions, write: WriteOptions,
 ) -> None:

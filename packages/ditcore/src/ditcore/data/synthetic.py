@@ -56,7 +56,8 @@ class ButterflySpec:
 
     x, y: centre of the butterfly (for a clip: at mid-clip), from the top-left corner.
     size: wingspan with the wings fully open, as a fraction of the frame width.
-    direction: where a clip drifts (None for a still image); travel: how far, first to last frame.
+    direction: where a clip drifts (None for a still image or a clip that hovers); travel: how far, first to last
+    frame.
     flap_phase, flap_speed: wing opening at frame f is MIN_OPENING + (1 - MIN_OPENING) |cos(phase + speed f)|.
     background_bottom: the gradient's bottom colour (equal to `background` for the other kinds).
     noise_seed: seeds the soft noise of background_kind "noise".
@@ -93,7 +94,8 @@ class ButterflySpec:
         if self.background_kind not in BACKGROUNDS:
             raise ConfigError("background_kind", self.background_kind, f"one of {', '.join(BACKGROUNDS)}")
         if self.direction is not None and self.direction not in DIRECTIONS:
-            raise ConfigError("direction", self.direction, f"None (still) or one of {', '.join(DIRECTIONS)}")
+            raise ConfigError("direction", self.direction,
+                              f"None (a still or a hovering clip) or one of {', '.join(DIRECTIONS)}")
         if not 0 < self.size <= 1:
             raise ConfigError("size", self.size, "a wingspan in (0, 1], as a fraction of the frame width")
 
@@ -121,10 +123,11 @@ def sample_spec(rng: np.random.Generator, video: bool, simple: bool = False) -> 
     """A random butterfly; with video=True it also flaps and drifts, and it is a little larger.
 
     simple: the variety a small model learns in minutes (the CPU demo's data): plain wings of one wingspan
-    (SIMPLE_SIZE), the butterfly (a clip's at mid-clip) in the middle of the frame, on a plain light background
-    (a dark one drawn is lightened); wing colours, background tints, wing shapes, flapping and drift vary as
-    before. The same numbers are drawn either way, so the two datasets differ in pattern, size, position and
-    background alone.
+    (SIMPLE_SIZE) in the middle of the frame, on a plain light background (a dark one drawn is lightened); a
+    clip hovers there, flapping (no drift: the prompt "a red butterfly" then names all a clip shows, where with
+    four drift directions to choose from the demo's model cut its clips into tiles of several). Wing colours,
+    background tints, wing shapes and flapping vary as before. The same numbers are drawn either way, so the two
+    datasets differ in pattern, size, position, background and drift alone.
     """
     colour = str(rng.choice(list(COLOURS)))
     pattern = str(rng.choice(PATTERNS))
@@ -152,6 +155,7 @@ def sample_spec(rng: np.random.Generator, video: bool, simple: bool = False) -> 
         background_kind, background = "solid", _lightened(background)
         bottom = background
         x, y = 0.5, 0.5 + (REACH_UP - REACH_DOWN) * SIMPLE_SIZE / 4
+        direction, travel = None, 0.0  # a clip hovers
     return ButterflySpec(
         colour=colour, pattern=pattern, spot_colour=spot_colour, background=background,
         background_kind=background_kind, size=size, x=float(x), y=float(y), direction=direction, travel=travel,
@@ -161,15 +165,14 @@ def sample_spec(rng: np.random.Generator, video: bool, simple: bool = False) -> 
 
 
 def caption(spec: ButterflySpec, video: bool) -> str:
-    """What is drawn, in words: 'a red butterfly with white spots', plus ' flying left' for a clip."""
+    """What is drawn, in words: 'a red butterfly with white spots', plus ' flying left' for a clip that drifts
+    left or ' hovering' for one that stays in place."""
     article = "an" if spec.colour[0] in "aeiou" else "a"
     text = f"{article} {spec.colour} butterfly"
     if spec.pattern != "plain":
         text += f" with {spec.spot_colour} {spec.pattern}"
     if video:
-        if spec.direction is None:
-            raise ConfigError("direction", None, f"one of {', '.join(DIRECTIONS)} to caption a clip (this is a still)")
-        text += f" flying {spec.direction}"
+        text += f" flying {spec.direction}" if spec.direction else " hovering"
     return text
 
 
