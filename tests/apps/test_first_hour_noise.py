@@ -138,7 +138,7 @@ def snapshot(folder: Path) -> dict:
 
 
 @pytest.mark.parametrize(("change", "differs"), [
-    ("optim.lr=3e-3", "optim.lr 0.001 → 0.003"),  # the demo's 1e-3
+    ("optim.lr=3e-3", "optim.lr 0.002 → 0.003"),  # the demo's 2e-3
     ("validation.prompts=[a blue square]", "validation.prompts [a red butterfly] → [a blue square]"),
 ])
 def test_a_finished_run_is_not_resumed_by_a_command_with_another_config(finished, dataset, cli_in_process, tmp_path,
