@@ -12,10 +12,10 @@ EDITABLE := -e 'packages/ditcore[test]' -e 'apps/prepare[test]' -e 'apps/train[t
 .PHONY: help install test test-slow test-demo test-slurm lint bench demo clean
 
 help:
-	@echo "make demo       synthetic butterflies -> train a small DiT on the CPU -> sample prompts (~14 min on 2 cores after set-up)"
+	@echo "make demo       synthetic butterflies -> train a small DiT on the CPU -> sample prompts (~16 min on 2 cores after set-up)"
 	@echo "make test       create .venv if needed, install the four packages, run ruff and the fast tests"
 	@echo "make test-slow  the tests marked slow, which make test leaves out (~25 min on 2 cores; CI runs them)"
-	@echo "make test-demo  make demo in a fresh folder, its samples judged (~18 min on 2 cores; .ci/run runs it)"
+	@echo "make test-demo  make demo in a fresh folder, its samples judged (~20 min on 2 cores; .ci/run runs it)"
 	@echo "make test-slurm train.sbatch on a two-node Slurm cluster on this machine (root; apt-get install slurm-wlm munge iproute2)"
 	@echo "make bench      benchmarks under bench/ against a peer implementation (diffusers, a ditcore dependency)"
 	@echo "make clean      remove .venv and caches"

@@ -8,7 +8,10 @@ import pytest
 from ditcore.data.synthetic import (
     COLOURS,
     DIRECTIONS,
+    MIN_OPENING,
     PATTERNS,
+    SIMPLE_FLAP_SLOWDOWN,
+    SIMPLE_MIN_OPENING,
     SIMPLE_SIZE,
     SPOT_COLOURS,
     ButterflySpec,
@@ -220,6 +223,8 @@ def test_errors_say_what_to_do():
         generate(0, 0, 32, 8, 1.5)
     with pytest.raises(ConfigError, match=r"direction='sideways' is invalid: expected None \(a still or a hovering"):
         replace(sample_spec(np.random.default_rng(0), True), direction="sideways")
+    with pytest.raises(ConfigError, match=r"min_opening=0 is invalid: expected a horizontal wing scale in \(0, 1\]"):
+        replace(sample_spec(np.random.default_rng(0), True), min_opening=0)
     with pytest.raises(ConfigError, match=r"size=4 is invalid: expected an image side of at least 8"):
         render(sample_spec(np.random.default_rng(0), False), 4)
 
@@ -235,8 +240,15 @@ def test_simple_butterflies_are_plain_of_one_size_in_the_middle_and_differ_in_no
             for frame in pixels.astype(int):
                 columns = np.nonzero(frame.max(-1) - frame.min(-1) > 100)[1]
                 assert abs(columns.mean() - 31.5) < 0.5
+            # slower and less deep than the full data's flap: the narrowest frame keeps 0.6 of the span (the
+            # full data's closed wings keep 0.35), and neighbouring frames differ by a few columns of wing
+            assert meta["flap_speed"] == pytest.approx(SIMPLE_FLAP_SLOWDOWN * meta_full["flap_speed"])
+            assert (meta["min_opening"], meta_full["min_opening"]) == (SIMPLE_MIN_OPENING, MIN_OPENING)
+            width = (pixels.astype(int).max(-1) - pixels.astype(int).min(-1) > 100).any(1).sum(-1)  # (F,)
+            assert width.min() >= SIMPLE_MIN_OPENING * width.max() - 2, width
+            assert np.abs(np.diff(width)).max() <= 8, width
         differ = ("x", "y", "size", "pattern", "spot_colour", "background", "background_kind", "background_bottom",
-                  "direction", "travel")
+                  "direction", "travel", "flap_speed", "min_opening")
         assert {k: v for k, v in meta.items() if k not in differ} == \
             {k: v for k, v in meta_full.items() if k not in differ}
         assert (meta["x"], meta["size"], meta["pattern"], meta["spot_colour"]) == (0.5, SIMPLE_SIZE, "plain", None)

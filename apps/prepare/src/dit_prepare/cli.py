@@ -219,8 +219,9 @@ def synthetic(
     fps: float = typer.Option(8.0, min=0.1, help="Frame rate recorded for clips."),
     simple: bool = typer.Option(False, help="The variety a small model learns in minutes (make demo's data): "
                                             "plain wings of one wingspan, in the middle of the frame, on a plain "
-                                            "light background; clips hover there, flapping; wing colours, "
-                                            "background tints and flapping still vary."),
+                                            "light background; clips hover there, flapping slowly (a flap every "
+                                            "12-25 frames, the wings at least 0.6 open); wing colours, background "
+                                            "tints and the flap's phase and speed still vary."),
     seed: int = SEED,
     *, encode: EncodeOptions, write: WriteOptions,
 ) -> None:

@@ -46,6 +46,10 @@ TRAVEL_RANGE = (0.15, 0.3)  # distance a clip's butterfly drifts from first to l
 # How far the drawing reaches above and below its centre, in half-wingspans (antenna tips, lower wing tips).
 REACH_UP, REACH_DOWN = 0.95, 0.72
 MIN_OPENING = 0.35  # horizontal wing scale when the wings are closed: keeps the colour visible in every frame
+# sample_spec(simple=True)'s clips flap slower and less deep: a flap every 12-25 frames, the wings at least 0.6 open,
+# so neighbouring frames differ by a few pixels of wing and a small model keeps the tokens of a frame in step.
+SIMPLE_MIN_OPENING = 0.6
+SIMPLE_FLAP_SLOWDOWN = 0.25
 NOISE_GRID = 6  # soft background noise is bilinear over this many control points per side, at any resolution
 NOISE_AMPLITUDE = 22.0  # grey levels
 
@@ -58,7 +62,8 @@ class ButterflySpec:
     size: wingspan with the wings fully open, as a fraction of the frame width.
     direction: where a clip drifts (None for a still image or a clip that hovers); travel: how far, first to last
     frame.
-    flap_phase, flap_speed: wing opening at frame f is MIN_OPENING + (1 - MIN_OPENING) |cos(phase + speed f)|.
+    flap_phase, flap_speed, min_opening: the wing opening at frame f is
+    min_opening + (1 - min_opening) |cos(phase + speed f)| (the wings' horizontal scale).
     background_bottom: the gradient's bottom colour (equal to `background` for the other kinds).
     noise_seed: seeds the soft noise of background_kind "noise".
     lower_wing: scale of the lower wings relative to the upper ones, for variety of shape.
@@ -79,6 +84,7 @@ class ButterflySpec:
     background_bottom: tuple[int, int, int] | None = None
     noise_seed: int = 0
     lower_wing: float = 1.0
+    min_opening: float = MIN_OPENING
 
     def __post_init__(self):
         if self.colour not in COLOURS:
@@ -98,6 +104,8 @@ class ButterflySpec:
                               f"None (a still or a hovering clip) or one of {', '.join(DIRECTIONS)}")
         if not 0 < self.size <= 1:
             raise ConfigError("size", self.size, "a wingspan in (0, 1], as a fraction of the frame width")
+        if not 0 < self.min_opening <= 1:
+            raise ConfigError("min_opening", self.min_opening, "a horizontal wing scale in (0, 1]")
 
 
 def _pale_colour(rng: np.random.Generator, light: bool) -> tuple[int, int, int]:
@@ -125,9 +133,10 @@ def sample_spec(rng: np.random.Generator, video: bool, simple: bool = False) -> 
     simple: the variety a small model learns in minutes (the CPU demo's data): plain wings of one wingspan
     (SIMPLE_SIZE) in the middle of the frame, on a plain light background (a dark one drawn is lightened); a
     clip hovers there, flapping (no drift: the prompt "a red butterfly" then names all a clip shows, where with
-    four drift directions to choose from the demo's model cut its clips into tiles of several). Wing colours,
-    background tints, wing shapes and flapping vary as before. The same numbers are drawn either way, so the two
-    datasets differ in pattern, size, position, background and drift alone.
+    four drift directions to choose from the demo's model cut its clips into tiles of several), flapping slower
+    and less deep (SIMPLE_FLAP_SLOWDOWN, SIMPLE_MIN_OPENING). Wing colours, background tints, wing shapes and the
+    flap's phase vary as before. The same numbers are drawn either way, so the two datasets differ in pattern,
+    size, position, background, drift and flap speed and depth alone.
     """
     colour = str(rng.choice(list(COLOURS)))
     pattern = str(rng.choice(PATTERNS))
@@ -156,11 +165,13 @@ def sample_spec(rng: np.random.Generator, video: bool, simple: bool = False) -> 
         bottom = background
         x, y = 0.5, 0.5 + (REACH_UP - REACH_DOWN) * SIMPLE_SIZE / 4
         direction, travel = None, 0.0  # a clip hovers
+        flap_speed *= SIMPLE_FLAP_SLOWDOWN
     return ButterflySpec(
         colour=colour, pattern=pattern, spot_colour=spot_colour, background=background,
         background_kind=background_kind, size=size, x=float(x), y=float(y), direction=direction, travel=travel,
         flap_phase=flap_phase, flap_speed=flap_speed, background_bottom=bottom,
         noise_seed=int(rng.integers(2**31)), lower_wing=float(rng.uniform(0.85, 1.1)),
+        min_opening=SIMPLE_MIN_OPENING if simple else MIN_OPENING,
     )
 
 
@@ -260,7 +271,7 @@ def render(spec: ButterflySpec, size: int, frames: int = 1) -> np.ndarray:
     step = {"left": (-1, 0), "right": (1, 0), "up": (0, -1), "down": (0, 1), None: (0, 0)}[spec.direction]
     cx = (spec.x + step[0] * spec.travel * progress) * size
     cy = (spec.y + step[1] * spec.travel * progress) * size
-    opening = MIN_OPENING + (1 - MIN_OPENING) * np.abs(np.cos(spec.flap_phase + spec.flap_speed * f))
+    opening = spec.min_opening + (1 - spec.min_opening) * np.abs(np.cos(spec.flap_phase + spec.flap_speed * f))
 
     # float32 throughout: twice as fast as float64, and pixel centres (k + 0.5) are still exact, so a butterfly
     # at x = 0.5 is mirrored bit for bit.
